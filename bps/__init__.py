@@ -1,0 +1,1 @@
+"""bps: parameter-server gradient compression for PyTorch data-parallel training."""
