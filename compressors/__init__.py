@@ -1,0 +1,28 @@
+"""bps.compressors: the Compressor interface, the registry and the built-in compressors.
+
+    >>> import torch
+    >>> from bps.compressors import build
+    >>> chain = build({"compressor": "onebit", "scaling": True, "ef": "vanilla"}, numel=8)
+    >>> chain.set_lr(0.1)
+    >>> payload = chain.compress(torch.randn(8))   # 1-D uint8 tensor: the wire bytes
+    >>> chain.decompress(payload).shape
+    torch.Size([8])
+"""
+
+from .base import Compressor
+from .error_feedback import ErrorFeedback
+from .momentum import Momentum
+from .registry import build, register, registered_names, unregister
+from .wire import state_from_wire, state_to_wire
+
+__all__ = [
+    "Compressor",
+    "ErrorFeedback",
+    "Momentum",
+    "build",
+    "register",
+    "registered_names",
+    "state_from_wire",
+    "state_to_wire",
+    "unregister",
+]

@@ -1,0 +1,1 @@
+"""Worker side: partitioning and placement, the push/pull engine, intra-node reduction."""

@@ -1,0 +1,203 @@
+"""Validation of ``compression_params`` (SPEC §3), in one place.
+
+Used by :func:`bps.compressors.build` and by the trainer, so a bad dict is rejected
+before any communication starts::
+
+    >>> from bps.config import validate_compression_params, resolve_k
+    >>> p = validate_compression_params({"compressor": "topk", "k": 0.01, "ef": "vanilla"})
+    >>> p["scaling"], p["partition"], p["mu"]
+    (False, 'linear', None)
+    >>> resolve_k(p, 1000)
+    10
+
+``mu`` and ``seed`` stay ``None`` when absent: the trainer fills them in (optimizer
+momentum, job seed) before building chains.
+"""
+
+from __future__ import annotations
+
+import numbers
+import os
+from typing import Any
+
+import numpy as np
+
+BUILTIN_COMPRESSORS = ("onebit", "topk", "randomk", "dithering")
+COUNT_COMPRESSORS = ("topk", "randomk")
+DEFAULT_MIN_COMPRESS_BYTES = 65536
+MIN_COMPRESS_BYTES_ENV = "BYTEPS_MIN_COMPRESS_BYTES"
+# Implementation limits on the dithering levels s, so that every q fits the Elias-delta
+# coder's 32-bit fields (linear: u is a float32, exact up to 2**24).
+MAX_LINEAR_LEVELS = 2**24
+MAX_NATURAL_LEVELS = 31
+
+DEFAULTS: dict[str, Any] = {
+    "compressor": None,
+    "k": None,
+    "scaling": False,
+    "ef": None,
+    "momentum": None,
+    "mu": None,
+    "seed": None,
+    "partition": "linear",
+    "normalize": "max",
+    "fp16": True,
+    "min_compress_bytes": None,  # filled from the environment at validation time
+    "warmup_steps": 0,
+}
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+
+
+def _fail(exc: type[Exception], key: str, value: Any, accepted: str) -> Exception:
+    return exc(f"compression_params[{key!r}] = {value!r} is invalid: expected {accepted}")
+
+
+def _check_choice(params: dict, key: str, choices: tuple, allow_none: bool = True) -> None:
+    value = params[key]
+    if value is None and allow_none:
+        return
+    accepted = " or ".join(repr(c) for c in choices) + (" (or absent)" if allow_none else "")
+    if not isinstance(value, str):
+        raise _fail(TypeError, key, value, accepted)
+    if value not in choices:
+        raise _fail(ValueError, key, value, accepted)
+
+
+def _check_bool(params: dict, key: str) -> None:
+    value = params[key]
+    if not isinstance(value, (bool, np.bool_)):
+        raise _fail(TypeError, key, value, "a bool (True or False)")
+    params[key] = bool(value)
+
+
+def _check_int(params: dict, key: str, lo: int, hi: int | None = None) -> None:
+    value = params[key]
+    accepted = f"an int >= {lo}" if hi is None else f"an int in [{lo}, {hi})"
+    if not _is_int(value):
+        raise _fail(TypeError, key, value, accepted)
+    if value < lo or (hi is not None and value >= hi):
+        raise _fail(ValueError, key, value, accepted)
+    params[key] = int(value)
+
+
+def _env_min_compress_bytes() -> int:
+    raw = os.environ.get(MIN_COMPRESS_BYTES_ENV)
+    if raw is None or raw.strip() == "":
+        return DEFAULT_MIN_COMPRESS_BYTES
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(
+            f"environment variable {MIN_COMPRESS_BYTES_ENV}={raw!r} is invalid: "
+            "expected an int >= 0"
+        )
+    return value
+
+
+def _check_k(params: dict) -> None:
+    name, k = params["compressor"], params["k"]
+    if name == "dithering":
+        if k is None:
+            raise ValueError(
+                "compression_params['k'] is required for compressor 'dithering': "
+                "expected an int >= 1 (number of levels s)"
+            )
+        natural = params["partition"] == "natural"
+        hi = MAX_NATURAL_LEVELS if natural else MAX_LINEAR_LEVELS
+        accepted = f"an int in [1, {hi}] (levels s, {params['partition']} partition)"
+        if not _is_int(k):
+            raise _fail(TypeError, "k", k, accepted)
+        if not 1 <= k <= hi:
+            raise _fail(ValueError, "k", k, accepted)
+        params["k"] = int(k)
+        return
+    accepted = "an int >= 1 (count) or a float in (0, 1) (fraction of the partition)"
+    if k is None:
+        if name in COUNT_COMPRESSORS:
+            raise ValueError(f"compression_params['k'] is required for compressor {name!r}: "
+                             f"expected {accepted}")
+        return
+    if _is_int(k):
+        if k < 1:
+            raise _fail(ValueError, "k", k, accepted)
+        params["k"] = int(k)
+    elif _is_real(k):
+        if not 0.0 < float(k) < 1.0:  # also rejects NaN
+            raise _fail(ValueError, "k", k, accepted)
+        params["k"] = float(k)
+    else:
+        raise _fail(TypeError, "k", k, accepted)
+
+
+def validate_compression_params(params: dict | None) -> dict:
+    """Check a ``compression_params`` dict (SPEC §3) and return a new, complete one.
+
+    Every key of SPEC §3 is present in the result; absent keys get their defaults
+    (``mu``/``seed`` stay ``None`` for the trainer to fill, ``min_compress_bytes``
+    comes from ``BYTEPS_MIN_COMPRESS_BYTES``, else 65536).
+
+    Raises:
+        TypeError: a value of the wrong type (a bool is not an int, ``"3"`` is not a number).
+        ValueError: an unknown key, a missing required key, a value out of range.
+        Both name the key, the value and what is accepted.
+    """
+    if params is None:
+        params = {}
+    if not isinstance(params, dict):
+        raise TypeError(f"compression_params must be a dict or None, got {type(params).__name__}")
+    unknown = sorted(str(key) for key in params if key not in DEFAULTS)
+    if unknown:
+        raise ValueError(
+            f"compression_params has unknown key(s) {', '.join(map(repr, unknown))}: "
+            f"accepted keys are {', '.join(DEFAULTS)}"
+        )
+    out = dict(DEFAULTS)
+    out.update(params)
+
+    from bps.compressors.registry import registered_names  # lazy: registry imports us
+
+    names = registered_names()
+    if out["compressor"] is not None:
+        _check_choice(out, "compressor", names)
+    _check_choice(out, "ef", ("vanilla",))
+    _check_choice(out, "momentum", ("nesterov",))
+    _check_choice(out, "partition", ("linear", "natural"), allow_none=False)
+    _check_choice(out, "normalize", ("max", "l2"), allow_none=False)
+    _check_bool(out, "scaling")
+    _check_bool(out, "fp16")
+    _check_k(out)
+    if out["mu"] is not None:
+        mu = out["mu"]
+        if not _is_real(mu):
+            raise _fail(TypeError, "mu", mu, "a float in [0, 1)")
+        if not 0.0 <= float(mu) < 1.0:
+            raise _fail(ValueError, "mu", mu, "a float in [0, 1)")
+        out["mu"] = float(mu)
+    if out["seed"] is not None:
+        _check_int(out, "seed", 1, 2**64)
+    if out["min_compress_bytes"] is None:
+        out["min_compress_bytes"] = _env_min_compress_bytes()
+    else:
+        _check_int(out, "min_compress_bytes", 0)
+    _check_int(out, "warmup_steps", 0)
+    return out
+
+
+def resolve_k(params: dict, numel: int) -> int:
+    """The element count of topk/randomk for a partition of ``numel`` elements.
+
+    An int ``k`` is a count, a float a fraction: ``max(1, int(k * numel))``; either is
+    clamped to ``numel``.
+    """
+    k = params["k"]
+    count = k if _is_int(k) else max(1, int(k * numel))
+    return int(min(count, numel))

@@ -1,0 +1,170 @@
+"""The wire protocol: a msgpack header frame, then at most one payload frame.
+
+Every message is a ZeroMQ multipart message ``[header, payload?]`` (a ROUTER socket
+sees the peer identity in front). The header is a msgpack map; ``encode`` writes it,
+``decode`` checks the protocol version, the op and the type of every field the op
+needs, raising :class:`ProtocolError` naming the field. Checks against a key's
+registration (numel, dtype, sizes) are the server's job.
+
+Usage::
+
+    from bps.protocol import Op, encode, decode
+    frame = encode(Op.PUSH, rid=7, key=3, step=0, node=1, dtype="float32",
+                   numel=10, nbytes=40, lr=0.1)
+    header = decode(frame)            # -> dict, header["op"] == Op.PUSH
+
+Worker <-> server ops (the reply echoes ``rid``):
+
+* ``REGISTER`` key numel dtype name params -> ``OK`` or ``ERROR``
+* ``PUSH`` key step node dtype numel nbytes lr + payload -> ``DATA`` (the step's
+  aggregate, sent once every worker node pushed that step) or ``ERROR``
+* ``PULL`` key step -> ``DATA`` of that step (the last completed one or a pending one)
+* ``GET_STATE`` key -> ``DATA`` (msgpack of the server chain's state) ; ``SET_STATE``
+  key + payload -> ``OK``
+
+Node <-> scheduler ops: ``HELLO`` role worker_id addr -> ``WELCOME`` (after everyone
+arrived: node_id, servers, num_workers, num_servers, seed); ``HEARTBEAT`` both ways;
+``BARRIER`` -> ``RELEASE``; ``FINALIZE`` -> ``BYE``; scheduler -> servers ``SHUTDOWN``;
+scheduler -> everyone ``PEER_DEAD`` (msg names the dead process) and ``ERROR``.
+"""
+
+from __future__ import annotations
+
+import math
+from enum import IntEnum
+from typing import Any
+
+import msgpack
+import torch
+
+PROTOCOL_VERSION = 1
+MAX_HEADER_BYTES = 1 << 20
+
+
+class ProtocolError(ValueError):
+    """A message that does not follow the protocol; the message names the field."""
+
+
+class Op(IntEnum):
+    OK = 1
+    ERROR = 2
+    DATA = 3
+    REGISTER = 10
+    PUSH = 11
+    PULL = 12
+    GET_STATE = 13
+    SET_STATE = 14
+    HELLO = 20
+    WELCOME = 21
+    HEARTBEAT = 22
+    BARRIER = 23
+    RELEASE = 24
+    FINALIZE = 25
+    BYE = 26
+    SHUTDOWN = 27
+    PEER_DEAD = 28
+
+
+_INT = (int,)
+_NUM = (int, float)
+_STR = (str,)
+_OPT_DICT = (dict, type(None))
+
+# field -> accepted types, per op; a missing or mistyped field is a ProtocolError
+FIELDS: dict[Op, dict[str, tuple[type, ...]]] = {
+    Op.OK: {"rid": _INT},
+    Op.ERROR: {"rid": _INT, "msg": _STR},
+    Op.DATA: {"rid": _INT, "key": _INT, "step": _INT, "nbytes": _INT},
+    Op.REGISTER: {"rid": _INT, "key": _INT, "numel": _INT, "dtype": _STR, "name": _STR,
+                  "params": _OPT_DICT, "node": _INT},
+    Op.PUSH: {"rid": _INT, "key": _INT, "step": _INT, "node": _INT, "dtype": _STR,
+              "numel": _INT, "nbytes": _INT, "lr": _NUM},
+    Op.PULL: {"rid": _INT, "key": _INT, "step": _INT},
+    Op.GET_STATE: {"rid": _INT, "key": _INT},
+    Op.SET_STATE: {"rid": _INT, "key": _INT, "nbytes": _INT},
+    Op.HELLO: {"role": _STR, "worker_id": _INT, "addr": _STR},
+    Op.WELCOME: {"node_id": _INT, "servers": (list,), "num_workers": _INT,
+                 "num_servers": _INT, "seed": _INT},
+    Op.HEARTBEAT: {},
+    Op.BARRIER: {"seq": _INT},
+    Op.RELEASE: {"seq": _INT},
+    Op.FINALIZE: {},
+    Op.BYE: {},
+    Op.SHUTDOWN: {},
+    Op.PEER_DEAD: {"msg": _STR},
+}
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float32`` -> ``"float32"``; raises ValueError for unsupported dtypes."""
+    for name, value in DTYPES.items():
+        if value == dtype:
+            return name
+    raise ValueError(f"dtype {dtype} not supported: expected one of {', '.join(DTYPES)}")
+
+
+def encode(op: Op, **fields: Any) -> bytes:
+    """Pack a header frame for ``op`` with ``fields``."""
+    fields["v"] = PROTOCOL_VERSION
+    fields["op"] = int(op)
+    return msgpack.packb(fields, use_bin_type=True)
+
+
+def decode(frame: bytes | memoryview) -> dict[str, Any]:
+    """Unpack and type-check a header frame; raises :class:`ProtocolError`."""
+    if len(frame) > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header of {len(frame)} bytes exceeds {MAX_HEADER_BYTES}")
+    try:
+        header = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises many types on garbage
+        raise ProtocolError(f"header is not valid msgpack ({type(exc).__name__})") from None
+    if not isinstance(header, dict):
+        raise ProtocolError(f"header is a {type(header).__name__}, not a map")
+    version = header.get("v")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"field 'v' (protocol version) is {version!r}, "
+                            f"expected {PROTOCOL_VERSION}")
+    try:
+        op = Op(header.get("op"))
+    except ValueError:
+        raise ProtocolError(f"field 'op' has unknown value {header.get('op')!r}") from None
+    header["op"] = op
+    for name, types in FIELDS[op].items():
+        value = header.get(name, _MISSING)
+        if value is _MISSING:
+            raise ProtocolError(f"{op.name}: field {name!r} missing")
+        if isinstance(value, bool) or not isinstance(value, types):
+            raise ProtocolError(f"{op.name}: field {name!r} has type {type(value).__name__}")
+    if "lr" in FIELDS[op] and not math.isfinite(header["lr"]):
+        raise ProtocolError(f"{op.name}: field 'lr' is {header['lr']!r}, expected finite")
+    return header
+
+
+_MISSING = object()
+
+
+class ClusterError(RuntimeError):
+    """The cluster cannot go on: a peer died, timed out, or refused a request."""
+
+
+class RemoteError(ClusterError):
+    """A server or the scheduler answered a request with an error (its message)."""
+
+
+def new_socket(ctx: Any, kind: int) -> Any:
+    """A ZeroMQ socket with unlimited queues (a ROUTER drops at its high-water mark)
+    and a short linger so closing never blocks."""
+    import zmq
+
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.LINGER, 500)
+    return sock

@@ -1,0 +1,124 @@
+"""Process-wide state of a bps worker process: what ``bps.init()`` sets up.
+
+One :class:`Runtime` per process: the cluster environment, the node-local group of
+local ranks and, on local rank 0 only, the push/pull engine that talks to the servers.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import struct
+import threading
+
+from bps.env import ClusterEnv, EnvError
+from bps.worker.intranode import LocalGroup
+
+log = logging.getLogger("bps")
+
+LAUNCH_HINT = (
+    "bps.init() reads the environment that bpslaunch sets; run the script as "
+    "`bpslaunch local --workers N --servers M -- python script.py` "
+    "(or set the DMLC_* variables of a ps-lite launch yourself)"
+)
+
+
+class Runtime:
+    """The cluster this worker process belongs to."""
+
+    def __init__(self, env: ClusterEnv) -> None:
+        self.env = env
+        self.local_rank = env.local_rank
+        self.local_size = env.local_size
+        self.node_id = env.worker_id
+        self.rank = env.worker_id * env.local_size + env.local_rank
+        self.group = LocalGroup.connect(
+            env.local_rank, env.local_size, env.local_master_addr or "127.0.0.1",
+            env.local_master_port or 0, timeout_s=env.timeout,
+        )
+        self.setup_channel = self.group.channel("setup")
+        self.engine = None
+        if env.local_rank == 0:
+            from bps.worker.engine import WorkerEngine
+
+            self.engine = WorkerEngine.connect(env)
+            facts = struct.pack("<QQ", self.engine.num_workers, self.engine.job_seed)
+        else:
+            facts = None
+        self.num_nodes, self.job_seed = struct.unpack(
+            "<QQ", self.setup_channel.broadcast_bytes(facts)
+        )
+        if self.num_nodes != env.num_workers:
+            raise EnvError(
+                f"the scheduler reports {self.num_nodes} worker nodes but "
+                f"DMLC_NUM_WORKER={env.num_workers}"
+            )
+        self.size = self.num_nodes * self.local_size
+        self._next_key = 0
+        self._lock = threading.Lock()
+
+    def allocate_keys(self, count: int) -> int:
+        """First of ``count`` fresh keys; every process allocates in the same order."""
+        with self._lock:
+            first = self._next_key
+            self._next_key += count
+            return first
+
+    def close(self, barrier: bool = True) -> None:
+        if barrier:
+            self.setup_channel.barrier()
+        if self.engine is not None:
+            if barrier:
+                self.engine.barrier()
+            self.engine.close()
+            self.engine = None
+        self.group.close()
+
+
+_runtime: Runtime | None = None
+
+
+def init() -> Runtime:
+    """Join the cluster described by the environment (idempotent)."""
+    global _runtime
+    if _runtime is not None:
+        return _runtime
+    try:
+        env = ClusterEnv.from_environ()
+    except EnvError as exc:
+        raise EnvError(f"{exc}. {LAUNCH_HINT}") from None
+    if env.role != "worker":
+        raise EnvError(f"bps.init() runs in worker processes, but DMLC_ROLE={env.role!r}")
+    if env.local_size > 1 and (env.local_master_addr is None or env.local_master_port is None):
+        raise EnvError(
+            f"BYTEPS_LOCAL_SIZE={env.local_size} needs BPS_LOCAL_MASTER_ADDR and "
+            f"BPS_LOCAL_MASTER_PORT (the node-local rendezvous). {LAUNCH_HINT}"
+        )
+    _runtime = Runtime(env)
+    atexit.register(_close_at_exit)
+    return _runtime
+
+
+def get() -> Runtime:
+    """The runtime of this process; raises if ``bps.init()`` has not been called."""
+    if _runtime is None:
+        raise RuntimeError("bps.init() has not been called in this process")
+    return _runtime
+
+
+def shutdown() -> None:
+    """Leave the cluster: wait for the other workers, then close connections."""
+    global _runtime
+    if _runtime is not None:
+        runtime, _runtime = _runtime, None
+        runtime.close(barrier=True)
+
+
+def _close_at_exit() -> None:
+    global _runtime
+    if _runtime is not None:
+        runtime, _runtime = _runtime, None
+        try:
+            runtime.close(barrier=False)
+        except Exception as exc:  # noqa: BLE001 - best effort at interpreter exit
+            log.debug("closing bps at exit: %s", exc)

@@ -1,0 +1,185 @@
+"""The Compressor interface and the helpers every compressor shares.
+
+A compressor turns a 1-D CPU tensor of ``numel`` elements into the exact wire bytes
+(a 1-D ``torch.uint8`` tensor) and back. Payloads are self-describing: decoding needs
+only ``numel`` and ``dtype``, which both ends know. Byte order is little-endian.
+
+Kernels see numpy views of the tensors (zero-copy). Gathers and scatters are
+dtype-agnostic, so they run on the raw bits (``bit_view``): one specialisation per
+element width serves float16, bfloat16, float32 and float64.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import numpy as np
+import torch
+
+Payload = Union[torch.Tensor, bytes, bytearray, memoryview, np.ndarray]
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_BITS_DTYPE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+_UNSIGNED = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def check_dtype(dtype: torch.dtype) -> torch.dtype:
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"dtype {dtype} is not supported: expected one of {SUPPORTED_DTYPES}")
+    return dtype
+
+
+def bit_view(tensor: torch.Tensor) -> np.ndarray:
+    """The tensor's raw bits as an unsigned-int numpy array of the same width (no copy)."""
+    size = tensor.element_size()
+    return tensor.view(_BITS_DTYPE[size]).numpy().view(_UNSIGNED[size])
+
+
+def float_view(tensor: torch.Tensor) -> np.ndarray:
+    """A float32/float64 numpy array of the values: zero-copy for float32/float64,
+    a float32 copy for float16/bfloat16 (exact)."""
+    if tensor.dtype in (torch.float32, torch.float64):
+        return tensor.numpy()
+    return tensor.float().numpy()
+
+
+def payload_bytes(payload: Payload) -> np.ndarray:
+    """The payload as a 1-D uint8 numpy array, without copying where possible.
+
+    Accepts a uint8 tensor, bytes, bytearray, memoryview (e.g. a zmq frame buffer) or
+    numpy array. The result is aligned to 8 bytes (copied if the buffer is not), so
+    kernels may view its parts as wider types.
+    """
+    if isinstance(payload, torch.Tensor):
+        if payload.dtype != torch.uint8 or payload.dim() != 1:
+            raise ValueError(
+                f"payload tensor must be 1-D torch.uint8, got {payload.dtype} "
+                f"with shape {tuple(payload.shape)}"
+            )
+        if payload.device.type != "cpu":
+            raise ValueError(f"payload tensor must be on the CPU, got {payload.device}")
+        array = payload.contiguous().numpy()
+    elif isinstance(payload, (bytes, bytearray, memoryview)):
+        array = np.frombuffer(payload, dtype=np.uint8)
+    elif isinstance(payload, np.ndarray):
+        array = payload.reshape(-1).view(np.uint8)
+    else:
+        raise ValueError(
+            f"payload must be a uint8 tensor, bytes, bytearray or memoryview, "
+            f"got {type(payload).__name__}"
+        )
+    if array.size and array.ctypes.data % 8:
+        array = array.copy()  # numpy allocations are 16-byte aligned
+    return array
+
+
+def sub_array(buffer: np.ndarray, offset: int, dtype: type, count: int) -> np.ndarray:
+    """``count`` elements of ``dtype`` at byte ``offset`` of a uint8 array (a view)."""
+    itemsize = np.dtype(dtype).itemsize
+    return buffer[offset : offset + count * itemsize].view(dtype)
+
+
+class Compressor:
+    """Base class of compressors and of the chain decorators.
+
+    Subclasses implement :meth:`compress` and :meth:`decompress`; state-free compressors
+    keep the default ``set_lr``/``state_dict``/``load_state_dict``. A compressor may add
+    ``fast_update_error(corrected, payload)``: subtract ``decompress(payload)`` from
+    ``corrected`` in place, faster than decoding (error feedback uses it).
+
+    Example::
+
+        >>> import torch
+        >>> from bps.compressors import build
+        >>> c = build({"compressor": "onebit", "scaling": True}, numel=4)
+        >>> payload = c.compress(torch.tensor([1.0, -2.0, 3.0, -4.0]))
+        >>> c.decompress(payload)
+        tensor([ 2.5000, -2.5000,  2.5000, -2.5000])
+    """
+
+    def __init__(self, numel: int, dtype: torch.dtype = torch.float32):
+        if isinstance(numel, bool) or not isinstance(numel, int) or numel < 1:
+            raise ValueError(f"numel must be an int >= 1, got {numel!r}")
+        self.numel = numel
+        self.dtype = check_dtype(dtype)
+
+    def compress(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def decompress(self, payload: Payload, out: torch.Tensor | None = None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def set_lr(self, lr: float) -> None:
+        """Learning rate of the current step (used by error feedback)."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state:
+            raise ValueError(f"{type(self).__name__} has no state, got keys {sorted(state)}")
+
+    # helpers for subclasses -------------------------------------------------------------
+
+    def check_input(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"compress expects a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 1 or x.numel() != self.numel or x.dtype != self.dtype:
+            raise ValueError(
+                f"compress expects a 1-D {self.dtype} tensor of {self.numel} elements, "
+                f"got {x.dtype} with shape {tuple(x.shape)}"
+            )
+        if x.device.type != "cpu":
+            raise ValueError(f"compress expects a CPU tensor, got {x.device}")
+        return x.contiguous()
+
+    def output(self, out: torch.Tensor | None) -> torch.Tensor:
+        if out is None:
+            return torch.empty(self.numel, dtype=self.dtype)
+        if (
+            not isinstance(out, torch.Tensor)
+            or out.dim() != 1
+            or out.numel() != self.numel
+            or out.dtype != self.dtype
+            or out.device.type != "cpu"
+            or not out.is_contiguous()
+        ):
+            raise ValueError(
+                f"out must be a contiguous 1-D CPU {self.dtype} tensor of {self.numel} "
+                f"elements, got {getattr(out, 'dtype', type(out).__name__)} "
+                f"with shape {tuple(getattr(out, 'shape', ()))}"
+            )
+        return out
+
+    def bad_payload(self, what: str) -> ValueError:
+        return ValueError(f"{type(self).__name__} payload for numel={self.numel}, "
+                          f"dtype={self.dtype} is invalid: {what}")
+
+    def check_size(self, payload: np.ndarray, expected: int) -> None:
+        if payload.size != expected:
+            raise self.bad_payload(f"{payload.size} bytes, expected exactly {expected}")
+
+
+def check_state_keys(owner: object, state: dict, keys: tuple) -> None:
+    """Raise a ValueError naming the keys a state dict lacks or has in excess."""
+    if not isinstance(state, dict):
+        raise ValueError(f"{type(owner).__name__} state must be a dict, got {type(state).__name__}")
+    if set(state) != set(keys):
+        raise ValueError(
+            f"{type(owner).__name__} state has keys {sorted(state)}, expected {sorted(keys)}"
+        )
+
+
+def load_buffer(owner: object, name: str, target: torch.Tensor, value: object) -> None:
+    """Copy a saved tensor into a state buffer after checking dtype and shape."""
+    if (
+        not isinstance(value, torch.Tensor)
+        or value.dtype != target.dtype
+        or tuple(value.shape) != tuple(target.shape)
+    ):
+        raise ValueError(
+            f"{type(owner).__name__} state {name!r} must be a {target.dtype} tensor of shape "
+            f"{tuple(target.shape)}, got {getattr(value, 'dtype', type(value).__name__)} "
+            f"{tuple(getattr(value, 'shape', ()))}"
+        )
+    target.copy_(value)

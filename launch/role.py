@@ -1,0 +1,77 @@
+"""``bpslaunch CMD...``: run the role that ``DMLC_ROLE`` names.
+
+Usage::
+
+    DMLC_ROLE=scheduler DMLC_NUM_WORKER=2 DMLC_NUM_SERVER=1 \\
+        DMLC_PS_ROOT_URI=10.0.0.1 DMLC_PS_ROOT_PORT=9000 bpslaunch
+    DMLC_ROLE=worker DMLC_WORKER_ID=0 BYTEPS_LOCAL_SIZE=2 ... bpslaunch python train.py
+
+The scheduler and servers run in this process (CMD is ignored). A worker node starts
+``BYTEPS_LOCAL_SIZE`` copies of CMD with ``BYTEPS_LOCAL_RANK`` set and a node-local
+torch.distributed rendezvous in ``BPS_LOCAL_MASTER_ADDR`` / ``BPS_LOCAL_MASTER_PORT``.
+A missing or malformed variable is reported by name with exit code 2.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+from collections.abc import Mapping, Sequence
+
+from bps.env import ClusterEnv, EnvError
+
+EXIT_BAD_ENV = 2
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago on ``host``."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def local_rank_envs(base: Mapping[str, str], local_size: int) -> list[dict[str, str]]:
+    """The environments of the ``local_size`` processes of one worker node."""
+    master_port = str(free_port())
+    envs = []
+    for rank in range(local_size):
+        env = dict(base)
+        env.update(BYTEPS_LOCAL_RANK=str(rank), BYTEPS_LOCAL_SIZE=str(local_size),
+                   BPS_LOCAL_MASTER_ADDR="127.0.0.1", BPS_LOCAL_MASTER_PORT=master_port,
+                   PYTHONUNBUFFERED="1")
+        envs.append(env)
+    return envs
+
+
+def setup_logging() -> None:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+
+
+def main(args: Sequence[str]) -> int:
+    """Run the role of the environment; returns the exit code."""
+    try:
+        env = ClusterEnv.from_environ()
+    except EnvError as exc:
+        print(f"bpslaunch: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_ENV
+    setup_logging()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    if env.role == "scheduler":
+        from bps.server.scheduler import run_scheduler
+        return run_scheduler(env)
+    if env.role == "server":
+        from bps.server.server import run_server
+        return run_server(env)
+    if not args:
+        print("bpslaunch: error: DMLC_ROLE=worker needs a command to run", file=sys.stderr)
+        return EXIT_BAD_ENV
+    from bps.launch.supervisor import Supervisor
+
+    with Supervisor() as supervisor:
+        for rank, child_env in enumerate(local_rank_envs(os.environ, env.local_size)):
+            supervisor.spawn(args, child_env, f"worker{env.worker_id}.{rank}")
+        return supervisor.wait()

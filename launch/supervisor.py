@@ -1,0 +1,150 @@
+"""Child processes: prefixed output, stop-everything-on-failure, clean teardown.
+
+Usage::
+
+    from bps.launch.supervisor import Supervisor
+    with Supervisor() as sup:
+        sup.spawn([sys.executable, "-m", "bps.launch.cli"], env_s, "scheduler", service=True)
+        sup.spawn(["ip", "netns", "exec", "ns0", "python", "train.py"], env_w, "worker0")
+        exit_code = sup.wait()
+
+Each child runs in its own process group, so the whole tree under it (for instance
+``ip netns exec NS cmd``) is signalled together. Output lines (stdout and stderr merged)
+are written to our stdout prefixed with ``[name]``. :meth:`wait` returns 0 when every
+non-service child exited 0 (service children, such as the scheduler and the servers, are
+then given ``grace`` seconds to exit on their own before being stopped); as soon as any
+child fails it stops all others and returns that child's exit code (128 + signal for a
+child killed by a signal). Children get SIGKILL if the supervisor itself dies. Leaving the ``with`` block, an exception or Ctrl-C stops
+every child: SIGTERM, then SIGKILL after ``grace`` seconds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import IO
+
+
+@dataclass
+class Child:
+    name: str
+    process: subprocess.Popen
+    service: bool
+    output: threading.Thread
+
+
+def exit_code(returncode: int) -> int:
+    """Shell convention: a child killed by signal N gives 128 + N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+class Supervisor:
+    """Starts children and watches them; see the module docstring."""
+
+    def __init__(self, grace: float = 5.0, out: IO[str] | None = None) -> None:
+        self.grace = grace
+        self.out = out or sys.stdout
+        self.children: list[Child] = []
+        self._exits: queue.Queue = queue.Queue()
+        self._write_lock = threading.Lock()
+
+    def __enter__(self) -> Supervisor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop_all()
+
+    def spawn(self, argv: Sequence[str], env: Mapping[str, str], name: str,
+              service: bool = False) -> Child:
+        """Start ``argv`` with exactly ``env``; its output lines get ``[name]`` in front."""
+        process = subprocess.Popen(
+            list(argv), env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)
+        output = threading.Thread(target=self._pump, args=(name, process), daemon=True)
+        child = Child(name, process, service, output)
+        self.children.append(child)
+        output.start()
+        return child
+
+    def _pump(self, name: str, process: subprocess.Popen) -> None:
+        for raw in iter(process.stdout.readline, b""):
+            line = raw.decode("utf-8", "replace").rstrip("\n")
+            with self._write_lock:
+                self.out.write(f"[{name}] {line}\n")
+                self.out.flush()
+        process.wait()
+        self._exits.put(process)
+
+    def wait(self) -> int:
+        """Block until the job ends; returns the exit code (see the module docstring)."""
+        by_process = {id(c.process): c for c in self.children}
+        running = {id(c.process) for c in self.children}
+        workers = {id(c.process) for c in self.children if not c.service}
+        while running:
+            timeout = self.grace if not (workers & running) else None
+            try:
+                process = self._exits.get(timeout=timeout) if timeout else self._get()
+            except queue.Empty:
+                self._log("services still running after the workers finished; stopping them")
+                self.stop_all()
+                return 0
+            running.discard(id(process))
+            code = exit_code(process.returncode)
+            if code != 0:
+                self._log(f"{by_process[id(process)].name} exited with code {code}; "
+                          "stopping all processes")
+                self.stop_all()
+                return code
+        return 0
+
+    def _get(self) -> subprocess.Popen:
+        # short timeouts keep Ctrl-C (KeyboardInterrupt) responsive in the main thread
+        while True:
+            try:
+                return self._exits.get(timeout=0.5)
+            except queue.Empty:
+                continue
+
+    def _log(self, message: str) -> None:
+        with self._write_lock:
+            self.out.write(f"[bpslaunch] {message}\n")
+            self.out.flush()
+
+    def stop_all(self) -> None:
+        """SIGTERM every live child's process group, SIGKILL what is left after ``grace``."""
+        live = [c for c in self.children if c.process.poll() is None]
+        for child in live:
+            _signal_group(child.process, signal.SIGTERM)
+        for child in live:
+            try:
+                child.process.wait(timeout=self.grace)
+            except subprocess.TimeoutExpired:
+                _signal_group(child.process, signal.SIGKILL)
+                child.process.wait()
+        for child in self.children:
+            # a group may outlive its leader (e.g. processes that ignore SIGTERM)
+            _signal_group(child.process, signal.SIGKILL)
+            child.output.join(timeout=1.0)
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGKILL if the supervisor dies, so even a SIGKILLed launcher
+    leaves no orphans (Linux prctl PR_SET_PDEATHSIG; bound to the spawning thread)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
+def _signal_group(process: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(process.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

@@ -1,0 +1,269 @@
+"""The scheduler (rendezvous, barriers, heartbeats) and the client every node uses.
+
+Usage::
+
+    from bps.env import ClusterEnv
+    from bps.server.scheduler import run_scheduler
+    exit_code = run_scheduler(ClusterEnv.from_environ())    # DMLC_ROLE=scheduler
+
+The scheduler binds a ROUTER at ``DMLC_PS_ROOT_URI:DMLC_PS_ROOT_PORT``. Servers and
+worker nodes (local rank 0 only) say HELLO; once ``DMLC_NUM_WORKER`` workers and
+``DMLC_NUM_SERVER`` servers are in, everyone gets a WELCOME with the server addresses
+(in server-rank order), the counts and the job seed. If that does not happen within
+``BPS_TIMEOUT`` everyone registered gets an error naming who is missing. Afterwards every
+node heartbeats; a node silent for ``BPS_HEARTBEAT_TIMEOUT`` is declared dead, everyone
+else gets PEER_DEAD naming it, and the scheduler exits non-zero. When every worker has
+said FINALIZE the servers get SHUTDOWN and the scheduler exits 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from bps.env import ClusterEnv
+from bps.protocol import ClusterError, Op, ProtocolError, RemoteError, decode, encode, new_socket
+
+log = logging.getLogger("bps.scheduler")
+
+
+@dataclass
+class _Node:
+    identity: bytes
+    role: str
+    rank: int
+    addr: str
+    last_seen: float
+    finalized: bool = False
+
+    @property
+    def label(self) -> str:
+        where = f" at {self.addr}" if self.addr else ""
+        rank = f" {self.rank}" if self.rank >= 0 else ""
+        return f"{self.role}{rank}{where}"
+
+
+@dataclass
+class Scheduler:
+    """The rendezvous process; :meth:`run` returns the exit code."""
+
+    env: ClusterEnv
+    ctx: Any = None
+    nodes: dict[bytes, _Node] = field(default_factory=dict)
+    barrier_waiting: dict[int, set[bytes]] = field(default_factory=dict)
+
+    def run(self) -> int:
+        ctx = self.ctx or zmq.Context.instance()
+        self.sock = new_socket(ctx, zmq.ROUTER)
+        self.sock.bind(self.env.scheduler_address)
+        log.info("scheduler listening on %s for %d workers, %d servers",
+                 self.env.scheduler_address, self.env.num_workers, self.env.num_servers)
+        self.seed = self.env.job_seed or random.SystemRandom().randrange(1, 2**63)
+        try:
+            return self._loop()
+        finally:
+            self.sock.close(linger=1000)
+
+    def _send(self, identity: bytes, op: Op, **fields: Any) -> None:
+        self.sock.send_multipart([identity, encode(op, **fields)])
+
+    def _broadcast(self, op: Op, exclude: bytes | None = None, **fields: Any) -> None:
+        for node in self.nodes.values():
+            if node.identity != exclude and not node.finalized:
+                self._send(node.identity, op, **fields)
+
+    def _complete(self) -> bool:
+        return len(self.nodes) == self.env.num_workers + self.env.num_servers
+
+    def _missing(self) -> str:
+        workers = {n.rank for n in self.nodes.values() if n.role == "worker"}
+        missing = [w for w in range(self.env.num_workers) if w not in workers]
+        servers = sum(n.role == "server" for n in self.nodes.values())
+        return (f"workers missing: {missing or 'none'}; servers registered: "
+                f"{servers} of {self.env.num_servers}")
+
+    def _loop(self) -> int:
+        env = self.env
+        start = time.monotonic()
+        welcomed = False
+        while True:
+            if self.sock.poll(int(env.heartbeat_interval * 1000)):
+                ident, *frames = self.sock.recv_multipart()
+                self._handle(ident, frames, welcomed)
+            now = time.monotonic()
+            if not welcomed:
+                if self._complete():
+                    self._welcome()
+                    welcomed = True
+                elif now - start > env.timeout:
+                    msg = (f"rendezvous timed out after {env.timeout:g} s (BPS_TIMEOUT): "
+                           f"{self._missing()}")
+                    log.error(msg)
+                    self._broadcast(Op.ERROR, rid=-1, msg=msg)
+                    return 1
+            live = [n for n in self.nodes.values() if not n.finalized]
+            for node in live:
+                silent = now - node.last_seen
+                if silent > env.heartbeat_timeout:
+                    msg = (f"{node.label} died: no heartbeat for {silent:.1f} s "
+                           f"(BPS_HEARTBEAT_TIMEOUT={env.heartbeat_timeout:g})")
+                    log.error(msg)
+                    self._broadcast(Op.PEER_DEAD, exclude=node.identity, msg=msg)
+                    return 1
+            if welcomed and all(n.finalized for n in self.nodes.values() if n.role == "worker"):
+                self._broadcast(Op.SHUTDOWN)
+                log.info("all workers finished; servers shut down")
+                return 0
+
+    def _welcome(self) -> None:
+        servers = [n for n in self.nodes.values() if n.role == "server"]
+        free = iter(sorted(set(range(self.env.num_servers)) - {n.rank for n in servers}))
+        for node in servers:  # registration order fills the ranks nobody asked for
+            if node.rank < 0:
+                node.rank = next(free)
+        servers.sort(key=lambda n: n.rank)
+        addresses = [n.addr for n in servers]
+        for node in self.nodes.values():
+            self._send(node.identity, Op.WELCOME, node_id=node.rank, servers=addresses,
+                       num_workers=self.env.num_workers, num_servers=self.env.num_servers,
+                       seed=self.seed)
+        log.info("rendezvous complete: servers %s, job seed %d", addresses, self.seed)
+
+    def _handle(self, ident: bytes, frames: list[bytes], welcomed: bool) -> None:
+        try:
+            if len(frames) != 1:
+                raise ProtocolError(f"expected 1 frame, got {len(frames)}")
+            header = decode(frames[0])
+        except ProtocolError as exc:
+            log.warning("dropping malformed message: %s", exc)
+            self._send(ident, Op.ERROR, rid=-1, msg=f"malformed message: {exc}")
+            return
+        op = header["op"]
+        node = self.nodes.get(ident)
+        if node is not None:
+            node.last_seen = time.monotonic()
+        if op == Op.HELLO:
+            self._hello(ident, header, welcomed)
+        elif node is None:
+            self._send(ident, Op.ERROR, rid=-1, msg=f"{op.name} before HELLO")
+        elif op == Op.HEARTBEAT:
+            self._send(ident, Op.HEARTBEAT)
+        elif op == Op.BARRIER:
+            self._barrier(node, header["seq"])
+        elif op == Op.FINALIZE:
+            node.finalized = True
+            self._send(ident, Op.BYE)
+            log.info("%s finished", node.label)
+        else:
+            self._send(ident, Op.ERROR, rid=-1, msg=f"unexpected op {op.name}")
+
+    def _hello(self, ident: bytes, header: dict, welcomed: bool) -> None:
+        role, worker_id, addr = header["role"], header["worker_id"], header["addr"]
+        error = None
+        if welcomed or ident in self.nodes:
+            error = "rendezvous already complete" if welcomed else "duplicate HELLO"
+        elif role == "worker":
+            if not 0 <= worker_id < self.env.num_workers:
+                error = (f"DMLC_WORKER_ID={worker_id} out of range for "
+                         f"DMLC_NUM_WORKER={self.env.num_workers}")
+            elif any(n.role == "worker" and n.rank == worker_id for n in self.nodes.values()):
+                error = f"DMLC_WORKER_ID={worker_id} registered twice"
+            rank = worker_id
+        elif role == "server":
+            rank = worker_id  # BPS_SERVER_ID or -1: a rank is given at WELCOME
+            servers = [n for n in self.nodes.values() if n.role == "server"]
+            if len(servers) >= self.env.num_servers:
+                error = f"more servers than DMLC_NUM_SERVER={self.env.num_servers}"
+            elif rank >= self.env.num_servers:
+                error = f"BPS_SERVER_ID={rank} out of range for DMLC_NUM_SERVER"
+            elif rank >= 0 and any(n.rank == rank for n in servers):
+                error = f"BPS_SERVER_ID={rank} registered twice"
+        else:
+            error = f"unknown role {role!r}"
+        if error:
+            log.error("refusing %s: %s", role, error)
+            self._send(ident, Op.ERROR, rid=-1, msg=error)
+            return
+        self.nodes[ident] = _Node(ident, role, rank, addr, time.monotonic())
+        log.info("registered %s", self.nodes[ident].label)
+
+    def _barrier(self, node: _Node, seq: int) -> None:
+        waiting = self.barrier_waiting.setdefault(seq, set())
+        waiting.add(node.identity)
+        workers = {n.identity for n in self.nodes.values() if n.role == "worker"}
+        if workers <= waiting:
+            for identity in workers:
+                self._send(identity, Op.RELEASE, seq=seq)
+            del self.barrier_waiting[seq]
+
+
+def run_scheduler(env: ClusterEnv) -> int:
+    """Run the scheduler until the job ends; returns the process exit code."""
+    return Scheduler(env).run()
+
+
+class SchedulerClient:
+    """A node's link to the scheduler; used only from its owner's I/O thread.
+
+    Usage (inside a node)::
+
+        link = SchedulerClient(ctx, env, role="server", addr="tcp://10.0.0.2:4000")
+        welcome = link.rendezvous()          # blocks up to BPS_TIMEOUT
+        # in the I/O loop: poll link.sock; header = link.receive(); link.tick()
+    """
+
+    def __init__(self, ctx: Any, env: ClusterEnv, role: str, addr: str = "") -> None:
+        self.env = env
+        self.role = role
+        self.addr = addr
+        self.sock = new_socket(ctx, zmq.DEALER)
+        self.sock.connect(env.scheduler_address)
+        self.last_seen = time.monotonic()
+        self.last_sent = 0.0
+
+    def send(self, op: Op, **fields: Any) -> None:
+        self.sock.send(encode(op, **fields))
+        self.last_sent = time.monotonic()
+
+    def rendezvous(self) -> dict:
+        """Say HELLO and wait for WELCOME; raises ClusterError on error or timeout."""
+        worker_id = self.env.worker_id if self.role == "worker" else self.env.server_id
+        self.send(Op.HELLO, role=self.role, worker_id=worker_id, addr=self.addr)
+        deadline = time.monotonic() + self.env.timeout
+        self.last_seen = time.monotonic()
+        while time.monotonic() < deadline:
+            self.tick()
+            if self.sock.poll(int(self.env.heartbeat_interval * 1000)):
+                header = self.receive()
+                if header["op"] == Op.WELCOME:
+                    return header
+        raise ClusterError(f"rendezvous with scheduler at {self.env.scheduler_address} "
+                           f"did not complete within {self.env.timeout:g} s (BPS_TIMEOUT)")
+
+    def receive(self) -> dict:
+        """Read one scheduler message; raises ClusterError for ERROR / PEER_DEAD."""
+        header = decode(self.sock.recv())
+        self.last_seen = time.monotonic()
+        if header["op"] == Op.ERROR:
+            raise RemoteError(f"scheduler: {header['msg']}")
+        if header["op"] == Op.PEER_DEAD:
+            raise ClusterError(header["msg"])
+        return header
+
+    def tick(self) -> None:
+        """Heartbeat if due; raises ClusterError if the scheduler went silent."""
+        now = time.monotonic()
+        if now - self.last_sent >= self.env.heartbeat_interval:
+            self.send(Op.HEARTBEAT)
+        silent = now - self.last_seen
+        if silent > self.env.heartbeat_timeout:
+            raise ClusterError(f"scheduler at {self.env.scheduler_address} unreachable: "
+                               f"no heartbeat for {silent:.1f} s")
+
+    def close(self) -> None:
+        self.sock.close()

@@ -1,0 +1,381 @@
+"""The parameter server: per key, sum the pushes of a step and hand back one aggregate.
+
+Usage::
+
+    from bps.env import ClusterEnv
+    from bps.server.server import run_server
+    exit_code = run_server(ClusterEnv.from_environ())       # DMLC_ROLE=server
+
+One I/O thread owns the ROUTER socket and the scheduler link; it checks every header
+(``bps.protocol.decode`` plus the frame count and sizes) and hands messages to
+``BPS_SERVER_THREADS`` engine threads, each owning a disjoint set of keys, so different
+keys are decoded and summed in parallel (torch ops and numba kernels release the GIL).
+Engine threads send replies back through an inproc socket; the I/O thread forwards them.
+
+Per key and step: each worker node's push is decompressed and added to the step's sum
+(float32, float64 for float64 keys) as it arrives. When all nodes have pushed step s
+(and every earlier step is done), the server chain gets ``set_lr(lr)`` from the push
+header and compresses the sum once; every push and pull of step s is answered with
+those same bytes. Pushes for later steps accumulate separately, so a fast worker's
+step s+1 never mixes into s. A bad request gets an ERROR reply naming the key and field;
+the server keeps serving everyone else.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import torch
+import zmq
+from bps.server.scheduler import SchedulerClient
+
+from bps.env import ClusterEnv
+from bps.protocol import (
+    DTYPES,
+    ClusterError,
+    Op,
+    ProtocolError,
+    decode,
+    encode,
+    new_socket,
+)
+
+log = logging.getLogger("bps.server")
+
+MAX_KEY = 2**63
+MAX_NUMEL = 2**31 - 1
+MAX_PENDING_STEPS = 16
+OPS_WITH_PAYLOAD = (Op.PUSH, Op.SET_STATE)
+KEY_OPS = (Op.REGISTER, Op.PUSH, Op.PULL, Op.GET_STATE, Op.SET_STATE)
+
+
+class RequestError(ValueError):
+    """A request the server refuses; the message goes back in an ERROR reply."""
+
+
+@dataclass
+class _Step:
+    """The sum of one step of one key while its pushes arrive."""
+
+    total: torch.Tensor | None = None
+    pushed: set[int] = field(default_factory=set)
+    waiters: list[tuple[bytes, int]] = field(default_factory=list)
+    lr: float = 0.0
+
+
+@dataclass
+class _Key:
+    key: int
+    numel: int
+    dtype: torch.dtype
+    params: dict | None
+    name: str
+    node: int
+    chain: Any
+    steps: dict[int, _Step] = field(default_factory=dict)
+    last_step: int = -1
+    last_payload: torch.Tensor | None = None
+
+    @property
+    def accumulate_dtype(self) -> torch.dtype:
+        return torch.float64 if self.dtype == torch.float64 else torch.float32
+
+    def describe(self) -> str:
+        return (f"numel={self.numel}, dtype={str(self.dtype).removeprefix('torch.')}, "
+                f"params={self.params}")
+
+
+def _as_bytes(tensor: torch.Tensor) -> memoryview:
+    """A zero-copy byte view of a contiguous tensor, for ``send(copy=False)``."""
+    return memoryview(tensor.contiguous().view(torch.uint8).numpy())
+
+
+class _KeyEngine(threading.Thread):
+    """Owns a set of keys; processes their requests in arrival order."""
+
+    def __init__(self, server: ParameterServer, index: int) -> None:
+        super().__init__(name=f"bps-server-engine-{index}", daemon=True)
+        self.server = server
+        self.inbox: queue.Queue = queue.Queue()
+        self.keys: dict[int, _Key] = {}
+
+    def run(self) -> None:
+        self.out = new_socket(self.server.ctx, zmq.PUSH)
+        self.out.connect(self.server.replies_address)
+        try:
+            while (item := self.inbox.get()) is not None:
+                ident, header, payload = item
+                try:
+                    self._handle(ident, header, payload)
+                except RequestError as exc:
+                    self._error(ident, header, str(exc))
+                except Exception as exc:  # a codec failure must not kill the server
+                    log.exception("key %s: %s failed", header.get("key"), header["op"].name)
+                    self._error(ident, header, f"key {header.get('key')}: {header['op'].name} "
+                                f"failed: {type(exc).__name__}: {exc}")
+        finally:
+            self.out.close()
+
+    def _error(self, ident: bytes, header: dict, msg: str) -> None:
+        log.warning("refused %s from %r: %s", header["op"].name, ident, msg)
+        self.out.send_multipart([ident, encode(Op.ERROR, rid=header["rid"], msg=msg)])
+
+    def _reply(self, ident: bytes, header: bytes, payload: Any = None) -> None:
+        frames = [ident, header] if payload is None else [ident, header, payload]
+        self.out.send_multipart(frames, copy=False)
+
+    def _handle(self, ident: bytes, header: dict, payload: zmq.Frame | None) -> None:
+        op, key = header["op"], header["key"]
+        if op == Op.REGISTER:
+            self._register(header)
+            self._reply(ident, encode(Op.OK, rid=header["rid"]))
+            return
+        state = self.keys.get(key)
+        if state is None:
+            raise RequestError(f"key {key}: unknown key (not declared)")
+        if op == Op.PUSH:
+            self._push(state, ident, header, payload)
+        elif op == Op.PULL:
+            self._pull(state, ident, header)
+        elif op == Op.GET_STATE:
+            sd = {} if state.chain is None else state.chain.state_dict()
+            from bps.compressors import state_to_wire
+
+            blob = msgpack.packb(state_to_wire(sd), use_bin_type=True)
+            self._reply(ident, encode(Op.DATA, rid=header["rid"], key=key, step=state.last_step,
+                                      nbytes=len(blob)), blob)
+        elif op == Op.SET_STATE:
+            self._set_state(state, payload)
+            self._reply(ident, encode(Op.OK, rid=header["rid"]))
+
+    def _register(self, header: dict) -> None:
+        key, numel, name = header["key"], header["numel"], header["name"]
+        dtype_name = header["dtype"]
+        if not 0 <= key < MAX_KEY:
+            raise RequestError(f"key {key} ({name!r}): key out of range [0, 2**63)")
+        if not 0 <= numel <= MAX_NUMEL:
+            raise RequestError(f"key {key} ({name!r}): numel={numel} out of range")
+        if dtype_name not in DTYPES:
+            raise RequestError(f"key {key} ({name!r}): dtype {dtype_name!r} not one of "
+                               f"{', '.join(DTYPES)}")
+        params, dtype = header["params"], DTYPES[dtype_name]
+        existing = self.keys.get(key)
+        if existing is not None:
+            if (existing.numel, existing.dtype, existing.params) != (numel, dtype, params):
+                probe = _Key(key, numel, dtype, params, name, header["node"], None)
+                raise RequestError(
+                    f"key {key} declared differently by worker nodes: worker {header['node']} "
+                    f"declared {name!r} with {probe.describe()}, but worker {existing.node} "
+                    f"declared {existing.name!r} with {existing.describe()}")
+            return
+        chain = None
+        if params is not None:
+            from bps.compressors import build
+
+            try:
+                chain = build(params, numel, dtype, role="server")
+            except (TypeError, ValueError) as exc:
+                raise RequestError(f"key {key} ({name!r}): {exc}") from None
+        self.keys[key] = _Key(key, numel, dtype, params, name, header["node"], chain)
+
+    def _decode(self, state: _Key, header: dict, payload: zmq.Frame) -> torch.Tensor:
+        itemsize = state.dtype.itemsize
+        if state.chain is None:
+            if header["nbytes"] != state.numel * itemsize:
+                raise RequestError(f"key {state.key} ({state.name!r}): raw payload of "
+                                   f"{header['nbytes']} bytes, expected {state.numel * itemsize}")
+            return torch.frombuffer(payload.buffer, dtype=state.dtype) if state.numel else \
+                torch.zeros(0, dtype=state.dtype)
+        if header["nbytes"] > 2 * state.numel * itemsize + 64:
+            raise RequestError(f"key {state.key} ({state.name!r}): compressed payload of "
+                               f"{header['nbytes']} bytes is larger than any encoding")
+        data = torch.frombuffer(payload.buffer, dtype=torch.uint8)
+        try:
+            return state.chain.decompress(data)
+        except Exception as exc:
+            raise RequestError(f"key {state.key} ({state.name!r}): cannot decode payload: "
+                               f"{type(exc).__name__}: {exc}") from None
+
+    def _check_step(self, state: _Key, step: int) -> None:
+        if step <= state.last_step:
+            raise RequestError(f"key {state.key} ({state.name!r}): step {step} already "
+                               f"completed (last completed step {state.last_step})")
+        if step not in state.steps and len(state.steps) >= MAX_PENDING_STEPS:
+            raise RequestError(f"key {state.key} ({state.name!r}): step {step} is too far "
+                               f"ahead: {MAX_PENDING_STEPS} steps already pending")
+
+    def _push(self, state: _Key, ident: bytes, header: dict, payload: zmq.Frame) -> None:
+        node, step = header["node"], header["step"]
+        where = f"key {state.key} ({state.name!r})"
+        if header["dtype"] != str(state.dtype).removeprefix("torch."):
+            raise RequestError(f"{where}: push dtype {header['dtype']!r} differs from the "
+                               f"declared {state.dtype}")
+        if header["numel"] != state.numel:
+            raise RequestError(f"{where}: push numel {header['numel']} differs from the "
+                               f"declared {state.numel}")
+        if not 0 <= node < self.server.num_workers:
+            raise RequestError(f"{where}: field 'node'={node} out of range")
+        if header["lr"] < 0:
+            raise RequestError(f"{where}: field 'lr'={header['lr']} is negative")
+        values = self._decode(state, header, payload)
+        self._check_step(state, step)
+        pending = state.steps.get(step)
+        if pending is not None and node in pending.pushed:
+            raise RequestError(f"{where}: worker {node} pushed step {step} twice")
+        pending = state.steps.setdefault(step, _Step())
+        if pending.total is None:
+            # raw keys: the first push's frame becomes the sum (zero-copy)
+            pending.total = values.to(state.accumulate_dtype, copy=state.chain is not None)
+            pending.lr = float(header["lr"])
+        else:
+            pending.total.add_(values)
+        pending.pushed.add(node)
+        pending.waiters.append((ident, header["rid"]))
+        self._finish_ready_steps(state)
+
+    def _pull(self, state: _Key, ident: bytes, header: dict) -> None:
+        step = header["step"]
+        if step == state.last_step and state.last_payload is not None:
+            self._send_data(state, step, [(ident, header["rid"])])
+            return
+        self._check_step(state, step)
+        state.steps.setdefault(step, _Step()).waiters.append((ident, header["rid"]))
+
+    def _finish_ready_steps(self, state: _Key) -> None:
+        while state.steps:
+            step = min(state.steps)
+            pending = state.steps[step]
+            if len(pending.pushed) < self.server.num_workers:
+                return
+            total = pending.total.to(state.dtype)
+            if state.chain is not None:
+                if pending.lr > 0:
+                    state.chain.set_lr(pending.lr)
+                total = state.chain.compress(total)
+            del state.steps[step]
+            state.last_step, state.last_payload = step, total
+            self._send_data(state, step, pending.waiters)
+
+    def _send_data(self, state: _Key, step: int, waiters: list[tuple[bytes, int]]) -> None:
+        body = _as_bytes(state.last_payload)
+        for ident, rid in waiters:
+            self._reply(ident, encode(Op.DATA, rid=rid, key=state.key, step=step,
+                                      nbytes=body.nbytes), body)
+
+    def _set_state(self, state: _Key, payload: zmq.Frame) -> None:
+        if any(s.pushed for s in state.steps.values()):
+            raise RequestError(f"key {state.key} ({state.name!r}): SET_STATE while a step "
+                               f"is in progress")
+        if state.chain is not None:
+            from bps.compressors import state_from_wire
+
+            try:
+                sd = state_from_wire(msgpack.unpackb(payload.bytes, raw=False,
+                                                     strict_map_key=False))
+                state.chain.load_state_dict(sd)
+            except Exception as exc:
+                raise RequestError(f"key {state.key} ({state.name!r}): bad state: "
+                                   f"{type(exc).__name__}: {exc}") from None
+        state.steps.clear()
+        state.last_step, state.last_payload = -1, None
+
+
+class ParameterServer:
+    """One server process; :meth:`run` returns the exit code."""
+
+    def __init__(self, env: ClusterEnv, ctx: Any = None) -> None:
+        self.env = env
+        self.ctx = ctx or zmq.Context.instance()
+        self.num_workers = env.num_workers
+        self.replies_address = f"inproc://bps-server-replies-{id(self)}"
+
+    def run(self) -> int:
+        router = new_socket(self.ctx, zmq.ROUTER)
+        port = router.bind_to_random_port(f"tcp://{self.env.node_host}")
+        address = f"tcp://{self.env.node_host}:{port}"
+        replies = new_socket(self.ctx, zmq.PULL)
+        replies.bind(self.replies_address)
+        link = SchedulerClient(self.ctx, self.env, "server", address)
+        engines = [_KeyEngine(self, i) for i in range(self.env.server_threads)]
+        try:
+            welcome = link.rendezvous()
+            self.num_workers = welcome["num_workers"]
+            log.info("server %d serving on %s", welcome["node_id"], address)
+            for engine in engines:
+                engine.start()
+            return self._loop(router, replies, link, engines)
+        except ClusterError as exc:
+            log.error("server at %s stopping: %s", address, exc)
+            return 1
+        finally:
+            for engine in engines:
+                engine.inbox.put(None)
+            for engine in engines:
+                if engine.is_alive():
+                    engine.join(timeout=5)
+            link.close()
+            replies.close()
+            router.close()
+
+    def _loop(self, router: Any, replies: Any, link: SchedulerClient,
+              engines: list[_KeyEngine]) -> int:
+        owner: dict[int, _KeyEngine] = {}
+        next_engine = itertools.cycle(engines)
+        poller = zmq.Poller()
+        for sock in (router, replies, link.sock):
+            poller.register(sock, zmq.POLLIN)
+        timeout_ms = int(self.env.heartbeat_interval * 1000)
+        while True:
+            for sock, _ in poller.poll(timeout_ms):
+                if sock is replies:
+                    router.send_multipart(replies.recv_multipart(copy=False), copy=False)
+                elif sock is router:
+                    self._dispatch(router, router.recv_multipart(copy=False), owner,
+                                   next_engine)
+                elif link.receive()["op"] == Op.SHUTDOWN:
+                    log.info("shutdown requested by the scheduler")
+                    return 0
+            link.tick()
+
+    def _dispatch(self, router: Any, frames: list[zmq.Frame], owner: dict,
+                  next_engine: Any) -> None:
+        ident = frames[0].bytes
+        rid = -1
+        try:
+            if len(frames) < 2:
+                raise ProtocolError("message without header frame")
+            header = decode(frames[1].bytes)
+            rid = header.get("rid", -1)
+            if header["op"] not in KEY_OPS:
+                raise ProtocolError(f"op {header['op'].name} is not a server request")
+            payloads = frames[2:]
+            expected = 1 if header["op"] in OPS_WITH_PAYLOAD else 0
+            if len(payloads) != expected:
+                raise ProtocolError(f"{header['op'].name}: {len(payloads)} payload frames, "
+                                    f"expected {expected}")
+            if expected and len(payloads[0]) != header["nbytes"]:
+                raise ProtocolError(f"{header['op'].name} key {header['key']}: field 'nbytes'="
+                                    f"{header['nbytes']} but the payload has "
+                                    f"{len(payloads[0])} bytes")
+            engine = owner.get(header["key"])
+            if engine is None:
+                if header["op"] != Op.REGISTER:
+                    raise ProtocolError(f"key {header['key']}: unknown key (not declared)")
+                engine = owner[header["key"]] = next(next_engine)
+        except ProtocolError as exc:
+            log.warning("refused message from %r: %s", ident, exc)
+            rid = rid if isinstance(rid, int) and not isinstance(rid, bool) else -1
+            router.send_multipart([ident, encode(Op.ERROR, rid=rid, msg=str(exc))])
+            return
+        engine.inbox.put((ident, header, payloads[0] if payloads else None))
+
+
+def run_server(env: ClusterEnv) -> int:
+    """Run one parameter server until the scheduler shuts the job down."""
+    return ParameterServer(env).run()

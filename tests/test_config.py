@@ -1,0 +1,111 @@
+"""compression_params validation (SPEC §3): defaults, and a clear error for each bad value."""
+
+import numpy as np
+import pytest
+
+from bps.config import resolve_k, validate_compression_params
+
+SPEC_KEYS = {"compressor", "k", "scaling", "ef", "momentum", "mu", "seed", "partition",
+             "normalize", "fp16", "min_compress_bytes", "warmup_steps"}
+
+
+def test_defaults_fill_every_key(monkeypatch):
+    monkeypatch.delenv("BYTEPS_MIN_COMPRESS_BYTES", raising=False)
+    out = validate_compression_params(None)
+    assert set(out) == SPEC_KEYS
+    assert out == {"compressor": None, "k": None, "scaling": False, "ef": None,
+                   "momentum": None, "mu": None, "seed": None, "partition": "linear",
+                   "normalize": "max", "fp16": True, "min_compress_bytes": 65536,
+                   "warmup_steps": 0}
+
+
+def test_returns_a_new_dict():
+    params = {"compressor": "onebit"}
+    out = validate_compression_params(params)
+    assert out is not params and params == {"compressor": "onebit"}
+
+
+def test_min_compress_bytes_from_environment(monkeypatch):
+    monkeypatch.setenv("BYTEPS_MIN_COMPRESS_BYTES", "1024")
+    assert validate_compression_params({})["min_compress_bytes"] == 1024
+    assert validate_compression_params({"min_compress_bytes": 0})["min_compress_bytes"] == 0
+    monkeypatch.setenv("BYTEPS_MIN_COMPRESS_BYTES", "lots")
+    with pytest.raises(ValueError, match="BYTEPS_MIN_COMPRESS_BYTES"):
+        validate_compression_params({})
+
+
+def test_full_valid_dict():
+    params = {"compressor": "dithering", "k": 4, "scaling": True, "ef": "vanilla",
+              "momentum": "nesterov", "mu": 0.9, "seed": 2**64 - 1, "partition": "natural",
+              "normalize": "l2", "fp16": False, "min_compress_bytes": 0, "warmup_steps": 3}
+    assert validate_compression_params(params) == params
+
+
+@pytest.mark.parametrize("k", [1, 5, np.int64(7), 0.5, 1e-6, np.float64(0.25)])
+def test_k_accepted_for_topk_and_randomk(k):
+    for name in ("topk", "randomk"):
+        assert validate_compression_params({"compressor": name, "k": k})["k"] == k
+
+
+BAD = [
+    # (params, exception, words the message must contain)
+    ({"compressor": "gzip"}, ValueError, ["compressor", "gzip", "onebit"]),
+    ({"compressor": 3}, TypeError, ["compressor", "3"]),
+    ({"bogus": 1}, ValueError, ["bogus", "accepted keys"]),
+    ({"compressor": "topk"}, ValueError, ["'k'", "required", "topk"]),
+    ({"compressor": "randomk"}, ValueError, ["'k'", "required"]),
+    ({"compressor": "dithering"}, ValueError, ["'k'", "required", "dithering"]),
+    ({"compressor": "topk", "k": 0}, ValueError, ["'k'", "0", "int >= 1"]),
+    ({"compressor": "topk", "k": -3}, ValueError, ["'k'", "-3"]),
+    ({"compressor": "topk", "k": 1.0}, ValueError, ["'k'", "1.0", "(0, 1)"]),
+    ({"compressor": "topk", "k": 0.0}, ValueError, ["'k'", "0.0"]),
+    ({"compressor": "topk", "k": float("nan")}, ValueError, ["'k'", "nan"]),
+    ({"compressor": "topk", "k": True}, TypeError, ["'k'", "True"]),
+    ({"compressor": "topk", "k": "3"}, TypeError, ["'k'", "'3'"]),
+    ({"compressor": "dithering", "k": 0.5}, TypeError, ["'k'", "0.5", "int"]),
+    ({"compressor": "dithering", "k": 0}, ValueError, ["'k'", "0"]),
+    ({"compressor": "dithering", "k": 32, "partition": "natural"}, ValueError, ["'k'", "32", "31"]),
+    ({"compressor": "dithering", "k": True}, TypeError, ["'k'", "True"]),
+    ({"scaling": 1}, TypeError, ["scaling", "1", "bool"]),
+    ({"scaling": "yes"}, TypeError, ["scaling", "yes"]),
+    ({"fp16": 0}, TypeError, ["fp16", "0", "bool"]),
+    ({"ef": "fancy"}, ValueError, ["ef", "fancy", "vanilla"]),
+    ({"ef": True}, TypeError, ["ef", "True"]),
+    ({"momentum": "adam"}, ValueError, ["momentum", "adam", "nesterov"]),
+    ({"mu": 1.0}, ValueError, ["mu", "1.0", "[0, 1)"]),
+    ({"mu": -0.1}, ValueError, ["mu", "-0.1"]),
+    ({"mu": "0.9"}, TypeError, ["mu", "'0.9'"]),
+    ({"mu": False}, TypeError, ["mu", "False"]),
+    ({"seed": 0}, ValueError, ["seed", "0", "[1, "]),
+    ({"seed": 2**64}, ValueError, ["seed", str(2**64)]),
+    ({"seed": 1.0}, TypeError, ["seed", "1.0"]),
+    ({"seed": True}, TypeError, ["seed", "True"]),
+    ({"partition": "log"}, ValueError, ["partition", "log", "natural"]),
+    ({"partition": None}, TypeError, ["partition", "None"]),
+    ({"normalize": "l1"}, ValueError, ["normalize", "l1", "l2"]),
+    ({"min_compress_bytes": -1}, ValueError, ["min_compress_bytes", "-1"]),
+    ({"min_compress_bytes": 1.5}, TypeError, ["min_compress_bytes", "1.5"]),
+    ({"warmup_steps": -2}, ValueError, ["warmup_steps", "-2"]),
+    ({"warmup_steps": "2"}, TypeError, ["warmup_steps", "'2'"]),
+]
+
+
+@pytest.mark.parametrize("params, exc, words", BAD, ids=[str(b[0]) for b in BAD])
+def test_bad_params_raise_naming_key_value_and_accepted(params, exc, words):
+    with pytest.raises(exc) as info:
+        validate_compression_params(params)
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+
+
+def test_not_a_dict():
+    with pytest.raises(TypeError, match="dict"):
+        validate_compression_params([("compressor", "onebit")])
+
+
+@pytest.mark.parametrize("k, numel, expected", [
+    (10, 100, 10), (10, 5, 5), (0.01, 1000, 10), (0.01, 50, 1), (0.999, 3, 2), (0.5, 1, 1),
+])
+def test_resolve_k(k, numel, expected):
+    params = validate_compression_params({"compressor": "topk", "k": k})
+    assert resolve_k(params, numel) == expected

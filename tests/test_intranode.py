@@ -1,0 +1,91 @@
+"""Intra-node reduce/broadcast over real gloo groups between real processes."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+import time
+
+import numpy as np
+import pytest
+import torch
+from bps.worker.intranode import IntraNodeError, LocalGroup
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _member(rank: int, size: int, port: int, dtype: str, out) -> None:
+    torch.set_num_threads(1)
+    group = LocalGroup.connect(rank, size, "127.0.0.1", port, timeout_s=30)
+    reduce_ch, bcast_ch = group.channel("reduce"), group.channel("broadcast")
+    rng = np.random.default_rng(rank)
+    contribution = rng.standard_normal(1000).astype(np.float32)
+    tensor = torch.from_numpy(contribution.copy()).to(getattr(torch, dtype))
+    reduce_ch.reduce(tensor)
+    reduced = tensor.float().numpy().copy()
+    if rank == 0:
+        tensor.fill_(7)
+    bcast_ch.broadcast(tensor)
+    text = bcast_ch.broadcast_bytes(b"hello from root" if rank == 0 else None)
+    out.put((rank, contribution, reduced, tensor.float().numpy().copy(), text))
+
+
+def _run_group(size: int, dtype: str):
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_member, args=(r, size, port, dtype, out)) for r in range(size)]
+    for p in procs:
+        p.start()
+    try:
+        results = {}
+        for _ in range(size):
+            rank, *rest = out.get(timeout=60)
+            results[rank] = rest
+        for p in procs:
+            p.join(timeout=30)
+            assert p.exitcode == 0
+        return results
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+
+
+@pytest.mark.parametrize("size,dtype", [(2, "float32"), (3, "float16")])
+def test_reduce_then_broadcast_matches_numpy(size, dtype):
+    results = _run_group(size, dtype)
+    np_dtype = np.float16 if dtype == "float16" else np.float32
+    expected = sum(results[r][0].astype(np_dtype) for r in range(size))
+    tol = 1e-2 if dtype == "float16" else 1e-6
+    np.testing.assert_allclose(results[0][1], expected.astype(np.float32), rtol=tol, atol=tol)
+    for r in range(size):
+        np.testing.assert_array_equal(results[r][2], np.full(1000, 7, np.float32))
+        assert results[r][3] == b"hello from root"
+
+
+def _lonely(port, out):
+    try:
+        LocalGroup.connect(0, 2, "127.0.0.1", port, timeout_s=2).channel("r").reduce(torch.ones(4))
+    except IntraNodeError as exc:
+        out.put(str(exc))
+
+
+def test_missing_peer_times_out_with_clear_error():
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_lonely, args=(_free_port(), out))
+    start = time.monotonic()
+    proc.start()
+    try:
+        message = out.get(timeout=60)
+    finally:
+        proc.join(timeout=10)
+        if proc.is_alive():
+            proc.kill()
+    assert "local rank 0 of 2" in message
+    assert time.monotonic() - start < 45

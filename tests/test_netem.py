@@ -1,0 +1,310 @@
+"""bpslaunch netem: emulated hosts in network namespaces, shaped with tc.
+
+The tests that build namespaces are marked ``netns`` and skip, with the reason,
+where the machine does not allow them (not root, no ip/tc, no veth/bridge/tbf).
+Each checks afterwards that nothing is left behind: no namespace of the run, no
+new link in the root namespace, no process carrying the run's marker.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+import pytest
+
+from bps.launch.netns import (
+    PREFIX,
+    EmulatedCluster,
+    LinkShape,
+    NetnsError,
+    list_namespaces,
+    parse_delay,
+    parse_loss,
+    parse_rate,
+    support_problem,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+BPSLAUNCH = [sys.executable, "-m", "bps.launch.cli", "netem"]
+TIMEOUT = 120
+
+
+# --------------------------------------------------------------------------- no root needed
+
+@pytest.mark.parametrize("text, bits", [
+    ("100mbit", 100_000_000), ("20Mbit", 20_000_000), ("1gbit", 10**9), ("512kbit", 512_000),
+    ("1.5mbit", 1_500_000), ("8bit", None), ("none", None)])
+def test_parse_rate(text, bits):
+    if text == "8bit":
+        with pytest.raises(NetnsError, match="minimum"):
+            parse_rate(text)
+    else:
+        assert parse_rate(text) == bits
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("100mbps", "bytes per second"), ("100", "invalid"), ("fast", "invalid"),
+    ("-5mbit", "invalid"), ("10 furlongs", "invalid")])
+def test_parse_rate_rejects(text, needle):
+    with pytest.raises(NetnsError, match=needle) as info:
+        parse_rate(text)
+    assert "--rate" in str(info.value) and repr(text) in str(info.value)
+
+
+def test_parse_delay_and_loss():
+    assert parse_delay("1ms") == 1000
+    assert parse_delay("250us") == 250
+    assert parse_delay("0.5s") == 500_000
+    assert parse_delay("0") == 0
+    assert parse_loss("0%") == 0.0
+    assert parse_loss("0.25%") == 0.25
+    for bad in ("1", "ms", "-1ms", "1h"):
+        with pytest.raises(NetnsError, match="--delay"):
+            parse_delay(bad)
+    for bad in ("100%", "abc", "-1%", "5%%"):
+        with pytest.raises(NetnsError, match="--loss"):
+            parse_loss(bad)
+
+
+def test_tbf_parameters_scale_with_rate():
+    """The bucket holds at least a few frames and the queue about 50 ms of traffic."""
+    for rate in (10**6, 20 * 10**6, 100 * 10**6, 10**9):
+        args = LinkShape(rate_bits=rate).tbf_args()
+        values = dict(zip(args[1::2], args[2::2], strict=True))
+        assert values["rate"] == f"{rate}bit"
+        burst, limit = int(values["burst"]), int(values["limit"])
+        assert burst >= 4 * 1514 and burst >= rate / 8 * 0.002 - 1
+        assert limit - burst >= rate / 8 * 0.05 - 1 and limit - burst >= 32 * 1514
+
+
+def _cli(args: list[str], **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(BPSLAUNCH + args, capture_output=True, text=True, timeout=TIMEOUT,
+                          cwd=REPO, **kwargs)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--nodes", "2", "--rate", "100mbps", "--", "true"], "bytes per second"),
+    (["--nodes", "2", "--rate", "100mbit", "--delay", "fast", "--", "true"], "--delay"),
+    (["--nodes", "2", "--rate", "100mbit", "--loss", "200%", "--", "true"], "--loss"),
+    (["--nodes", "0", "--rate", "100mbit", "--", "true"], "--nodes"),
+    (["--nodes", "2", "--rate", "100mbit"], "no command"),
+    (["--nodes", "2", "--servers", "1", "--torchrun", "--rate", "1mbit", "--", "true"],
+     "--torchrun"),
+])
+def test_cli_rejects_bad_arguments(args, needle):
+    before = set(list_namespaces()) if os.geteuid() == 0 else set()
+    done = _cli(args)
+    assert done.returncode == 2
+    assert needle in done.stderr
+    if os.geteuid() == 0:
+        assert set(list_namespaces()) == before
+
+
+def test_cli_needs_root():
+    runuser = shutil.which("runuser") or shutil.which("setpriv")
+    if os.geteuid() != 0:
+        done = _cli(["--nodes", "2", "--rate", "1mbit", "--", "true"])
+    elif runuser and os.path.basename(runuser) == "runuser":
+        done = subprocess.run(["runuser", "-u", "nobody", "--", *BPSLAUNCH, "--nodes", "2",
+                               "--rate", "1mbit", "--", "true"], capture_output=True, text=True,
+                              timeout=TIMEOUT, cwd="/")
+        if "No module named" in done.stderr or "Permission denied" in done.stderr:
+            pytest.skip(f"user nobody cannot run this interpreter: {done.stderr.strip()[-200:]}")
+    else:
+        pytest.skip("running as root and no runuser to drop privileges")
+    assert done.returncode != 0
+    assert "needs root" in done.stderr
+
+
+def test_cli_needs_ip_and_tc():
+    if os.geteuid() != 0:
+        pytest.skip("the root check comes first")
+    env = dict(os.environ, PATH="/nonexistent")
+    done = _cli(["--nodes", "2", "--rate", "1mbit", "--", "true"], env=env)
+    assert done.returncode == 2
+    assert "iproute2" in done.stderr and "ip, tc" in done.stderr
+
+
+# --------------------------------------------------------------------------- namespaces
+
+@pytest.fixture(scope="module")
+def netns_allowed():
+    problem = support_problem()
+    if problem:
+        pytest.skip(f"network namespaces not usable here: {problem}")
+
+
+def _root_links() -> set[str]:
+    out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    return {line.split(":")[1].strip() for line in out.splitlines()}
+
+
+def _processes_with(marker: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker.encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+@pytest.fixture
+def leftovers(netns_allowed):
+    """Yields a marker for argv; afterwards asserts that nothing of the run remains."""
+    marker = f"bpsn-test-{uuid.uuid4().hex[:12]}"
+    namespaces_before = {ns for ns in list_namespaces() if ns.startswith(PREFIX)}
+    links_before = _root_links()
+    yield marker
+    assert {ns for ns in list_namespaces() if ns.startswith(PREFIX)} <= namespaces_before
+    assert _root_links() <= links_before
+    assert _processes_with(marker) == []
+
+
+THROUGHPUT_PEER = textwrap.dedent("""
+    # Rank 0 receives NBYTES from rank 1, then sends NBYTES back; each side
+    # measures what it received, from its first to its last chunk.
+    import json, os, socket, sys, time
+    out_dir, nbytes = sys.argv[1], int(sys.argv[2])
+    rank, master = int(os.environ["RANK"]), os.environ["MASTER_ADDR"]
+    port = int(os.environ["MASTER_PORT"]) + 1
+
+    def receive(conn):
+        total, first, last, first_len = 0, None, None, 0
+        while total < nbytes:
+            chunk = conn.recv(1 << 20)
+            if not chunk:
+                raise SystemExit("peer closed early")
+            now = time.perf_counter()
+            if first is None:
+                first, first_len = now, len(chunk)
+            total, last = total + len(chunk), now
+        return (total - first_len) * 8 / (last - first)
+
+    if rank == 0:
+        server = socket.create_server((master, port))
+        server.settimeout(60)
+        conn, _ = server.accept()
+    else:
+        deadline = time.monotonic() + 60
+        while True:  # rank 0 may not listen yet: retry until it does, bounded
+            try:
+                conn = socket.create_connection((master, port), timeout=60)
+                break
+            except ConnectionRefusedError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+    conn.settimeout(60)
+    if rank == 1:
+        conn.sendall(bytes(nbytes))
+    rate = receive(conn) if rank == 0 else None
+    if rank == 0:
+        conn.sendall(bytes(nbytes))
+    else:
+        rate = receive(conn)
+    own_ip = [a for a in os.popen("ip -4 -o addr show dev eth0").read().split() if "/" in a]
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"bits_per_second": rate, "ip": own_ip,
+                   "gloo_ifname": os.environ.get("GLOO_SOCKET_IFNAME")}, f)
+""")
+
+
+@pytest.mark.netns
+def test_throughput_matches_configured_rate(leftovers, tmp_path):
+    """Two emulated hosts at 20 Mbit/s: TCP goodput both ways within 20% of the rate."""
+    rate = 20_000_000
+    script = tmp_path / "peer.py"
+    script.write_text(THROUGHPUT_PEER)
+    stats = tmp_path / "stats.json"
+    nbytes = rate // 8 * 3  # about 3 s per direction
+    done = _cli(["--nodes", "2", "--rate", "20mbit", "--torchrun", "--stats-json", str(stats),
+                 "--", sys.executable, str(script), str(tmp_path), str(nbytes), leftovers])
+    assert done.returncode == 0, done.stderr
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert abs(result["bits_per_second"] - rate) <= 0.2 * rate, result
+        assert result["gloo_ifname"] == "eth0"
+        assert result["ip"][0].startswith("10.77.0.")
+    hosts = json.loads(stats.read_text())["hosts"]
+    # each host sent its nbytes of payload plus TCP/IP headers through its shaped link
+    for name in ("w0", "w1"):
+        assert nbytes <= hosts[name]["tx_bytes"] <= nbytes * 1.1
+        assert nbytes <= hosts[name]["rx_bytes"] <= nbytes * 1.1
+
+
+@pytest.mark.netns
+def test_unshaped_link_is_much_faster(netns_allowed):
+    """Sanity of the measurement itself: without tbf the same transfer is far above 20 Mbit/s."""
+    from bps.launch.netns import measure_throughput
+
+    with EmulatedCluster(["a", "b"], LinkShape(rate_bits=None)) as cluster:
+        rate = measure_throughput(cluster.hosts["a"], cluster.hosts["b"], 20_000_000)
+    assert rate > 100e6
+
+
+@pytest.mark.netns
+def test_failure_of_one_node_stops_everything(leftovers):
+    code = textwrap.dedent("""
+        import os, sys, time
+        if os.environ["RANK"] == "1":
+            sys.exit(3)
+        time.sleep(600)   # the launcher must kill this one
+    """)
+    done = _cli(["--nodes", "2", "--rate", "10mbit", "--torchrun", "--",
+                 sys.executable, "-c", code, leftovers])
+    assert done.returncode != 0
+
+
+def _start_sleepers(marker: str, nodes: int = 2) -> subprocess.Popen:
+    """bpslaunch netem running one sleeper per node; returns once all of them run."""
+    code = "import os, time; print('ready', os.environ['RANK'], flush=True); time.sleep(600)"
+    launcher = subprocess.Popen(BPSLAUNCH + ["--nodes", str(nodes), "--rate", "10mbit",
+                                             "--torchrun", "--", sys.executable, "-c", code,
+                                             marker],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                cwd=REPO)
+    seen = []
+    for line in launcher.stdout:
+        seen.append(line)
+        if sum("ready" in s for s in seen) == nodes:
+            return launcher
+    launcher.wait(timeout=TIMEOUT)
+    raise AssertionError("sleepers never started:\n" + "".join(seen))
+
+
+@pytest.mark.netns
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_signal_tears_everything_down(leftovers, signum):
+    launcher = _start_sleepers(leftovers)
+    try:
+        assert len(_processes_with(leftovers)) >= 2
+        launcher.send_signal(signum)
+        assert launcher.wait(timeout=TIMEOUT) != 0
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+
+
+@pytest.mark.netns
+def test_stale_cluster_is_removed_by_next_run(leftovers):
+    launcher = _start_sleepers(leftovers)
+    launcher.kill()  # SIGKILL: no chance to clean up
+    launcher.wait(timeout=TIMEOUT)
+    stale = [ns for ns in list_namespaces() if ns.startswith(f"{PREFIX}{launcher.pid}-")]
+    assert sorted(stale) == sorted(f"{PREFIX}{launcher.pid}-{h}" for h in ("w0", "w1", "sw"))
+    assert len(_processes_with(leftovers)) == 2
+    done = _cli(["--nodes", "1", "--rate", "10mbit", "--torchrun", "--", "true"])
+    assert done.returncode == 0, done.stderr
+    assert "dead run" in done.stderr

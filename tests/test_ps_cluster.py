@@ -1,0 +1,123 @@
+"""Real clusters over loopback (``bpslaunch local``): N workers x M servers, many keys
+and partitions, several steps, checked against independent numpy references."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from test_ps_job import (
+    MISMATCH_KEY,
+    STEPS,
+    TEST_ENV,
+    raw_keys,
+    run_command,
+    tensor_for,
+)
+
+JOB = str(Path(__file__).with_name("test_ps_job.py"))
+BPSLAUNCH = [sys.executable, "-m", "bps.launch.cli"]
+
+
+def run_cluster(tmp_path: Path, workers: int, servers: int, case: str) -> list[dict]:
+    code, output = run_command(
+        BPSLAUNCH + ["local", "--workers", str(workers), "--servers", str(servers), "--",
+                     sys.executable, JOB, "--out", str(tmp_path), "--case", case],
+        TEST_ENV, timeout=120)
+    assert code == 0, output
+    return [torch.load(tmp_path / f"node{n}.pt", weights_only=False) for n in range(workers)]
+
+
+@pytest.fixture(scope="module")
+def raw_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    return run_cluster(tmp_path_factory.mktemp("raw"), workers=3, servers=2, case="raw")
+
+
+def numpy_sum(pushes: list[torch.Tensor]) -> np.ndarray:
+    """Reference: sum in float32 (float64 for float64 data), like SPEC §1's servers."""
+    acc = np.float64 if pushes[0].dtype == torch.float64 else np.float32
+    return np.sum([p.to(torch.float64).numpy().astype(acc) for p in pushes], axis=0,
+                  dtype=acc)
+
+
+def test_raw_aggregates_match_numpy_sum(raw_run: list[dict]) -> None:
+    for key, numel, dtype_name, _ in raw_keys():
+        dtype = getattr(torch, dtype_name)
+        for step in range(STEPS):
+            pushes = [tensor_for(node, key, step, numel, dtype) for node in range(3)]
+            expected = torch.from_numpy(numpy_sum(pushes)).to(dtype)
+            for node, run in enumerate(raw_run):
+                got = run["results"][(key, step)]
+                assert got.dtype == dtype and got.shape == (numel,), (key, node)
+                # float32 sums in arrival order: at most an ulp from the numpy order
+                tol = {"float32": 1e-6, "float64": 1e-12}.get(dtype_name, 0.0)
+                torch.testing.assert_close(got, expected, rtol=tol, atol=tol,
+                                           msg=f"key {key} step {step} node {node}")
+    # every node got bit-identical aggregates: one sum per step on the server
+    for key, step in raw_run[0]["results"]:
+        assert all(torch.equal(run["results"][(key, step)], raw_run[0]["results"][(key, step)])
+                   for run in raw_run)
+
+
+def test_pulls_of_a_step_get_the_same_bytes(raw_run: list[dict]) -> None:
+    node0 = raw_run[0]
+    for key, (first, second) in node0["last"].items():
+        assert first == second
+        assert first == node0["results"][(key, STEPS - 1)].view(torch.uint8).numpy().tobytes()
+
+
+def test_placement_identical_and_balanced(raw_run: list[dict]) -> None:
+    placements = [{key: run["placement"][key] for key, *_ in raw_keys()} for run in raw_run]
+    assert all(p == placements[0] for p in placements)
+    assert set(placements[0].values()) == {0, 1}
+    loads = raw_run[0]["loads"]
+    biggest = max(numel * getattr(torch, dt).itemsize for _, numel, dt, _ in raw_keys())
+    assert max(loads) - min(loads) <= biggest
+
+
+def test_malformed_messages_get_errors_and_server_keeps_serving(raw_run: list[dict]) -> None:
+    expected = {
+        "random_bytes": "not valid msgpack",
+        "empty_header": "not valid msgpack",
+        "wrong_version": "protocol version",
+        "unknown_op": "field 'op'",
+        "missing_field": "field 'step' missing",
+        "wrong_type": "field 'key' has type str",
+        "unknown_key": "key 987654321: unknown key",
+        "wrong_size": "field 'nbytes'=8 but the payload has 12 bytes",
+        "wrong_raw_size": "raw payload of 8 bytes, expected 65536",
+        "wrong_numel": "push numel 5 differs",
+        "wrong_dtype": "push dtype 'float64' differs",
+        "bad_node": "field 'node'=77 out of range",
+        "no_payload": "0 payload frames, expected 1",
+        "stale_step": "step -5 already completed",
+        "bad_dtype_register": "dtype 'int8' not one of",
+    }
+    probes = raw_run[0]["probes"]
+    assert sorted(probes) == [0, 1]
+    for server, replies in probes.items():
+        for name, fragment in expected.items():
+            assert replies[name].startswith("ERROR: ") and fragment in replies[name], \
+                (server, name, replies[name])
+    # ... while the aggregates above stayed exact (test_raw_aggregates_match_numpy_sum)
+
+
+def test_declare_mismatch_names_key_and_both_names(raw_run: list[dict]) -> None:
+    message = raw_run[1]["mismatch"]
+    assert f"key {MISMATCH_KEY}" in message
+    assert "'model.b'" in message and "'model.a'" in message
+    assert "numel=11" in message and "numel=10" in message
+
+
+def test_stats_count_wire_bytes(raw_run: list[dict]) -> None:
+    payload = sum(numel * getattr(torch, dt).itemsize for _, numel, dt, _ in raw_keys()) * STEPS
+    for run in raw_run:
+        stats = run["stats"]
+        assert payload < stats["bytes_pushed"] < payload * 1.1
+        assert payload < stats["bytes_pulled"] < payload * 1.1
+        assert stats["pushes"] == len(raw_keys()) * STEPS
+        assert stats["comm_s"] > 0

@@ -1,0 +1,109 @@
+"""Failure behaviour with real processes started one by one (no fail-fast launcher in
+between): a dead worker, a dead server or a node that never arrives makes every other
+process exit non-zero with an error naming it, within the heartbeat timeout."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from bps.launch.role import free_port
+from test_ps_job import TEST_ENV
+
+JOB = str(Path(__file__).with_name("test_ps_job.py"))
+ROLE = [sys.executable, "-m", "bps.launch.cli"]
+HEARTBEAT_TIMEOUT = 3.0
+
+
+class Cluster:
+    """Processes of one test; every one of them is killed in teardown."""
+
+    def __init__(self, tmp_path: Path, workers: int, servers: int, timeout: float) -> None:
+        self.tmp_path = tmp_path
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.env = {**os.environ, **TEST_ENV, "DMLC_NUM_WORKER": str(workers),
+                    "DMLC_NUM_SERVER": str(servers), "DMLC_PS_ROOT_URI": "127.0.0.1",
+                    "DMLC_PS_ROOT_PORT": str(free_port()), "BPS_TIMEOUT": str(timeout),
+                    "BPS_HEARTBEAT_TIMEOUT": str(HEARTBEAT_TIMEOUT)}
+
+    def start(self, name: str, argv: list[str], **env: str) -> subprocess.Popen:
+        log = open(self.tmp_path / f"{name}.log", "w")  # noqa: SIM115 - closed by the OS
+        self.procs[name] = subprocess.Popen(argv, env={**self.env, **env}, stdout=log,
+                                            stderr=subprocess.STDOUT, start_new_session=True)
+        return self.procs[name]
+
+    def worker(self, node: int, *args: str) -> subprocess.Popen:
+        return self.start(f"worker{node}", [sys.executable, JOB, "--out", str(self.tmp_path),
+                                            "--case", "loop", *args],
+                          DMLC_ROLE="worker", DMLC_WORKER_ID=str(node))
+
+    def wait(self, name: str, timeout: float) -> tuple[int, str]:
+        code = self.procs[name].wait(timeout=timeout)
+        return code, (self.tmp_path / f"{name}.log").read_text()
+
+    def kill_all(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator:
+    made: list[Cluster] = []
+
+    def make(workers: int, servers: int, timeout: float = 30.0) -> Cluster:
+        made.append(Cluster(tmp_path, workers, servers, timeout))
+        return made[-1]
+
+    yield make
+    for c in made:
+        c.kill_all()
+
+
+# startup (imports) + heartbeat timeout + slack for a loaded 2-core machine
+EXIT_WITHIN = 60.0
+
+
+def test_killed_worker_fails_everyone_naming_it(cluster) -> None:
+    c = cluster(workers=2, servers=1)
+    c.start("scheduler", ROLE, DMLC_ROLE="scheduler")
+    c.start("server0", ROLE, DMLC_ROLE="server")
+    c.worker(0)
+    c.worker(1, "--kill-at", "3")
+    code, out = c.wait("worker1", EXIT_WITHIN)
+    assert code == -signal.SIGKILL, out
+    for name in ("scheduler", "server0", "worker0"):
+        code, out = c.wait(name, EXIT_WITHIN)
+        assert code != 0, (name, out)
+        assert "worker 1 at 127.0.0.1 died: no heartbeat" in out, (name, out)
+
+
+def test_killed_server_fails_everyone_naming_it(cluster) -> None:
+    c = cluster(workers=2, servers=2)
+    c.start("scheduler", ROLE, DMLC_ROLE="scheduler")
+    c.start("server0", ROLE, DMLC_ROLE="server", BPS_SERVER_ID="0")
+    victim = c.start("server1", ROLE, DMLC_ROLE="server", BPS_SERVER_ID="1")
+    c.worker(0, "--kill-pid", str(victim.pid), "--kill-at", "3")
+    c.worker(1)
+    for name in ("scheduler", "server0", "worker0", "worker1"):
+        code, out = c.wait(name, EXIT_WITHIN)
+        assert code != 0, (name, out)
+        assert "server 1 at tcp://127.0.0.1:" in out and "died" in out, (name, out)
+
+
+def test_missing_worker_times_out_naming_it(cluster) -> None:
+    c = cluster(workers=2, servers=1, timeout=4.0)
+    c.start("scheduler", ROLE, DMLC_ROLE="scheduler")
+    c.start("server0", ROLE, DMLC_ROLE="server")
+    c.worker(0)
+    for name in ("scheduler", "server0", "worker0"):
+        code, out = c.wait(name, EXIT_WITHIN)
+        assert code != 0, (name, out)
+        assert "rendezvous timed out" in out and "workers missing: [1]" in out, (name, out)

@@ -1,0 +1,240 @@
+"""The worker program the parameter-server tests run under ``bpslaunch local``.
+
+Not a test module itself (pytest collects nothing here); the tests import its data
+generator and key tables to compute references. Run as::
+
+    bpslaunch local --workers 3 --servers 2 -- python tests/test_ps_job.py --out DIR --case raw
+
+Each worker node declares the case's keys, pushes ``STEPS`` steps of deterministic data
+and saves what it pulled (plus its placement and the answers to probe messages) to
+``DIR/node{id}.pt``. Node 0 also sends malformed messages to every server while the
+others train, and PULLs a finished step twice to check the bytes are the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import threading
+
+import msgpack
+import torch
+import zmq
+
+STEPS = 3
+MISMATCH_KEY = 10**6
+
+
+def tensor_for(node: int, key: int, step: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """The data node ``node`` pushes for ``key`` at ``step`` (already 'averaged')."""
+    gen = torch.Generator().manual_seed(1_000_003 * key + 7919 * step + node)
+    return (torch.randn(numel, generator=gen, dtype=torch.float64) * (node + 1)).to(dtype)
+
+
+def lr_for(step: int) -> float:
+    return 0.1 / (step + 1)
+
+
+def raw_keys() -> list[tuple[int, int, str, dict | None]]:
+    """(key, numel, dtype, params): raw keys of several dtypes; 0..5 are one big tensor
+    cut into partitions of BYTEPS_PARTITION_BYTES=65536 (worker/partition.py)."""
+    keys = [(k, 16384 if k < 5 else 3000, "float32", None) for k in range(6)]
+    keys += [(100, 5000, "float16", None), (101, 777, "bfloat16", None),
+             (102, 4321, "float64", None), (103, 1, "float32", None)]
+    return keys
+
+
+def compressed_keys(seed: int = 12345) -> list[tuple[int, int, str, dict | None]]:
+    """One key per compressor, with and without error feedback (validated params)."""
+    from bps.config import validate_compression_params
+
+    cases = [
+        {"compressor": "onebit", "scaling": True},
+        {"compressor": "onebit", "scaling": True, "ef": "vanilla"},
+        {"compressor": "topk", "k": 0.05},
+        {"compressor": "topk", "k": 50, "ef": "vanilla"},
+        {"compressor": "randomk", "k": 0.05, "seed": seed},
+        {"compressor": "randomk", "k": 40, "ef": "vanilla", "seed": seed},
+        {"compressor": "dithering", "k": 4, "seed": seed},
+        {"compressor": "dithering", "k": 3, "partition": "natural", "normalize": "l2",
+         "ef": "vanilla", "seed": seed},
+    ]
+    keys = []
+    for index, case in enumerate(cases):
+        params = validate_compression_params(case)
+        keys.append((200 + index, 3000 + 17 * index, "float32", params))
+    return keys
+
+
+KEY_TABLES = {"raw": raw_keys, "compressed": compressed_keys}
+
+
+def probe_server(address: str, known_key: int, node: int) -> dict[str, str]:
+    """Send malformed messages to one server; returns name -> error text of the reply."""
+    from bps.protocol import PROTOCOL_VERSION, Op, decode, encode
+
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    push = {"rid": 1, "key": known_key, "step": 0, "node": node, "dtype": "float32",
+            "numel": 16384, "nbytes": 8, "lr": 0.1}
+    bad_version = msgpack.packb({"v": PROTOCOL_VERSION + 1, "op": int(Op.PULL), "rid": 1,
+                                 "key": known_key, "step": 0})
+    probes = {
+        "random_bytes": [os.urandom(64)],
+        "empty_header": [b""],
+        "wrong_version": [bad_version],
+        "unknown_op": [msgpack.packb({"v": PROTOCOL_VERSION, "op": 99, "rid": 1})],
+        "missing_field": [encode(Op.PUSH, rid=1, key=known_key)],
+        "wrong_type": [encode(Op.PULL, rid=1, key="x", step=0)],
+        "unknown_key": [encode(Op.PULL, rid=1, key=987654321, step=0)],
+        "wrong_size": [encode(Op.PUSH, **push), b"\0" * 12],
+        "wrong_raw_size": [encode(Op.PUSH, **push), b"\0" * 8],
+        "wrong_numel": [encode(Op.PUSH, **{**push, "numel": 5, "nbytes": 20}), b"\0" * 20],
+        "wrong_dtype": [encode(Op.PUSH, **{**push, "dtype": "float64", "nbytes": 131072}),
+                        b"\0" * 131072],
+        "bad_node": [encode(Op.PUSH, **{**push, "node": 77, "nbytes": 65536}), b"\0" * 65536],
+        "no_payload": [encode(Op.PUSH, **push)],
+        "stale_step": [encode(Op.PUSH, **{**push, "step": -5, "nbytes": 65536}),
+                       b"\0" * 65536],
+        "bad_dtype_register": [encode(Op.REGISTER, rid=1, key=424242, numel=4, dtype="int8",
+                                      name="junk", params=None, node=0)],
+    }
+    replies = {}
+    for name, frames in probes.items():
+        sock.send_multipart(frames)
+        if not sock.poll(10_000):
+            replies[name] = "<no reply>"
+            continue
+        header = decode(sock.recv_multipart()[0])
+        replies[name] = f"{header['op'].name}: {header.get('msg', '')}"
+    sock.close()
+    return replies
+
+
+def pull_bytes(address: str, key: int, step: int) -> bytes:
+    """A raw PULL of a finished step, from a fresh connection."""
+    from bps.protocol import Op, decode, encode
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    sock.send(encode(Op.PULL, rid=5, key=key, step=step))
+    if not sock.poll(10_000):
+        raise RuntimeError(f"no reply to PULL of key {key}")
+    header, *payload = sock.recv_multipart()
+    sock.close()
+    assert decode(header)["op"].name == "DATA", decode(header)
+    return payload[0]
+
+
+def loop(kill_pid: int, kill_at: int) -> None:
+    """Train one key until something fails; at step ``kill_at`` SIGKILL ``kill_pid``."""
+    import signal
+
+    from bps.env import ClusterEnv
+    from bps.worker.engine import WorkerEngine
+
+    engine = WorkerEngine.connect(ClusterEnv.from_environ())
+    engine.declare(7, 1000, torch.float32, None, name="loop.weight")
+    for step in range(10**6):
+        if step == kill_at:
+            print(f"node {engine.node_id}: killing pid {kill_pid or os.getpid()}", flush=True)
+            os.kill(kill_pid or os.getpid(), signal.SIGKILL)
+        engine.push_pull(7, torch.ones(1000), step, 0.1).result()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--case", choices=sorted(KEY_TABLES) + ["loop"], default="raw")
+    parser.add_argument("--kill-pid", type=int, default=0,
+                        help="loop: SIGKILL this pid (0: ourselves) once --kill-at is reached")
+    parser.add_argument("--kill-at", type=int, default=-1, help="loop: step of the kill")
+    args = parser.parse_args()
+    if args.case == "loop":
+        loop(args.kill_pid, args.kill_at)
+        return
+
+    from bps.env import ClusterEnv
+    from bps.protocol import DTYPES, RemoteError
+    from bps.worker.engine import WorkerEngine
+
+    env = ClusterEnv.from_environ()
+    if env.local_rank != 0:
+        return
+    engine = WorkerEngine.connect(env)
+    node = engine.node_id
+    keys = KEY_TABLES[args.case]()
+    for key, numel, dtype, params in keys:
+        engine.declare(key, numel, DTYPES[dtype], params, name=f"t{key}")
+    probes: dict = {}
+    prober = None
+    if node == 0:
+        def probe_all() -> None:
+            for server, address in enumerate(engine.servers):
+                known = next(k for k, *_ in keys if engine.placement.servers[k] == server)
+                probes[server] = probe_server(address, known, node)
+        prober = threading.Thread(target=probe_all)
+        prober.start()
+    results = {}
+    for step in range(STEPS):
+        futures = {key: engine.push_pull(key, tensor_for(node, key, step, numel, DTYPES[dtype]),
+                                         step, lr_for(step), priority=-index)
+                   for index, (key, numel, dtype, _) in enumerate(keys)}
+        results.update({(key, step): fut.result().clone() for key, fut in futures.items()})
+    if prober is not None:
+        prober.join()
+    last = {}
+    if node == 0:
+        for key, *_ in keys:
+            address = engine.servers[engine.placement.servers[key]]
+            last[key] = (pull_bytes(address, key, STEPS - 1), pull_bytes(address, key, STEPS - 1))
+    engine.barrier()
+    mismatch = ""
+    if node == 0:
+        engine.declare(MISMATCH_KEY, 10, torch.float32, None, name="model.a")
+    engine.barrier()
+    if node == 1:
+        try:
+            engine.declare(MISMATCH_KEY, 11, torch.float32, None, name="model.b")
+        except RemoteError as exc:
+            mismatch = str(exc)
+    stats = engine.stats
+    engine.barrier()
+    engine.close()
+    torch.save({"results": results, "placement": dict(engine.placement.servers),
+                "loads": list(engine.placement.loads), "probes": probes, "last": last,
+                "mismatch": mismatch, "stats": stats.__dict__, "servers": engine.servers},
+               os.path.join(args.out, f"node{node}.pt"))
+
+
+if __name__ == "__main__":
+    main()
+
+
+TEST_ENV = {"BPS_TIMEOUT": "20", "BPS_HEARTBEAT_INTERVAL": "0.2", "BPS_HEARTBEAT_TIMEOUT": "4",
+            "BYTEPS_PARTITION_BYTES": "65536", "BPS_SERVER_THREADS": "2",
+            "PYTHONUNBUFFERED": "1"}
+
+
+def run_command(argv: list[str], env: dict[str, str], timeout: float) -> tuple[int, str]:
+    """Run a launcher (own process group), return (exit code, output); on timeout or any
+    error, SIGTERM then SIGKILL the whole group so no process outlives the test."""
+    import signal
+    import subprocess
+
+    proc = subprocess.Popen(argv, env={**os.environ, **env}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True, text=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+        return proc.returncode, output
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+        output, _ = proc.communicate(timeout=15)
+        raise AssertionError(f"{argv} did not finish within {timeout} s:\n{output}") from None
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
