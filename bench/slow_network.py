@@ -24,7 +24,7 @@ import argparse
 import csv
 import json
 import math
-import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -37,57 +37,74 @@ REPO = Path(__file__).resolve().parents[1]
 MNIST = REPO / "examples" / "mnist.py"
 DDP_MNIST = REPO / "bench" / "ddp_mnist.py"
 
-# Each bps method with error feedback and Nesterov momentum inside the chain,
-# as in BytePS's table; dithering with error feedback only.
-EF_NESTEROV = ["--ef", "vanilla", "--momentum", "nesterov"]
+EF_NESTEROV = ("--ef", "vanilla", "--momentum", "nesterov")
+TOPK_FRACTION = 0.01
+DITHERING_LEVELS = 4
+DEFAULT_METHODS = ("fp32", "fp16", "onebit", "topk", "randomk", "dithering",
+                   "ddp", "ddp-fp16", "ddp-powersgd")
+QUICK_METHODS = ("fp32", "onebit", "ddp-powersgd")
+STARTUP_SECONDS = 25.0  # imports and rendezvous of every process on 2 cores, measured
+COMPUTE_SECONDS = 0.06  # one step's compute for all nodes on 2 cores, a first guess
 
 
 @dataclass(frozen=True)
 class Method:
+    """One row of the table. ``wire`` estimates a node's bytes per parameter per step and
+    direction (for the time estimate only; the table reports measured bytes)."""
+
     name: str
     label: str
-    kind: str  # "bps" or "ddp"
+    kind: str  # "bps": examples/mnist.py through bps; "ddp": bench/ddp_mnist.py
     args: tuple[str, ...]
+    wire: float
+
+    def wire_bytes(self, params: int, nodes: int) -> float:
+        ring = 2 * (nodes - 1) / nodes if self.kind == "ddp" else 1.0
+        return self.wire * params * ring
 
 
-METHODS = [
-    Method("fp32", "bps uncompressed fp32", "bps", ("--compressor", "none", "--no-fp16")),
-    Method("fp16", "bps fp16 only", "bps", ("--compressor", "none")),
-    Method("onebit", "bps onebit+EF+Nesterov", "bps",
-           ("--compressor", "onebit", "--scaling", *EF_NESTEROV)),
-    Method("topk", "bps topk+EF+Nesterov", "bps", ("--compressor", "topk", "--k", "0.01",
-                                                    *EF_NESTEROV)),
-    Method("randomk", "bps randomk+EF+Nesterov", "bps", ("--compressor", "randomk", "--k", "0.01",
-                                                          *EF_NESTEROV)),
-    Method("dithering", "bps dithering+EF", "bps", ("--compressor", "dithering", "--k", "4",
-                                                     "--ef", "vanilla")),
-    Method("ddp", "DDP allreduce (gloo)", "ddp", ("--hook", "none")),
-    Method("ddp-fp16", "DDP fp16 hook", "ddp", ("--hook", "fp16")),
-    Method("ddp-powersgd", "DDP PowerSGD hook (rank 1)", "ddp", ("--hook", "powersgd")),
-]
-BY_NAME = {m.name: m for m in METHODS}
+METHODS = {m.name: m for m in (
+    Method("fp32", "bps uncompressed (fp32)", "bps", ("--compressor", "none", "--no-fp16"), 4),
+    Method("fp16", "bps fp16 only", "bps", ("--compressor", "none"), 2),
+    Method("onebit", "bps onebit + EF + Nesterov", "bps",
+           ("--compressor", "onebit", *EF_NESTEROV), 1 / 8),
+    Method("topk", f"bps topk k={TOPK_FRACTION} + EF + Nesterov", "bps",
+           ("--compressor", "topk", "--k", str(TOPK_FRACTION), *EF_NESTEROV), 8 * TOPK_FRACTION),
+    Method("randomk", f"bps randomk k={TOPK_FRACTION} + EF + Nesterov", "bps",
+           ("--compressor", "randomk", "--k", str(TOPK_FRACTION), *EF_NESTEROV),
+           4 * TOPK_FRACTION),
+    Method("dithering", f"bps dithering s={DITHERING_LEVELS} + EF", "bps",
+           ("--compressor", "dithering", "--k", str(DITHERING_LEVELS), "--ef", "vanilla"), 0.5),
+    Method("ddp", "DDP allreduce (gloo)", "ddp", ("--hook", "none"), 4),
+    Method("ddp-fp16", "DDP fp16 hook", "ddp", ("--hook", "fp16"), 2),
+    Method("ddp-powersgd", "DDP PowerSGD hook, rank 1", "ddp",
+           ("--hook", "powersgd", "--powersgd-rank", "1"), 0.01),
+)}
 
 
 @dataclass
 class Run:
+    """One method's run: what examples/mnist.py (rank 0) and bpslaunch netem recorded."""
+
     method: Method
-    rate: str
     metrics: dict = field(default_factory=dict)
-    stats: dict = field(default_factory=dict)
-    wall_seconds: float = 0.0
+    netem: dict = field(default_factory=dict)
+    seconds: float = 0.0  # the whole run, startup and teardown included
     exit_code: int = 0
 
-    # ------------------------------------------------------------------ derived numbers
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and bool(self.metrics.get("epochs"))
+
     @property
     def step_times(self) -> list[float]:
-        return list(self.metrics.get("step_times", []))
+        return [s["time"] for s in self.metrics.get("steps", [])]
 
     @property
     def step_time(self) -> float:
-        """Median step time, the first steps (warm-up, rendezvous) left out."""
-        times = self.step_times
-        skip = min(5, len(times) // 5)
-        return statistics.median(times[skip:]) if times else math.nan
+        """Median step time; the first steps (connection setup, warm-up) left out."""
+        times = self.step_times[min(5, len(self.step_times) // 5):]
+        return statistics.median(times) if times else math.nan
 
     @property
     def epochs(self) -> list[dict]:
@@ -97,7 +114,12 @@ class Run:
     def final_accuracy(self) -> float:
         return self.epochs[-1]["test_accuracy"] if self.epochs else math.nan
 
+    @property
+    def train_time(self) -> float:
+        return self.epochs[-1]["wall_time"] if self.epochs else math.nan
+
     def time_to(self, target: float) -> float:
+        """Training wall time at the first epoch end with test accuracy >= target."""
         for epoch in self.epochs:
             if epoch["test_accuracy"] >= target:
                 return epoch["wall_time"]
@@ -105,17 +127,318 @@ class Run:
 
     @property
     def wire_bytes_per_step(self) -> float:
-        """Bytes a worker node's NIC carried (sent + received) per step, averaged over nodes."""
-        hosts = self.stats.get("hosts", {})
-        workers = [h for name, h in hosts.items() if name.startswith("w")]
+        """Bytes through a worker node's NIC (sent + received) per step, mean over nodes.
+
+        Everything on the wire of the whole job (TCP/IP headers, rendezvous, the initial
+        parameter broadcast) divided by the number of steps.
+        """
+        workers = [h for name, h in self.netem.get("hosts", {}).items() if name.startswith("w")]
         steps = len(self.step_times)
         if not workers or not steps:
             return math.nan
         return sum(h["tx_bytes"] + h["rx_bytes"] for h in workers) / len(workers) / steps
 
-    def as_dict(self) -> dict:
-        return {"method": self.method.name, "label": self.method.label, "rate": self.rate,
-                "exit_code": self.exit_code, "wall_seconds": self.wall_seconds,
-                "step_time": self.step_time, "final_accuracy": self.final_accuracy,
-                "wire_bytes_per_step": self.wire_bytes_per_step,
-                "metrics": self.metrics, "netem_stats": self.stats}
+    @property
+    def payload_bytes_per_step(self) -> float:
+        """bps only: bytes node 0 pushed + pulled per step, as the engine counts them."""
+        steps = self.metrics.get("steps", [])
+        if not steps or "bytes_pushed" not in steps[0]:
+            return math.nan
+        return statistics.mean(s["bytes_pushed"] + s["bytes_pulled"] for s in steps)
+
+    def row(self, target: float, reference: dict[str, float]) -> dict:
+        reach = self.time_to(target)
+        return {
+            "method": self.method.name, "label": self.method.label,
+            "step_time_s": self.step_time, "time_to_target_s": reach,
+            "final_accuracy": self.final_accuracy, "train_time_s": self.train_time,
+            "wire_bytes_per_step": self.wire_bytes_per_step,
+            "payload_bytes_per_step": self.payload_bytes_per_step,
+            **{f"speedup_vs_{name}": ref / reach if math.isfinite(reach) else 0.0
+               for name, ref in reference.items()},
+            "run_seconds": self.seconds, "exit_code": self.exit_code,
+        }
+
+
+# --------------------------------------------------------------------------- running
+
+def job_args(args: argparse.Namespace) -> list[str]:
+    return ["--epochs", str(args.epochs), "--lr", str(args.lr), "--batch-size",
+            str(args.batch_size), "--hidden", str(args.hidden), "--layers", str(args.layers),
+            "--seed", str(args.seed)]
+
+
+def command(method: Method, args: argparse.Namespace, metrics: Path, stats: Path) -> list[str]:
+    """The bpslaunch netem command line of one run."""
+    launch = [sys.executable, "-m", "bps.launch.cli", "netem", "--nodes", str(args.nodes),
+              "--rate", args.rate, "--stats-json", str(stats)]
+    if args.delay != "0ms":
+        launch += ["--delay", args.delay]
+    if method.kind == "ddp":
+        launch += ["--torchrun"]
+        script = DDP_MNIST
+    else:
+        launch += ["--servers", str(args.servers)]
+        script = MNIST
+    return [*launch, "--", sys.executable, str(script), *job_args(args), *method.args,
+            "--metrics-json", str(metrics)]
+
+
+def parameter_count(hidden: int, layers: int) -> int:
+    return 784 * hidden + hidden + (layers - 1) * (hidden * hidden + hidden) + hidden * 10 + 10
+
+
+def estimate_seconds(method: Method, args: argparse.Namespace, params: int) -> float:
+    steps = args.epochs * (4000 // (args.nodes * args.batch_size))
+    per_step = COMPUTE_SECONDS * args.nodes / 4
+    if args.rate_bits:
+        per_step += method.wire_bytes(params, args.nodes) * 8 / args.rate_bits * 1.15
+    return STARTUP_SECONDS + steps * per_step
+
+
+def run_one(method: Method, args: argparse.Namespace, workdir: Path) -> Run:
+    metrics, stats = workdir / f"{method.name}.metrics.json", workdir / f"{method.name}.netem.json"
+    log_path = workdir / f"{method.name}.log"
+    argv = command(method, args, metrics, stats)
+    start = time.monotonic()
+    with open(log_path, "w") as log:
+        log.write(" ".join(argv) + "\n")
+        log.flush()
+        process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                   text=True, cwd=REPO)
+        try:
+            for line in process.stdout:
+                log.write(line)
+                log.flush()
+                if "test accuracy" in line and "|" not in line:
+                    print(f"      {line.strip()}", flush=True)
+            exit_code = process.wait(timeout=args.run_timeout)
+        finally:
+            if process.poll() is None:  # interrupted: bpslaunch tears its cluster down
+                process.terminate()
+                process.wait(timeout=60)
+    run = Run(method, seconds=time.monotonic() - start, exit_code=exit_code)
+    if metrics.exists():
+        run.metrics = json.loads(metrics.read_text())
+    if stats.exists():
+        run.netem = json.loads(stats.read_text())
+    if not run.ok:
+        tail = log_path.read_text().splitlines()[-25:]
+        print(f"      FAILED (exit {exit_code}); last lines of {log_path}:", flush=True)
+        for line in tail:
+            print(f"        {line}", flush=True)
+    return run
+
+
+def duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+
+
+def run_all(args: argparse.Namespace, methods: list[Method], workdir: Path) -> list[Run]:
+    params = parameter_count(args.hidden, args.layers)
+    estimates = [estimate_seconds(m, args, params) for m in methods]
+    runs: list[Run] = []
+    correction = 1.0  # measured / estimated, over the finished runs
+    for index, method in enumerate(methods):
+        left = correction * sum(estimates[index:])
+        print(f"[{index + 1}/{len(methods)}] {method.label} @ {args.rate}: starting, "
+              f"about {duration(correction * estimates[index])} for this run, "
+              f"{duration(left)} for the rest", flush=True)
+        run = run_one(method, args, workdir)
+        runs.append(run)
+        correction = sum(r.seconds for r in runs) / sum(estimates[:index + 1])
+        print(f"[{index + 1}/{len(methods)}] {method.name}: done in {duration(run.seconds)}: "
+              f"step {run.step_time * 1000:.0f} ms, final accuracy {run.final_accuracy:.2%}; "
+              f"about {duration(correction * sum(estimates[index + 1:]))} left", flush=True)
+    return runs
+
+
+# --------------------------------------------------------------------------- results
+
+def fmt_bytes(nbytes: float) -> str:
+    if not math.isfinite(nbytes):
+        return "n/a"
+    for unit in ("B", "KB", "MB", "GB"):
+        if nbytes < 1000 or unit == "GB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.2f} {unit}"
+        nbytes /= 1000
+    return f"{nbytes:.2f} GB"
+
+
+def fmt_seconds(seconds: float) -> str:
+    if math.isinf(seconds):
+        return "not reached"
+    return f"{seconds:.1f} s" if seconds >= 1 else f"{seconds * 1000:.0f} ms"
+
+
+def summarise(runs: list[Run]) -> tuple[float, list[dict]]:
+    """Target accuracy and one row per run (speed-ups against fp32 and DDP + PowerSGD)."""
+    by_name = {r.method.name: r for r in runs if r.ok}
+    baseline = by_name.get("fp32") or next(iter(by_name.values()), None)
+    if baseline is None:
+        return math.nan, []
+    target = baseline.final_accuracy - 0.01
+    reference = {"fp32": baseline.time_to(target)}
+    if "ddp-powersgd" in by_name:
+        reference["ddp_powersgd"] = by_name["ddp-powersgd"].time_to(target)
+    return target, [r.row(target, reference) for r in runs]
+
+
+def markdown_table(rows: list[dict]) -> str:
+    lines = ["| method | step time | time to target | final accuracy | bytes per step | "
+             "speed-up to target vs fp32 |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for row in rows:
+        speedup = row.get("speedup_vs_fp32", 0.0)
+        lines.append(
+            f"| {row['label']} | {fmt_seconds(row['step_time_s'])} | "
+            f"{fmt_seconds(row['time_to_target_s'])} | {row['final_accuracy']:.2%} | "
+            f"{fmt_bytes(row['wire_bytes_per_step'])} | "
+            f"{f'{speedup:.1f}x' if speedup else '-'} |")
+    return "\n".join(lines)
+
+
+def write_results(args: argparse.Namespace, runs: list[Run], target: float, rows: list[dict],
+                  argv: list[str]) -> list[Path]:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"slow_network_{args.rate}{'_quick' if args.quick else ''}"
+    record = {
+        "command": "python bench/slow_network.py " + " ".join(argv),
+        "rate": args.rate, "nodes": args.nodes, "servers": args.servers,
+        "parameters": parameter_count(args.hidden, args.layers), "job": job_args(args),
+        "target_accuracy": target, "rows": rows,
+        "runs": [{"method": r.method.name, "label": r.method.label, "args": list(r.method.args),
+                  "exit_code": r.exit_code, "run_seconds": r.seconds,
+                  "metrics": r.metrics, "netem": r.netem} for r in runs],
+    }
+    paths = [stem.with_suffix(".json"), stem.with_suffix(".csv")]
+    paths[0].write_text(json.dumps(record, indent=1))
+    with open(paths[1], "w", newline="") as handle:
+        if rows:
+            writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+    paths += plot(stem, args, runs, target)
+    return paths
+
+
+def plot(stem: Path, args: argparse.Namespace, runs: list[Run], target: float) -> list[Path]:
+    import matplotlib
+    import matplotlib.ticker
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    good = [r for r in runs if r.ok]
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for run in good:
+        style = "--" if run.method.kind == "ddp" else "-"
+        ax.plot([0] + [e["wall_time"] for e in run.epochs],
+                [math.nan] + [100 * e["test_accuracy"] for e in run.epochs],
+                style, marker="o", markersize=3, label=run.method.label)
+    if math.isfinite(target):
+        ax.axhline(100 * target, color="grey", linewidth=0.8, linestyle=":",
+                   label=f"target {100 * target:.1f}%")
+    ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.set_xlabel("training wall time (s, log scale)")
+    ax.set_ylabel("test accuracy (%)")
+    ax.set_title(f"MNIST, {args.nodes} emulated hosts, {args.rate} links")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    accuracy_png = Path(f"{stem}_accuracy.png")
+    fig.savefig(accuracy_png, dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    names = [r.method.label for r in good]
+    ax.barh(names, [1000 * r.step_time for r in good],
+            color=["tab:orange" if r.method.kind == "ddp" else "tab:blue" for r in good])
+    ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.set_xlabel("median step time (ms, log scale)")
+    ax.set_title(f"Step time, {args.nodes} emulated hosts, {args.rate} links")
+    ax.invert_yaxis()
+    ax.grid(alpha=0.3, axis="x")
+    fig.tight_layout()
+    step_png = Path(f"{stem}_step_time.png")
+    fig.savefig(step_png, dpi=110)
+    plt.close(fig)
+    return [accuracy_png, step_png]
+
+
+# --------------------------------------------------------------------------- command line
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nodes", type=int, default=4, help="worker nodes (emulated hosts)")
+    p.add_argument("--servers", type=int, default=None, help="bps servers (default: --nodes)")
+    p.add_argument("--rate", default="100mbit", help="link rate, e.g. 100mbit; 'none': no limit")
+    p.add_argument("--delay", default="0ms", help="per link direction (needs netem)")
+    p.add_argument("--methods", default=None,
+                   help=f"comma-separated subset of {','.join(METHODS)}")
+    p.add_argument("--quick", action="store_true",
+                   help="2 nodes, small model, 1 epoch, methods " + ",".join(QUICK_METHODS))
+    p.add_argument("--epochs", type=int, default=None, help="default 8 (quick: 1)")
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--batch-size", type=int, default=32, help="per worker")
+    p.add_argument("--hidden", type=int, default=None, help="default 1100 (quick: 128)")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=str(REPO / "docs"), help="where results go")
+    p.add_argument("--run-timeout", type=float, default=1800.0, help="seconds per run")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.nodes = 2 if "--nodes" not in argv else args.nodes
+        args.layers = 1 if "--layers" not in argv else args.layers
+    args.epochs = args.epochs or (1 if args.quick else 8)
+    args.hidden = args.hidden or (128 if args.quick else 1100)
+    args.servers = args.servers or args.nodes
+    names = args.methods.split(",") if args.methods else list(
+        QUICK_METHODS if args.quick else DEFAULT_METHODS)
+    unknown = [n for n in names if n not in METHODS]
+    if unknown:
+        p.error(f"--methods: unknown {unknown}; choose from {','.join(METHODS)}")
+    args.method_list = [METHODS[n] for n in names]
+    from bps.launch.netns import NetnsError, parse_rate
+
+    try:
+        args.rate_bits = parse_rate(args.rate)
+    except NetnsError as exc:
+        p.error(str(exc))
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    params = parameter_count(args.hidden, args.layers)
+    print(f"slow-network benchmark: {args.nodes} nodes, {args.servers} servers, {args.rate} "
+          f"links, MLP {args.layers}x{args.hidden} ({params:,} parameters), {args.epochs} "
+          f"epochs, {len(args.method_list)} methods", flush=True)
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="bps-slow-network-") as tmp:
+        workdir = Path(tmp)
+        runs = run_all(args, args.method_list, workdir)
+        if not all(r.ok for r in runs):
+            keep = Path(args.out) / "slow_network_failed_logs"
+            keep.mkdir(parents=True, exist_ok=True)
+            for log in workdir.glob("*.log"):
+                shutil.copy(log, keep / log.name)
+            print(f"logs of the runs kept in {keep}", flush=True)
+    target, rows = summarise(runs)
+    paths = write_results(args, runs, target, rows, argv)
+    print(f"\n{args.nodes} nodes, {args.rate}; target accuracy {target:.2%} "
+          f"(fp32 final - 1 point); total {duration(time.monotonic() - started)}\n")
+    print(markdown_table(rows))
+    print("\nwritten: " + ", ".join(str(p.relative_to(REPO) if p.is_relative_to(REPO) else p)
+                                    for p in paths))
+    return 0 if all(r.ok for r in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

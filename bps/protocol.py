@@ -35,7 +35,6 @@ from enum import IntEnum
 from typing import Any
 
 import msgpack
-import torch
 
 PROTOCOL_VERSION = 1
 MAX_HEADER_BYTES = 1 << 20
@@ -94,20 +93,25 @@ FIELDS: dict[Op, dict[str, tuple[type, ...]]] = {
     Op.PEER_DEAD: {"msg": _STR},
 }
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-}
+DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64")
 
 
-def dtype_name(dtype: torch.dtype) -> str:
+def torch_dtype(name: str) -> Any:
+    """``"float32"`` -> ``torch.float32``; raises ValueError for unsupported names."""
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"dtype {name!r} not one of {', '.join(DTYPE_NAMES)}")
+    import torch  # lazily: the scheduler never needs torch
+
+    return getattr(torch, name)
+
+
+def dtype_name(dtype: Any) -> str:
     """``torch.float32`` -> ``"float32"``; raises ValueError for unsupported dtypes."""
-    for name, value in DTYPES.items():
-        if value == dtype:
-            return name
-    raise ValueError(f"dtype {dtype} not supported: expected one of {', '.join(DTYPES)}")
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"dtype {dtype} not supported: expected one of "
+                         f"{', '.join(DTYPE_NAMES)}")
+    return name
 
 
 def encode(op: Op, **fields: Any) -> bytes:

@@ -128,6 +128,7 @@ class DistributedTrainer:
         self.params = params
         self._compress = params["compressor"] is not None
         self._fp16 = params["fp16"]
+        self._wire_dtype = torch.float16 if self._fp16 else torch.float32
         self._step = 0
         self._error: BaseException | None = None
         self._done = 0
@@ -274,7 +275,7 @@ class DistributedTrainer:
             for p in group["params"]:
                 group_of[id(p)] = gi
         slots, seen = [], set()
-        wire_dtype = torch.float16 if self._fp16 else torch.float32
+        wire_dtype = self._wire_dtype
         node_dtype = torch.float16 if self._fp16 and self._rt.local_size > 1 else torch.float32
         for name, p in self.model.named_parameters():
             if not p.requires_grad or id(p) in seen:
@@ -333,7 +334,9 @@ class DistributedTrainer:
         with torch.no_grad():
             if grad is None:
                 slot.send.zero_()
-            else:
+            elif slot.send.dtype == grad.dtype:
+                torch.div(grad.detach().reshape(-1), self._rt.size, out=slot.send)
+            else:  # divide in float32 first, so the fp16 copy cannot overflow
                 slot.send.copy_(grad.detach().reshape(-1).div(self._rt.size))
         self._reduce_q.put(index)
 
@@ -378,11 +381,12 @@ class DistributedTrainer:
             slot.futures = []
             for part in slot.parts:
                 piece = send[part.offset:part.offset + part.length]
+                # No copy where the dtype already fits: ``send`` is not written again
+                # before step() has waited for these futures.
                 if part.compressed_key is not None and not warm:
-                    key, tensor = part.compressed_key, piece.to(torch.float32, copy=True)
+                    key, tensor = part.compressed_key, piece.to(torch.float32)
                 else:
-                    dtype = torch.float16 if self._fp16 else torch.float32
-                    key, tensor = part.raw_key, piece.to(dtype, copy=True)
+                    key, tensor = part.raw_key, piece.to(self._wire_dtype)
                 slot.futures.append(engine.push_pull(key, tensor, self._step, lr, priority=-index))
         self._bcast_q.put(index)
 

@@ -28,9 +28,10 @@ import math
 import numpy as np
 import torch
 from numba import njit
+from numba.cpython.unsafe.numbers import leading_zeros
 
-from .base import Compressor, Payload, float_view, payload_bytes, sub_array
-from .bitstream import bit_length, finish_bits, get_delta, put_bits, put_delta
+from .base import Compressor, Payload, float_view, payload_bytes
+from .bitstream import MAX_CODE_BITS, MAX_HEAD_ZEROS, bit_length, delta_length, delta_parts
 from .rng import UINT64_MAX_F64, load_state_list, new_state, next_random, state_list
 
 TRAILER = 16
@@ -69,6 +70,25 @@ def next_pow2(value):
 @njit(nogil=True, cache=True)
 def dither_encode(x, scale, levels, natural, state, stream):
     """Quantise and code x into ``stream``; returns the bit count. Advances ``state``."""
+
+    def put(acc, fill, pos, value, nbits):  # append <= 32 bits, flush whole 32-bit groups
+        acc = (acc << np.uint64(nbits)) | value
+        fill += nbits
+        if fill >= 32:
+            fill -= 32
+            word = acc >> np.uint64(fill)
+            for j in range(4):
+                stream[pos + j] = np.uint8((word >> np.uint64(24 - 8 * j)) & np.uint64(0xFF))
+            pos += 4
+        return acc, fill, pos
+
+    def put_delta(acc, fill, pos, value):
+        head, head_bits, tail, tail_bits = delta_parts(value)
+        acc, fill, pos = put(acc, fill, pos, head, head_bits)
+        if tail_bits:
+            acc, fill, pos = put(acc, fill, pos, tail, tail_bits)
+        return acc, fill, pos
+
     acc = np.uint64(0)
     fill = 0
     pos = 0
@@ -89,16 +109,50 @@ def dither_encode(x, scale, levels, natural, state, stream):
             low = np.floor(u)
             q = np.int64(low) + np.int64(np.float64(r) < np.float64(u - low) * UINT64_MAX_F64)
         if q:
-            acc, fill, pos = put_delta(stream, acc, fill, pos, i - previous)
-            acc, fill, pos = put_bits(stream, acc, fill, pos, np.uint64(value < 0), 1)
-            acc, fill, pos = put_delta(stream, acc, fill, pos, q)
+            acc, fill, pos = put_delta(acc, fill, pos, i - previous)
+            acc, fill, pos = put(acc, fill, pos, np.uint64(value < 0), 1)
+            acc, fill, pos = put_delta(acc, fill, pos, q)
             previous = i
-    return finish_bits(stream, acc, fill, pos)
+    if fill:  # the last partial group, zero-padded to whole bytes
+        tail = (acc << np.uint64(32 - fill)) & np.uint64(0xFFFFFFFF)
+        for j in range((fill + 7) // 8):
+            stream[pos + j] = np.uint8((tail >> np.uint64(24 - 8 * j)) & np.uint64(0xFF))
+    return pos * 8 + fill
 
 
 @njit(nogil=True, cache=True)
 def dither_decode(stream, nbits, scale, divisor, max_level, out):
     """Decode into zero-filled ``out``; returns 0, or an ERRORS code (checks every read)."""
+
+    def refill(acc, avail, pos):  # top up the left-aligned reader word, a byte at a time
+        while avail <= 56 and pos < stream.size:
+            acc |= np.uint64(stream[pos]) << np.uint64(56 - avail)
+            avail += 8
+            pos += 1
+        return acc, avail, pos
+
+    def take(acc, avail, left, nbits):  # the next nbits (1..32), caller checked they exist
+        value = acc >> np.uint64(64 - nbits)
+        return value, acc << np.uint64(nbits), avail - nbits, left - nbits
+
+    def get_delta(acc, avail, pos, left):  # value 0 means malformed or truncated
+        acc, avail, pos = refill(acc, avail, pos)
+        zeros = np.int64(leading_zeros(acc))
+        head = 2 * zeros + 1
+        if zeros > MAX_HEAD_ZEROS or head > avail or head > left:
+            return np.uint64(0), acc, avail, pos, left
+        b, acc, avail, left = take(acc, avail, left, head)
+        if b > MAX_CODE_BITS:
+            return np.uint64(0), acc, avail, pos, left
+        value = np.uint64(1) << (b - np.uint64(1))
+        if b > 1:
+            acc, avail, pos = refill(acc, avail, pos)
+            if b - 1 > avail or b - 1 > left:
+                return np.uint64(0), acc, avail, pos, left
+            low, acc, avail, left = take(acc, avail, left, b - 1)
+            value |= low
+        return value, acc, avail, pos, left
+
     acc = np.uint64(0)
     avail = 0
     pos = 0
@@ -106,7 +160,7 @@ def dither_decode(stream, nbits, scale, divisor, max_level, out):
     index = -1
     n = out.size
     while left > 0:
-        gap, acc, avail, pos, left = get_delta(stream, acc, avail, pos, left)
+        gap, acc, avail, pos, left = get_delta(acc, avail, pos, left)
         if gap == 0:
             return 1
         if gap > np.uint64(n - 1 - index):
@@ -114,15 +168,9 @@ def dither_decode(stream, nbits, scale, divisor, max_level, out):
         index += np.int64(gap)
         if left < 1:
             return 4
-        if avail == 0:
-            acc |= np.uint64(stream[pos]) << np.uint64(56)
-            avail = 8
-            pos += 1
-        negative = acc >> np.uint64(63)
-        acc <<= np.uint64(1)
-        avail -= 1
-        left -= 1
-        q, acc, avail, pos, left = get_delta(stream, acc, avail, pos, left)
+        acc, avail, pos = refill(acc, avail, pos)
+        negative, acc, avail, left = take(acc, avail, left, 1)
+        q, acc, avail, pos, left = get_delta(acc, avail, pos, left)
         if q == 0:
             return 1
         if q > np.uint64(max_level):
@@ -143,8 +191,8 @@ class Dithering(Compressor):
         self.divisor = float(2 ** (levels - 1)) if natural else float(levels)
         # q <= divisor, or one level more where float rounding puts |x| / scale above 1
         self.max_level = 2 * int(self.divisor) if natural else levels + 1
-        q_bits = 2 * bit_length(bit_length(self.max_level)) - 1 + bit_length(self.max_level) - 1
-        self.max_stream_bytes = (numel * (3 + q_bits) + 7) // 8 + 8
+        # per element at most: 2 bits of gap code (delta(2) = 4 bits per 2), sign, q code
+        self.max_stream_bytes = (numel * (3 + delta_length(self.max_level)) + 7) // 8 + 8
 
     def compress(self, x: torch.Tensor) -> torch.Tensor:
         values = float_view(self.check_input(x))

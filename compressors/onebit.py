@@ -4,8 +4,9 @@ Payload (little-endian), ``W = ceil(numel / 32)``, ``4 * W + 4`` bytes::
 
     W x uint32   sign words: bit i (x[i] < 0) is bit 31 - i % 32 of word i // 32
                  (MSB-first); padding bits are 0
-    float32      scale: sum(|x|) / numel if scaling, else 1.0 (the sum in float64;
-                 its summation order is the vectorised kernel's, not fixed)
+    float32      scale: sum(|x|) / numel if scaling (the sum in float64; its
+                 summation order is the vectorised kernel's, not fixed), else 1.0,
+                 or 0.0 for an all-zero input (which must decode to zeros)
 
 Example::
 
@@ -23,6 +24,7 @@ from numba import njit
 
 from .base import Compressor, Payload, bit_view, float_view, payload_bytes, sub_array
 from .threads import chunk_bounds, run_chunks
+
 
 @njit(nogil=True, cache=True, fastmath={"reassoc", "nsz", "contract"})
 def pack_signs(x, words):
@@ -86,7 +88,11 @@ class OneBit(Compressor):
         words = sub_array(buffer, 0, np.uint32, self.num_words)
         sums = run_chunks(lambda lo, hi: pack_signs(values[lo:hi], words[lo // 32 :]),
                           self.bounds)
-        scale = sum(sums) / self.numel if self.scaling else 1.0
+        total = sum(sums)
+        if self.scaling:
+            scale = total / self.numel
+        else:  # SPEC: an all-zero input decodes to zeros, so its unscaled scale is 0
+            scale = 0.0 if total == 0.0 else 1.0
         sub_array(buffer, 4 * self.num_words, np.float32, 1)[0] = scale
         return payload
 

@@ -14,7 +14,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
 
 MIN_CHUNK = 1 << 20  # elements: below this, thread hand-off costs more than it saves
 ALIGN = 32  # chunk bounds are multiples of 32 elements (one onebit word)

@@ -63,4 +63,8 @@ def main(args: Sequence[str]) -> int:
             node_env = {**base, "DMLC_ROLE": "worker", "DMLC_WORKER_ID": str(node)}
             for rank, env in enumerate(local_rank_envs(node_env, ns.local_size)):
                 supervisor.spawn(ns.command, env, f"worker{node}.{rank}")
-        return supervisor.wait()
+        try:
+            return supervisor.wait()
+        except KeyboardInterrupt:
+            print("[bpslaunch] interrupted; stopping all processes", file=sys.stderr)
+            return 128 + signal.SIGINT

@@ -70,8 +70,6 @@ def build_parser() -> argparse.ArgumentParser:
                         help="run CMD with torch.distributed variables instead of bps roles")
     parser.add_argument("--stats-json", metavar="PATH",
                         help="write the bytes each host sent and received to PATH")
-    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
-                        help="seconds servers and scheduler get to exit after the workers")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD...")
     return parser
 
@@ -106,7 +104,7 @@ def host_names(nodes: int, servers: int, torchrun: bool) -> list[str]:
     return names + [f"s{j}" for j in range(servers)] + [f"w{i}" for i in range(nodes)]
 
 
-def _base_env(host_ip: str, ifname: str) -> dict[str, str]:
+def _base_env(ifname: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update(GLOO_SOCKET_IFNAME=ifname, PYTHONUNBUFFERED="1")
     env.setdefault("TP_SOCKET_IFNAME", ifname)
@@ -114,7 +112,7 @@ def _base_env(host_ip: str, ifname: str) -> dict[str, str]:
 
 
 def bps_processes(args: argparse.Namespace, cluster: EmulatedCluster):
-    """(name, argv, env) of the scheduler, servers and worker nodes for bps mode."""
+    """(name, argv, env, is_service) of the scheduler, servers and worker nodes for bps mode."""
     sched = cluster.hosts["sched"]
     common = {
         "DMLC_NUM_WORKER": str(args.nodes),
@@ -125,29 +123,30 @@ def bps_processes(args: argparse.Namespace, cluster: EmulatedCluster):
     }
     launcher = [sys.executable, "-m", "bps.launch.cli"]
     roles = [("sched", "scheduler", {})]
-    roles += [(f"s{j}", "server", {}) for j in range(args.servers)]
+    roles += [(f"s{j}", "server", {"BPS_SERVER_ID": str(j)}) for j in range(args.servers)]
     roles += [(f"w{i}", "worker", {"DMLC_WORKER_ID": str(i)}) for i in range(args.nodes)]
     for name, role, extra in roles:
         host = cluster.hosts[name]
-        env = _base_env(host.ip, host.ifname)
-        env.update(common, extra, DMLC_ROLE=role, DMLC_NODE_HOST=host.ip)
-        yield name, host.exec_argv(launcher + list(args.command)), env
+        env = _base_env(host.ifname)
+        env.update(common)
+        env.update(extra, DMLC_ROLE=role, DMLC_NODE_HOST=host.ip)
+        yield name, host.exec_argv(launcher + list(args.command)), env, role != "worker"
 
 
 def torchrun_processes(args: argparse.Namespace, cluster: EmulatedCluster):
-    """(name, argv, env) of every local process of every node, torchrun-style variables."""
+    """(name, argv, env, is_service) of every process of every node, torchrun's variables."""
     master = cluster.hosts["w0"]
     world = args.nodes * args.local_size
     for i in range(args.nodes):
         host = cluster.hosts[f"w{i}"]
         for local_rank in range(args.local_size):
-            env = _base_env(host.ip, host.ifname)
+            env = _base_env(host.ifname)
             env.update(MASTER_ADDR=master.ip, MASTER_PORT=str(TORCH_MASTER_PORT),
                        WORLD_SIZE=str(world), RANK=str(i * args.local_size + local_rank),
                        LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(args.local_size),
                        GROUP_RANK=str(i), NODE_RANK=str(i))
             name = f"w{i}" if args.local_size == 1 else f"w{i}.{local_rank}"
-            yield name, host.exec_argv(list(args.command)), env
+            yield name, host.exec_argv(list(args.command)), env, False
 
 
 def write_stats(path: str, args: argparse.Namespace, cluster: EmulatedCluster,
@@ -199,7 +198,7 @@ def main(argv: list[str]) -> int:
             _log(f"host {host.name:>5}: {host.ip} (namespace {host.netns})")
         processes = torchrun_processes if args.torchrun else bps_processes
         start = time.monotonic()
-        exit_code = run_processes(args, list(processes(args, cluster)))
+        exit_code = run_processes(list(processes(args, cluster)))
         if args.stats_json:
             write_stats(args.stats_json, args, cluster, time.monotonic() - start, exit_code)
     except NetnsError as exc:
@@ -220,9 +219,13 @@ def main(argv: list[str]) -> int:
     return exit_code
 
 
-def run_processes(args: argparse.Namespace, processes: list[tuple[str, list[str], dict]]) -> int:
-    """Start every process under one supervisor; the workers' exit code decides."""
+def run_processes(processes: list[tuple[str, list[str], dict, bool]]) -> int:
+    """Start every process under one supervisor; the workers' exit codes decide.
+
+    Scheduler and servers are services: once every worker exited 0 they get the
+    supervisor's grace period to finish on their own.
+    """
     with Supervisor() as supervisor:
-        for name, argv, env in processes:
-            supervisor.spawn(argv, env=env, name=name)
+        for name, argv, env, service in processes:
+            supervisor.spawn(argv, env, name, service=service)
         return supervisor.wait()

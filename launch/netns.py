@@ -270,8 +270,11 @@ def delete_namespaces(namespaces: list[str]) -> None:
 
 def clean_stale(log=None) -> list[str]:
     """Delete ``bpsn-`` namespaces whose owning process is gone; returns their names."""
-    stale = [ns for ns in list_namespaces()
-             if ns.startswith(PREFIX) and (_owner_pid(ns) is None or not _pid_alive(_owner_pid(ns)))]
+    def orphaned(netns: str) -> bool:
+        owner = _owner_pid(netns)
+        return owner is None or not _pid_alive(owner)
+
+    stale = [ns for ns in list_namespaces() if ns.startswith(PREFIX) and orphaned(ns)]
     if stale:
         if log:
             log(f"removing {len(stale)} namespaces left by a dead run: {' '.join(stale)}")
@@ -283,7 +286,7 @@ _netem_probe_result: str | None = None
 
 
 def netem_missing_reason() -> str | None:
-    """None if this kernel has the netem qdisc, else why not (probed once, in a scratch namespace)."""
+    """None if this kernel has the netem qdisc, else why not (probed once, in a scratch netns)."""
     global _netem_probe_result
     if _netem_probe_result is None:
         probe = f"{PREFIX}{os.getpid()}-probe"
@@ -372,7 +375,8 @@ class EmulatedCluster:
         existing = set(list_namespaces())
         clash = [ns for ns in self.namespaces if ns in existing]
         if clash:
-            raise NetnsError(f"namespaces already exist: {clash} (another cluster of this process?)")
+            raise NetnsError(f"namespaces already exist: {clash} "
+                             "(another cluster of this process?)")
         try:
             self._add_namespace(self.switch_netns)
             _ip(self.switch_netns, "link", "add", "name", BRIDGE, "type", "bridge")

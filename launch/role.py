@@ -74,4 +74,7 @@ def main(args: Sequence[str]) -> int:
     with Supervisor() as supervisor:
         for rank, child_env in enumerate(local_rank_envs(os.environ, env.local_size)):
             supervisor.spawn(args, child_env, f"worker{env.worker_id}.{rank}")
-        return supervisor.wait()
+        try:
+            return supervisor.wait()
+        except KeyboardInterrupt:
+            return 128 + signal.SIGINT

@@ -14,8 +14,9 @@ are written to our stdout prefixed with ``[name]``. :meth:`wait` returns 0 when 
 non-service child exited 0 (service children, such as the scheduler and the servers, are
 then given ``grace`` seconds to exit on their own before being stopped); as soon as any
 child fails it stops all others and returns that child's exit code (128 + signal for a
-child killed by a signal). Children get SIGKILL if the supervisor itself dies. Leaving the ``with`` block, an exception or Ctrl-C stops
-every child: SIGTERM, then SIGKILL after ``grace`` seconds.
+child killed by a signal). Leaving the ``with`` block, an exception or Ctrl-C stops
+every child: SIGTERM, then SIGKILL after ``grace`` seconds. Children get SIGKILL if the
+supervisor itself dies.
 """
 
 from __future__ import annotations

@@ -1,7 +1,3 @@
 """The scheduler and the parameter server (``python -m bps.server`` runs the role of
-``DMLC_ROLE``, like ``bpslaunch``)."""
-
-from bps.server.scheduler import run_scheduler
-from bps.server.server import run_server
-
-__all__ = ["run_scheduler", "run_server"]
+``DMLC_ROLE``, like ``bpslaunch``): ``bps.server.scheduler.run_scheduler(env)``,
+``bps.server.server.run_server(env)``."""

@@ -10,7 +10,8 @@ The scheduler binds a ROUTER at ``DMLC_PS_ROOT_URI:DMLC_PS_ROOT_PORT``. Servers 
 worker nodes (local rank 0 only) say HELLO; once ``DMLC_NUM_WORKER`` workers and
 ``DMLC_NUM_SERVER`` servers are in, everyone gets a WELCOME with the server addresses
 (in server-rank order), the counts and the job seed. If that does not happen within
-``BPS_TIMEOUT`` everyone registered gets an error naming who is missing. Afterwards every
+``BPS_TIMEOUT`` of the first HELLO, everyone registered gets an error naming who is
+missing. Afterwards every
 node heartbeats; a node silent for ``BPS_HEARTBEAT_TIMEOUT`` is declared dead, everyone
 else gets PEER_DEAD naming it, and the scheduler exits non-zero. When every worker has
 said FINALIZE the servers get SHUTDOWN and the scheduler exits 0.
@@ -94,13 +95,15 @@ class Scheduler:
         while True:
             if self.sock.poll(int(env.heartbeat_interval * 1000)):
                 ident, *frames = self.sock.recv_multipart()
+                if not self.nodes:
+                    start = time.monotonic()
                 self._handle(ident, frames, welcomed)
             now = time.monotonic()
             if not welcomed:
                 if self._complete():
                     self._welcome()
                     welcomed = True
-                elif now - start > env.timeout:
+                elif now - start > env.timeout:  # start: the first HELLO, if any
                     msg = (f"rendezvous timed out after {env.timeout:g} s (BPS_TIMEOUT): "
                            f"{self._missing()}")
                     log.error(msg)
@@ -234,7 +237,8 @@ class SchedulerClient:
         """Say HELLO and wait for WELCOME; raises ClusterError on error or timeout."""
         worker_id = self.env.worker_id if self.role == "worker" else self.env.server_id
         self.send(Op.HELLO, role=self.role, worker_id=worker_id, addr=self.addr)
-        deadline = time.monotonic() + self.env.timeout
+        # the scheduler's own rendezvous timeout (which names who is missing) comes first
+        deadline = time.monotonic() + self.env.timeout + self.env.heartbeat_timeout
         self.last_seen = time.monotonic()
         while time.monotonic() < deadline:
             self.tick()

@@ -37,13 +37,14 @@ from bps.server.scheduler import SchedulerClient
 
 from bps.env import ClusterEnv
 from bps.protocol import (
-    DTYPES,
     ClusterError,
     Op,
     ProtocolError,
     decode,
+    dtype_name,
     encode,
     new_socket,
+    torch_dtype,
 )
 
 log = logging.getLogger("bps.server")
@@ -87,7 +88,7 @@ class _Key:
         return torch.float64 if self.dtype == torch.float64 else torch.float32
 
     def describe(self) -> str:
-        return (f"numel={self.numel}, dtype={str(self.dtype).removeprefix('torch.')}, "
+        return (f"numel={self.numel}, dtype={dtype_name(self.dtype)}, "
                 f"params={self.params}")
 
 
@@ -156,15 +157,15 @@ class _KeyEngine(threading.Thread):
 
     def _register(self, header: dict) -> None:
         key, numel, name = header["key"], header["numel"], header["name"]
-        dtype_name = header["dtype"]
         if not 0 <= key < MAX_KEY:
             raise RequestError(f"key {key} ({name!r}): key out of range [0, 2**63)")
         if not 0 <= numel <= MAX_NUMEL:
             raise RequestError(f"key {key} ({name!r}): numel={numel} out of range")
-        if dtype_name not in DTYPES:
-            raise RequestError(f"key {key} ({name!r}): dtype {dtype_name!r} not one of "
-                               f"{', '.join(DTYPES)}")
-        params, dtype = header["params"], DTYPES[dtype_name]
+        try:
+            dtype = torch_dtype(header["dtype"])
+        except ValueError as exc:
+            raise RequestError(f"key {key} ({name!r}): {exc}") from None
+        params = header["params"]
         existing = self.keys.get(key)
         if existing is not None:
             if (existing.numel, existing.dtype, existing.params) != (numel, dtype, params):
@@ -213,9 +214,9 @@ class _KeyEngine(threading.Thread):
     def _push(self, state: _Key, ident: bytes, header: dict, payload: zmq.Frame) -> None:
         node, step = header["node"], header["step"]
         where = f"key {state.key} ({state.name!r})"
-        if header["dtype"] != str(state.dtype).removeprefix("torch."):
+        if header["dtype"] != dtype_name(state.dtype):
             raise RequestError(f"{where}: push dtype {header['dtype']!r} differs from the "
-                               f"declared {state.dtype}")
+                               f"declared {dtype_name(state.dtype)!r}")
         if header["numel"] != state.numel:
             raise RequestError(f"{where}: push numel {header['numel']} differs from the "
                                f"declared {state.numel}")

@@ -70,9 +70,9 @@ def values_from_bytes(data: bytes, dtype: str) -> np.ndarray:
 # ---- onebit --------------------------------------------------------------------------
 
 def onebit_scale(x, scaling: bool) -> float:
-    """float32 scale: mean |x| (exactly rounded sum), or 1."""
+    """float32 scale: mean |x| (exactly rounded sum), or 1 (0 for an all-zero x)."""
     if not scaling:
-        return 1.0
+        return 0.0 if all(v == 0 for v in x) else 1.0
     return float(np.float32(math.fsum(abs(float(v)) for v in x) / len(x)))
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from test_ps_job import (
+from tests.test_ps_job import (
     MISMATCH_KEY,
     STEPS,
     TEST_ENV,

@@ -12,9 +12,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from bps.launch.role import free_port
-from test_ps_job import TEST_ENV
+
+from tests.test_ps_job import TEST_ENV
 
 JOB = str(Path(__file__).with_name("test_ps_job.py"))
 ROLE = [sys.executable, "-m", "bps.launch.cli"]
@@ -99,7 +99,7 @@ def test_killed_server_fails_everyone_naming_it(cluster) -> None:
 
 
 def test_missing_worker_times_out_naming_it(cluster) -> None:
-    c = cluster(workers=2, servers=1, timeout=4.0)
+    c = cluster(workers=2, servers=1, timeout=8.0)
     c.start("scheduler", ROLE, DMLC_ROLE="scheduler")
     c.start("server0", ROLE, DMLC_ROLE="server")
     c.worker(0)

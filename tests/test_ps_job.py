@@ -133,8 +133,9 @@ def loop(kill_pid: int, kill_at: int) -> None:
     """Train one key until something fails; at step ``kill_at`` SIGKILL ``kill_pid``."""
     import signal
 
-    from bps.env import ClusterEnv
     from bps.worker.engine import WorkerEngine
+
+    from bps.env import ClusterEnv
 
     engine = WorkerEngine.connect(ClusterEnv.from_environ())
     engine.declare(7, 1000, torch.float32, None, name="loop.weight")
@@ -157,9 +158,10 @@ def main() -> None:
         loop(args.kill_pid, args.kill_at)
         return
 
-    from bps.env import ClusterEnv
-    from bps.protocol import DTYPES, RemoteError
     from bps.worker.engine import WorkerEngine
+
+    from bps.env import ClusterEnv
+    from bps.protocol import RemoteError, torch_dtype
 
     env = ClusterEnv.from_environ()
     if env.local_rank != 0:
@@ -168,10 +170,10 @@ def main() -> None:
     node = engine.node_id
     keys = KEY_TABLES[args.case]()
     for key, numel, dtype, params in keys:
-        engine.declare(key, numel, DTYPES[dtype], params, name=f"t{key}")
+        engine.declare(key, numel, torch_dtype(dtype), params, name=f"t{key}")
     probes: dict = {}
     prober = None
-    if node == 0:
+    if node == 0 and args.case == "raw":
         def probe_all() -> None:
             for server, address in enumerate(engine.servers):
                 known = next(k for k, *_ in keys if engine.placement.servers[k] == server)
@@ -180,9 +182,9 @@ def main() -> None:
         prober.start()
     results = {}
     for step in range(STEPS):
-        futures = {key: engine.push_pull(key, tensor_for(node, key, step, numel, DTYPES[dtype]),
-                                         step, lr_for(step), priority=-index)
-                   for index, (key, numel, dtype, _) in enumerate(keys)}
+        futures = {key: engine.push_pull(
+            key, tensor_for(node, key, step, numel, torch_dtype(dtype)), step, lr_for(step),
+            priority=-index) for index, (key, numel, dtype, _) in enumerate(keys)}
         results.update({(key, step): fut.result().clone() for key, fut in futures.items()})
     if prober is not None:
         prober.join()

@@ -56,14 +56,17 @@ def worker_main(cfg: dict) -> int:
         model.register_parameter(name, torch.nn.Parameter(torch.from_numpy(value)))
     model.register_buffer("counter", torch.tensor([rank * 7 + 1], dtype=torch.int64))
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg["lrs"][0], momentum=MOMENTUM)
-    try:
-        trainer = bps.DistributedTrainer(model, optimizer, cfg["params"])
-    except (ValueError, TypeError) as exc:
-        if not cfg.get("expect_error"):
-            raise
-        (out / f"error{rank}.txt").write_text(f"{type(exc).__name__}: {exc}")
-        bps.shutdown()  # reached by every rank only if every rank failed here
+    if cfg.get("expect_error"):
+        errors = []
+        for params in cfg["params"]:
+            try:
+                bps.DistributedTrainer(model, optimizer, params)
+            except (ValueError, TypeError) as exc:
+                errors.append(f"{type(exc).__name__}: {exc}")
+        (out / f"errors{rank}.json").write_text(json.dumps(errors))
+        bps.shutdown()  # reached by every rank only if every rank failed in the constructor
         return 3
+    trainer = bps.DistributedTrainer(model, optimizer, cfg["params"])
     report = {"counter": int(model.counter.item()),
               "optimizer_momentum": optimizer.param_groups[0]["momentum"], "steps": []}
     start = cfg.get("start", 0)
@@ -135,6 +138,95 @@ def nesterov(mu: np.float32, g: np.ndarray, m: np.ndarray) -> tuple[np.ndarray, 
     return (g + mu * m).astype(np.float32), m
 
 
+SIM_LRS = [0.5, 0.25, 0.25, 0.5, 0.125]  # powers of two: lr * g is exact everywhere
+SIM_SEED = 4242  # BPS_JOB_SEED: the trainer fills compression_params["seed"] with it
+PARTITION = 100  # elements per partition: BYTEPS_PARTITION_BYTES=400, float32
+SIM_CASES = {
+    "onebit": {"compressor": "onebit", "scaling": True},
+    "topk": {"compressor": "topk", "k": 0.1},
+    "randomk": {"compressor": "randomk", "k": 0.1},
+    "dithering": {"compressor": "dithering", "k": 4},
+}
+
+
+def reference_codec(params: dict, numel: int):
+    """(encode, decode) of the compressor from tests/reference_compressors.py; decode
+    gives float32 values, as the receiving side holds them."""
+    import tests.reference_compressors as ref
+
+    name, f32 = params["compressor"], "float32"
+    if name == "onebit":
+        return (lambda x: ref.onebit_encode(x, True),
+                lambda p: ref.onebit_decode(p, numel, f32))
+    k = max(1, int(params["k"] * numel)) if name in ("topk", "randomk") else params["k"]
+    if name == "topk":
+        return (lambda x: ref.topk_encode(x, k, f32),
+                lambda p: ref.topk_decode(p, numel, k, f32))
+    rng = ref.XorShift128Plus(SIM_SEED)
+    if name == "randomk":
+        return (lambda x: ref.randomk_encode(x, k, f32, rng),
+                lambda p: ref.randomk_decode(p, numel, k, f32))
+    return (lambda x: ref.dithering_encode(x, k, "linear", "max", rng),
+            lambda p: ref.round_to(ref.dithering_decode(p, numel, k, "linear"), f32))
+
+
+def simulate(params: dict, nodes: int, lrs: list[float]) -> dict:
+    """The pipeline of SPEC §1 in numpy: per node, g = (w - t_node) / nodes ->
+    Momentum -> ErrorFeedback -> C; server: sum of the decoded payloads -> ErrorFeedback
+    -> C; workers decode and take an SGD step. The small tensor travels raw and gets the
+    same Nesterov rule after the sum."""
+    from tests.reference_compressors import RefChain
+
+    f32 = np.float32
+    w = initial_params(0, SHAPES)  # rank 0's parameters, broadcast at construction
+    goals = [targets(r, SHAPES) for r in range(nodes)]
+    numel = int(np.prod(SHAPES["big"]))
+    parts = [(o, min(PARTITION, numel - o)) for o in range(0, numel, PARTITION)]
+    workers = [[RefChain(*reference_codec(params, n), n, "float32", True, MOMENTUM)
+                for _, n in parts] for _ in range(nodes)]
+    servers = [RefChain(*reference_codec(params, n), n, "float32", True, None)
+               for _, n in parts]
+    small_momentum = np.zeros(SHAPES["small"], f32)
+    for lr in lrs:
+        shares = [{n: ((w[n] - goals[r][n]) / f32(nodes)).astype(f32) for n in SHAPES}
+                  for r in range(nodes)]
+        big = np.zeros(numel, f32)
+        for i, (offset, n) in enumerate(parts):
+            summed = np.zeros(n, f32)
+            for r in range(nodes):
+                workers[r][i].set_lr(lr)
+                payload = workers[r][i].compress(shares[r]["big"].reshape(-1)[offset:offset + n])
+                summed = (summed + workers[r][i].decode(payload).astype(f32)).astype(f32)
+            servers[i].set_lr(lr)
+            big[offset:offset + n] = servers[i].decode(servers[i].compress(summed))
+        small = np.zeros(SHAPES["small"], f32)
+        for r in range(nodes):
+            small = (small + shares[r]["small"]).astype(f32)
+        small, small_momentum = nesterov(f32(MOMENTUM), small, small_momentum)
+        w["big"] = (w["big"] - f32(lr) * big.reshape(SHAPES["big"])).astype(f32)
+        w["small"] = (w["small"] - f32(lr) * small).astype(f32)
+    return w
+
+
+@pytest.mark.parametrize("name", list(SIM_CASES))
+def test_every_compressor_matches_independent_simulation(tmp_path, name):
+    params = {**SIM_CASES[name], "ef": "vanilla", "momentum": "nesterov", "fp16": False,
+              "min_compress_bytes": 1000}
+    result = launch({"params": params, "lrs": SIM_LRS, "stop": len(SIM_LRS),
+                     "check_overlap": True, "pushes_per_step": 4}, tmp_path, servers=2)
+    assert result.returncode == 0, result.stdout[-3000:]
+    finals = load_params(tmp_path, 2)
+    for n in SHAPES:
+        np.testing.assert_array_equal(finals[1][n], finals[0][n])
+    expected = simulate(params, 2, SIM_LRS)
+    for n in SHAPES:
+        np.testing.assert_array_equal(finals[0][n], expected[n], err_msg=f"{name}: {n}")
+    report = load_reports(tmp_path, 2)[0]
+    assert report["optimizer_momentum"] == 0.0 and report["counter"] == 1
+    last = report["steps"][-1]
+    assert last["compression_ratio"] > 1.5, last
+
+
 def test_fp16_two_local_ranks_per_node(tmp_path):
     shapes = {"big": (60, 50), "small": (7,)}
     lrs = [0.1, 0.1, 0.05, 0.05]
@@ -192,30 +284,32 @@ def test_resume_from_state_dict_continues_exactly(tmp_path):
     assert not np.array_equal(halfway, load_params(whole, 2)[0]["big"])
 
 
-@pytest.mark.parametrize("bad,key", [
-    ({"compressor": "topk"}, "'k'"),
-    ({"compressor": "onebit", "fp16": "yes"}, "'fp16'"),
-    ({"compressor": "onebit", "colour": 1}, "'colour'"),
-])
-def test_bad_params_fail_in_constructor_on_every_rank(tmp_path, bad, key):
+def test_bad_params_fail_in_constructor_on_every_rank(tmp_path):
+    bad = [({"compressor": "topk"}, "'k'"),
+           ({"compressor": "onebit", "fp16": "yes"}, "'fp16'"),
+           ({"compressor": "onebit", "colour": 1}, "'colour'"),
+           ({"momentum": "nesterov", "mu": 1.5}, "'mu'")]
     start = time.monotonic()
-    result = launch({"params": bad, "lrs": [0.1], "stop": 1, "expect_error": True}, tmp_path)
-    assert result.returncode != 0
+    result = launch({"params": [b for b, _ in bad], "lrs": [0.1], "stop": 1,
+                     "expect_error": True}, tmp_path)
+    assert result.returncode != 0  # every rank exits 3 after the shutdown barrier
     for r in range(2):
-        message = (tmp_path / f"error{r}.txt").read_text()
-        assert key in message, message
+        errors = json.loads((tmp_path / f"errors{r}.json").read_text())
+        assert len(errors) == len(bad)
+        for message, (_, key) in zip(errors, bad, strict=True):
+            assert key in message, message
     assert time.monotonic() - start < 60
 
 
 def test_model_mismatch_names_the_parameter(tmp_path):
-    result = launch({"params": None, "lrs": [0.1], "stop": 1, "expect_error": True,
+    result = launch({"params": [None], "lrs": [0.1], "stop": 1, "expect_error": True,
                      "mismatch": True}, tmp_path)
     assert result.returncode != 0
     for r in range(2):
-        message = (tmp_path / f"error{r}.txt").read_text()
+        (message,) = json.loads((tmp_path / f"errors{r}.json").read_text())
         assert "ModelMismatchError" in message and "'big'" in message, message
         assert "rank 1" in message
-    assert "(31, 10)" in (tmp_path / "error1.txt").read_text()  # what rank 1 has
+    assert "(31, 10)" in (tmp_path / "errors1.json").read_text()  # what rank 1 has
 
 
 def test_init_without_launcher_names_the_variable():

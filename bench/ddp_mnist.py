@@ -1,0 +1,116 @@
+"""The DDP peer of examples/mnist.py: same data, shards, model and metrics, torch DDP over gloo.
+
+Run with torchrun's variables, for example on emulated hosts::
+
+    bpslaunch netem --nodes 4 --rate 100mbit --torchrun -- \\
+        python bench/ddp_mnist.py --hook powersgd --hidden 1100 --layers 2
+
+``--hook``: ``none`` (plain allreduce), ``fp16`` (``fp16_compress_hook``) or
+``powersgd`` (``powerSGD_hook``, rank ``--powersgd-rank``, error feedback and warm
+start). All gradients go into one bucket: with several buckets the PowerSGD hook
+aborted on gloo with a collective size mismatch. Rank 0 writes ``--metrics-json``
+in examples/mnist.py's format (``steps[].time``, ``epochs[].test_accuracy`` /
+``wall_time``), so bench/slow_network.py reads both alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+from data import load_mnist  # noqa: E402
+from mnist import accuracy, build_model  # noqa: E402
+
+SINGLE_BUCKET_MB = 1024
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="MNIST data-parallel training with torch DDP")
+    p.add_argument("--hook", choices=["none", "fp16", "powersgd"], default="none")
+    p.add_argument("--powersgd-rank", type=int, default=1)
+    p.add_argument("--epochs", type=int, default=6)
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--mu", type=float, default=0.9, help="SGD momentum")
+    p.add_argument("--batch-size", type=int, default=32, help="per worker process")
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--layers", type=int, default=1)
+    p.add_argument("--test-size", type=int, default=1000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--metrics-json", default=None)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds for any collective")
+    return p.parse_args(argv)
+
+
+def register_hook(model: DistributedDataParallel, hook: str, rank: int) -> None:
+    if hook == "fp16":
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif hook == "powersgd":
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=2,
+            use_error_feedback=True, warm_start=True)
+        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
+    rank, size = dist.get_rank(), dist.get_world_size()
+    (x_train, y_train), (x_test, y_test) = load_mnist(args.test_size, args.seed)
+
+    torch.manual_seed(args.seed + rank)  # DDP broadcasts rank 0's parameters
+    model = DistributedDataParallel(build_model(args.hidden, args.layers),
+                                    bucket_cap_mb=SINGLE_BUCKET_MB)
+    register_hook(model, args.hook, args.powersgd_rank)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.mu)
+
+    steps = len(y_train) // size // args.batch_size
+    metrics: dict = {"args": vars(args), "workers": size, "steps": [], "epochs": []}
+    if rank == 0:
+        print(f"ddp mnist: {size} workers, hook {args.hook}, "
+              f"{sum(p.numel() for p in model.parameters()):,} parameters", flush=True)
+    generator = torch.Generator().manual_seed(args.seed)
+    train_start = time.perf_counter()
+    for epoch in range(args.epochs):
+        order = torch.randperm(len(y_train), generator=generator)  # as examples/mnist.py
+        shard = order[rank::size]
+        for step in range(steps):
+            t0 = time.perf_counter()
+            idx = shard[step * args.batch_size:(step + 1) * args.batch_size]
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(x_train[idx]), y_train[idx])
+            loss.backward()
+            optimizer.step()
+            metrics["steps"].append({"step": len(metrics["steps"]) + 1,
+                                     "time": time.perf_counter() - t0, "loss": loss.item()})
+        if rank == 0:
+            acc = accuracy(model.module, x_test, y_test)
+            metrics["epochs"].append({"epoch": epoch + 1, "test_accuracy": acc,
+                                      "wall_time": time.perf_counter() - train_start})
+            print(f"epoch {epoch + 1}/{args.epochs} test accuracy {acc:.2%} "
+                  f"({time.perf_counter() - train_start:.1f}s)", flush=True)
+    train_time = time.perf_counter() - train_start
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank == 0 and args.metrics_json:
+        metrics.update(test_accuracy=metrics["epochs"][-1]["test_accuracy"],
+                       train_time=train_time)
+        with open(args.metrics_json, "w") as f:
+            json.dump(metrics, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,198 @@
+"""Parameter-server throughput: bps push/pull against raw ZeroMQ, same run, same sockets.
+
+Usage::
+
+    .venv/bin/python bench/ps_throughput.py [--mbytes 100] [--steps 5]
+
+2 worker processes and 1 server on loopback; every step each worker pushes ``--mbytes``
+MB of float32 in partitions of BYTEPS_PARTITION_BYTES (4,096,000) and pulls the same
+amount back. The baseline moves exactly the same messages between the same kind of
+sockets (DEALER workers, a ROUTER server) with no processing: the server echoes every
+message at once. The ratio is baseline step time / bps step time (target >= 0.7).
+Then the same job with onebit and with topk 1%: step time and wire bytes per step.
+Results go to stdout (a markdown table) and bench/out/ps_throughput.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PARTITION_BYTES = 4096000
+WARMUP_STEPS = 2
+
+
+def partitions(mbytes: int) -> list[int]:
+    """Element counts of the float32 partitions of one step."""
+    total = mbytes * 1_000_000 // 4
+    per = PARTITION_BYTES // 4
+    return [min(per, total - start) for start in range(0, total, per)]
+
+
+# ---------------------------------------------------------------------- raw ZeroMQ
+
+def raw_server(port: int, messages: int) -> None:
+    """ROUTER echo: every message goes straight back to its sender, zero-copy."""
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.bind(f"tcp://127.0.0.1:{port}")
+    for _ in range(messages):
+        sock.send_multipart(sock.recv_multipart(copy=False), copy=False)
+    sock.close(linger=5000)
+
+
+def raw_worker(port: int, mbytes: int, steps: int, out: str) -> None:
+    """DEALER: per step send every partition (header + payload frames), receive all back."""
+    import numpy as np
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    buffers = [np.random.default_rng(i).standard_normal(n, dtype=np.float32)
+               for i, n in enumerate(partitions(mbytes))]
+    times = []
+    for _ in range(steps + WARMUP_STEPS):
+        start = time.perf_counter()
+        for i, buf in enumerate(buffers):
+            sock.send_multipart([i.to_bytes(8, "little"), buf], copy=False)
+        for _ in buffers:
+            sock.recv_multipart(copy=False)
+        times.append(time.perf_counter() - start)
+    sock.close()
+    Path(out).write_text(json.dumps({"times": times[WARMUP_STEPS:]}))
+
+
+def run_raw(mbytes: int, steps: int, tmp: Path) -> float:
+    from bps.launch.role import free_port
+
+    port = free_port()
+    count = len(partitions(mbytes)) * (steps + WARMUP_STEPS) * 2
+    me = [sys.executable, __file__]
+    procs = [subprocess.Popen(me + ["--raw-server", str(port), str(count)])]
+    procs += [subprocess.Popen(me + ["--raw-worker", str(port), str(mbytes), str(steps),
+                                     str(tmp / f"raw{w}.json")]) for w in range(2)]
+    try:
+        for proc in procs:
+            if proc.wait(timeout=600) != 0:
+                raise RuntimeError("raw ZeroMQ baseline failed")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    times = [json.loads((tmp / f"raw{w}.json").read_text())["times"] for w in range(2)]
+    return statistics.median(max(pair) for pair in zip(*times, strict=True))
+
+
+# ---------------------------------------------------------------------- bps
+
+def bps_worker(mbytes: int, steps: int, params_json: str, out: str) -> None:
+    """Runs under bpslaunch: declare the partitions, time push_pull steps."""
+    import torch
+    from bps.worker.engine import WorkerEngine
+
+    from bps.env import ClusterEnv
+
+    params = json.loads(params_json)
+    if params is not None:
+        from bps.config import validate_compression_params
+
+        params = validate_compression_params(params)
+        params["seed"] = params.get("seed") or 1
+    engine = WorkerEngine.connect(ClusterEnv.from_environ())
+    sizes = partitions(mbytes)
+    for key, numel in enumerate(sizes):
+        engine.declare(key, numel, torch.float32, params, name=f"bench[{key}]")
+    gen = torch.Generator().manual_seed(engine.node_id)
+    tensors = [torch.randn(n, generator=gen) for n in sizes]
+    engine.barrier()
+    times, wire = [], []
+    for step in range(steps + WARMUP_STEPS):
+        before = engine.stats
+        start = time.perf_counter()
+        futures = [engine.push_pull(key, t, step, 0.1, priority=-key)
+                   for key, t in enumerate(tensors)]
+        for future in futures:
+            future.result()
+        times.append(time.perf_counter() - start)
+        delta = engine.stats - before
+        wire.append(delta.bytes_pushed + delta.bytes_pulled)
+    engine.barrier()
+    engine.close()
+    Path(out).write_text(json.dumps({"times": times[WARMUP_STEPS:],
+                                     "wire": wire[WARMUP_STEPS:]}))
+
+
+def run_bps(mbytes: int, steps: int, params: dict | None, tmp: Path, tag: str) -> dict:
+    cmd = [sys.executable, "-m", "bps.launch.cli", "local", "--workers", "2", "--servers", "1",
+           "--", sys.executable, __file__, "--bps-worker", str(mbytes), str(steps),
+           json.dumps(params), str(tmp / f"{tag}{{node}}.json")]
+    env = {**os.environ, "BYTEPS_PARTITION_BYTES": str(PARTITION_BYTES)}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        raise RuntimeError(f"bps run {tag} failed:\n{proc.stdout[-4000:]}")
+    runs = [json.loads((tmp / f"{tag}{n}.json").read_text()) for n in range(2)]
+    step = statistics.median(max(pair) for pair in zip(*(r["times"] for r in runs), strict=True))
+    return {"step_s": step, "wire_bytes_per_worker": statistics.median(runs[0]["wire"])}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mbytes", type=int, default=100)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--raw-server", nargs=2, type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--raw-worker", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--bps-worker", nargs=4, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.raw_server:
+        raw_server(*args.raw_server)
+        return
+    if args.raw_worker:
+        port, mbytes, steps, out = args.raw_worker
+        raw_worker(int(port), int(mbytes), int(steps), out)
+        return
+    if args.bps_worker:
+        mbytes, steps, params, out = args.bps_worker
+        out = out.format(node=os.environ["DMLC_WORKER_ID"])
+        bps_worker(int(mbytes), int(steps), params, out)
+        return
+
+    tmp = Path(__file__).parent / "out"
+    tmp.mkdir(exist_ok=True)
+    raw = run_raw(args.mbytes, args.steps, tmp)
+    plain = run_bps(args.mbytes, args.steps, None, tmp, "plain")
+    onebit = run_bps(args.mbytes, args.steps, {"compressor": "onebit", "scaling": True,
+                                               "ef": "vanilla"}, tmp, "onebit")
+    topk = run_bps(args.mbytes, args.steps, {"compressor": "topk", "k": 0.01, "ef": "vanilla"},
+                   tmp, "topk")
+    moved = 2 * 2 * args.mbytes  # two workers, push + pull
+    rows = [("raw ZeroMQ (echo, no processing)", raw, 2 * args.mbytes * 1e6),
+            ("bps uncompressed float32", plain["step_s"], plain["wire_bytes_per_worker"]),
+            ("bps onebit + EF", onebit["step_s"], onebit["wire_bytes_per_worker"]),
+            ("bps topk 1% + EF", topk["step_s"], topk["wire_bytes_per_worker"])]
+    print(f"2 workers x 1 server, loopback, {args.mbytes} MB float32 per worker per step, "
+          f"{len(partitions(args.mbytes))} partitions, median of {args.steps} steps\n")
+    print("| configuration | step time (s) | push+pull throughput (MB/s) | wire bytes per "
+          "worker per step |")
+    print("|---|---|---|---|")
+    for name, step, wire in rows:
+        print(f"| {name} | {step:.3f} | {moved / step:.0f} | {wire / 1e6:.2f} MB |")
+    ratio = raw / plain["step_s"]
+    print(f"\nbps / raw ZeroMQ throughput ratio (uncompressed): {ratio:.2f} (target >= 0.7)")
+    result = {"mbytes": args.mbytes, "steps": args.steps, "raw_step_s": raw,
+              "plain": plain, "onebit": onebit, "topk": topk, "ratio": ratio}
+    (tmp / "ps_throughput.json").write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

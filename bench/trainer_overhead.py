@@ -1,0 +1,171 @@
+"""Step time of bps's DistributedTrainer relative to torch DDP (gloo), same model, one run.
+
+Usage::
+
+    .venv/bin/python bench/trainer_overhead.py              # 2 nodes x 1 local rank, 1 server
+    .venv/bin/python bench/trainer_overhead.py --steps 20 --json out.json
+
+The parent starts a loopback cluster with ``bpslaunch local --workers 2 --servers 1``;
+both worker processes then time, one after the other, DDP over a gloo group of their
+own, bps uncompressed (fp16 on the wire, the default), bps uncompressed in fp32 and
+bps with onebit + error feedback, on a ~25M-parameter MLP. Rank 0 prints a table of
+median step times and their ratio to DDP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CONFIGS = {
+    "bps uncompressed (fp16 wire)": {},
+    "bps uncompressed (fp32 wire)": {"fp16": False},
+    "bps onebit + EF": {"compressor": "onebit", "scaling": True, "ef": "vanilla"},
+}
+
+
+def build_model(width: int):
+    import torch
+
+    # width 4096: 1024*4096 + 4096*4096 + 4096*1024 weights + biases = 25.2M parameters
+    return torch.nn.Sequential(
+        torch.nn.Linear(1024, width), torch.nn.ReLU(),
+        torch.nn.Linear(width, width), torch.nn.ReLU(),
+        torch.nn.Linear(width, 1024),
+    )
+
+
+def time_steps(step, warmup: int, steps: int, sync) -> list[float]:
+    for _ in range(warmup):
+        step()
+    sync()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    sync()
+    return times
+
+
+def child(args: argparse.Namespace) -> int:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    import bps
+
+    torch.set_num_threads(1)
+    bps.init()
+    rank, size = bps.rank(), bps.size()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.ddp_port}",
+                            rank=rank, world_size=size)
+    torch.manual_seed(rank)
+    x = torch.randn(args.batch, 1024)
+    y = torch.randn(args.batch, 1024)
+    loss_fn = torch.nn.MSELoss()
+    results = {}
+
+    model = build_model(args.width)
+    numel = sum(p.numel() for p in model.parameters())
+    ddp = DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+
+    def ddp_step(ddp=ddp, optimizer=optimizer):
+        optimizer.zero_grad()
+        loss_fn(ddp(x), y).backward()
+        optimizer.step()
+
+    results["torch DDP (gloo)"] = time_steps(ddp_step, args.warmup, args.steps, dist.barrier)
+    del ddp, model, optimizer
+
+    for name, params in CONFIGS.items():
+        model = build_model(args.width)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+        trainer = bps.DistributedTrainer(model, optimizer, params)
+        stats = []
+
+        def bps_step(model=model, trainer=trainer, stats=stats):
+            trainer.zero_grad()
+            loss_fn(model(x), y).backward()
+            trainer.step()
+            stats.append(trainer.stats())
+
+        results[name] = time_steps(bps_step, args.warmup, args.steps, dist.barrier)
+        results[name + " stats"] = stats[-1]
+        trainer.close()
+        del model, optimizer, trainer
+
+    if rank == 0:
+        Path(args.out).write_text(json.dumps({"parameters": numel, "batch": args.batch,
+                                              "results": results}))
+    dist.destroy_process_group()
+    bps.shutdown()
+    return 0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def parent(args: argparse.Namespace) -> int:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        launcher = str(Path(sys.executable).parent / "bpslaunch")
+        cmd = [launcher, "local", "--workers", "2", "--servers", "1", "--",
+               sys.executable, os.path.abspath(__file__), "--child", "--out", out,
+               "--ddp-port", str(free_port()), "--steps", str(args.steps),
+               "--warmup", str(args.warmup), "--batch", str(args.batch),
+               "--width", str(args.width)]
+        env = {**os.environ, "BPS_TIMEOUT": os.environ.get("BPS_TIMEOUT", "120")}
+        code = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL if args.quiet else None,
+                              timeout=1800).returncode
+        if code:
+            print(f"cluster failed with exit code {code}", file=sys.stderr)
+            return code
+        data = json.loads(Path(out).read_text())
+    results = data["results"]
+    base = statistics.median(results["torch DDP (gloo)"])
+    print(f"\n{data['parameters'] / 1e6:.1f}M parameters, batch {data['batch']} per worker, "
+          f"2 worker nodes x 1 local rank, 1 server, loopback; median of {args.steps} steps\n")
+    print("| configuration | step time (s) | ratio to DDP | bytes pushed / step / node |")
+    print("|---|---|---|---|")
+    for name, times in results.items():
+        if name.endswith(" stats"):
+            continue
+        med = statistics.median(times)
+        pushed = results.get(name + " stats", {}).get("bytes_pushed")
+        pushed_text = f"{pushed / 1e6:.1f} MB" if pushed else "(allreduce)"
+        print(f"| {name} | {med:.3f} | {med / base:.2f}x | {pushed_text} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(data, indent=1))
+    return 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--width", type=int, default=4096)
+    p.add_argument("--json", default=None, help="also write the raw timings here")
+    p.add_argument("--quiet", action="store_true", help="hide the cluster's log")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--ddp-port", type=int, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    return child(args) if args.child else parent(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

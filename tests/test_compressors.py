@@ -1,0 +1,239 @@
+"""Each compressor against the independent references of tests/reference_compressors.py."""
+
+import numpy as np
+import pytest
+import torch
+from bps.compressors import build
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests import reference_compressors as ref
+
+DTYPES = ["float32", "float16", "bfloat16", "float64"]
+SIZES = [1, 2, 31, 32, 33, 100, 1000, 4099]
+FAST = settings(max_examples=30, deadline=None)
+
+
+def sample(numel: int, dtype: str, seed: int = 0, distinct: bool = False) -> torch.Tensor:
+    """Random values in dtype; ``distinct``: no two magnitudes equal (for topk)."""
+    gen = np.random.default_rng(seed)
+    if distinct:
+        mags = gen.permutation(numel) + 1.0  # exact in every dtype up to 256, scaled below
+        values = mags / numel * np.where(gen.random(numel) < 0.5, -1, 1)
+        if dtype in ("float16", "bfloat16") and numel > 256:
+            values = values * 0  # caller avoids this
+    else:
+        values = gen.standard_normal(numel) * gen.choice([1e-3, 1.0, 30.0])
+        values[gen.random(numel) < 0.1] = 0.0
+    return torch.tensor(values).to(ref.TORCH_DTYPE[dtype])
+
+
+def as_values(t: torch.Tensor) -> np.ndarray:
+    return t.double().numpy()
+
+
+def payload_of(t: torch.Tensor) -> bytes:
+    assert t.dtype == torch.uint8 and t.dim() == 1
+    return t.numpy().tobytes()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("numel", SIZES)
+@pytest.mark.parametrize("scaling", [False, True])
+def test_onebit_matches_reference(dtype, numel, scaling):
+    x = sample(numel, dtype, seed=numel)
+    c = build({"compressor": "onebit", "scaling": scaling}, numel, ref.TORCH_DTYPE[dtype])
+    payload = payload_of(c.compress(x))
+    values = as_values(x)
+    expected = ref.onebit_encode(values, scaling)
+    assert len(payload) == len(expected) <= (numel + 7) // 8 + 16
+    assert payload[:-4] == expected[:-4]  # sign words bit-exact
+    mine, theirs = np.frombuffer(payload[-4:], "<f4")[0], np.frombuffer(expected[-4:], "<f4")[0]
+    assert mine == pytest.approx(theirs, rel=2e-7)  # float64 sum order may differ: <= 1 ulp
+    y = c.decompress(c.compress(x))
+    np.testing.assert_array_equal(as_values(y), ref.onebit_decode(payload, numel, dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("numel, k", [(1, 1), (5, 5), (33, 3), (200, 0.05), (256, 17), (255, 0.5)])
+def test_topk_matches_reference(dtype, numel, k):
+    x = sample(numel, dtype, seed=numel, distinct=True)
+    c = build({"compressor": "topk", "k": k}, numel, ref.TORCH_DTYPE[dtype])
+    count = max(1, int(k * numel)) if isinstance(k, float) else min(k, numel)
+    payload = payload_of(c.compress(x))
+    assert payload == ref.topk_encode(as_values(x), count, dtype)
+    assert len(payload) <= count * (4 + ref.ITEMSIZE[dtype]) + 16
+    np.testing.assert_array_equal(as_values(c.decompress(payload)),
+                                  ref.topk_decode(payload, numel, count, dtype))
+
+
+def test_topk_large_uses_selection_and_finds_exact_set():
+    gen = np.random.default_rng(5)
+    numel, k = 300_000, 3000
+    x = torch.tensor(gen.standard_normal(numel), dtype=torch.float32)
+    c = build({"compressor": "topk", "k": k}, numel)
+    y = c.decompress(c.compress(x))
+    expected = np.sort(np.argsort(-np.abs(x.numpy()), kind="stable")[:k])
+    np.testing.assert_array_equal(np.flatnonzero(y.numpy()), expected)
+    np.testing.assert_array_equal(y.numpy()[expected], x.numpy()[expected])
+
+
+@pytest.mark.parametrize("values", [np.ones(5000), np.zeros(5000), np.r_[np.ones(10), np.zeros(4990)],
+                                    np.r_[np.full(100, np.nan), np.ones(4900)]])
+def test_topk_ties_zeros_and_nan_still_give_exactly_k(values):
+    c = build({"compressor": "topk", "k": 50}, values.size)
+    payload = c.compress(torch.tensor(values, dtype=torch.float32))
+    indices = payload[:200].view(torch.int32).numpy()
+    assert len(set(indices.tolist())) == 50 and indices.min() >= 0 and indices.max() < values.size
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("numel, k", [(1, 1), (7, 7), (100, 0.1), (1000, 13), (4099, 0.01)])
+@pytest.mark.parametrize("seed", [1, 2**64 - 1])
+def test_randomk_matches_reference_over_steps(dtype, numel, k, seed):
+    c = build({"compressor": "randomk", "k": k, "seed": seed}, numel, ref.TORCH_DTYPE[dtype])
+    rng = ref.XorShift128Plus(seed)
+    count = max(1, int(k * numel)) if isinstance(k, float) else min(k, numel)
+    for step in range(3):  # the state advances across compress calls
+        x = sample(numel, dtype, seed=step)
+        payload = payload_of(c.compress(x))
+        assert payload == ref.randomk_encode(as_values(x), count, dtype, rng)
+        assert len(payload) <= count * ref.ITEMSIZE[dtype] + 32
+        np.testing.assert_array_equal(as_values(c.decompress(payload)),
+                                      ref.randomk_decode(payload, numel, count, dtype))
+
+
+def test_xorshift_first_draws():
+    from bps.compressors.rng import new_state, next_random
+
+    rng, state = ref.XorShift128Plus(12345), new_state(12345)
+    assert [int(next_random(state)) for _ in range(5)] == [rng.next() for _ in range(5)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("numel", [1, 33, 1000])
+@pytest.mark.parametrize("s, partition", [(1, "linear"), (4, "linear"), (127, "linear"),
+                                          (1, "natural"), (3, "natural"), (8, "natural")])
+@pytest.mark.parametrize("normalize", ["max", "l2"])
+def test_dithering_matches_reference(dtype, numel, s, partition, normalize):
+    params = {"compressor": "dithering", "k": s, "partition": partition,
+              "normalize": normalize, "seed": 42}
+    c = build(params, numel, ref.TORCH_DTYPE[dtype])
+    rng = ref.XorShift128Plus(42)
+    for step in range(2):
+        x = sample(numel, dtype, seed=step + numel)
+        values = as_values(x)
+        payload = payload_of(c.compress(x))
+        scale = float(np.frombuffer(payload[-8:], "<f8")[0])
+        assert scale == pytest.approx(ref.dithering_scale(values, normalize), rel=1e-13)
+        # the float64 sum order of "l2" is the kernel's: feed its scale to the reference
+        assert payload == ref.dithering_encode(values, s, partition, normalize, rng, scale=scale)
+        nbits = int(np.frombuffer(payload[-16:-8], "<u8")[0])
+        assert len(payload) == (nbits + 7) // 8 + 16
+        expected = ref.round_to(ref.dithering_decode(payload, numel, s, partition), dtype)
+        np.testing.assert_array_equal(as_values(c.decompress(payload)), expected)
+
+
+def test_dithering_draws_one_number_per_element_even_for_zeros():
+    c = build({"compressor": "dithering", "k": 2, "seed": 9}, 50)
+    c.compress(torch.zeros(50))
+    rng = ref.XorShift128Plus(9)
+    for _ in range(50):
+        rng.next()
+    assert c.state_dict() == {"rng": [rng.a, rng.b]}
+
+
+@pytest.mark.parametrize("params", [
+    {"compressor": "onebit", "scaling": True}, {"compressor": "onebit"},
+    {"compressor": "topk", "k": 3}, {"compressor": "randomk", "k": 3},
+    {"compressor": "dithering", "k": 4}, {"compressor": "dithering", "k": 3,
+                                          "partition": "natural", "normalize": "l2"},
+])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_all_zero_input_decodes_to_zeros(params, dtype):
+    c = build(params, 77, ref.TORCH_DTYPE[dtype])
+    y = c.decompress(c.compress(torch.zeros(77, dtype=ref.TORCH_DTYPE[dtype])))
+    assert y.dtype == ref.TORCH_DTYPE[dtype] and y.shape == (77,)
+    assert not torch.isnan(y).any() and (y == 0).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decompress_into_out_and_from_bytes_views(dtype):
+    torch_dtype = ref.TORCH_DTYPE[dtype]
+    c = build({"compressor": "topk", "k": 4}, 40, torch_dtype)
+    x = sample(40, dtype, distinct=True)
+    payload = c.compress(x)
+    out = torch.full((40,), 7.0, dtype=torch_dtype)
+    assert c.decompress(payload, out=out) is out
+    expected = c.decompress(payload)
+    raw = payload.numpy().tobytes()
+    for form in (raw, bytearray(raw), memoryview(raw), np.frombuffer(raw, np.uint8)):
+        assert torch.equal(c.decompress(form), expected)
+    with pytest.raises(ValueError, match="out"):
+        c.decompress(payload, out=torch.empty(41, dtype=torch_dtype))
+
+
+# ---- properties ----------------------------------------------------------------------
+
+sizes = st.integers(min_value=1, max_value=700)
+dtypes = st.sampled_from(DTYPES)
+
+
+@FAST
+@given(numel=sizes, dtype=dtypes, seed=st.integers(0, 2**32 - 1), scaling=st.booleans())
+def test_onebit_keeps_signs_and_bounds(numel, dtype, seed, scaling):
+    x = sample(numel, dtype, seed=seed)
+    c = build({"compressor": "onebit", "scaling": scaling}, numel, ref.TORCH_DTYPE[dtype])
+    payload = c.compress(x)
+    assert payload.numel() <= (numel + 7) // 8 + 16
+    y = c.decompress(payload)
+    assert y.shape == (numel,) and y.dtype == x.dtype
+    assert torch.equal(y < 0, x < 0)
+
+
+@FAST
+@given(numel=sizes, dtype=dtypes, data=st.data())
+def test_topk_idempotent_on_k_sparse_input(numel, dtype, data):
+    k = data.draw(st.integers(1, numel))
+    x = sample(numel, dtype, seed=numel)
+    keep = torch.zeros(numel, dtype=torch.bool)
+    keep[data.draw(st.permutations(range(numel)))[:k]] = True
+    x = torch.where(keep, x, torch.zeros_like(x))
+    c = build({"compressor": "topk", "k": k}, numel, ref.TORCH_DTYPE[dtype])
+    payload = c.compress(x)
+    assert payload.numel() <= k * (4 + ref.ITEMSIZE[dtype]) + 16
+    assert torch.equal(c.decompress(payload), x)
+
+
+@FAST
+@given(numel=sizes, dtype=dtypes, k=st.one_of(st.integers(1, 2000),
+                                              st.floats(1e-4, 0.999)))
+def test_randomk_length_and_bound(numel, dtype, k):
+    c = build({"compressor": "randomk", "k": k}, numel, ref.TORCH_DTYPE[dtype])
+    count = max(1, int(k * numel)) if isinstance(k, float) else min(k, numel)
+    x = sample(numel, dtype)
+    payload = c.compress(x)
+    assert payload.numel() == 16 + count * ref.ITEMSIZE[dtype] <= count * ref.ITEMSIZE[dtype] + 32
+    y = c.decompress(payload)
+    sent = y != 0
+    assert torch.equal(y[sent], x[sent]) and int(sent.sum()) <= count
+
+
+@FAST
+@given(numel=sizes, dtype=dtypes, s=st.integers(1, 16), natural=st.booleans(),
+       l2=st.booleans(), seed=st.integers(1, 2**64 - 1))
+def test_dithering_bounds_and_error(numel, dtype, s, natural, l2, seed):
+    params = {"compressor": "dithering", "k": s, "partition": "natural" if natural else "linear",
+              "normalize": "l2" if l2 else "max", "seed": seed}
+    c = build(params, numel, ref.TORCH_DTYPE[dtype])
+    x = sample(numel, dtype, seed=seed % 2**32)
+    payload = c.compress(x).numpy().tobytes()
+    nbits = int(np.frombuffer(payload[-16:-8], "<u8")[0])
+    assert len(payload) == (nbits + 7) // 8 + 16
+    y = c.decompress(payload)
+    scale = float(np.frombuffer(payload[-8:], "<f8")[0])
+    divisor = 2 ** (s - 1) if natural else s
+    step = scale / divisor * (2 ** (s - 1) if natural else 1)  # one level (natural: widest)
+    err = (y.double() - x.double()).abs().max().item()
+    assert err <= step * 1.01 + 1e-30
+    assert torch.equal(torch.sign(y[y != 0]), torch.sign(x[y != 0]))

@@ -1,0 +1,100 @@
+"""bpslaunch: the role launcher, the loopback cluster, failure propagation, teardown."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.test_ps_job import TEST_ENV, run_command
+
+BPSLAUNCH = [sys.executable, "-m", "bps.launch.cli"]
+PY = sys.executable
+
+
+def test_failing_worker_stops_everything_and_exit_code_propagates() -> None:
+    script = ("import os, sys, time\n"
+              "if os.environ['DMLC_WORKER_ID'] == '1': sys.exit(3)\n"
+              "time.sleep(600)\n")
+    code, output = run_command(BPSLAUNCH + ["local", "--workers", "2", "--servers", "1", "--",
+                                            PY, "-c", script], TEST_ENV, timeout=60)
+    assert code == 3, output
+    assert "[bpslaunch] worker1.0 exited with code 3; stopping all processes" in output
+
+
+def test_local_sets_roles_ranks_and_prefixes_output() -> None:
+    script = ("import os\nprint('env', *(os.environ[v] for v in ('DMLC_ROLE', 'DMLC_WORKER_ID',"
+              " 'BYTEPS_LOCAL_RANK', 'BYTEPS_LOCAL_SIZE', 'DMLC_NUM_WORKER', 'DMLC_NUM_SERVER',"
+              " 'BPS_LOCAL_MASTER_ADDR', 'BPS_LOCAL_MASTER_PORT')))\n")
+    code, output = run_command(BPSLAUNCH + ["local", "--workers", "2", "--servers", "1",
+                                            "--local-size", "2", "--", PY, "-c", script],
+                               TEST_ENV, timeout=60)
+    assert code == 0, output
+    lines = {line.split("] ")[0][1:]: line.split() for line in output.splitlines()
+             if "] env " in line}
+    assert sorted(lines) == ["worker0.0", "worker0.1", "worker1.0", "worker1.1"], output
+    for name, fields in lines.items():
+        node, rank = name.removeprefix("worker").split(".")
+        assert fields[2:9] == ["worker", node, rank, "2", "2", "1", "127.0.0.1"], fields
+    # one torch.distributed rendezvous per node, shared by its local ranks
+    assert lines["worker0.0"][9] == lines["worker0.1"][9] != lines["worker1.0"][9]
+
+
+def test_interrupt_tears_everything_down(tmp_path: Path) -> None:
+    script = (f"import os, time\nopen(os.path.join({str(tmp_path)!r}, str(os.getpid())), 'w')"
+              ".close()\ntime.sleep(600)\n")
+    proc = subprocess.Popen(BPSLAUNCH + ["local", "--workers", "2", "--servers", "1", "--",
+                                         PY, "-c", script], env={**os.environ, **TEST_ENV},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(os.listdir(tmp_path)) < 2:  # waiting for a condition, with a deadline
+            assert time.monotonic() < deadline and proc.poll() is None, proc.poll()
+            time.sleep(0.05)
+        pids = [int(name) for name in os.listdir(tmp_path)]
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 128 + signal.SIGINT, output
+        for pid in pids:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                continue
+            raise AssertionError(f"worker pid {pid} survived the interrupt")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_role_worker_starts_local_size_copies() -> None:
+    env = {**TEST_ENV, "DMLC_ROLE": "worker", "DMLC_WORKER_ID": "1", "DMLC_NUM_WORKER": "2",
+           "DMLC_NUM_SERVER": "1", "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": "9",
+           "BYTEPS_LOCAL_SIZE": "3"}
+    script = "import os; print('rank', os.environ['BYTEPS_LOCAL_RANK'])"
+    code, output = run_command(BPSLAUNCH + [PY, "-c", script], env, timeout=60)
+    assert code == 0, output
+    assert sorted(line for line in output.splitlines() if "rank" in line) == \
+        ["[worker1.0] rank 0", "[worker1.1] rank 1", "[worker1.2] rank 2"]
+
+
+def test_bad_environment_names_the_variable() -> None:
+    base = {"DMLC_ROLE": "", "DMLC_NUM_WORKER": "2", "DMLC_NUM_SERVER": "1",
+            "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": "9000"}
+    cases = [({}, "DMLC_ROLE is not set"),
+             ({"DMLC_ROLE": "boss"}, "DMLC_ROLE='boss'"),
+             ({"DMLC_ROLE": "server", "DMLC_NUM_SERVER": "x"}, "DMLC_NUM_SERVER='x'"),
+             ({"DMLC_ROLE": "worker"}, "DMLC_WORKER_ID is not set"),
+             ({"DMLC_ROLE": "worker", "DMLC_WORKER_ID": "2"}, "DMLC_WORKER_ID=2 out of range"),
+             ({"DMLC_ROLE": "scheduler", "BPS_TIMEOUT": "-1"}, "BPS_TIMEOUT='-1'")]
+    for extra, fragment in cases:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("DMLC_", "BPS_"))}
+        env.update({**base, **extra})
+        proc = subprocess.run(BPSLAUNCH + [PY, "-c", "pass"], env=env, capture_output=True,
+                              text=True, timeout=60)
+        assert proc.returncode == 2, (extra, proc.stderr)
+        assert fragment in proc.stderr, (extra, proc.stderr)
