@@ -55,6 +55,7 @@ class Runtime:
             )
         self.size = self.num_nodes * self.local_size
         self._next_key = 0
+        self._names = 0
         self._lock = threading.Lock()
 
     def allocate_keys(self, count: int) -> int:
@@ -63,6 +64,12 @@ class Runtime:
             first = self._next_key
             self._next_key += count
             return first
+
+    def unique_name(self, prefix: str) -> str:
+        """``prefix`` plus a counter: the same sequence of names in every process."""
+        with self._lock:
+            self._names += 1
+            return f"{prefix}{self._names}"
 
     def close(self, barrier: bool = True) -> None:
         if barrier:

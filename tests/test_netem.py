@@ -355,3 +355,12 @@ def test_training_steps_through_emulated_network(leftovers, tmp_path):
     assert hosts["w0"]["tx_bytes"] >= pushed
     assert hosts["s0"]["rx_bytes"] >= 2 * pushed * 0.9  # both nodes push about the same
     assert "10.77.0." in done.stdout  # addresses the processes advertised to each other
+
+
+@pytest.mark.netns
+def test_too_many_hosts_is_a_clear_error(netns_allowed):
+    before = set(list_namespaces())
+    done = _cli(["--nodes", "300", "--rate", "1mbit", "--", "true"])
+    assert done.returncode == 2
+    assert "at most 250 hosts" in done.stderr and "Traceback" not in done.stderr
+    assert set(list_namespaces()) == before

@@ -76,7 +76,8 @@ def test_pulled_aggregate_matches_reference(compressed_run: list[dict], index: i
     key, numel, dtype, params = compressed_keys()[index]
     workers = [reference_chain(params, numel, dtype) for _ in range(WORKERS)]
     server = reference_chain(params, numel, dtype)
-    for step in range(STEPS):
+    # step STEPS ran after state_dict -> garbage step -> load_state_dict (test_ps_job.py)
+    for step in range(STEPS + 1):
         total = np.zeros(numel, dtype=np.float32)
         for node, chain in enumerate(workers):
             chain.set_lr(lr_for(step))

@@ -18,7 +18,7 @@ from tests.test_ps_job import TEST_ENV
 
 JOB = str(Path(__file__).with_name("test_ps_job.py"))
 ROLE = [sys.executable, "-m", "bps.launch.cli"]
-HEARTBEAT_TIMEOUT = 3.0
+HEARTBEAT_TIMEOUT = 4.0
 
 
 class Cluster:

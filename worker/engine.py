@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import copy
 import fcntl
 import heapq
 import itertools
@@ -255,7 +256,7 @@ class WorkerEngine:
             blob = self._wait(future, f"GET_STATE of {info_label(info)}")
             server[info.key] = state_from_wire(msgpack.unpackb(blob, raw=False,
                                                                strict_map_key=False))
-        worker = {info.key: info.chain.state_dict() for info in compressed}
+        worker = {info.key: copy.deepcopy(info.chain.state_dict()) for info in compressed}
         return {"worker": worker, "server": server}
 
     def load_state_dict(self, state: dict) -> None:
@@ -331,14 +332,18 @@ class WorkerEngine:
         self._raise_if_failed()
         future = _new_future()
         self._control.append(_Request((), -1, op, server, fields_, payload, future, what, info))
-        self._wake()
-        return future
+        return self._wake_or_fail(future)
 
     def _scheduler_request(self, op: Op, reply: tuple, **fields: Any) -> concurrent.futures.Future:
         self._raise_if_failed()
         future = _new_future()
         self._control.append((op, reply, fields, future))
+        return self._wake_or_fail(future)
+
+    def _wake_or_fail(self, future: concurrent.futures.Future) -> concurrent.futures.Future:
         self._wake()
+        if self._error is not None:  # the I/O thread may have stopped before our append
+            _settle(None, future, error=self._error)
         return future
 
     def _compress(self, info: _KeyInfo, tensor: torch.Tensor, step: int, lr: float,

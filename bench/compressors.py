@@ -1,0 +1,223 @@
+"""Compressor throughput: bps's numba kernels vs plain torch vs memory copy.
+
+    .venv/bin/python bench/compressors.py            # 16M float32 elements, ~2-4 minutes
+
+For each compressor: median time of compress and of decompress (into a preallocated
+output, as the server and engine do) after warm-up; throughput = input bytes /
+(compress + decompress); "x copy" = that throughput / np.copyto bandwidth of the same
+array; "x torch" = speed-up over a plain-torch implementation of the same algorithm
+(written below; its RNG is torch's, as xorshift128+ is sequential); ratio = input bytes /
+payload bytes. Prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bps.compressors import build  # noqa: E402
+
+SHIFTS32 = 31 - torch.arange(32, dtype=torch.int64)
+
+
+def median_time(fn, runs: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+# ---- plain-torch implementations of the same algorithms -----------------------------
+
+class TorchOneBit:
+    def compress(self, x):
+        scale = (x.abs().sum(dtype=torch.float64) / x.numel()).float()
+        bits = (x < 0).view(-1, 32).to(torch.int64)
+        words = (bits << SHIFTS32).sum(1).to(torch.int32)
+        return words, scale
+
+    def decompress(self, payload, out):
+        words, scale = payload
+        bits = (words.to(torch.int64).view(-1, 1) >> SHIFTS32) & 1
+        torch.where(bits.view(-1).bool(), -scale, scale, out=out)
+        return out
+
+
+class TorchTopK:
+    def __init__(self, k):
+        self.k = k
+
+    def compress(self, x):
+        indices = torch.topk(x.abs(), self.k, sorted=False).indices
+        return indices.to(torch.int32), x[indices]
+
+    def decompress(self, payload, out):
+        indices, values = payload
+        out.zero_()
+        out[indices.long()] = values
+        return out
+
+
+class TorchRandomK:
+    def __init__(self, k):
+        self.k = k
+        self.gen = torch.Generator().manual_seed(1)
+
+    def compress(self, x):
+        indices = torch.randint(0, x.numel(), (self.k,), generator=self.gen)
+        return indices, x[indices]
+
+    def decompress(self, payload, out):
+        indices, values = payload
+        out.zero_()
+        out.index_put_((indices,), values)
+        return out
+
+
+def bit_len(values):
+    """bit length of positive int64 values (exact below 2**52)."""
+    return torch.floor(torch.log2(values.double())).long() + 1
+
+
+def delta_codes(values):
+    """Elias-delta (code, length) per value: the code has lb - 1 leading zeros."""
+    b = bit_len(values)
+    lb = bit_len(b)
+    return (b << (b - 1)) | (values - (1 << (b - 1))), 2 * lb - 1 + b - 1
+
+
+def windows(bits, width):
+    """window[p] = the next `width` bits from p, MSB first (zero padded)."""
+    padded = torch.cat([bits.long(), torch.zeros(width, dtype=torch.int64)])
+    total = torch.zeros(bits.numel() + 1, dtype=torch.int64)
+    for j in range(width):
+        total += padded[j : j + bits.numel() + 1] << (width - 1 - j)
+    return total
+
+
+class TorchDithering:
+    """Linear dithering, max norm; Elias-delta coded with vectorised torch ops."""
+
+    def __init__(self, levels):
+        self.s = levels
+        self.gen = torch.Generator().manual_seed(1)
+
+    def compress(self, x):
+        scale = x.abs().max().double()
+        u = (x.abs().double() / scale * self.s).float()
+        low = u.floor()
+        q = (low + (torch.rand(x.numel(), generator=self.gen) < (u - low))).long()
+        index = q.nonzero().squeeze(1)
+        gaps = torch.diff(index, prepend=torch.tensor([-1]))
+        gap_code, gap_len = delta_codes(gaps)
+        q_code, q_len = delta_codes(q[index])
+        codes = torch.stack([gap_code, (x[index] < 0).long(), q_code], 1).view(-1)
+        lengths = torch.stack([gap_len, torch.ones_like(gap_len), q_len], 1).view(-1)
+        starts = torch.cumsum(lengths, 0) - lengths
+        nbits = int(lengths.sum())
+        field = torch.repeat_interleave(torch.arange(codes.numel()), lengths)
+        offset = torch.arange(nbits) - starts[field]
+        bits = ((codes[field] >> (lengths[field] - 1 - offset)) & 1).to(torch.uint8)
+        bits = torch.cat([bits, torch.zeros(-nbits % 8, dtype=torch.uint8)]).view(-1, 8)
+        stream = (bits.long() << (7 - torch.arange(8))).sum(1).to(torch.uint8)
+        return stream, nbits, scale
+
+    def decompress(self, payload, out):
+        stream, nbits, scale = payload
+        bits = ((stream.view(-1, 1).long() >> (7 - torch.arange(8))) & 1).view(-1)[:nbits]
+        positions = torch.arange(nbits)
+        ones = bits.nonzero().squeeze(1)
+        first_one = ones[torch.searchsorted(ones, positions).clamp(max=ones.numel() - 1)]
+        zeros = (first_one - positions).clamp(0, 5)
+        b = (windows(bits, 6)[first_one] >> (5 - zeros)).clamp(1, 32)
+        head = 2 * zeros + 1
+        low = windows(bits, 32)[(positions + head).clamp(max=nbits)] >> (33 - b)
+        value = torch.cat([(1 << (b - 1)) | low, torch.zeros(1, dtype=torch.int64)])
+        length = torch.cat([head + b - 1, torch.zeros(1, dtype=torch.int64)])
+        # an entry at p: delta(gap), sign, delta(q); follow the entries by pointer doubling
+        q_at = (positions + length[:-1] + 1).clamp(max=nbits)
+        jump = torch.cat([(q_at + length[q_at]).clamp(max=nbits), torch.tensor([nbits])])
+        on = torch.zeros(nbits + 1, dtype=torch.bool)
+        on[0] = True
+        while True:
+            reached = on.clone()
+            reached[jump[on]] = True
+            if torch.equal(reached, on):
+                break
+            on, jump = reached, jump[jump]
+        starts = on[:-1].nonzero().squeeze(1)
+        index = torch.cumsum(value[starts], 0) - 1
+        q = value[q_at[starts]].double()
+        signs = 1.0 - 2.0 * bits[(starts + length[starts]).clamp(max=nbits - 1)].double()
+        out.zero_()
+        out[index] = (signs * q * scale / self.s).to(out.dtype)
+        return out
+
+
+def payload_nbytes(payload) -> int:
+    if isinstance(payload, torch.Tensor):
+        return payload.numel() * payload.element_size()
+    return sum(payload_nbytes(p) for p in payload if isinstance(p, torch.Tensor))
+
+
+def measure(codec, x, out, runs):
+    holder = {}
+
+    def compress():
+        holder["p"] = codec.compress(x)
+
+    t_compress = median_time(compress, runs)
+    payload = holder["p"]
+    t_decompress = median_time(lambda: codec.decompress(payload, out=out), runs)
+    return t_compress, t_decompress, payload
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--numel", type=int, default=16 * 2**20)
+    parser.add_argument("--runs", type=int, default=7)
+    parser.add_argument("--torch-runs", type=int, default=3)
+    args = parser.parse_args()
+    n = args.numel - args.numel % 32
+    x = torch.randn(n, generator=torch.Generator().manual_seed(0))
+    out = torch.empty_like(x)
+    nbytes = x.numel() * x.element_size()
+    source, target = x.numpy(), np.empty_like(x.numpy())
+    copy_time = median_time(lambda: np.copyto(target, source), args.runs, warmup=2)
+    copy_gbs = nbytes / copy_time / 1e9
+    k = max(1, int(0.01 * n))
+    cases = [
+        ("onebit (scaling)", {"compressor": "onebit", "scaling": True}, TorchOneBit()),
+        ("topk (k=1%)", {"compressor": "topk", "k": 0.01}, TorchTopK(k)),
+        ("randomk (k=1%)", {"compressor": "randomk", "k": 0.01}, TorchRandomK(k)),
+        ("dithering (s=4)", {"compressor": "dithering", "k": 4}, TorchDithering(4)),
+    ]
+    print(f"{n} float32 elements ({nbytes / 2**20:.0f} MiB); np.copyto: {copy_time * 1e3:.1f} ms "
+          f"= {copy_gbs:.2f} GB/s; torch threads: {torch.get_num_threads()}\n")
+    print("| compressor | compress ms | decompress ms | GB/s | x copy | torch GB/s | x torch "
+          "| compression ratio |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, params, baseline in cases:
+        chain = build(params, n)
+        t_c, t_d, payload = measure(chain, x, out, args.runs)
+        b_c, b_d, _ = measure(baseline, x, out, args.torch_runs)
+        gbs = nbytes / (t_c + t_d) / 1e9
+        torch_gbs = nbytes / (b_c + b_d) / 1e9
+        print(f"| {name} | {t_c * 1e3:.1f} | {t_d * 1e3:.1f} | {gbs:.2f} | {gbs / copy_gbs:.2f} "
+              f"| {torch_gbs:.3f} | {gbs / torch_gbs:.1f} | {nbytes / payload_nbytes(payload):.1f} |",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""Unit tests of the runtime's pure parts: environment, wire header, partitioning."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import msgpack
+import pytest
+from bps.worker.partition import Placement, partition
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bps.env import ClusterEnv, EnvError
+from bps.protocol import PROTOCOL_VERSION, Op, ProtocolError, decode, encode
+
+BASE = {"DMLC_ROLE": "worker", "DMLC_NUM_WORKER": "4", "DMLC_NUM_SERVER": "2",
+        "DMLC_PS_ROOT_URI": "10.0.0.1", "DMLC_PS_ROOT_PORT": "9000", "DMLC_WORKER_ID": "3"}
+
+
+def test_env_defaults() -> None:
+    env = ClusterEnv.from_environ(BASE)
+    assert (env.role, env.num_workers, env.num_servers, env.worker_id) == ("worker", 4, 2, 3)
+    assert env.scheduler_address == "tcp://10.0.0.1:9000"
+    assert (env.partition_bytes, env.min_compress_bytes) == (4096000, 65536)
+    assert (env.timeout, env.heartbeat_interval, env.heartbeat_timeout) == (60.0, 1.0, 10.0)
+    assert (env.local_rank, env.local_size, env.node_host) == (0, 1, "127.0.0.1")
+    short = ClusterEnv.from_environ({**BASE, "BPS_TIMEOUT": "5", "BYTEPS_LOCAL_SIZE": "2",
+                                     "BYTEPS_LOCAL_RANK": "1", "DMLC_NODE_HOST": "10.1.0.7"})
+    assert (short.timeout, short.heartbeat_timeout, short.local_rank) == (5.0, 5.0, 1)
+    assert short.node_host == "10.1.0.7"
+
+
+@pytest.mark.parametrize(("change", "fragment"), [
+    ({"DMLC_ROLE": None}, "DMLC_ROLE is not set"),
+    ({"DMLC_PS_ROOT_URI": None}, "DMLC_PS_ROOT_URI is not set"),
+    ({"DMLC_PS_ROOT_PORT": "70000"}, "DMLC_PS_ROOT_PORT=70000 out of range"),
+    ({"DMLC_NUM_WORKER": "two"}, "DMLC_NUM_WORKER='two' is not an integer"),
+    ({"DMLC_WORKER_ID": "4"}, "DMLC_WORKER_ID=4 out of range"),
+    ({"BYTEPS_LOCAL_RANK": "1"}, "BYTEPS_LOCAL_RANK=1 out of range"),
+    ({"BYTEPS_PARTITION_BYTES": "0"}, "BYTEPS_PARTITION_BYTES=0 out of range"),
+    ({"BPS_TIMEOUT": "nan"}, "BPS_TIMEOUT='nan'"),
+    ({"BPS_HEARTBEAT_INTERVAL": "2", "BPS_HEARTBEAT_TIMEOUT": "1"}, "BPS_HEARTBEAT_TIMEOUT=1.0"),
+])
+def test_env_errors_name_the_variable(change: dict, fragment: str) -> None:
+    environ = {k: v for k, v in {**BASE, **change}.items() if v is not None}
+    with pytest.raises(EnvError, match=re.escape(fragment)):
+        ClusterEnv.from_environ(environ)
+
+
+def test_header_round_trip() -> None:
+    frame = encode(Op.PUSH, rid=7, key=2**63 - 1, step=3, node=1, dtype="float16", numel=10,
+                   nbytes=20, lr=0.5)
+    header = decode(frame)
+    assert header["op"] is Op.PUSH and header["key"] == 2**63 - 1 and header["lr"] == 0.5
+
+
+@pytest.mark.parametrize(("fields", "fragment"), [
+    ({"v": PROTOCOL_VERSION + 1, "op": int(Op.PULL), "rid": 1, "key": 1, "step": 0},
+     "protocol version"),
+    ({"v": PROTOCOL_VERSION, "op": 1234}, "field 'op' has unknown value 1234"),
+    ({"v": PROTOCOL_VERSION, "op": int(Op.PULL), "rid": 1, "key": 1}, "field 'step' missing"),
+    ({"v": PROTOCOL_VERSION, "op": int(Op.PULL), "rid": 1, "key": True, "step": 0},
+     "field 'key' has type bool"),
+    ({"v": PROTOCOL_VERSION, "op": int(Op.PUSH), "rid": 1, "key": 1, "step": 0, "node": 0,
+      "dtype": "float32", "numel": 1, "nbytes": 4, "lr": math.inf}, "field 'lr' is inf"),
+])
+def test_bad_headers_name_the_field(fields: dict, fragment: str) -> None:
+    with pytest.raises(ProtocolError, match=fragment):
+        decode(msgpack.packb(fields))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=200))
+def test_random_bytes_only_raise_protocol_error(data: bytes) -> None:
+    try:
+        decode(data)
+    except ProtocolError:
+        pass
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(0, 10**5), st.sampled_from([2, 4, 8]), st.integers(64, 10**5))
+def test_partition_covers_tensor_within_budget(numel: int, itemsize: int, budget: int) -> None:
+    parts = partition(numel, itemsize, budget)
+    assert sum(length for _, length in parts) == numel
+    assert all(o2 == o1 + n1 for (o1, n1), (o2, _) in zip(parts, parts[1:], strict=False))
+    assert all(length * itemsize <= budget for _, length in parts)
+
+
+def test_placement_is_greedy_least_loaded_and_deterministic() -> None:
+    sizes = [400, 100, 100, 100, 300, 50, 50]
+    placements = []
+    for _ in range(2):
+        placement = Placement(3)
+        placements.append([placement.place(k, n) for k, n in enumerate(sizes)])
+    assert placements[0] == placements[1] == [0, 1, 2, 1, 2, 1, 1]
+    assert placement.loads == [400, 300, 400]
+    assert placement.place(4, 300) == 2  # a placed key keeps its server
+    placement.unplace(6, 50)
+    assert placement.loads == [400, 250, 400] and 6 not in placement.servers
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(1, 10**6), min_size=1, max_size=100), st.integers(1, 8))
+def test_placement_balance_bound(sizes: list[int], servers: int) -> None:
+    placement = Placement(servers)
+    for key, nbytes in enumerate(sizes):
+        placement.place(key, nbytes)
+    if len(sizes) >= servers:
+        assert max(placement.loads) - min(placement.loads) <= max(sizes)
