@@ -8,7 +8,8 @@ Usage::
 MB of float32 in partitions of BYTEPS_PARTITION_BYTES (4,096,000) and pulls the same
 amount back. The baseline moves exactly the same messages between the same kind of
 sockets (DEALER workers, a ROUTER server) with no processing: the server echoes every
-message at once. The ratio is baseline step time / bps step time (target >= 0.7).
+message at once. The ratio is baseline step time / bps step time (target >= 0.7), best
+of ``--rounds`` alternating rounds of each.
 Then the same job with onebit and with topk 1%: step time and wire bytes per step.
 Results go to stdout (a markdown table) and bench/out/ps_throughput.json.
 """
@@ -150,6 +151,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mbytes", type=int, default=100)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--raw-server", nargs=2, type=int, help=argparse.SUPPRESS)
     parser.add_argument("--raw-worker", nargs=4, help=argparse.SUPPRESS)
     parser.add_argument("--bps-worker", nargs=4, help=argparse.SUPPRESS)
@@ -169,8 +171,15 @@ def main() -> None:
 
     tmp = Path(__file__).parent / "out"
     tmp.mkdir(exist_ok=True)
-    raw = run_raw(args.mbytes, args.steps, tmp)
-    plain = run_bps(args.mbytes, args.steps, None, tmp, "plain")
+    # alternate baseline and bps runs and keep each one's best round: robust to other
+    # load on the machine, and both sides see the same conditions
+    raws, plains = [], []
+    for _ in range(args.rounds):
+        raws.append(run_raw(args.mbytes, args.steps, tmp))
+        plains.append(run_bps(args.mbytes, args.steps, None, tmp, "plain"))
+    raw = min(raws)
+    plain_times = [r["step_s"] for r in plains]
+    plain = min(plains, key=lambda r: r["step_s"])
     onebit = run_bps(args.mbytes, args.steps, {"compressor": "onebit", "scaling": True,
                                                "ef": "vanilla"}, tmp, "onebit")
     topk = run_bps(args.mbytes, args.steps, {"compressor": "topk", "k": 0.01, "ef": "vanilla"},
@@ -181,7 +190,10 @@ def main() -> None:
             ("bps onebit + EF", onebit["step_s"], onebit["wire_bytes_per_worker"]),
             ("bps topk 1% + EF", topk["step_s"], topk["wire_bytes_per_worker"])]
     print(f"2 workers x 1 server, loopback, {args.mbytes} MB float32 per worker per step, "
-          f"{len(partitions(args.mbytes))} partitions, median of {args.steps} steps\n")
+          f"{len(partitions(args.mbytes))} partitions, median of {args.steps} steps, best of "
+          f"{args.rounds} alternating rounds (baseline rounds: "
+          f"{', '.join(f'{t:.3f}' for t in raws)} s; bps rounds: "
+          f"{', '.join(f'{t:.3f}' for t in plain_times)} s)\n")
     print("| configuration | step time (s) | push+pull throughput (MB/s) | wire bytes per "
           "worker per step |")
     print("|---|---|---|---|")
@@ -189,7 +201,8 @@ def main() -> None:
         print(f"| {name} | {step:.3f} | {moved / step:.0f} | {wire / 1e6:.2f} MB |")
     ratio = raw / plain["step_s"]
     print(f"\nbps / raw ZeroMQ throughput ratio (uncompressed): {ratio:.2f} (target >= 0.7)")
-    result = {"mbytes": args.mbytes, "steps": args.steps, "raw_step_s": raw,
+    result = {"mbytes": args.mbytes, "steps": args.steps, "raw_step_s": raw, "raw_rounds": raws,
+              "plain_rounds": plains,
               "plain": plain, "onebit": onebit, "topk": topk, "ratio": ratio}
     (tmp / "ps_throughput.json").write_text(json.dumps(result, indent=2))
 

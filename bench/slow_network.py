@@ -24,7 +24,9 @@ import argparse
 import csv
 import json
 import math
+import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -38,13 +40,11 @@ MNIST = REPO / "examples" / "mnist.py"
 DDP_MNIST = REPO / "bench" / "ddp_mnist.py"
 
 EF_NESTEROV = ("--ef", "vanilla", "--momentum", "nesterov")
-TOPK_FRACTION = 0.01
-DITHERING_LEVELS = 4
 DEFAULT_METHODS = ("fp32", "fp16", "onebit", "topk", "randomk", "dithering",
                    "ddp", "ddp-fp16", "ddp-powersgd")
 QUICK_METHODS = ("fp32", "onebit", "ddp-powersgd")
 STARTUP_SECONDS = 25.0  # imports and rendezvous of every process on 2 cores, measured
-COMPUTE_SECONDS = 0.06  # one step's compute for all nodes on 2 cores, a first guess
+COMPUTE_SECONDS = 0.15  # one step of 4 nodes + 4 servers on 2 cores, measured unthrottled
 
 
 @dataclass(frozen=True)
@@ -63,23 +63,25 @@ class Method:
         return self.wire * params * ring
 
 
-METHODS = {m.name: m for m in (
-    Method("fp32", "bps uncompressed (fp32)", "bps", ("--compressor", "none", "--no-fp16"), 4),
-    Method("fp16", "bps fp16 only", "bps", ("--compressor", "none"), 2),
-    Method("onebit", "bps onebit + EF + Nesterov", "bps",
-           ("--compressor", "onebit", *EF_NESTEROV), 1 / 8),
-    Method("topk", f"bps topk k={TOPK_FRACTION} + EF + Nesterov", "bps",
-           ("--compressor", "topk", "--k", str(TOPK_FRACTION), *EF_NESTEROV), 8 * TOPK_FRACTION),
-    Method("randomk", f"bps randomk k={TOPK_FRACTION} + EF + Nesterov", "bps",
-           ("--compressor", "randomk", "--k", str(TOPK_FRACTION), *EF_NESTEROV),
-           4 * TOPK_FRACTION),
-    Method("dithering", f"bps dithering s={DITHERING_LEVELS} + EF", "bps",
-           ("--compressor", "dithering", "--k", str(DITHERING_LEVELS), "--ef", "vanilla"), 0.5),
-    Method("ddp", "DDP allreduce (gloo)", "ddp", ("--hook", "none"), 4),
-    Method("ddp-fp16", "DDP fp16 hook", "ddp", ("--hook", "fp16"), 2),
-    Method("ddp-powersgd", "DDP PowerSGD hook, rank 1", "ddp",
-           ("--hook", "powersgd", "--powersgd-rank", "1"), 0.01),
-)}
+def all_methods(topk: float = 0.01, randomk: float = 0.01, levels: int = 4) -> dict:
+    """Every method the runner knows, by name; ``topk``/``randomk``: k, ``levels``: dithering."""
+    return {m.name: m for m in (
+        Method("fp32", "bps uncompressed (fp32)", "bps", ("--compressor", "none", "--no-fp16"),
+               4),
+        Method("fp16", "bps fp16 only", "bps", ("--compressor", "none"), 2),
+        Method("onebit", "bps onebit + EF + Nesterov", "bps",
+               ("--compressor", "onebit", *EF_NESTEROV), 1 / 8),
+        Method("topk", f"bps topk k={topk:g} + EF + Nesterov", "bps",
+               ("--compressor", "topk", "--k", f"{topk:g}", *EF_NESTEROV), 8 * topk),
+        Method("randomk", f"bps randomk k={randomk:g} + EF + Nesterov", "bps",
+               ("--compressor", "randomk", "--k", f"{randomk:g}", *EF_NESTEROV), 4 * randomk),
+        Method("dithering", f"bps dithering s={levels} + EF", "bps",
+               ("--compressor", "dithering", "--k", str(levels), "--ef", "vanilla"), 0.5),
+        Method("ddp", "DDP allreduce (gloo)", "ddp", ("--hook", "none"), 4),
+        Method("ddp-fp16", "DDP fp16 hook", "ddp", ("--hook", "fp16"), 2),
+        Method("ddp-powersgd", "DDP PowerSGD hook, rank 1", "ddp",
+               ("--hook", "powersgd", "--powersgd-rank", "1"), 0.01),
+    )}
 
 
 @dataclass
@@ -204,8 +206,9 @@ def run_one(method: Method, args: argparse.Namespace, workdir: Path) -> Run:
     with open(log_path, "w") as log:
         log.write(" ".join(argv) + "\n")
         log.flush()
+        env = dict(os.environ, BYTEPS_PARTITION_BYTES=str(args.partition_bytes))
         process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                   text=True, cwd=REPO)
+                                   text=True, cwd=REPO, env=env)
         try:
             for line in process.stdout:
                 log.write(line)
@@ -307,6 +310,7 @@ def write_results(args: argparse.Namespace, runs: list[Run], target: float, rows
     record = {
         "command": "python bench/slow_network.py " + " ".join(argv),
         "rate": args.rate, "nodes": args.nodes, "servers": args.servers,
+        "partition_bytes": args.partition_bytes,
         "parameters": parameter_count(args.hidden, args.layers), "job": job_args(args),
         "target_accuracy": target, "rows": rows,
         "runs": [{"method": r.method.name, "label": r.method.label, "args": list(r.method.args),
@@ -380,7 +384,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--rate", default="100mbit", help="link rate, e.g. 100mbit; 'none': no limit")
     p.add_argument("--delay", default="0ms", help="per link direction (needs netem)")
     p.add_argument("--methods", default=None,
-                   help=f"comma-separated subset of {','.join(METHODS)}")
+                   help=f"comma-separated subset of {','.join(all_methods())}")
+    p.add_argument("--topk-k", type=float, default=0.01, help="topk: fraction kept")
+    p.add_argument("--randomk-k", type=float, default=0.01, help="randomk: fraction kept")
+    p.add_argument("--dithering-levels", type=int, default=4, help="dithering: levels s")
     p.add_argument("--quick", action="store_true",
                    help="2 nodes, small model, 1 epoch, methods " + ",".join(QUICK_METHODS))
     p.add_argument("--epochs", type=int, default=None, help="default 8 (quick: 1)")
@@ -390,6 +397,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(REPO / "docs"), help="where results go")
+    p.add_argument("--partition-bytes", type=int, default=1024000,
+                   help="BYTEPS_PARTITION_BYTES for the bps runs: 1 MB slices spread the "
+                        "model evenly over the servers (with the 4 MB default, one server "
+                        "gets a 3.4 MB slice and fp32 steps take twice as long)")
     p.add_argument("--run-timeout", type=float, default=1800.0, help="seconds per run")
     args = p.parse_args(argv)
     if args.quick:
@@ -400,10 +411,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.servers = args.servers or args.nodes
     names = args.methods.split(",") if args.methods else list(
         QUICK_METHODS if args.quick else DEFAULT_METHODS)
-    unknown = [n for n in names if n not in METHODS]
+    methods = all_methods(args.topk_k, args.randomk_k, args.dithering_levels)
+    unknown = [n for n in names if n not in methods]
     if unknown:
-        p.error(f"--methods: unknown {unknown}; choose from {','.join(METHODS)}")
-    args.method_list = [METHODS[n] for n in names]
+        p.error(f"--methods: unknown {unknown}; choose from {','.join(methods)}")
+    args.method_list = [methods[n] for n in names]
     from bps.launch.netns import NetnsError, parse_rate
 
     try:
@@ -416,6 +428,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, so the running bpslaunch netem is stopped and cleans up
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     params = parameter_count(args.hidden, args.layers)
     print(f"slow-network benchmark: {args.nodes} nodes, {args.servers} servers, {args.rate} "
           f"links, MLP {args.layers}x{args.hidden} ({params:,} parameters), {args.epochs} "

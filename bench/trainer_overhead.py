@@ -8,8 +8,10 @@ Usage::
 The parent starts a loopback cluster with ``bpslaunch local --workers 2 --servers 1``;
 both worker processes then time, one after the other, DDP over a gloo group of their
 own, bps uncompressed (fp16 on the wire, the default), bps uncompressed in fp32 and
-bps with onebit + error feedback, on a ~25M-parameter MLP. Rank 0 prints a table of
-median step times and their ratio to DDP.
+bps with onebit + error feedback, on a ~25M-parameter MLP (one copy per
+configuration, all alive at once). Rank 0 prints a table of
+median step times and their ratio to DDP. The configurations take turns in
+interleaved rounds (a barrier before every step), so background load hits all alike.
 """
 
 from __future__ import annotations
@@ -43,19 +45,6 @@ def build_model(width: int):
     )
 
 
-def time_steps(step, warmup: int, steps: int, sync) -> list[float]:
-    for _ in range(warmup):
-        step()
-    sync()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    sync()
-    return times
-
-
 def child(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
@@ -72,39 +61,48 @@ def child(args: argparse.Namespace) -> int:
     x = torch.randn(args.batch, 1024)
     y = torch.randn(args.batch, 1024)
     loss_fn = torch.nn.MSELoss()
-    results = {}
 
-    model = build_model(args.width)
-    numel = sum(p.numel() for p in model.parameters())
-    ddp = DistributedDataParallel(model)
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+    def ddp_runner():
+        ddp = DistributedDataParallel(build_model(args.width))
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-3)
 
-    def ddp_step(ddp=ddp, optimizer=optimizer):
-        optimizer.zero_grad()
-        loss_fn(ddp(x), y).backward()
-        optimizer.step()
+        def step():
+            optimizer.zero_grad()
+            loss_fn(ddp(x), y).backward()
+            optimizer.step()
+            return None
+        return step, lambda: None
 
-    results["torch DDP (gloo)"] = time_steps(ddp_step, args.warmup, args.steps, dist.barrier)
-    del ddp, model, optimizer
-
-    for name, params in CONFIGS.items():
+    def bps_runner(params):
         model = build_model(args.width)
-        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-        trainer = bps.DistributedTrainer(model, optimizer, params)
-        stats = []
+        trainer = bps.DistributedTrainer(model, torch.optim.SGD(model.parameters(), lr=1e-3),
+                                         params)
 
-        def bps_step(model=model, trainer=trainer, stats=stats):
+        def step():
             trainer.zero_grad()
             loss_fn(model(x), y).backward()
             trainer.step()
-            stats.append(trainer.stats())
+            return trainer.stats()
+        return step, trainer.close
 
-        results[name] = time_steps(bps_step, args.warmup, args.steps, dist.barrier)
-        results[name + " stats"] = stats[-1]
-        trainer.close()
-        del model, optimizer, trainer
-
+    runners = {"torch DDP (gloo)": ddp_runner()}
+    runners.update({name: bps_runner(params) for name, params in CONFIGS.items()})
+    numel = sum(p.numel() for p in build_model(args.width).parameters())
+    times = {name: [] for name in runners}
+    stats = {}
+    # Interleaved rounds, so that load from other processes hits every configuration alike.
+    for round_ in range(args.rounds):
+        for name, (step, _) in runners.items():
+            for i in range(args.warmup + args.steps):
+                dist.barrier()
+                start = time.perf_counter()
+                stats[name] = step()
+                if i >= args.warmup or round_ > 0:
+                    times[name].append(time.perf_counter() - start)
+    for _, close in runners.values():
+        close()
     if rank == 0:
+        results = {**times, **{f"{n} stats": s for n, s in stats.items() if s}}
         Path(args.out).write_text(json.dumps({"parameters": numel, "batch": args.batch,
                                               "results": results}))
     dist.destroy_process_group()
@@ -125,7 +123,8 @@ def parent(args: argparse.Namespace) -> int:
         cmd = [launcher, "local", "--workers", "2", "--servers", "1", "--",
                sys.executable, os.path.abspath(__file__), "--child", "--out", out,
                "--ddp-port", str(free_port()), "--steps", str(args.steps),
-               "--warmup", str(args.warmup), "--batch", str(args.batch),
+               "--warmup", str(args.warmup), "--rounds", str(args.rounds),
+               "--batch", str(args.batch),
                "--width", str(args.width)]
         env = {**os.environ, "BPS_TIMEOUT": os.environ.get("BPS_TIMEOUT", "120")}
         code = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL if args.quiet else None,
@@ -137,7 +136,9 @@ def parent(args: argparse.Namespace) -> int:
     results = data["results"]
     base = statistics.median(results["torch DDP (gloo)"])
     print(f"\n{data['parameters'] / 1e6:.1f}M parameters, batch {data['batch']} per worker, "
-          f"2 worker nodes x 1 local rank, 1 server, loopback; median of {args.steps} steps\n")
+          f"2 worker nodes x 1 local rank, 1 server, loopback; "
+          f"median of {args.steps * args.rounds} steps "
+          f"in {args.rounds} interleaved rounds\n")
     print("| configuration | step time (s) | ratio to DDP | bytes pushed / step / node |")
     print("|---|---|---|---|")
     for name, times in results.items():
@@ -154,8 +155,9 @@ def parent(args: argparse.Namespace) -> int:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=4, help="timed steps per round")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps in the first round")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--width", type=int, default=4096)
     p.add_argument("--json", default=None, help="also write the raw timings here")

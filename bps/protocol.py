@@ -38,6 +38,7 @@ import msgpack
 
 PROTOCOL_VERSION = 1
 MAX_HEADER_BYTES = 1 << 20
+_MISSING = object()
 
 
 class ProtocolError(ValueError):
@@ -150,8 +151,6 @@ def decode(frame: bytes | memoryview) -> dict[str, Any]:
         raise ProtocolError(f"{op.name}: field 'lr' is {header['lr']!r}, expected finite")
     return header
 
-
-_MISSING = object()
 
 
 class ClusterError(RuntimeError):

@@ -64,8 +64,9 @@ class _Slot:
     param: torch.Tensor
     group: int  # index of its optimizer param group (for the learning rate)
     parts: list[_Part]
-    send: torch.Tensor  # this rank's share, then the node's sum on local rank 0
-    recv: torch.Tensor  # the averaged gradient, broadcast within the node
+    send: torch.Tensor | None = None  # this rank's share, then the node's sum (local rank 0)
+    recv: torch.Tensor | None = None  # the averaged gradient, broadcast within the node
+    share: torch.Tensor | None = None  # what this step pushes: ``send`` or ``.grad`` itself
     local_momentum: torch.Tensor | None = None
     ready: bool = False
     futures: list = field(default_factory=list)
@@ -135,6 +136,7 @@ class DistributedTrainer:
         self._cond = threading.Condition()
         self._stats: dict = {}
         self._engine_before: dict = {}
+        self._step_started = False
         self._totals = {"steps": 0, "bytes_pushed": 0, "bytes_pulled": 0, "raw_bytes": 0}
 
         self._check_same_model()
@@ -154,7 +156,6 @@ class DistributedTrainer:
         ]
         for thread in self._threads:
             thread.start()
-        self._engine_before = self._engine_stats()
         self._hooks = [
             slot.param.register_post_accumulate_grad_hook(self._make_hook(i))
             for i, slot in enumerate(self._slots)
@@ -300,9 +301,10 @@ class DistributedTrainer:
                     part.compressed_key = self._declare(f"{name}[{len(parts)}]", length,
                                                         torch.float32, self.params)
                 parts.append(part)
-            slot = _Slot(name, p, group_of[id(p)], parts,
-                         send=torch.zeros(p.numel(), dtype=node_dtype, device=p.device),
-                         recv=torch.zeros(p.numel(), dtype=node_dtype, device=p.device))
+            slot = _Slot(name, p, group_of[id(p)], parts)
+            if self._rt.local_size > 1:
+                slot.send = torch.zeros(p.numel(), dtype=node_dtype, device=p.device)
+                slot.recv = torch.zeros(p.numel(), dtype=node_dtype, device=p.device)
             if self.params["momentum"] is not None:
                 slot.local_momentum = torch.zeros(p.numel(), dtype=torch.float32,
                                                   device=p.device)
@@ -331,14 +333,27 @@ class DistributedTrainer:
                 "backward() per trainer.step()"
             )
         slot.ready = True
+        if not self._step_started:  # stats count this step's traffic only
+            self._step_started = True
+            self._engine_before = self._engine_stats()
         grad = slot.param.grad
         with torch.no_grad():
-            if grad is None:
-                slot.send.zero_()
-            elif slot.send.dtype == grad.dtype:
-                torch.div(grad.detach().reshape(-1), self._rt.size, out=slot.send)
-            else:  # divide in float32 first, so the fp16 copy cannot overflow
-                slot.send.copy_(grad.detach().reshape(-1).div(self._rt.size))
+            if self._rt.local_size == 1 and grad is not None and grad.is_contiguous() \
+                    and not grad.is_cuda:
+                # A lone local rank pushes straight from .grad: each partition's result
+                # arrives (and overwrites it) only after that partition was sent.
+                slot.share = grad.detach().view(-1).div_(self._rt.size)
+            else:
+                if slot.send is None:
+                    slot.send = torch.empty(slot.param.numel(), dtype=torch.float32,
+                                            device=slot.param.device)
+                if grad is None:
+                    slot.send.zero_()
+                elif slot.send.dtype == grad.dtype:
+                    torch.div(grad.detach().reshape(-1), self._rt.size, out=slot.send)
+                else:  # divide in float32 first, so the fp16 copy cannot overflow
+                    slot.send.copy_(grad.detach().reshape(-1).div(self._rt.size))
+                slot.share = slot.send
         self._reduce_q.put(index)
 
     def _guarded(self, loop) -> None:
@@ -373,16 +388,16 @@ class DistributedTrainer:
 
     def _reduce_and_push(self, index: int) -> None:
         slot = self._slots[index]
-        self._reduce_ch.reduce(slot.send)
+        self._reduce_ch.reduce(slot.share)
         engine = self._rt.engine
         if engine is not None:
             lr = float(self.optimizer.param_groups[slot.group]["lr"])
             warm = self._step < self.params["warmup_steps"]
-            send = slot.send.cpu() if slot.send.is_cuda else slot.send
+            share = slot.share.cpu() if slot.share.is_cuda else slot.share
             slot.futures = []
             for part in slot.parts:
-                piece = send[part.offset:part.offset + part.length]
-                # No copy where the dtype already fits: ``send`` is not written again
+                piece = share[part.offset:part.offset + part.length]
+                # No copy where the dtype already fits: ``share`` is not written again
                 # before step() has waited for these futures.
                 if part.compressed_key is not None and not warm:
                     key, tensor = part.compressed_key, piece.to(torch.float32)
@@ -398,6 +413,8 @@ class DistributedTrainer:
             if index is _STOP:
                 return
             slot = self._slots[index]
+            # A lone local rank writes the aggregates straight into .grad (one copy less).
+            dest = self._grad_view(slot) if self._rt.local_size == 1 else slot.recv
             if self._rt.engine is not None:
                 for part, fut in zip(slot.parts, slot.futures, strict=True):
                     try:
@@ -405,32 +422,38 @@ class DistributedTrainer:
                     except TimeoutError:
                         raise TimeoutError(f"no aggregate for {slot.name!r} (offset "
                                            f"{part.offset}) within {timeout:g}s") from None
-                    slot.recv[part.offset:part.offset + part.length].copy_(result)
+                    dest[part.offset:part.offset + part.length].copy_(result)
                 slot.futures = []
-            self._bcast_ch.broadcast(slot.recv)
-            self._write_grad(slot)
+            if dest is slot.recv:
+                self._bcast_ch.broadcast(slot.recv)
+                dest = self._grad_view(slot)
+                dest.copy_(slot.recv)
+            self._apply_local_momentum(slot, dest)
             with self._cond:
                 self._done += 1
                 self._cond.notify_all()
 
-    def _write_grad(self, slot: _Slot) -> None:
-        grad = slot.recv.to(torch.float32)
-        if slot.local_momentum is not None:
-            # Tensors that travel uncompressed get the chain's Nesterov rule here.
-            mu = self.params["mu"]
-            warm = self._step < self.params["warmup_steps"]
-            for part in slot.parts:
-                if part.compressed_key is not None and not warm:
-                    continue
-                g = grad[part.offset:part.offset + part.length]
-                m = slot.local_momentum[part.offset:part.offset + part.length]
-                m.mul_(mu).add_(g)
-                g.add_(m * mu)
+    @staticmethod
+    def _grad_view(slot: _Slot) -> torch.Tensor:
+        """``param.grad`` as a flat float32 view (allocated where missing or strided)."""
         p = slot.param
-        if p.grad is None:
-            p.grad = grad.view_as(p).clone()
-        else:
-            p.grad.copy_(grad.view_as(p))
+        if p.grad is None or not p.grad.is_contiguous():
+            p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
+        return p.grad.view(-1)
+
+    def _apply_local_momentum(self, slot: _Slot, grad: torch.Tensor) -> None:
+        """Tensors that travel uncompressed get the chain's Nesterov rule here."""
+        if slot.local_momentum is None:
+            return
+        mu = self.params["mu"]
+        warm = self._step < self.params["warmup_steps"]
+        for part in slot.parts:
+            if part.compressed_key is not None and not warm:
+                continue
+            g = grad[part.offset:part.offset + part.length]
+            m = slot.local_momentum[part.offset:part.offset + part.length]
+            m.mul_(mu).add_(g)
+            g.add_(m * mu)
 
     def _raise_pending_error(self) -> None:
         if self._error is not None:
@@ -459,7 +482,7 @@ class DistributedTrainer:
         wait = time.perf_counter() - start
         self.optimizer.step()
         self._record_stats(self._engine_before, wait)
-        self._engine_before = self._engine_stats()
+        self._step_started = False
         for slot in self._slots:
             slot.ready = False
         self._done = 0

@@ -25,6 +25,7 @@ import torch
 from numba import njit
 
 from .base import Compressor, Payload, bit_view, float_view, payload_bytes, sub_array
+from .threads import chunk_bounds, run_chunks
 
 SAMPLE = 4096  # strided sample size for the threshold estimate
 SLACK = 2.0  # aim for about SLACK * k candidates
@@ -47,26 +48,57 @@ def collect_above(x, threshold, candidates):
 
 
 @njit(nogil=True, cache=True)
+def kth_largest(values, k):
+    """The k-th largest of ``values`` (1-based, no NaN): quickselect, linear on average.
+    Reorders ``values``."""
+    lo, hi = 0, values.size - 1
+    target = values.size - k  # position in ascending order
+    while lo < hi:
+        mid = (lo + hi) // 2
+        pivot = values[mid]
+        i, j = lo, hi
+        while i <= j:
+            while values[i] < pivot:
+                i += 1
+            while pivot < values[j]:
+                j -= 1
+            if i <= j:
+                values[i], values[j] = values[j], values[i]
+                i += 1
+                j -= 1
+        if target <= j:
+            hi = j
+        elif target >= i:
+            lo = i
+        else:
+            break
+    return values[target]
+
+
+@njit(nogil=True, cache=True)
 def select_exact(x, candidates, k, indices):
     """Write exactly k of the candidates with the largest |x| into indices, ascending."""
     c = candidates.size
     mags = np.empty(c, dtype=np.float64)
     for j in range(c):
-        mags[j] = abs(np.float64(x[candidates[j]]))
-    # k-th largest magnitude: a linear-time selection (NaN sorts last, i.e. largest)
-    cut = np.partition(mags, c - k)[c - k]
+        magnitude = abs(np.float64(x[candidates[j]]))
+        mags[j] = np.inf if magnitude != magnitude else magnitude  # NaN ranks first
+    cut = kth_largest(mags, k)
     above = 0
     for j in range(c):
-        if mags[j] > cut:
+        magnitude = abs(np.float64(x[candidates[j]]))
+        if magnitude > cut or (magnitude != magnitude and cut < np.inf):
             above += 1
     ties_wanted = k - above
     out = 0
     for j in range(c):
-        m = abs(np.float64(x[candidates[j]]))
-        if m > cut:
+        magnitude = abs(np.float64(x[candidates[j]]))
+        if magnitude != magnitude:
+            magnitude = np.inf
+        if magnitude > cut:
             indices[out] = candidates[j]
             out += 1
-        elif not m < cut and ties_wanted > 0:  # equal to the cut, or NaN
+        elif magnitude == cut and ties_wanted > 0:
             indices[out] = candidates[j]
             out += 1
             ties_wanted -= 1
@@ -93,6 +125,21 @@ def scatter(indices, values, out):
         out[indices[j]] = values[j]
 
 
+def collect_parallel(x: np.ndarray, threshold, cap: int) -> tuple[int, np.ndarray]:
+    """collect_above over chunks on threads: (count or -1, candidate indices)."""
+    bounds = chunk_bounds(x.size)
+    buffers = [np.empty(min(cap, hi - lo), dtype=np.int32) for lo, hi in bounds]
+    counts = run_chunks(
+        lambda lo, hi: collect_above(x[lo:hi], threshold, buffers[bounds.index((lo, hi))]),
+        bounds,
+    )
+    if min(counts) < 0 or sum(counts) > cap:
+        return -1, buffers[0]
+    parts = [buffer[:count] + lo for buffer, count, (lo, _) in zip(buffers, counts, bounds,
+                                                                       strict=True)]
+    return sum(counts), np.concatenate(parts).astype(np.int32, copy=False)
+
+
 def select_topk(x: np.ndarray, k: int) -> np.ndarray:
     """Indices (int32, ascending) of k entries of largest |x|, in time linear in x.size."""
     n = x.size
@@ -108,10 +155,9 @@ def select_topk(x: np.ndarray, k: int) -> np.ndarray:
         else:
             position = sample.size - 1 - rank
             threshold = float(np.partition(sample, position)[position])
-        candidates = np.empty(cap, dtype=np.int32)
-        count = collect_above(x, x.dtype.type(threshold), candidates)
+        count, candidates = collect_parallel(x, x.dtype.type(threshold), cap)
         if count >= k:
-            select_exact(x, candidates[:count], k, indices)
+            select_exact(x, candidates, k, indices)
             return indices
         if count < 0:  # too many candidates: raise the cut, allow more (cap reaches n)
             rank, cap = rank // 2, min(n, 2 * cap)

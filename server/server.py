@@ -198,10 +198,14 @@ class _KeyEngine(threading.Thread):
                                f"{header['nbytes']} bytes is larger than any encoding")
         data = torch.frombuffer(payload.buffer, dtype=torch.uint8)
         try:
-            return state.chain.decompress(data)
+            values = state.chain.decompress(data)
         except Exception as exc:
             raise RequestError(f"key {state.key} ({state.name!r}): cannot decode payload: "
                                f"{type(exc).__name__}: {exc}") from None
+        if values.numel() != state.numel:
+            raise RequestError(f"key {state.key} ({state.name!r}): payload decodes to "
+                               f"{values.numel()} values, expected {state.numel}")
+        return values
 
     def _check_step(self, state: _Key, step: int) -> None:
         if step <= state.last_step:

@@ -23,18 +23,20 @@ JOB = str(Path(__file__).with_name("test_ps_job.py"))
 BPSLAUNCH = [sys.executable, "-m", "bps.launch.cli"]
 
 
-def run_cluster(tmp_path: Path, workers: int, servers: int, case: str) -> list[dict]:
+def run_cluster(tmp_path: Path, workers: int, servers: int, case: str,
+                **env: str) -> list[dict]:
     code, output = run_command(
         BPSLAUNCH + ["local", "--workers", str(workers), "--servers", str(servers), "--",
                      sys.executable, JOB, "--out", str(tmp_path), "--case", case],
-        TEST_ENV, timeout=120)
+        {**TEST_ENV, **env}, timeout=120)
     assert code == 0, output
     return [torch.load(tmp_path / f"node{n}.pt", weights_only=False) for n in range(workers)]
 
 
 @pytest.fixture(scope="module")
 def raw_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    return run_cluster(tmp_path_factory.mktemp("raw"), workers=3, servers=2, case="raw")
+    return run_cluster(tmp_path_factory.mktemp("raw"), workers=3, servers=2, case="raw",
+                       BPS_MAX_INFLIGHT="1")
 
 
 def numpy_sum(pushes: list[torch.Tensor]) -> np.ndarray:
@@ -121,3 +123,12 @@ def test_stats_count_wire_bytes(raw_run: list[dict]) -> None:
         assert payload < stats["bytes_pulled"] < payload * 1.1
         assert stats["pushes"] == len(raw_keys()) * STEPS
         assert stats["comm_s"] > 0
+
+
+def test_queued_partitions_go_out_by_priority(raw_run: list[dict]) -> None:
+    completed, priority = raw_run[0]["order"]["completed"], raw_run[0]["order"]["priority"]
+    assert sorted(completed) == [0, 1]
+    assert sum(len(keys) for keys in completed.values()) == 6
+    for server, keys in completed.items():
+        got = [priority[k] for k in keys]
+        assert got == sorted(got, reverse=True), (server, keys, priority)

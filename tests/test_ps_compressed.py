@@ -90,3 +90,11 @@ def test_pulled_aggregate_matches_reference(compressed_run: list[dict], index: i
             assert got.dtype == torch.float32 and got.shape == (numel,)
             np.testing.assert_allclose(got.numpy(), expected, rtol=1e-6, atol=1e-6,
                                        err_msg=f"{params} step {step} node {node}")
+
+
+def test_undecodable_payload_is_refused(compressed_run: list[dict]) -> None:
+    replies = compressed_run[0]["probes"]
+    assert sorted(replies) == sorted(key for key, *_ in compressed_keys())
+    for key, message in replies.items():
+        assert f"key {key} ('t{key}'): cannot decode payload" in message, message
+    # ... and the aggregates of every key stayed exact (the test above)

@@ -113,6 +113,56 @@ def probe_server(address: str, known_key: int, node: int) -> dict[str, str]:
     return replies
 
 
+def garbage_push(address: str, key: int, numel: int) -> str:
+    """PUSH 7 random bytes as a compressed payload; returns the reply's text."""
+    from bps.protocol import Op, decode, encode
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    sock.send_multipart([encode(Op.PUSH, rid=9, key=key, step=0, node=0, dtype="float32",
+                                numel=numel, nbytes=7, lr=0.1), os.urandom(7)])
+    reply = decode(sock.recv_multipart()[0]) if sock.poll(10_000) else {"msg": "<no reply>"}
+    sock.close()
+    return reply["msg"]
+
+
+PRIORITY_KEYS = range(300, 308)
+
+
+def check_priority_order(engine) -> dict[int, list[int]]:
+    """Needs BPS_MAX_INFLIGHT=1. Node 0 first pushes one 'blocker' key per server, which
+    cannot complete before node 1 pushes it too, then the other keys in a scrambled call
+    order: they wait in node 0's queue. Node 1 pushes everything in priority order after
+    a barrier. Returns, per server, the order in which node 0's other keys completed:
+    the priority order if node 0 sends by priority, the call order if it were FIFO."""
+    for key in PRIORITY_KEYS:
+        engine.declare(key, 1000, torch.float32, None, name=f"prio{key}")
+    blockers: dict[int, int] = {}
+    for key in PRIORITY_KEYS:
+        blockers.setdefault(engine.placement.servers[key], key)
+    others = [key for key in PRIORITY_KEYS if key not in blockers.values()]
+    priority = {key: value for key, value in zip(others, [3, 9, 1, 7, 5, 2], strict=True)}
+    priority.update({key: 100 for key in blockers.values()})
+    if engine.node_id == 0:
+        calls = list(blockers.values()) + others
+    else:
+        calls = sorted(PRIORITY_KEYS, key=lambda k: -priority[k])
+        engine.barrier()
+    done: list[int] = []
+    futures = []
+    for key in calls:
+        futures.append(engine.push_pull(key, torch.ones(1000), 0, 0.1, priority=priority[key]))
+        futures[-1].add_done_callback(lambda _, key=key: done.append(key))
+    if engine.node_id == 0:
+        engine.barrier()
+    for future in futures:
+        future.result()
+    completed = {server: [k for k in done if k in others and engine.placement.servers[k] == server]
+                 for server in blockers}
+    return {"completed": completed, "priority": priority}
+
+
 def pull_bytes(address: str, key: int, step: int) -> bytes:
     """A raw PULL of a finished step, from a fresh connection."""
     from bps.protocol import Op, decode, encode
@@ -180,12 +230,16 @@ def main() -> None:
                 probes[server] = probe_server(address, known, node)
         prober = threading.Thread(target=probe_all)
         prober.start()
+    if node == 0 and args.case == "compressed":
+        probes = {key: garbage_push(engine.servers[engine.placement.servers[key]], key, numel)
+                  for key, numel, *_ in keys}
     results = {}
     for step in range(STEPS):
         futures = {key: engine.push_pull(
             key, tensor_for(node, key, step, numel, torch_dtype(dtype)), step, lr_for(step),
             priority=-index) for index, (key, numel, dtype, _) in enumerate(keys)}
         results.update({(key, step): fut.result().clone() for key, fut in futures.items()})
+    stats = engine.stats
     if prober is not None:
         prober.join()
     if args.case == "compressed":
@@ -207,6 +261,7 @@ def main() -> None:
             address = engine.servers[engine.placement.servers[key]]
             final = max(step for k, step in results if k == key)
             last[key] = (pull_bytes(address, key, final), pull_bytes(address, key, final))
+    order = check_priority_order(engine) if args.case == "raw" else {}
     engine.barrier()
     mismatch = ""
     if node == 0:
@@ -217,12 +272,12 @@ def main() -> None:
             engine.declare(MISMATCH_KEY, 11, torch.float32, None, name="model.b")
         except RemoteError as exc:
             mismatch = str(exc)
-    stats = engine.stats
     engine.barrier()
     engine.close()
     torch.save({"results": results, "placement": dict(engine.placement.servers),
                 "loads": list(engine.placement.loads), "probes": probes, "last": last,
-                "mismatch": mismatch, "stats": stats.__dict__, "servers": engine.servers},
+                "mismatch": mismatch, "stats": stats.__dict__, "servers": engine.servers,
+                "order": order},
                os.path.join(args.out, f"node{node}.pt"))
 
 
