@@ -328,6 +328,10 @@ def write_results(args: argparse.Namespace, runs: list[Run], target: float, rows
     return paths
 
 
+def link_label(args: argparse.Namespace) -> str:
+    return "unthrottled links" if args.rate_bits is None else f"{args.rate} links"
+
+
 def plot(stem: Path, args: argparse.Namespace, runs: list[Run], target: float) -> list[Path]:
     import matplotlib
     import matplotlib.ticker
@@ -349,7 +353,7 @@ def plot(stem: Path, args: argparse.Namespace, runs: list[Run], target: float) -
     ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
     ax.set_xlabel("training wall time (s, log scale)")
     ax.set_ylabel("test accuracy (%)")
-    ax.set_title(f"MNIST, {args.nodes} emulated hosts, {args.rate} links")
+    ax.set_title(f"MNIST, {args.nodes} emulated hosts, {link_label(args)}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -364,7 +368,7 @@ def plot(stem: Path, args: argparse.Namespace, runs: list[Run], target: float) -
     ax.set_xscale("log")
     ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
     ax.set_xlabel("median step time (ms, log scale)")
-    ax.set_title(f"Step time, {args.nodes} emulated hosts, {args.rate} links")
+    ax.set_title(f"Step time, {args.nodes} emulated hosts, {link_label(args)}")
     ax.invert_yaxis()
     ax.grid(alpha=0.3, axis="x")
     fig.tight_layout()

@@ -16,8 +16,9 @@ Usage::
 Worker <-> server ops (the reply echoes ``rid``):
 
 * ``REGISTER`` key numel dtype name params -> ``OK`` or ``ERROR``
-* ``PUSH`` key step node dtype numel nbytes lr + payload -> ``DATA`` (the step's
-  aggregate, sent once every worker node pushed that step) or ``ERROR``
+* ``PUSH`` key step node dtype numel nbytes lr + payload -> ``ACK`` as soon as it is
+  summed (frees the worker's send credit), then ``DATA`` (the step's aggregate, sent
+  once every worker node pushed that step); or ``ERROR``
 * ``PULL`` key step -> ``DATA`` of that step (the last completed one or a pending one)
 * ``GET_STATE`` key -> ``DATA`` (msgpack of the server chain's state) ; ``SET_STATE``
   key + payload -> ``OK``
@@ -49,6 +50,7 @@ class Op(IntEnum):
     OK = 1
     ERROR = 2
     DATA = 3
+    ACK = 4
     REGISTER = 10
     PUSH = 11
     PULL = 12
@@ -75,6 +77,7 @@ FIELDS: dict[Op, dict[str, tuple[type, ...]]] = {
     Op.OK: {"rid": _INT},
     Op.ERROR: {"rid": _INT, "msg": _STR},
     Op.DATA: {"rid": _INT, "key": _INT, "step": _INT, "nbytes": _INT},
+    Op.ACK: {"rid": _INT},
     Op.REGISTER: {"rid": _INT, "key": _INT, "numel": _INT, "dtype": _STR, "name": _STR,
                   "params": _OPT_DICT, "node": _INT},
     Op.PUSH: {"rid": _INT, "key": _INT, "step": _INT, "node": _INT, "dtype": _STR,

@@ -82,12 +82,9 @@ def dither_encode(x, scale, levels, natural, state, stream):
             pos += 4
         return acc, fill, pos
 
-    def put_delta(acc, fill, pos, value):
+    def delta_code(value):  # the whole Elias-delta code as (bits, length <= 42)
         head, head_bits, tail, tail_bits = delta_parts(value)
-        acc, fill, pos = put(acc, fill, pos, head, head_bits)
-        if tail_bits:
-            acc, fill, pos = put(acc, fill, pos, tail, tail_bits)
-        return acc, fill, pos
+        return (head << np.uint64(tail_bits)) | tail, head_bits + tail_bits
 
     acc = np.uint64(0)
     fill = 0
@@ -109,9 +106,23 @@ def dither_encode(x, scale, levels, natural, state, stream):
             low = np.floor(u)
             q = np.int64(low) + np.int64(np.float64(r) < np.float64(u - low) * UINT64_MAX_F64)
         if q:
-            acc, fill, pos = put_delta(acc, fill, pos, i - previous)
-            acc, fill, pos = put(acc, fill, pos, np.uint64(value < 0), 1)
-            acc, fill, pos = put_delta(acc, fill, pos, q)
+            gap_code, gap_bits = delta_code(i - previous)
+            q_code, q_bits = delta_code(q)
+            entry_bits = gap_bits + 1 + q_bits
+            if entry_bits <= 32:  # the common case: one append per entry
+                entry = (gap_code << np.uint64(1 + q_bits)) | q_code
+                entry |= np.uint64(value < 0) << np.uint64(q_bits)
+                acc, fill, pos = put(acc, fill, pos, entry, entry_bits)
+            else:  # long codes: each <= 42 bits, appended in halves
+                acc, fill, pos = put(acc, fill, pos, gap_code >> np.uint64(gap_bits // 2),
+                                     gap_bits - gap_bits // 2)
+                low_mask = (np.uint64(1) << np.uint64(gap_bits // 2)) - np.uint64(1)
+                acc, fill, pos = put(acc, fill, pos, gap_code & low_mask, gap_bits // 2)
+                acc, fill, pos = put(acc, fill, pos, np.uint64(value < 0), 1)
+                acc, fill, pos = put(acc, fill, pos, q_code >> np.uint64(q_bits // 2),
+                                     q_bits - q_bits // 2)
+                low_mask = (np.uint64(1) << np.uint64(q_bits // 2)) - np.uint64(1)
+                acc, fill, pos = put(acc, fill, pos, q_code & low_mask, q_bits // 2)
             previous = i
     if fill:  # the last partial group, zero-padded to whole bytes
         tail = (acc << np.uint64(32 - fill)) & np.uint64(0xFFFFFFFF)

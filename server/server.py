@@ -242,6 +242,7 @@ class _KeyEngine(threading.Thread):
             pending.total.add_(values)
         pending.pushed.add(node)
         pending.waiters.append((ident, header["rid"]))
+        self._reply(ident, encode(Op.ACK, rid=header["rid"]))
         self._finish_ready_steps(state)
 
     def _pull(self, state: _Key, ident: bytes, header: dict) -> None:

@@ -35,6 +35,7 @@ def run_cluster(tmp_path: Path, workers: int, servers: int, case: str,
 
 @pytest.fixture(scope="module")
 def raw_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    # a send credit of 1: every partition waits for the previous one's ACK
     return run_cluster(tmp_path_factory.mktemp("raw"), workers=3, servers=2, case="raw",
                        BPS_MAX_INFLIGHT="1")
 
@@ -124,11 +125,3 @@ def test_stats_count_wire_bytes(raw_run: list[dict]) -> None:
         assert stats["pushes"] == len(raw_keys()) * STEPS
         assert stats["comm_s"] > 0
 
-
-def test_queued_partitions_go_out_by_priority(raw_run: list[dict]) -> None:
-    completed, priority = raw_run[0]["order"]["completed"], raw_run[0]["order"]["priority"]
-    assert sorted(completed) == [0, 1]
-    assert sum(len(keys) for keys in completed.values()) == 6
-    for server, keys in completed.items():
-        got = [priority[k] for k in keys]
-        assert got == sorted(got, reverse=True), (server, keys, priority)

@@ -127,42 +127,6 @@ def garbage_push(address: str, key: int, numel: int) -> str:
     return reply["msg"]
 
 
-PRIORITY_KEYS = range(300, 308)
-
-
-def check_priority_order(engine) -> dict[int, list[int]]:
-    """Needs BPS_MAX_INFLIGHT=1. Node 0 first pushes one 'blocker' key per server, which
-    cannot complete before node 1 pushes it too, then the other keys in a scrambled call
-    order: they wait in node 0's queue. Node 1 pushes everything in priority order after
-    a barrier. Returns, per server, the order in which node 0's other keys completed:
-    the priority order if node 0 sends by priority, the call order if it were FIFO."""
-    for key in PRIORITY_KEYS:
-        engine.declare(key, 1000, torch.float32, None, name=f"prio{key}")
-    blockers: dict[int, int] = {}
-    for key in PRIORITY_KEYS:
-        blockers.setdefault(engine.placement.servers[key], key)
-    others = [key for key in PRIORITY_KEYS if key not in blockers.values()]
-    priority = {key: value for key, value in zip(others, [3, 9, 1, 7, 5, 2], strict=True)}
-    priority.update({key: 100 for key in blockers.values()})
-    if engine.node_id == 0:
-        calls = list(blockers.values()) + others
-    else:
-        calls = sorted(PRIORITY_KEYS, key=lambda k: -priority[k])
-        engine.barrier()
-    done: list[int] = []
-    futures = []
-    for key in calls:
-        futures.append(engine.push_pull(key, torch.ones(1000), 0, 0.1, priority=priority[key]))
-        futures[-1].add_done_callback(lambda _, key=key: done.append(key))
-    if engine.node_id == 0:
-        engine.barrier()
-    for future in futures:
-        future.result()
-    completed = {server: [k for k in done if k in others and engine.placement.servers[k] == server]
-                 for server in blockers}
-    return {"completed": completed, "priority": priority}
-
-
 def pull_bytes(address: str, key: int, step: int) -> bytes:
     """A raw PULL of a finished step, from a fresh connection."""
     from bps.protocol import Op, decode, encode
@@ -261,7 +225,6 @@ def main() -> None:
             address = engine.servers[engine.placement.servers[key]]
             final = max(step for k, step in results if k == key)
             last[key] = (pull_bytes(address, key, final), pull_bytes(address, key, final))
-    order = check_priority_order(engine) if args.case == "raw" else {}
     engine.barrier()
     mismatch = ""
     if node == 0:
@@ -276,8 +239,7 @@ def main() -> None:
     engine.close()
     torch.save({"results": results, "placement": dict(engine.placement.servers),
                 "loads": list(engine.placement.loads), "probes": probes, "last": last,
-                "mismatch": mismatch, "stats": stats.__dict__, "servers": engine.servers,
-                "order": order},
+                "mismatch": mismatch, "stats": stats.__dict__, "servers": engine.servers},
                os.path.join(args.out, f"node{node}.pt"))
 
 

@@ -15,9 +15,11 @@ Usage (local rank 0 of a worker node)::
 
 One I/O thread owns every socket (one DEALER per server, the scheduler link); a small
 thread pool runs the compressor chains (numba kernels release the GIL). Each server has
-at most ``BPS_MAX_INFLIGHT`` pushes in flight; the rest wait in a per-server queue
-ordered by (step, -priority, arrival), so a larger ``priority`` goes out first (give
-the partitions needed first by the next forward pass the largest priority).
+at most ``BPS_MAX_INFLIGHT`` pushes not yet acknowledged (the server ACKs a push as soon
+as it is summed, so the credit never waits on other workers and cannot deadlock); the
+rest wait in a per-server queue ordered by (step, -priority, arrival), so a larger
+``priority`` goes out first (give the partitions needed first by the next forward pass
+the largest priority).
 
 A push is answered by the step's aggregate once every worker node pushed that step.
 The tensor handed to ``push_pull`` must not be modified until its future resolves
@@ -111,12 +113,55 @@ class _Request:
     what: str = field(compare=False)
     info: _KeyInfo | None = field(compare=False, default=None)
     deadline: float = field(compare=False, default=0.0)
+    acked: bool = field(compare=False, default=False)
 
 
 def _new_future() -> concurrent.futures.Future:
     future: concurrent.futures.Future = concurrent.futures.Future()
     future.set_running_or_notify_cancel()  # not cancellable: the I/O thread resolves it
     return future
+
+
+def send_order(step: int, priority: int, seq: int) -> tuple[int, int, int]:
+    """Sort key of waiting pushes: earlier steps, then larger priority, then arrival."""
+    return (step, -priority, seq)
+
+
+class SendQueues:
+    """Per-server queues of pushes waiting for send credit; not thread-safe (the engine
+    holds its lock). ``take`` hands out, per server, the waiting items of smallest
+    ``order`` while fewer than ``credit`` are unacknowledged; ``release`` returns a credit.
+
+        queues = SendQueues(num_servers=1, credit=1)
+        queues.put(0, item_a); queues.take()      # -> [item_a]; the credit is used
+        queues.put(0, item_b); queues.put(0, item_c)
+        queues.release(0); queues.take()          # -> [min(item_b, item_c)]
+    """
+
+    def __init__(self, num_servers: int, credit: int) -> None:
+        self.credit = credit
+        self.heaps: list[list] = [[] for _ in range(num_servers)]
+        self.unacked = [0] * num_servers
+
+    def put(self, server: int, item: Any) -> None:
+        heapq.heappush(self.heaps[server], item)
+
+    def take(self) -> list:
+        ready = []
+        for server, heap in enumerate(self.heaps):
+            while heap and self.unacked[server] < self.credit:
+                ready.append(heapq.heappop(heap))
+                self.unacked[server] += 1
+        return ready
+
+    def release(self, server: int) -> None:
+        self.unacked[server] -= 1
+
+    def clear(self) -> list:
+        items = [item for heap in self.heaps for item in heap]
+        for heap in self.heaps:
+            heap.clear()
+        return items
 
 
 class WorkerEngine:
@@ -144,13 +189,13 @@ class WorkerEngine:
         self._rids = itertools.count()
         self._barrier_seq = itertools.count()
         self._control: collections.deque = collections.deque()
-        self._queues: list[list[_Request]] = [[] for _ in self.servers]
-        self._inflight = [0] * self.num_servers
+        self._queues = SendQueues(self.num_servers, env.max_inflight)
         self._pending: dict[int, _Request] = {}
         self._scheduler_waiters: dict[tuple, concurrent.futures.Future] = {}
         self._stats_lock = threading.Lock()
         self._stats = {f.name: f.default for f in fields(EngineStats)}
         self._busy_since = 0.0
+        self._pushes_pending = 0
         self._wake_r, self._wake_w = os.pipe()
         for fd in (self._wake_r, self._wake_w):
             fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_NONBLOCK)
@@ -230,7 +275,7 @@ class WorkerEngine:
                 raise RuntimeError(f"{info_label(info)}: a push_pull is already in flight")
             info.busy = True
         future = _new_future()
-        order = (step, -priority, next(self._rids))
+        order = send_order(step, priority, next(self._rids))
         if info.chain is None:
             self._enqueue(info, flat.contiguous(), step, lr, order, future)
         else:
@@ -369,7 +414,7 @@ class WorkerEngine:
             if self._error is not None:
                 _settle(info, future, error=self._error)
                 return
-            heapq.heappush(self._queues[info.server], request)
+            self._queues.put(info.server, request)
         self._wake()
 
     def _decompress(self, request: _Request, frame: zmq.Frame) -> None:
@@ -432,10 +477,7 @@ class WorkerEngine:
             if self._error is None and not (self._closed and str(error) == "engine closed"):
                 self._error = error
             error = self._error or error
-            requests = list(self._pending.values())
-            for queue in self._queues:
-                requests.extend(queue)
-                queue.clear()
+            requests = list(self._pending.values()) + self._queues.clear()
             self._pending.clear()
             control = list(self._control)
             self._control.clear()
@@ -474,14 +516,13 @@ class WorkerEngine:
                 self._link.send(op, **fields_)
 
     def _send_queued(self) -> None:
-        for server, queue in enumerate(self._queues):
-            while queue and self._inflight[server] < self.env.max_inflight:
-                with self._lock:
-                    request = heapq.heappop(queue)
-                if sum(self._inflight) == 0:
-                    self._busy_since = time.perf_counter()
-                self._inflight[server] += 1
-                self._send(request)
+        with self._lock:
+            ready = self._queues.take()
+        for request in ready:
+            if self._pushes_pending == 0:
+                self._busy_since = time.perf_counter()
+            self._pushes_pending += 1
+            self._send(request)
 
     def _receive_replies(self, server: int, dealer: Any) -> None:
         while True:
@@ -495,14 +536,22 @@ class WorkerEngine:
             except ProtocolError as exc:
                 log.warning("server %d sent a malformed reply: %s", server, exc)
                 continue
-            request = self._pending.pop(header.get("rid"), None)
+            request = self._pending.get(header.get("rid"))
             if request is None:
                 log.warning("server %d: unmatched %s: %s", server, header["op"].name,
                             header.get("msg", ""))
                 continue
+            if request.op == Op.PUSH and not request.acked:
+                # the server has the push: its credit frees, whatever other workers do
+                request.acked = True
+                with self._lock:
+                    self._queues.release(server)
+            if header["op"] == Op.ACK:
+                continue
+            del self._pending[request.rid]
             if request.op == Op.PUSH:
-                self._inflight[server] -= 1
-                if sum(self._inflight) == 0:
+                self._pushes_pending -= 1
+                if self._pushes_pending == 0:
                     self._add_stats(comm_s=time.perf_counter() - self._busy_since)
             self._on_reply(request, header, frames[1:])
 
