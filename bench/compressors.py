@@ -215,7 +215,8 @@ def main() -> None:
         gbs = nbytes / (t_c + t_d) / 1e9
         torch_gbs = nbytes / (b_c + b_d) / 1e9
         print(f"| {name} | {t_c * 1e3:.1f} | {t_d * 1e3:.1f} | {gbs:.2f} | {gbs / copy_gbs:.2f} "
-              f"| {torch_gbs:.3f} | {gbs / torch_gbs:.1f} | {nbytes / payload_nbytes(payload):.1f} |",
+              f"| {torch_gbs:.3f} | {gbs / torch_gbs:.1f} "
+              f"| {nbytes / payload_nbytes(payload):.1f} |",
               flush=True)
 
 

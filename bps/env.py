@@ -18,8 +18,8 @@ bps's own variables:
 * ``BPS_SERVER_ID`` (servers, optional): this server's rank; unset: registration order.
 * ``BPS_JOB_SEED`` (scheduler only, optional): the job seed; random if unset.
 * ``BPS_SERVER_THREADS`` (servers, default 4): engine threads summing different keys.
-* ``BPS_MAX_INFLIGHT`` (workers, default 16): push requests in flight per server; further
-  partitions wait in the priority queue.
+* ``BPS_MAX_INFLIGHT`` (workers, default 16): pushes per server not yet acknowledged;
+  further partitions wait in the priority queue.
 * ``BPS_LOCAL_MASTER_ADDR`` / ``BPS_LOCAL_MASTER_PORT``: the node-local torch.distributed
   rendezvous that ``bpslaunch`` sets for the processes of one worker node.
 """

@@ -9,7 +9,7 @@
     torch.Size([8])
 """
 
-from .base import Compressor
+from .base import Compressor, payload_tensor
 from .error_feedback import ErrorFeedback
 from .momentum import Momentum
 from .registry import build, register, registered_names, unregister
@@ -20,6 +20,7 @@ __all__ = [
     "ErrorFeedback",
     "Momentum",
     "build",
+    "payload_tensor",
     "register",
     "registered_names",
     "state_from_wire",

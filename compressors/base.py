@@ -11,6 +11,8 @@ element width serves float16, bfloat16, float32 and float64.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 
@@ -69,6 +71,17 @@ def payload_bytes(payload: Payload) -> np.ndarray:
     if array.size and array.ctypes.data % 8:
         array = array.copy()  # numpy allocations are 16-byte aligned
     return array
+
+
+def payload_tensor(payload: Payload) -> torch.Tensor:
+    """The payload as a 1-D uint8 tensor (zero-copy where possible; read-only buffers
+    such as bytes are shared, not copied: do not write into the result)."""
+    if isinstance(payload, torch.Tensor):
+        payload_bytes(payload)  # validates dtype, shape and device
+        return payload
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch warns on read-only buffers
+        return torch.from_numpy(payload_bytes(payload))
 
 
 def sub_array(buffer: np.ndarray, offset: int, dtype: type, count: int) -> np.ndarray:

@@ -4,9 +4,9 @@ Stream bit j is bit ``7 - j % 8`` of byte ``j // 8``. Elias-delta of N >= 1 (her
 N < 2**32): with ``b = bitlen(N)``, ``lb = bitlen(b)``: ``lb - 1`` zeros, ``b`` in ``lb``
 bits, then the low ``b - 1`` bits of N.
 
-Only scalar helpers live here: the stream reader and writer are closures inside the
+Only scalar helpers live here: the stream writer and reader are written inside the
 dithering kernels, because a numba call that passes an array costs reference-count
-updates (measured ~30x slower than the inlined closure on this hot path).
+updates (measured ~30x slower than inlined code on this hot path).
 """
 
 from __future__ import annotations

@@ -68,25 +68,20 @@ def next_pow2(value):
 
 
 @njit(nogil=True, cache=True)
+def delta_code(value):
+    """The whole Elias-delta code of ``value`` as (bits, length <= 42)."""
+    head, head_bits, tail, tail_bits = delta_parts(value)
+    return (head << np.uint64(tail_bits)) | tail, head_bits + tail_bits
+
+
+@njit(nogil=True, cache=True)
 def dither_encode(x, scale, levels, natural, state, stream):
-    """Quantise and code x into ``stream``; returns the bit count. Advances ``state``."""
+    """Quantise and code x into ``stream``; returns the bit count. Advances ``state``.
 
-    def put(acc, fill, pos, value, nbits):  # append <= 32 bits, flush whole 32-bit groups
-        acc = (acc << np.uint64(nbits)) | value
-        fill += nbits
-        if fill >= 32:
-            fill -= 32
-            word = acc >> np.uint64(fill)
-            for j in range(4):
-                stream[pos + j] = np.uint8((word >> np.uint64(24 - 8 * j)) & np.uint64(0xFF))
-            pos += 4
-        return acc, fill, pos
-
-    def delta_code(value):  # the whole Elias-delta code as (bits, length <= 42)
-        head, head_bits, tail, tail_bits = delta_parts(value)
-        return (head << np.uint64(tail_bits)) | tail, head_bits + tail_bits
-
-    acc = np.uint64(0)
+    One store site, no helper taking the array: numba calls that pass arrays cost
+    reference-count updates, several times the work of this loop.
+    """
+    acc = np.uint64(0)  # pending bits, the newest in the low `fill` bits
     fill = 0
     pos = 0
     previous = -1
@@ -105,25 +100,37 @@ def dither_encode(x, scale, levels, natural, state, stream):
             u = np.float32(abs(value) / scale * top)
             low = np.floor(u)
             q = np.int64(low) + np.int64(np.float64(r) < np.float64(u - low) * UINT64_MAX_F64)
-        if q:
-            gap_code, gap_bits = delta_code(i - previous)
-            q_code, q_bits = delta_code(q)
-            entry_bits = gap_bits + 1 + q_bits
-            if entry_bits <= 32:  # the common case: one append per entry
-                entry = (gap_code << np.uint64(1 + q_bits)) | q_code
-                entry |= np.uint64(value < 0) << np.uint64(q_bits)
-                acc, fill, pos = put(acc, fill, pos, entry, entry_bits)
-            else:  # long codes: each <= 42 bits, appended in halves
-                acc, fill, pos = put(acc, fill, pos, gap_code >> np.uint64(gap_bits // 2),
-                                     gap_bits - gap_bits // 2)
-                low_mask = (np.uint64(1) << np.uint64(gap_bits // 2)) - np.uint64(1)
-                acc, fill, pos = put(acc, fill, pos, gap_code & low_mask, gap_bits // 2)
-                acc, fill, pos = put(acc, fill, pos, np.uint64(value < 0), 1)
-                acc, fill, pos = put(acc, fill, pos, q_code >> np.uint64(q_bits // 2),
-                                     q_bits - q_bits // 2)
-                low_mask = (np.uint64(1) << np.uint64(q_bits // 2)) - np.uint64(1)
-                acc, fill, pos = put(acc, fill, pos, q_code & low_mask, q_bits // 2)
-            previous = i
+        if q == 0:
+            continue
+        gap_code, gap_bits = delta_code(i - previous)
+        q_code, q_bits = delta_code(q)
+        signed_q = (np.uint64(value < 0) << np.uint64(q_bits)) | q_code
+        entry_bits = gap_bits + 1 + q_bits
+        long_entry = entry_bits > 64  # only for huge gaps or levels
+        for part in range(2 if long_entry else 1):
+            if not long_entry:
+                code = (gap_code << np.uint64(1 + q_bits)) | signed_q
+                nbits = entry_bits
+            elif part == 0:
+                code, nbits = gap_code, gap_bits
+            else:
+                code, nbits = signed_q, q_bits + 1
+            while nbits > 0:  # append in pieces of <= 32 bits, flush whole 32-bit groups
+                take = min(nbits, 32)
+                nbits -= take
+                mask = (np.uint64(1) << np.uint64(take)) - np.uint64(1)
+                piece = (code >> np.uint64(nbits)) & mask
+                acc = (acc << np.uint64(take)) | piece
+                fill += take
+                if fill >= 32:
+                    fill -= 32
+                    word = acc >> np.uint64(fill)
+                    stream[pos] = np.uint8((word >> np.uint64(24)) & np.uint64(0xFF))
+                    stream[pos + 1] = np.uint8((word >> np.uint64(16)) & np.uint64(0xFF))
+                    stream[pos + 2] = np.uint8((word >> np.uint64(8)) & np.uint64(0xFF))
+                    stream[pos + 3] = np.uint8(word & np.uint64(0xFF))
+                    pos += 4
+        previous = i
     if fill:  # the last partial group, zero-padded to whole bytes
         tail = (acc << np.uint64(32 - fill)) & np.uint64(0xFFFFFFFF)
         for j in range((fill + 7) // 8):

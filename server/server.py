@@ -302,6 +302,9 @@ class ParameterServer:
         self.replies_address = f"inproc://bps-server-replies-{id(self)}"
 
     def run(self) -> int:
+        # parallelism comes from the engine threads; torch's own thread pool would only
+        # add spinning OpenMP workers competing for the same cores
+        torch.set_num_threads(1)
         router = new_socket(self.ctx, zmq.ROUTER)
         port = router.bind_to_random_port(f"tcp://{self.env.node_host}")
         address = f"tcp://{self.env.node_host}:{port}"

@@ -170,6 +170,10 @@ def test_docs_example_registers_a_working_compressor():
         payload = chain.compress(x)
         assert payload.dtype == torch.uint8 and payload.numel() == 5 * 2 + 4
         torch.testing.assert_close(chain.decompress(payload), x, rtol=1e-3, atol=1e-6)
+        raw = payload.numpy().tobytes()
+        assert torch.equal(chain.decompress(raw), chain.decompress(memoryview(raw)))
+        with pytest.raises(ValueError, match="expected 14 bytes"):
+            chain.decompress(raw[:-1])
         with pytest.raises(ValueError, match="already registered"):
             exec(compile(source, "docs/compressors.md", "exec"), {})
     finally:
