@@ -100,9 +100,9 @@ def run_raw(mbytes: int, steps: int, tmp: Path) -> float:
 def bps_worker(mbytes: int, steps: int, params_json: str, out: str) -> None:
     """Runs under bpslaunch: declare the partitions, time push_pull steps."""
     import torch
-    from bps.worker.engine import WorkerEngine
 
     from bps.env import ClusterEnv
+    from bps.worker.engine import WorkerEngine
 
     params = json.loads(params_json)
     if params is not None:

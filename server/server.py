@@ -33,7 +33,6 @@ from typing import Any
 import msgpack
 import torch
 import zmq
-from bps.server.scheduler import SchedulerClient
 
 from bps.env import ClusterEnv
 from bps.protocol import (
@@ -46,6 +45,7 @@ from bps.protocol import (
     new_socket,
     torch_dtype,
 )
+from bps.server.scheduler import SchedulerClient
 
 log = logging.getLogger("bps.server")
 

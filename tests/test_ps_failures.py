@@ -12,8 +12,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from bps.launch.role import free_port
 
+from bps.launch.role import free_port
 from tests.test_ps_job import TEST_ENV
 
 JOB = str(Path(__file__).with_name("test_ps_job.py"))

@@ -147,9 +147,8 @@ def loop(kill_pid: int, kill_at: int) -> None:
     """Train one key until something fails; at step ``kill_at`` SIGKILL ``kill_pid``."""
     import signal
 
-    from bps.worker.engine import WorkerEngine
-
     from bps.env import ClusterEnv
+    from bps.worker.engine import WorkerEngine
 
     engine = WorkerEngine.connect(ClusterEnv.from_environ())
     engine.declare(7, 1000, torch.float32, None, name="loop.weight")
@@ -172,10 +171,9 @@ def main() -> None:
         loop(args.kill_pid, args.kill_at)
         return
 
-    from bps.worker.engine import WorkerEngine
-
     from bps.env import ClusterEnv
     from bps.protocol import RemoteError, torch_dtype
+    from bps.worker.engine import WorkerEngine
 
     env = ClusterEnv.from_environ()
     if env.local_rank != 0:

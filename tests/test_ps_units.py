@@ -7,13 +7,13 @@ import re
 
 import msgpack
 import pytest
-from bps.worker.engine import SendQueues, send_order
-from bps.worker.partition import Placement, partition
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bps.env import ClusterEnv, EnvError
 from bps.protocol import PROTOCOL_VERSION, Op, ProtocolError, decode, encode
+from bps.worker.engine import SendQueues, send_order
+from bps.worker.partition import Placement, partition
 
 BASE = {"DMLC_ROLE": "worker", "DMLC_NUM_WORKER": "4", "DMLC_NUM_SERVER": "2",
         "DMLC_PS_ROOT_URI": "10.0.0.1", "DMLC_PS_ROOT_PORT": "9000", "DMLC_WORKER_ID": "3"}

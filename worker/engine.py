@@ -47,8 +47,6 @@ from typing import Any
 import msgpack
 import torch
 import zmq
-from bps.server.scheduler import SchedulerClient
-from bps.worker.partition import Placement
 
 from bps.env import ClusterEnv
 from bps.protocol import (
@@ -61,6 +59,8 @@ from bps.protocol import (
     encode,
     new_socket,
 )
+from bps.server.scheduler import SchedulerClient
+from bps.worker.partition import Placement
 
 log = logging.getLogger("bps.engine")
 
