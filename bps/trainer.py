@@ -569,7 +569,7 @@ class DistributedTrainer:
         if self._rt.engine is not None:
             if state["engine"] is None:
                 raise ValueError("state_dict has no engine state (saved on another local rank?)")
-            pass
+            self._rt.engine.load_state_dict(state["engine"])
         self._step = int(state["step"])
 
     def close(self) -> None:
