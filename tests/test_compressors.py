@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 import torch
-from bps.compressors import build
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bps.compressors import build
 from tests import reference_compressors as ref
 
 DTYPES = ["float32", "float16", "bfloat16", "float64"]

@@ -7,6 +7,7 @@ import msgpack
 import numpy as np
 import pytest
 import torch
+
 from bps.compressors import (
     Compressor,
     ErrorFeedback,
@@ -17,7 +18,6 @@ from bps.compressors import (
     state_to_wire,
     unregister,
 )
-
 from tests import reference_compressors as ref
 from tests.test_compressors import DTYPES, as_values, payload_of, sample
 

@@ -3,9 +3,10 @@
 import numpy as np
 import pytest
 import torch
-from bps.compressors import build
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from bps.compressors import build
 
 PARAMS = {
     "onebit": {"compressor": "onebit", "scaling": True},
