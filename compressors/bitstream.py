@@ -4,9 +4,11 @@ Stream bit j is bit ``7 - j % 8`` of byte ``j // 8``. Elias-delta of N >= 1 (her
 N < 2**32): with ``b = bitlen(N)``, ``lb = bitlen(b)``: ``lb - 1`` zeros, ``b`` in ``lb``
 bits, then the low ``b - 1`` bits of N.
 
-Only scalar helpers live here: the stream writer and reader are written inside the
-dithering kernels, because a numba call that passes an array costs reference-count
-updates (measured ~30x slower than inlined code on this hot path).
+The kernels move 64 stream bits at a time: a big-endian uint64 word holds stream bits
+``64 w .. 64 w + 63`` MSB-first, so ``byteswap`` turns a little-endian word load or
+store into the stream's order. Only scalar helpers live here: the writer and reader
+loops are written inside the dithering kernels, because a numba call that passes an
+array costs reference-count updates (measured ~30x slower on this hot path).
 """
 
 from __future__ import annotations
@@ -26,12 +28,24 @@ def bit_length(value):
 
 
 @njit(nogil=True, cache=True)
-def delta_parts(value):
-    """Elias-delta of ``value`` as (head, head_bits, tail, tail_bits), each <= 32 bits."""
+def delta_code(value):
+    """The whole Elias-delta code of ``value`` >= 1 as (bits, length <= 42 for < 2**32):
+    ``b << (b - 1) | (value - 2**(b-1))``, its lb - 1 leading zeros implied by length."""
     b = bit_length(value)
     lb = bit_length(b)
-    tail = np.uint64(value) & ((np.uint64(1) << np.uint64(b - 1)) - np.uint64(1))
-    return np.uint64(b), 2 * lb - 1, tail, b - 1
+    top = np.uint64(b - 1)
+    code = (np.uint64(b) << top) | (np.uint64(value) ^ (np.uint64(1) << top))
+    return code, 2 * lb - 1 + b - 1
+
+
+@njit(nogil=True, cache=True)
+def byteswap(word):
+    """Reverse the bytes of a uint64 (LLVM turns this into one bswap)."""
+    word = ((word & np.uint64(0x00FF00FF00FF00FF)) << np.uint64(8)) | (
+        (word >> np.uint64(8)) & np.uint64(0x00FF00FF00FF00FF))
+    word = ((word & np.uint64(0x0000FFFF0000FFFF)) << np.uint64(16)) | (
+        (word >> np.uint64(16)) & np.uint64(0x0000FFFF0000FFFF))
+    return (word << np.uint64(32)) | (word >> np.uint64(32))
 
 
 def delta_length(value: int) -> int:

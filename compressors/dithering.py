@@ -30,9 +30,16 @@ import torch
 from numba import njit
 from numba.cpython.unsafe.numbers import leading_zeros
 
-from .base import Compressor, Payload, float_view, payload_bytes
-from .bitstream import MAX_CODE_BITS, MAX_HEAD_ZEROS, bit_length, delta_length, delta_parts
-from .rng import UINT64_MAX_F64, load_state_list, new_state, next_random, state_list
+from .base import Compressor, Payload, float_view, payload_bytes, sub_array
+from .bitstream import (
+    MAX_CODE_BITS,
+    MAX_HEAD_ZEROS,
+    bit_length,
+    byteswap,
+    delta_code,
+    delta_length,
+)
+from .rng import UINT64_MAX_F64, load_state_list, new_state, state_list
 
 TRAILER = 16
 ERRORS = {
@@ -68,26 +75,43 @@ def next_pow2(value):
 
 
 @njit(nogil=True, cache=True)
-def delta_code(value):
-    """The whole Elias-delta code of ``value`` as (bits, length <= 42)."""
-    head, head_bits, tail, tail_bits = delta_parts(value)
-    return (head << np.uint64(tail_bits)) | tail, head_bits + tail_bits
+def push_bits(acc, fill, code, nbits):
+    """Append ``nbits`` (<= 63) bits of ``code`` to the ``fill`` pending bits of ``acc``.
+
+    Returns (acc, fill, word, full): when 64 bits are complete, ``word`` holds them and
+    ``full`` is True (the caller stores it); ``acc`` keeps the remaining low bits."""
+    total = fill + nbits
+    if total < 64:
+        return (acc << np.uint64(nbits)) | code, total, np.uint64(0), False
+    rest = total - 64  # fill >= 1 here, so the shift below is < 64
+    word = (acc << np.uint64(64 - fill)) | (code >> np.uint64(rest))
+    return code & ((np.uint64(1) << np.uint64(rest)) - np.uint64(1)), rest, word, True
 
 
 @njit(nogil=True, cache=True)
-def dither_encode(x, scale, levels, natural, state, stream):
-    """Quantise and code x into ``stream``; returns the bit count. Advances ``state``.
+def dither_encode(x, scale, levels, natural, state, words):
+    """Quantise and code x into the uint64 ``words`` (stream order, see bitstream);
+    returns the bit count. Advances ``state`` by x.size draws.
 
-    One store site, no helper taking the array: numba calls that pass arrays cost
-    reference-count updates, several times the work of this loop.
+    The RNG state lives in registers and the writer flushes whole 64-bit words, so the
+    common path is one xorshift step, a quantisation and, for a nonzero q, one append.
     """
+    a = state[0]
+    b = state[1]
     acc = np.uint64(0)  # pending bits, the newest in the low `fill` bits
     fill = 0
     pos = 0
     previous = -1
     top = np.float64(np.int64(1) << (levels - 1)) if natural else np.float64(levels)
     for i in range(x.size):
-        r = next_random(state)
+        t = a
+        s = b
+        a = s
+        t ^= t << np.uint64(23)
+        t ^= t >> np.uint64(17)
+        t ^= s ^ (s >> np.uint64(26))
+        b = t
+        r = np.float64(t + s)
         if scale == 0.0:
             continue
         value = np.float64(x[i])
@@ -95,106 +119,85 @@ def dither_encode(x, scale, levels, natural, state, stream):
             u = abs(value) / scale * top
             f = next_pow2(np.int64(np.ceil(u))) >> 1
             length = f if f else 1
-            q = f + length * np.int64(np.float64(r) < (u - f) / length * UINT64_MAX_F64)
+            q = f + length * np.int64(r < (u - f) / length * UINT64_MAX_F64)
         else:
             u = np.float32(abs(value) / scale * top)
             low = np.floor(u)
-            q = np.int64(low) + np.int64(np.float64(r) < np.float64(u - low) * UINT64_MAX_F64)
-        if q == 0:
-            continue
+            q = np.int64(low) + np.int64(r < np.float64(u - low) * UINT64_MAX_F64)
+        # branch-free for q == 0 (about half the elements, unpredictably): the entry
+        # is then appended with length 0 and `previous` stays
         gap_code, gap_bits = delta_code(i - previous)
         q_code, q_bits = delta_code(q)
         signed_q = (np.uint64(value < 0) << np.uint64(q_bits)) | q_code
-        entry_bits = gap_bits + 1 + q_bits
-        long_entry = entry_bits > 64  # only for huge gaps or levels
-        for part in range(2 if long_entry else 1):
-            if not long_entry:
-                code = (gap_code << np.uint64(1 + q_bits)) | signed_q
-                nbits = entry_bits
-            elif part == 0:
-                code, nbits = gap_code, gap_bits
-            else:
-                code, nbits = signed_q, q_bits + 1
-            while nbits > 0:  # append in pieces of <= 32 bits, flush whole 32-bit groups
-                take = min(nbits, 32)
-                nbits -= take
-                mask = (np.uint64(1) << np.uint64(take)) - np.uint64(1)
-                piece = (code >> np.uint64(nbits)) & mask
-                acc = (acc << np.uint64(take)) | piece
-                fill += take
-                if fill >= 32:
-                    fill -= 32
-                    word = acc >> np.uint64(fill)
-                    stream[pos] = np.uint8((word >> np.uint64(24)) & np.uint64(0xFF))
-                    stream[pos + 1] = np.uint8((word >> np.uint64(16)) & np.uint64(0xFF))
-                    stream[pos + 2] = np.uint8((word >> np.uint64(8)) & np.uint64(0xFF))
-                    stream[pos + 3] = np.uint8(word & np.uint64(0xFF))
-                    pos += 4
-        previous = i
-    if fill:  # the last partial group, zero-padded to whole bytes
-        tail = (acc << np.uint64(32 - fill)) & np.uint64(0xFFFFFFFF)
-        for j in range((fill + 7) // 8):
-            stream[pos + j] = np.uint8((tail >> np.uint64(24 - 8 * j)) & np.uint64(0xFF))
-    return pos * 8 + fill
+        entry_bits = (gap_bits + 1 + q_bits) if q else 0
+        previous = i if q else previous
+        if entry_bits <= 63:  # one append; two only for huge gaps or levels
+            code = (gap_code << np.uint64(1 + q_bits)) | signed_q
+            acc, fill, word, full = push_bits(acc, fill, code, entry_bits)
+        else:
+            acc, fill, word, full = push_bits(acc, fill, gap_code, gap_bits)
+            if full:
+                words[pos] = byteswap(word)
+                pos += 1
+            acc, fill, word, full = push_bits(acc, fill, signed_q, q_bits + 1)
+        if full:
+            words[pos] = byteswap(word)
+            pos += 1
+    state[0] = a
+    state[1] = b
+    if fill:  # the last partial word, zero-padded
+        words[pos] = byteswap(acc << np.uint64(64 - fill))
+    return pos * 64 + fill
 
 
 @njit(nogil=True, cache=True)
-def dither_decode(stream, nbits, scale, divisor, max_level, out):
-    """Decode into zero-filled ``out``; returns 0, or an ERRORS code (checks every read)."""
+def dither_decode(words, nbits, scale, divisor, max_level, out):
+    """Decode into ``out`` (every element written); returns 0, or an ERRORS code.
 
-    def refill(acc, avail, pos):  # top up the left-aligned reader word, a byte at a time
-        while avail <= 56 and pos < stream.size:
-            acc |= np.uint64(stream[pos]) << np.uint64(56 - avail)
-            avail += 8
-            pos += 1
-        return acc, avail, pos
-
-    def take(acc, avail, left, nbits):  # the next nbits (1..32), caller checked they exist
-        value = acc >> np.uint64(64 - nbits)
-        return value, acc << np.uint64(nbits), avail - nbits, left - nbits
-
-    def get_delta(acc, avail, pos, left):  # value 0 means malformed or truncated
-        acc, avail, pos = refill(acc, avail, pos)
-        zeros = np.int64(leading_zeros(acc))
-        head = 2 * zeros + 1
-        if zeros > MAX_HEAD_ZEROS or head > avail or head > left:
-            return np.uint64(0), acc, avail, pos, left
-        b, acc, avail, left = take(acc, avail, left, head)
-        if b > MAX_CODE_BITS:
-            return np.uint64(0), acc, avail, pos, left
-        value = np.uint64(1) << (b - np.uint64(1))
-        if b > 1:
-            acc, avail, pos = refill(acc, avail, pos)
-            if b - 1 > avail or b - 1 > left:
-                return np.uint64(0), acc, avail, pos, left
-            low, acc, avail, left = take(acc, avail, left, b - 1)
-            value |= low
-        return value, acc, avail, pos, left
-
-    acc = np.uint64(0)
-    avail = 0
-    pos = 0
-    left = nbits
-    index = -1
+    ``words`` holds the stream as native uint64 in stream order plus one zero word, so
+    the 64-bit window at any bit position is two loads; every code is checked against
+    the bits left before it is used.
+    """
     n = out.size
-    while left > 0:
-        gap, acc, avail, pos, left = get_delta(acc, avail, pos, left)
-        if gap == 0:
-            return 1
-        if gap > np.uint64(n - 1 - index):
-            return 2
-        index += np.int64(gap)
-        if left < 1:
-            return 4
-        acc, avail, pos = refill(acc, avail, pos)
-        negative, acc, avail, left = take(acc, avail, left, 1)
-        q, acc, avail, pos, left = get_delta(acc, avail, pos, left)
-        if q == 0:
-            return 1
-        if q > np.uint64(max_level):
+    position = 0  # bit position in the stream
+    index = -1
+    zeroed = 0  # out[:zeroed] is written
+    while position < nbits:
+        for part in range(2):  # 0: the gap code; 1: the sign bit and the q code
+            word = position >> 6
+            shift = np.uint64(position & 63)
+            window = (words[word] << shift) | ((words[word + 1] >> np.uint64(1)) >> (
+                np.uint64(63) - shift))
+            negative = False
+            if part:
+                if position >= nbits:
+                    return 4
+                negative = (window >> np.uint64(63)) != 0
+                window <<= np.uint64(1)
+                position += 1
+            zeros = np.int64(leading_zeros(window))
+            if zeros > MAX_HEAD_ZEROS:
+                return 1
+            head = 2 * zeros + 1
+            b = np.int64(window >> np.uint64(64 - head))
+            if b > MAX_CODE_BITS or head + b - 1 > nbits - position:
+                return 1
+            low = ((window << np.uint64(head)) >> np.uint64(1)) >> np.uint64(64 - b)
+            value = (np.uint64(1) << np.uint64(b - 1)) | low
+            position += head + b - 1
+            if part == 0:
+                if value > np.uint64(n - 1 - index):
+                    return 2
+                index += np.int64(value)
+        if value > np.uint64(max_level):
             return 3
-        magnitude = np.float64(q) * scale / divisor
+        for j in range(zeroed, index):
+            out[j] = 0.0
+        magnitude = np.float64(value) * scale / divisor
         out[index] = -magnitude if negative else magnitude
+        zeroed = index + 1
+    for j in range(zeroed, n):
+        out[j] = 0.0
     return 0
 
 
@@ -219,7 +222,8 @@ class Dithering(Compressor):
             raise ValueError("dithering cannot encode a tensor with inf or NaN entries")
         payload = torch.empty(self.max_stream_bytes + TRAILER, dtype=torch.uint8)
         buffer = payload.numpy()
-        nbits = dither_encode(values, scale, self.levels, self.natural, self.rng, buffer)
+        words = sub_array(buffer, 0, np.uint64, -(-self.max_stream_bytes // 8))
+        nbits = dither_encode(values, scale, self.levels, self.natural, self.rng, words)
         size = (nbits + 7) // 8
         trailer = np.array([nbits], dtype=np.uint64).view(np.uint8)
         buffer[size : size + 8] = trailer
@@ -244,9 +248,10 @@ class Dithering(Compressor):
         out = self.output(out)
         target = out if self.dtype in (torch.float32, torch.float64) else torch.empty(
             self.numel, dtype=torch.float32)
-        target.zero_()
-        code = dither_decode(buffer[:size], nbits, scale, self.divisor, self.max_level,
-                             target.numpy())
+        words = np.zeros(size // 8 + 2, dtype=np.uint64)  # a zero word past the stream
+        words.view(np.uint8)[:size] = buffer[:size]
+        words.byteswap(inplace=True)  # big-endian words in stream order -> native
+        code = dither_decode(words, nbits, scale, self.divisor, self.max_level, target.numpy())
         if code:
             raise self.bad_payload(ERRORS[code])
         if target is not out:

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.test_ps_job import TEST_ENV, run_command
+from tests.ps_job import TEST_ENV, run_command
 
 BPSLAUNCH = [sys.executable, "-m", "bps.launch.cli"]
 PY = sys.executable

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.test_ps_job import (
+from tests.ps_job import (
     MISMATCH_KEY,
     STEPS,
     TEST_ENV,
@@ -19,7 +19,7 @@ from tests.test_ps_job import (
     tensor_for,
 )
 
-JOB = str(Path(__file__).with_name("test_ps_job.py"))
+JOB = str(Path(__file__).with_name("ps_job.py"))
 BPSLAUNCH = [sys.executable, "-m", "bps.launch.cli"]
 
 

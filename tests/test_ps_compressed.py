@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from tests import reference_compressors as ref
-from tests.test_ps_job import STEPS, TEST_ENV, compressed_keys, lr_for, run_command, tensor_for
+from tests.ps_job import STEPS, TEST_ENV, compressed_keys, lr_for, run_command, tensor_for
 
-JOB = str(Path(__file__).with_name("test_ps_job.py"))
+JOB = str(Path(__file__).with_name("ps_job.py"))
 WORKERS = 2  # two addends: the float32 sum is exact whatever the arrival order
 
 
@@ -76,7 +76,7 @@ def test_pulled_aggregate_matches_reference(compressed_run: list[dict], index: i
     key, numel, dtype, params = compressed_keys()[index]
     workers = [reference_chain(params, numel, dtype) for _ in range(WORKERS)]
     server = reference_chain(params, numel, dtype)
-    # step STEPS ran after state_dict -> garbage step -> load_state_dict (test_ps_job.py)
+    # step STEPS ran after state_dict -> garbage step -> load_state_dict (ps_job.py)
     for step in range(STEPS + 1):
         total = np.zeros(numel, dtype=np.float32)
         for node, chain in enumerate(workers):

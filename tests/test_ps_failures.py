@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from bps.launch.role import free_port
-from tests.test_ps_job import TEST_ENV
+from tests.ps_job import TEST_ENV
 
-JOB = str(Path(__file__).with_name("test_ps_job.py"))
+JOB = str(Path(__file__).with_name("ps_job.py"))
 ROLE = [sys.executable, "-m", "bps.launch.cli"]
 HEARTBEAT_TIMEOUT = 4.0
 

@@ -3,7 +3,7 @@
 Not a test module itself (pytest collects nothing here); the tests import its data
 generator and key tables to compute references. Run as::
 
-    bpslaunch local --workers 3 --servers 2 -- python tests/test_ps_job.py --out DIR --case raw
+    bpslaunch local --workers 3 --servers 2 -- python tests/ps_job.py --out DIR --case raw
 
 Each worker node declares the case's keys, pushes ``STEPS`` steps of deterministic data
 and saves what it pulled (plus its placement and the answers to probe messages) to
