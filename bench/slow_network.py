@@ -35,6 +35,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bps.launch.netns import NetnsError, parse_rate
+
 REPO = Path(__file__).resolve().parents[1]
 MNIST = REPO / "examples" / "mnist.py"
 DDP_MNIST = REPO / "bench" / "ddp_mnist.py"
@@ -303,12 +305,12 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 def write_results(args: argparse.Namespace, runs: list[Run], target: float, rows: list[dict],
-                  argv: list[str]) -> list[Path]:
+                  command_line: str) -> list[Path]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"slow_network_{args.rate}{'_quick' if args.quick else ''}"
     record = {
-        "command": "python bench/slow_network.py " + " ".join(argv),
+        "command": command_line,
         "rate": args.rate, "nodes": args.nodes, "servers": args.servers,
         "partition_bytes": args.partition_bytes,
         "parameters": parameter_count(args.hidden, args.layers), "job": job_args(args),
@@ -363,11 +365,12 @@ def plot(stem: Path, args: argparse.Namespace, runs: list[Run], target: float) -
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     names = [r.method.label for r in good]
-    ax.barh(names, [1000 * r.step_time for r in good],
-            color=["tab:orange" if r.method.kind == "ddp" else "tab:blue" for r in good])
-    ax.set_xscale("log")
-    ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
-    ax.set_xlabel("median step time (ms, log scale)")
+    millis = [1000 * r.step_time for r in good]
+    bars = ax.barh(names, millis,
+                   color=["tab:orange" if r.method.kind == "ddp" else "tab:blue" for r in good])
+    ax.bar_label(bars, labels=[f"{m:.0f} ms" for m in millis], padding=3, fontsize=8)
+    ax.set_xlim(0, max(millis, default=1) * 1.15)
+    ax.set_xlabel("median step time (ms)")
     ax.set_title(f"Step time, {args.nodes} emulated hosts, {link_label(args)}")
     ax.invert_yaxis()
     ax.grid(alpha=0.3, axis="x")
@@ -405,6 +408,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="BYTEPS_PARTITION_BYTES for the bps runs: 1 MB slices spread the "
                         "model evenly over the servers (with the 4 MB default, one server "
                         "gets a 3.4 MB slice and fp32 steps take twice as long)")
+    p.add_argument("--from-json", metavar="PATH",
+                   help="run nothing: rebuild table, CSV and figures from a saved JSON")
     p.add_argument("--run-timeout", type=float, default=1800.0, help="seconds per run")
     args = p.parse_args(argv)
     if args.quick:
@@ -420,8 +425,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if unknown:
         p.error(f"--methods: unknown {unknown}; choose from {','.join(methods)}")
     args.method_list = [methods[n] for n in names]
-    from bps.launch.netns import NetnsError, parse_rate
-
     try:
         args.rate_bits = parse_rate(args.rate)
     except NetnsError as exc:
@@ -439,6 +442,41 @@ def main(argv: list[str] | None = None) -> int:
           f"links, MLP {args.layers}x{args.hidden} ({params:,} parameters), {args.epochs} "
           f"epochs, {len(args.method_list)} methods", flush=True)
     started = time.monotonic()
+    if args.from_json:
+        runs, command_line = load_runs(Path(args.from_json), args)
+    else:
+        runs, command_line = measure(args), "python bench/slow_network.py " + " ".join(argv)
+    target, rows = summarise(runs)
+    paths = write_results(args, runs, target, rows, command_line)
+    print(f"\n{args.nodes} nodes, {args.rate}; target accuracy {target:.2%} "
+          f"(fp32 final - 1 point); total {duration(time.monotonic() - started)}\n")
+    print(markdown_table(rows))
+    print("\nwritten: " + ", ".join(str(p.relative_to(REPO) if p.is_relative_to(REPO) else p)
+                                    for p in paths))
+    return 0 if all(r.ok for r in runs) else 1
+
+
+def load_runs(path: Path, args: argparse.Namespace) -> tuple[list[Run], str]:
+    """The runs and command line of a saved JSON record; ``args`` takes its settings."""
+    record = json.loads(path.read_text())
+    args.rate, args.nodes, args.servers = record["rate"], record["nodes"], record["servers"]
+    job = dict(zip(record["job"][::2], record["job"][1::2], strict=True))
+    args.epochs, args.lr = int(job["--epochs"]), float(job["--lr"])
+    args.batch_size, args.seed = int(job["--batch-size"]), int(job["--seed"])
+    args.hidden, args.layers = int(job["--hidden"]), int(job["--layers"])
+    args.partition_bytes = record.get("partition_bytes", args.partition_bytes)
+    args.rate_bits = parse_rate(args.rate)
+    methods = all_methods(args.topk_k, args.randomk_k, args.dithering_levels)
+    runs = []
+    for saved in record["runs"]:
+        method = Method(saved["method"], saved["label"], methods[saved["method"]].kind,
+                        tuple(saved["args"]), methods[saved["method"]].wire)
+        runs.append(Run(method, saved["metrics"], saved["netem"], saved["run_seconds"],
+                        saved["exit_code"]))
+    return runs, record["command"]
+
+
+def measure(args: argparse.Namespace) -> list[Run]:
     with tempfile.TemporaryDirectory(prefix="bps-slow-network-") as tmp:
         workdir = Path(tmp)
         runs = run_all(args, args.method_list, workdir)
@@ -448,14 +486,7 @@ def main(argv: list[str] | None = None) -> int:
             for log in workdir.glob("*.log"):
                 shutil.copy(log, keep / log.name)
             print(f"logs of the runs kept in {keep}", flush=True)
-    target, rows = summarise(runs)
-    paths = write_results(args, runs, target, rows, argv)
-    print(f"\n{args.nodes} nodes, {args.rate}; target accuracy {target:.2%} "
-          f"(fp32 final - 1 point); total {duration(time.monotonic() - started)}\n")
-    print(markdown_table(rows))
-    print("\nwritten: " + ", ".join(str(p.relative_to(REPO) if p.is_relative_to(REPO) else p)
-                                    for p in paths))
-    return 0 if all(r.ok for r in runs) else 1
+    return runs
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -50,12 +51,23 @@ ERRORS = {
 }
 
 
-@njit(nogil=True, cache=True, fastmath=True)
+@njit(nogil=True, cache=True)
 def max_abs(x):
-    best = 0.0
-    for i in range(x.size):
-        best = max(best, abs(np.float64(x[i])))
-    return best
+    """max |x| as float64 (NaN ignored). Taken in x's dtype, exact as the conversion is
+    monotonic; 16 running maxima let the loop vectorise."""
+    lanes = np.zeros(16, dtype=x.dtype)
+    whole = x.size // 16 * 16
+    for i in range(0, whole, 16):
+        for j in range(16):
+            magnitude = abs(x[i + j])
+            lanes[j] = magnitude if magnitude > lanes[j] else lanes[j]
+    best = x.dtype.type(0)
+    for i in range(whole, x.size):
+        magnitude = abs(x[i])
+        best = magnitude if magnitude > best else best
+    for j in range(16):
+        best = lanes[j] if lanes[j] > best else best
+    return np.float64(best)
 
 
 @njit(nogil=True, cache=True)
@@ -88,13 +100,34 @@ def push_bits(acc, fill, code, nbits):
     return code & ((np.uint64(1) << np.uint64(rest)) - np.uint64(1)), rest, word, True
 
 
+BLOCK = 2048  # elements quantised per vectorised pass of the encoder
+
+
+@njit(nogil=True, cache=True)
+def quantise_block(x, scale, top, natural, draws, levels_out):
+    """levels_out[j] = q of x[j] given its draw, negated where x[j] < 0 (vectorisable)."""
+    for j in range(x.size):
+        r = np.float64(draws[j])
+        value = abs(np.float64(x[j]))
+        if natural:
+            u = value / scale * top
+            f = next_pow2(np.int64(np.ceil(u))) >> 1
+            length = max(f, 1)
+            q = f + length * np.int64(r < (u - f) / length * UINT64_MAX_F64)
+        else:
+            u = np.float32(value / scale * top)
+            low = np.floor(u)
+            q = np.int64(low) + np.int64(r < np.float64(u - low) * UINT64_MAX_F64)
+        levels_out[j] = -q if x[j] < 0 else q
+
+
 @njit(nogil=True, cache=True)
 def dither_encode(x, scale, levels, natural, state, words):
     """Quantise and code x into the uint64 ``words`` (stream order, see bitstream);
     returns the bit count. Advances ``state`` by x.size draws.
 
-    The RNG state lives in registers and the writer flushes whole 64-bit words, so the
-    common path is one xorshift step, a quantisation and, for a nonzero q, one append.
+    Per block: the xorshift draws (a sequential chain), the quantisation (vectorised),
+    then the coding of the nonzero levels into a 64-bit accumulator flushed word-wise.
     """
     a = state[0]
     b = state[1]
@@ -103,46 +136,49 @@ def dither_encode(x, scale, levels, natural, state, words):
     pos = 0
     previous = -1
     top = np.float64(np.int64(1) << (levels - 1)) if natural else np.float64(levels)
-    for i in range(x.size):
-        t = a
-        s = b
-        a = s
-        t ^= t << np.uint64(23)
-        t ^= t >> np.uint64(17)
-        t ^= s ^ (s >> np.uint64(26))
-        b = t
-        r = np.float64(t + s)
+    draws = np.empty(BLOCK, dtype=np.uint64)
+    q_block = np.empty(BLOCK, dtype=np.int64)
+    for start in range(0, x.size, BLOCK):
+        count = min(BLOCK, x.size - start)
+        for j in range(count):
+            t = a
+            s = b
+            a = s
+            t ^= t << np.uint64(23)
+            t ^= t >> np.uint64(17)
+            t ^= s ^ (s >> np.uint64(26))
+            b = t
+            draws[j] = t + s
         if scale == 0.0:
             continue
-        value = np.float64(x[i])
-        if natural:
-            u = abs(value) / scale * top
-            f = next_pow2(np.int64(np.ceil(u))) >> 1
-            length = f if f else 1
-            q = f + length * np.int64(r < (u - f) / length * UINT64_MAX_F64)
-        else:
-            u = np.float32(abs(value) / scale * top)
-            low = np.floor(u)
-            q = np.int64(low) + np.int64(r < np.float64(u - low) * UINT64_MAX_F64)
-        # branch-free for q == 0 (about half the elements, unpredictably): the entry
-        # is then appended with length 0 and `previous` stays
-        gap_code, gap_bits = delta_code(i - previous)
-        q_code, q_bits = delta_code(q)
-        signed_q = (np.uint64(value < 0) << np.uint64(q_bits)) | q_code
-        entry_bits = (gap_bits + 1 + q_bits) if q else 0
-        previous = i if q else previous
-        if entry_bits <= 63:  # one append; two only for huge gaps or levels
-            code = (gap_code << np.uint64(1 + q_bits)) | signed_q
-            acc, fill, word, full = push_bits(acc, fill, code, entry_bits)
-        else:
-            acc, fill, word, full = push_bits(acc, fill, gap_code, gap_bits)
+        quantise_block(x[start : start + count], scale, top, natural, draws[:count],
+                       q_block[:count])
+        for j in range(count):
+            # no branch on q == 0 (about half the elements, unpredictably): such an
+            # element appends 0 bits and leaves `previous` as it is
+            signed = q_block[j]
+            q = abs(signed)
+            i = start + j
+            gap_code, gap_bits = delta_code(i - previous)
+            q_code, q_bits = delta_code(max(q, 1))
+            previous = i if q else previous
+            signed_q = (np.uint64(signed < 0) << np.uint64(q_bits)) | q_code
+            entry_bits = gap_bits + 1 + q_bits
+            if entry_bits <= 63:  # one append; two only for huge gaps or levels
+                code = (gap_code << np.uint64(1 + q_bits)) | signed_q
+                code = code if q else np.uint64(0)
+                acc, fill, word, full = push_bits(acc, fill, code, entry_bits if q else 0)
+            elif q:
+                acc, fill, word, full = push_bits(acc, fill, gap_code, gap_bits)
+                if full:
+                    words[pos] = byteswap(word)
+                    pos += 1
+                acc, fill, word, full = push_bits(acc, fill, signed_q, q_bits + 1)
+            else:
+                full = False
             if full:
                 words[pos] = byteswap(word)
                 pos += 1
-            acc, fill, word, full = push_bits(acc, fill, signed_q, q_bits + 1)
-        if full:
-            words[pos] = byteswap(word)
-            pos += 1
     state[0] = a
     state[1] = b
     if fill:  # the last partial word, zero-padded
@@ -150,19 +186,73 @@ def dither_encode(x, scale, levels, natural, state, words):
     return pos * 64 + fill
 
 
+TABLE_BITS = 12  # entries whose whole code fits in this many bits decode by one lookup
+
+
+@functools.cache
+def entry_table(max_level: int) -> np.ndarray:
+    """For each TABLE_BITS-bit prefix: the entry it starts with, packed as
+    ``bits | gap << 8 | q << 24 | negative << 40`` (0 where it does not fit)."""
+    table = np.zeros(1 << TABLE_BITS, dtype=np.int64)
+    for gap in range(1, 1 << TABLE_BITS):
+        for q in range(1, min(max_level, (1 << TABLE_BITS) - 1) + 1):
+            bits = delta_length(gap) + 1 + delta_length(q)
+            if bits > TABLE_BITS:
+                break
+            for negative in (0, 1):
+                code = (delta_bits(gap) << (1 + delta_length(q))) | (negative << delta_length(q))
+                code |= delta_bits(q)
+                prefix = code << (TABLE_BITS - bits)
+                packed = bits | gap << 8 | q << 24 | negative << 40
+                table[prefix : prefix + (1 << (TABLE_BITS - bits))] = packed
+    table.setflags(write=False)  # shared by every instance with this max_level
+    return table
+
+
+def delta_bits(value: int) -> int:
+    """The Elias-delta code of ``value`` as an int of delta_length(value) bits."""
+    b = value.bit_length()
+    return (b << (b - 1)) | (value ^ (1 << (b - 1)))
+
+
 @njit(nogil=True, cache=True)
-def dither_decode(words, nbits, scale, divisor, max_level, out):
-    """Decode into ``out`` (every element written); returns 0, or an ERRORS code.
+def dither_decode(words, nbits, scale, divisor, max_level, table, out):
+    """Decode into zero-filled ``out``; returns 0, or an ERRORS code.
 
     ``words`` holds the stream as native uint64 in stream order plus one zero word, so
-    the 64-bit window at any bit position is two loads; every code is checked against
-    the bits left before it is used.
+    the 64-bit window at any bit position is two loads. Short entries (nearly all)
+    decode by one ``table`` lookup; the rest code by code. Every entry is checked
+    against the bits left, numel and the largest level before it is used.
     """
     n = out.size
     position = 0  # bit position in the stream
     index = -1
-    zeroed = 0  # out[:zeroed] is written
+    window = np.uint64(0)  # the stream from `position` on, left-aligned
+    valid = 0  # bits of `window` loaded from the stream (past its end they are zeros)
     while position < nbits:
+        if valid < TABLE_BITS:
+            word = position >> 6
+            shift = np.uint64(position & 63)
+            window = (words[word] << shift) | ((words[word + 1] >> np.uint64(1)) >> (
+                np.uint64(63) - shift))
+            valid = 64
+        entry = table[window >> np.uint64(64 - TABLE_BITS)]
+        bits = entry & 0xFF
+        if bits and bits <= nbits - position:
+            gap = (entry >> 8) & 0xFFFF
+            q = (entry >> 24) & 0xFFFF
+            if gap > n - 1 - index:
+                return 2
+            if q > max_level:
+                return 3
+            index += gap
+            position += bits
+            window <<= np.uint64(bits)
+            valid -= bits
+            magnitude = np.float64(q) * scale / divisor
+            out[index] = -magnitude if entry >> 40 else magnitude
+            continue
+        valid = 0  # the slow path moves `position` on its own
         for part in range(2):  # 0: the gap code; 1: the sign bit and the q code
             word = position >> 6
             shift = np.uint64(position & 63)
@@ -191,13 +281,8 @@ def dither_decode(words, nbits, scale, divisor, max_level, out):
                 index += np.int64(value)
         if value > np.uint64(max_level):
             return 3
-        for j in range(zeroed, index):
-            out[j] = 0.0
         magnitude = np.float64(value) * scale / divisor
         out[index] = -magnitude if negative else magnitude
-        zeroed = index + 1
-    for j in range(zeroed, n):
-        out[j] = 0.0
     return 0
 
 
@@ -212,6 +297,7 @@ class Dithering(Compressor):
         self.divisor = float(2 ** (levels - 1)) if natural else float(levels)
         # q <= divisor, or one level more where float rounding puts |x| / scale above 1
         self.max_level = 2 * int(self.divisor) if natural else levels + 1
+        self.table = entry_table(self.max_level)
         # per element at most: 2 bits of gap code (delta(2) = 4 bits per 2), sign, q code
         self.max_stream_bytes = (numel * (3 + delta_length(self.max_level)) + 7) // 8 + 8
 
@@ -251,7 +337,9 @@ class Dithering(Compressor):
         words = np.zeros(size // 8 + 2, dtype=np.uint64)  # a zero word past the stream
         words.view(np.uint8)[:size] = buffer[:size]
         words.byteswap(inplace=True)  # big-endian words in stream order -> native
-        code = dither_decode(words, nbits, scale, self.divisor, self.max_level, target.numpy())
+        target.zero_()
+        code = dither_decode(words, nbits, scale, self.divisor, self.max_level, self.table,
+                             target.numpy())
         if code:
             raise self.bad_payload(ERRORS[code])
         if target is not out:

@@ -18,6 +18,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+
 from bps.launch.netns import (
     PREFIX,
     EmulatedCluster,
@@ -338,15 +339,18 @@ def test_clean_stale_kills_processes_left_inside(leftovers):
 
 @pytest.mark.netns
 def test_training_steps_through_emulated_network(leftovers, tmp_path):
-    """bps training on 2 emulated nodes + 1 server: it learns, and its pushes cross the links."""
+    """bps training on 2 emulated nodes of 2 processes + 1 server: it learns, and its pushes
+    cross the shaped links (the intra-node reduction stays inside each namespace)."""
     metrics, stats = tmp_path / "metrics.json", tmp_path / "netem.json"
-    done = _cli(["--nodes", "2", "--servers", "1", "--rate", "20mbit", "--stats-json", str(stats),
+    done = _cli(["--nodes", "2", "--servers", "1", "--local-size", "2", "--rate", "20mbit",
+                 "--stats-json", str(stats),
                  "--", sys.executable, "examples/mnist.py", "--epochs", "1", "--hidden", "64",
                  "--compressor", "onebit", "--ef", "vanilla", "--momentum", "nesterov",
                  "--min-compress-bytes", "0", "--metrics-json", str(metrics)], leftovers)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads(metrics.read_text())
-    assert len(result["steps"]) == 4000 // 2 // 32
+    assert result["workers"] == 4
+    assert len(result["steps"]) == 4000 // 4 // 32
     assert result["epochs"][0]["test_accuracy"] > 0.6  # ten classes: chance is 0.1
     hosts = json.loads(stats.read_text())["hosts"]
     pushed = result["totals"]["bytes_pushed"]  # node 0's payload bytes, as bps counts them
