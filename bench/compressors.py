@@ -13,6 +13,7 @@ payload bytes. Prints a markdown table.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -203,8 +204,10 @@ def main() -> None:
         ("randomk (k=1%)", {"compressor": "randomk", "k": 0.01}, TorchRandomK(k)),
         ("dithering (s=4)", {"compressor": "dithering", "k": 4}, TorchDithering(4)),
     ]
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     print(f"{n} float32 elements ({nbytes / 2**20:.0f} MiB); np.copyto: {copy_time * 1e3:.1f} ms "
-          f"= {copy_gbs:.2f} GB/s; torch threads: {torch.get_num_threads()}\n")
+          f"= {copy_gbs:.2f} GB/s; torch threads: {torch.get_num_threads()}; {started}, "
+          f"load average {os.getloadavg()[0]:.1f} (the machine's other jobs skew all figures)\n")
     print("| compressor | compress ms | decompress ms | GB/s | x copy | torch GB/s | x torch "
           "| compression ratio |")
     print("|---|---|---|---|---|---|---|---|")
@@ -218,6 +221,7 @@ def main() -> None:
               f"| {torch_gbs:.3f} | {gbs / torch_gbs:.1f} "
               f"| {nbytes / payload_nbytes(payload):.1f} |",
               flush=True)
+    print(f"\nload average at the end: {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":

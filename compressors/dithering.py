@@ -40,7 +40,7 @@ from .bitstream import (
     delta_code,
     delta_length,
 )
-from .rng import UINT64_MAX_F64, load_state_list, new_state, state_list
+from .rng import UINT64_MAX_F64, load_state_list, new_state, state_list, xorshift_step
 
 TRAILER = 16
 ERRORS = {
@@ -100,7 +100,30 @@ def push_bits(acc, fill, code, nbits):
     return code & ((np.uint64(1) << np.uint64(rest)) - np.uint64(1)), rest, word, True
 
 
+def delta_bits(value: int) -> int:
+    """The Elias-delta code of ``value`` as a Python int (for building tables)."""
+    return int(delta_code(value)[0])
+
+
 BLOCK = 2048  # elements quantised per vectorised pass of the encoder
+SMALL = 16  # gaps and levels below this encode by one lookup
+
+
+def small_entry_codes() -> np.ndarray:
+    """Entry codes for gap, q < SMALL at ``gap * SMALL + q``, packed as
+    ``code (sign bit 0) | bits << 32 | position of the sign bit << 48``; q = 0: nothing."""
+    table = np.zeros(SMALL * SMALL, dtype=np.uint64)
+    for gap in range(1, SMALL):
+        for q in range(1, SMALL):
+            q_bits = delta_length(q)
+            bits = delta_length(gap) + 1 + q_bits
+            code = (delta_bits(gap) << (1 + q_bits)) | delta_bits(q)
+            table[gap * SMALL + q] = code | bits << 32 | q_bits << 48
+    table.setflags(write=False)
+    return table
+
+
+SMALL_CODES = small_entry_codes()
 
 
 @njit(nogil=True, cache=True)
@@ -122,12 +145,13 @@ def quantise_block(x, scale, top, natural, draws, levels_out):
 
 
 @njit(nogil=True, cache=True)
-def dither_encode(x, scale, levels, natural, state, words):
+def dither_encode(x, scale, levels, natural, state, small_codes, words):
     """Quantise and code x into the uint64 ``words`` (stream order, see bitstream);
     returns the bit count. Advances ``state`` by x.size draws.
 
     Per block: the xorshift draws (a sequential chain), the quantisation (vectorised),
-    then the coding of the nonzero levels into a 64-bit accumulator flushed word-wise.
+    then the coding of the nonzero levels into a 64-bit accumulator flushed word-wise;
+    entries with gap and q below SMALL come whole from ``small_codes``.
     """
     a = state[0]
     b = state[1]
@@ -141,41 +165,39 @@ def dither_encode(x, scale, levels, natural, state, words):
     for start in range(0, x.size, BLOCK):
         count = min(BLOCK, x.size - start)
         for j in range(count):
-            t = a
-            s = b
-            a = s
-            t ^= t << np.uint64(23)
-            t ^= t >> np.uint64(17)
-            t ^= s ^ (s >> np.uint64(26))
-            b = t
-            draws[j] = t + s
+            a, b, draws[j] = xorshift_step(a, b)
         if scale == 0.0:
             continue
         quantise_block(x[start : start + count], scale, top, natural, draws[:count],
                        q_block[:count])
         for j in range(count):
-            # no branch on q == 0 (about half the elements, unpredictably): such an
-            # element appends 0 bits and leaves `previous` as it is
             signed = q_block[j]
             q = abs(signed)
             i = start + j
-            gap_code, gap_bits = delta_code(i - previous)
-            q_code, q_bits = delta_code(max(q, 1))
-            previous = i if q else previous
-            signed_q = (np.uint64(signed < 0) << np.uint64(q_bits)) | q_code
-            entry_bits = gap_bits + 1 + q_bits
-            if entry_bits <= 63:  # one append; two only for huge gaps or levels
-                code = (gap_code << np.uint64(1 + q_bits)) | signed_q
-                code = code if q else np.uint64(0)
-                acc, fill, word, full = push_bits(acc, fill, code, entry_bits if q else 0)
-            elif q:
-                acc, fill, word, full = push_bits(acc, fill, gap_code, gap_bits)
-                if full:
-                    words[pos] = byteswap(word)
-                    pos += 1
-                acc, fill, word, full = push_bits(acc, fill, signed_q, q_bits + 1)
+            gap = i - previous
+            if gap < SMALL and q < SMALL:  # nearly always: one lookup, no branch on q == 0
+                packed = small_codes[gap * SMALL + q]  # q == 0: no bits
+                code = (packed & np.uint64(0xFFFFFFFF)) | (
+                    np.uint64(signed < 0) << (packed >> np.uint64(48)))
+                previous = i if q else previous
+                acc, fill, word, full = push_bits(
+                    acc, fill, code, np.int64((packed >> np.uint64(32)) & np.uint64(0xFFFF)))
+            elif q == 0:
+                continue
             else:
-                full = False
+                gap_code, gap_bits = delta_code(gap)
+                q_code, q_bits = delta_code(q)
+                previous = i
+                signed_q = (np.uint64(signed < 0) << np.uint64(q_bits)) | q_code
+                if gap_bits + 1 + q_bits <= 63:  # one append; two for huge gaps or levels
+                    code = (gap_code << np.uint64(1 + q_bits)) | signed_q
+                    acc, fill, word, full = push_bits(acc, fill, code, gap_bits + 1 + q_bits)
+                else:
+                    acc, fill, word, full = push_bits(acc, fill, gap_code, gap_bits)
+                    if full:
+                        words[pos] = byteswap(word)
+                        pos += 1
+                    acc, fill, word, full = push_bits(acc, fill, signed_q, q_bits + 1)
             if full:
                 words[pos] = byteswap(word)
                 pos += 1
@@ -187,6 +209,7 @@ def dither_encode(x, scale, levels, natural, state, words):
 
 
 TABLE_BITS = 12  # entries whose whole code fits in this many bits decode by one lookup
+TABLE_MAX_Q = (1 << TABLE_BITS) - 1  # larger levels never fit
 
 
 @functools.cache
@@ -195,7 +218,7 @@ def entry_table(max_level: int) -> np.ndarray:
     ``bits | gap << 8 | q << 24 | negative << 40`` (0 where it does not fit)."""
     table = np.zeros(1 << TABLE_BITS, dtype=np.int64)
     for gap in range(1, 1 << TABLE_BITS):
-        for q in range(1, min(max_level, (1 << TABLE_BITS) - 1) + 1):
+        for q in range(1, min(max_level, TABLE_MAX_Q) + 1):
             bits = delta_length(gap) + 1 + delta_length(q)
             if bits > TABLE_BITS:
                 break
@@ -209,19 +232,14 @@ def entry_table(max_level: int) -> np.ndarray:
     return table
 
 
-def delta_bits(value: int) -> int:
-    """The Elias-delta code of ``value`` as an int of delta_length(value) bits."""
-    b = value.bit_length()
-    return (b << (b - 1)) | (value ^ (1 << (b - 1)))
-
-
 @njit(nogil=True, cache=True)
-def dither_decode(words, nbits, scale, divisor, max_level, table, out):
+def dither_decode(words, nbits, scale, divisor, max_level, table, magnitudes, out):
     """Decode into zero-filled ``out``; returns 0, or an ERRORS code.
 
     ``words`` holds the stream as native uint64 in stream order plus one zero word, so
     the 64-bit window at any bit position is two loads. Short entries (nearly all)
-    decode by one ``table`` lookup; the rest code by code. Every entry is checked
+    decode by one ``table`` lookup and take ``magnitudes[q] = q * scale / divisor``
+    (for the q the table holds); the rest code by code. Every entry is checked
     against the bits left, numel and the largest level before it is used.
     """
     n = out.size
@@ -249,8 +267,7 @@ def dither_decode(words, nbits, scale, divisor, max_level, table, out):
             position += bits
             window <<= np.uint64(bits)
             valid -= bits
-            magnitude = np.float64(q) * scale / divisor
-            out[index] = -magnitude if entry >> 40 else magnitude
+            out[index] = -magnitudes[q] if entry >> 40 else magnitudes[q]
             continue
         valid = 0  # the slow path moves `position` on its own
         for part in range(2):  # 0: the gap code; 1: the sign bit and the q code
@@ -309,7 +326,8 @@ class Dithering(Compressor):
         payload = torch.empty(self.max_stream_bytes + TRAILER, dtype=torch.uint8)
         buffer = payload.numpy()
         words = sub_array(buffer, 0, np.uint64, -(-self.max_stream_bytes // 8))
-        nbits = dither_encode(values, scale, self.levels, self.natural, self.rng, words)
+        nbits = dither_encode(values, scale, self.levels, self.natural, self.rng, SMALL_CODES,
+                              words)
         size = (nbits + 7) // 8
         trailer = np.array([nbits], dtype=np.uint64).view(np.uint8)
         buffer[size : size + 8] = trailer
@@ -338,8 +356,10 @@ class Dithering(Compressor):
         words.view(np.uint8)[:size] = buffer[:size]
         words.byteswap(inplace=True)  # big-endian words in stream order -> native
         target.zero_()
+        # q * scale / divisor for the levels the table decodes, rounded as in the kernel
+        magnitudes = np.arange(min(self.max_level, TABLE_MAX_Q) + 1.0) * scale / self.divisor
         code = dither_decode(words, nbits, scale, self.divisor, self.max_level, self.table,
-                             target.numpy())
+                             magnitudes, target.numpy())
         if code:
             raise self.bad_payload(ERRORS[code])
         if target is not out:

@@ -24,31 +24,58 @@ import torch
 from numba import njit
 
 from .base import Compressor, Payload, bit_view, payload_bytes, sub_array
-from .rng import load_state_list, new_state, next_random, state_list
+from .rng import load_state_list, new_state, state_list, xorshift_step
+
+BLOCK = 4096  # indices drawn ahead of the memory accesses that use them
+
+
+@njit(nogil=True, cache=True)
+def draw_indices(state, n, indices):
+    """indices[j] = randint(0, n) for j in order; advances ``state``.
+
+    Drawing a block before touching memory keeps the sequential xorshift chain apart
+    from the cache misses of the scattered accesses, so both overlap better."""
+    a = state[0]
+    b = state[1]
+    for j in range(indices.size):
+        a, b, draw = xorshift_step(a, b)
+        indices[j] = draw % np.uint64(n)
+    state[0] = a
+    state[1] = b
 
 
 @njit(nogil=True, cache=True)
 def gather_random(state, source, values):
     """values[j] = source[randint(0, n)] for j in order; advances ``state``."""
-    n = np.uint64(source.size)
-    for j in range(values.size):
-        values[j] = source[next_random(state) % n]
+    indices = np.empty(min(BLOCK, values.size), dtype=np.uint64)
+    for start in range(0, values.size, BLOCK):
+        count = min(BLOCK, values.size - start)
+        draw_indices(state, source.size, indices[:count])
+        for j in range(count):
+            values[start + j] = source[indices[j]]
 
 
 @njit(nogil=True, cache=True)
 def scatter_random(state, values, out):
-    """out[randint(0, n)] = values[j] in draw order, from a copy of ``state``."""
-    n = np.uint64(out.size)
-    for j in range(values.size):
-        out[next_random(state) % n] = values[j]
+    """out[randint(0, n)] = values[j] in draw order, from ``state`` (advanced)."""
+    indices = np.empty(min(BLOCK, values.size), dtype=np.uint64)
+    for start in range(0, values.size, BLOCK):
+        count = min(BLOCK, values.size - start)
+        draw_indices(state, out.size, indices[:count])
+        for j in range(count):
+            out[indices[j]] = values[start + j]
 
 
 @njit(nogil=True, cache=True)
 def zero_random(state, count, out):
-    n = np.uint64(out.size)
+    """out[randint(0, n)] = 0 for ``count`` draws from ``state`` (advanced)."""
+    indices = np.empty(min(BLOCK, count), dtype=np.uint64)
     zero = out.dtype.type(0)
-    for _ in range(count):
-        out[next_random(state) % n] = zero
+    for start in range(0, count, BLOCK):
+        block = min(BLOCK, count - start)
+        draw_indices(state, out.size, indices[:block])
+        for j in range(block):
+            out[indices[j]] = zero
 
 
 class RandomK(Compressor):

@@ -21,16 +21,22 @@ def new_state(seed: int) -> np.ndarray:
 
 
 @njit(nogil=True, cache=True)
-def next_random(state):
-    """One xorshift128+ step: ``t=a; s=b; a=s; t^=t<<23; t^=t>>17; t^=s^(s>>26); b=t``."""
-    t = state[0]
-    s = state[1]
-    state[0] = s
+def xorshift_step(a, b):
+    """One xorshift128+ step on a state held in registers: returns (a', b', draw).
+    ``t=a; s=b; a=s; t^=t<<23; t^=t>>17; t^=s^(s>>26); b=t; draw=t+s``."""
+    t = a
+    s = b
     t ^= t << uint64(23)
     t ^= t >> uint64(17)
     t ^= s ^ (s >> uint64(26))
-    state[1] = t
-    return t + s
+    return s, t, t + s
+
+
+@njit(nogil=True, cache=True)
+def next_random(state):
+    """One xorshift128+ step on ``state`` (updated in place); returns the draw."""
+    state[0], state[1], draw = xorshift_step(state[0], state[1])
+    return draw
 
 
 def state_list(state: np.ndarray) -> list:

@@ -7,8 +7,10 @@ Payload (little-endian), ``k * (4 + itemsize) + pad`` bytes::
     k x dtype        the values x[index], bit-exact in the tensor's dtype
 
 Selection is linear in numel (no sort of the whole tensor): a strided sample
-estimates the magnitude threshold, one pass collects the candidates above it (about
-2k), and a selection over the candidates fixes the set up to exactly k.
+estimates the magnitude threshold, one pass collects the candidates above it with their
+bits (about 1.25 k), and a selection over the candidates alone fixes the set up to
+exactly k. Magnitudes compare as the unsigned raw bits without the sign, so NaN ranks
+above inf.
 
 Example::
 
@@ -20,6 +22,8 @@ Example::
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 from numba import njit
@@ -27,29 +31,44 @@ from numba import njit
 from .base import Compressor, Payload, bit_view, float_view, payload_bytes, sub_array
 from .threads import chunk_bounds, run_chunks
 
-SAMPLE = 4096  # strided sample size for the threshold estimate
+SAMPLE = 16384  # strided sample size for the threshold estimate
+GROUP = 16  # elements tested together by collect_above
+SAME_WIDTH_UINT = {4: np.uint32, 8: np.uint64}
 SLACK = 2.0  # aim for about SLACK * k candidates
 
 
 @njit(nogil=True, cache=True)
-def collect_above(x, threshold, candidates):
-    """Indices i (ascending) with not |x[i]| < threshold, up to len(candidates).
+def collect_above(bits, threshold, magnitude_mask, offset, indices, values):
+    """The i (ascending, plus ``offset``) whose magnitude ``bits[i] & magnitude_mask``
+    is >= ``threshold`` (NaN above inf above finite), and their raw bits, up to
+    len(indices) of them. Returns the count, or -1 if there are more.
 
-    Returns the count, or -1 if there are more than len(candidates)."""
+    Comparing magnitudes as unsigned ints orders them as the floats (NaN first); one
+    test per group of GROUP elements (a well-predicted branch) skips the groups with
+    none, so the per-element branch runs only in the few groups with a candidate."""
     count = 0
-    cap = candidates.size
-    for i in range(x.size):
-        if not abs(x[i]) < threshold:
-            if count == cap:
-                return -1
-            candidates[count] = i
-            count += 1
+    cap = indices.size
+    for start in range(0, bits.size, GROUP):
+        stop = min(start + GROUP, bits.size)
+        if stop - start == GROUP:
+            hit = False
+            for i in range(start, start + GROUP):
+                hit |= (bits[i] & magnitude_mask) >= threshold
+            if not hit:
+                continue
+        for i in range(start, stop):
+            if (bits[i] & magnitude_mask) >= threshold:
+                if count == cap:
+                    return -1
+                indices[count] = i + offset
+                values[count] = bits[i]
+                count += 1
     return count
 
 
 @njit(nogil=True, cache=True)
 def kth_largest(values, k):
-    """The k-th largest of ``values`` (1-based, no NaN): quickselect, linear on average.
+    """The k-th largest of ``values`` (1-based): quickselect, linear on average.
     Reorders ``values``."""
     lo, hi = 0, values.size - 1
     target = values.size - k  # position in ascending order
@@ -76,32 +95,23 @@ def kth_largest(values, k):
 
 
 @njit(nogil=True, cache=True)
-def select_exact(x, candidates, k, indices):
-    """Write exactly k of the candidates with the largest |x| into indices, ascending."""
-    c = candidates.size
-    mags = np.empty(c, dtype=np.float64)
-    for j in range(c):
-        magnitude = abs(np.float64(x[candidates[j]]))
-        mags[j] = np.inf if magnitude != magnitude else magnitude  # NaN ranks first
-    cut = kth_largest(mags, k)
+def select_exact(candidates, values, magnitude_mask, k, indices, selected):
+    """Write the k candidates of largest magnitude (of those tied with the k-th, the
+    first ones) into indices and their raw bits into selected, ascending by index.
+    Reads only the candidate arrays."""
+    magnitudes = values & magnitude_mask
+    cut = kth_largest(magnitudes.copy(), k)
     above = 0
-    for j in range(c):
-        magnitude = abs(np.float64(x[candidates[j]]))
-        if magnitude > cut or (magnitude != magnitude and cut < np.inf):
-            above += 1
+    for j in range(candidates.size):
+        above += magnitudes[j] > cut
     ties_wanted = k - above
     out = 0
-    for j in range(c):
-        magnitude = abs(np.float64(x[candidates[j]]))
-        if magnitude != magnitude:
-            magnitude = np.inf
-        if magnitude > cut:
+    for j in range(candidates.size):
+        if magnitudes[j] > cut or (magnitudes[j] == cut and ties_wanted > 0):
+            ties_wanted -= magnitudes[j] == cut
             indices[out] = candidates[j]
+            selected[out] = values[j]
             out += 1
-        elif magnitude == cut and ties_wanted > 0:
-            indices[out] = candidates[j]
-            out += 1
-            ties_wanted -= 1
     return out
 
 
@@ -125,29 +135,38 @@ def scatter(indices, values, out):
         out[indices[j]] = values[j]
 
 
-def collect_parallel(x: np.ndarray, threshold, cap: int) -> tuple[int, np.ndarray]:
-    """collect_above over chunks on threads: (count or -1, candidate indices)."""
-    bounds = chunk_bounds(x.size)
-    buffers = [np.empty(min(cap, hi - lo), dtype=np.int32) for lo, hi in bounds]
+def collect_parallel(bits: np.ndarray, threshold, mask, cap: int) -> tuple:
+    """collect_above over chunks on threads: (count or -1, indices, raw bits)."""
+    bounds = chunk_bounds(bits.size)
+    if len(bounds) == 1:
+        indices = np.empty(cap, dtype=np.int32)
+        values = np.empty(cap, dtype=bits.dtype)
+        count = collect_above(bits, threshold, mask, 0, indices, values)
+        return count, indices[: max(count, 0)], values[: max(count, 0)]
+    parts = [(np.empty(min(cap, hi - lo), dtype=np.int32),
+              np.empty(min(cap, hi - lo), dtype=bits.dtype)) for lo, hi in bounds]
     counts = run_chunks(
-        lambda lo, hi: collect_above(x[lo:hi], threshold, buffers[bounds.index((lo, hi))]),
+        lambda lo, hi: collect_above(bits[lo:hi], threshold, mask, lo,
+                                     *parts[bounds.index((lo, hi))]),
         bounds,
     )
     if min(counts) < 0 or sum(counts) > cap:
-        return -1, buffers[0]
-    parts = [buffer[:count] + lo for buffer, count, (lo, _) in zip(buffers, counts, bounds,
-                                                                       strict=True)]
-    return sum(counts), np.concatenate(parts).astype(np.int32, copy=False)
+        return -1, None, None
+    indices = np.concatenate([part[0][:c] for part, c in zip(parts, counts, strict=True)])
+    values = np.concatenate([part[1][:c] for part, c in zip(parts, counts, strict=True)])
+    return sum(counts), indices, values
 
 
-def select_topk(x: np.ndarray, k: int) -> np.ndarray:
-    """Indices (int32, ascending) of k entries of largest |x|, in time linear in x.size."""
+def select_topk(x: np.ndarray, k: int, indices: np.ndarray, selected: np.ndarray) -> None:
+    """Write the indices (ascending) of k entries of largest |x| and x's raw bits there,
+    in time linear in x.size. ``x`` is float32 or float64."""
     n = x.size
-    indices = np.empty(k, dtype=np.int32)
+    bits = x.view(SAME_WIDTH_UINT[x.dtype.itemsize])
+    mask = bits.dtype.type(np.iinfo(bits.dtype).max >> 1)  # all bits but the sign
     stride = max(1, n // SAMPLE)
     sample = np.abs(x[::stride].astype(np.float64))
-    # each sample element stands for `stride` elements: aim for about 1.5 k above the cut
-    rank = int(1.5 * k / stride)
+    # each sample element stands for `stride` elements: aim for about 1.25 k above the cut
+    rank = int(1.25 * k / stride)
     cap = min(n, int(SLACK * k) + 2 * stride + 64)
     while True:
         if rank >= sample.size:
@@ -155,10 +174,13 @@ def select_topk(x: np.ndarray, k: int) -> np.ndarray:
         else:
             position = sample.size - 1 - rank
             threshold = float(np.partition(sample, position)[position])
-        count, candidates = collect_parallel(x, x.dtype.type(threshold), cap)
+        if threshold != threshold:  # NaNs in the sample: collect inf and NaN
+            threshold = math.inf
+        cut = np.array([threshold], dtype=x.dtype).view(bits.dtype)[0]
+        count, candidates, values = collect_parallel(bits, cut, mask, cap)
         if count >= k:
-            select_exact(x, candidates, k, indices)
-            return indices
+            select_exact(candidates, values, mask, k, indices, selected)
+            return
         if count < 0:  # too many candidates: raise the cut, allow more (cap reaches n)
             rank, cap = rank // 2, min(n, 2 * cap)
         else:  # too few: lower the cut (rank reaches the sample size, cut 0)
@@ -183,9 +205,13 @@ class TopK(Compressor):
         payload = torch.zeros(self.payload_size, dtype=torch.uint8)
         buffer = payload.numpy()
         bits = bit_view(x)
-        indices = select_topk(float_view(x), self.k)
-        sub_array(buffer, 0, np.int32, self.k)[:] = indices
-        gather(bits, indices, sub_array(buffer, self.values_offset, bits.dtype, self.k))
+        indices = sub_array(buffer, 0, np.int32, self.k)
+        values = sub_array(buffer, self.values_offset, bits.dtype, self.k)
+        if x.dtype in (torch.float32, torch.float64):  # the selected bits are the values
+            select_topk(float_view(x), self.k, indices, values)
+        else:  # selected on a float32 copy: take the values from x itself
+            select_topk(float_view(x), self.k, indices, np.empty(self.k, dtype=np.uint32))
+            gather(bits, indices, values)
         return payload
 
     def _parse(self, payload: Payload) -> tuple[np.ndarray, np.ndarray]:
