@@ -27,6 +27,7 @@ from pathlib import Path
 
 PARTITION_BYTES = 4096000
 WARMUP_STEPS = 2
+RAW_TIMEOUT_S = 60  # no echo for this long: the baseline fails instead of hanging
 
 
 def partitions(mbytes: int) -> list[int]:
@@ -38,17 +39,21 @@ def partitions(mbytes: int) -> list[int]:
 
 # ---------------------------------------------------------------------- raw ZeroMQ
 
-def raw_server(port: int, messages: int) -> None:
-    """ROUTER echo: every message goes straight back to its sender, zero-copy."""
+def raw_server(messages: int) -> None:
+    """ROUTER echo: every message goes straight back to its sender, zero-copy. Binds a
+    free port itself and prints it, so no other socket can take the port in between."""
     import zmq
 
     sock = zmq.Context.instance().socket(zmq.ROUTER)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
-    sock.bind(f"tcp://127.0.0.1:{port}")
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    print(port, flush=True)
     for _ in range(messages):
+        if not sock.poll(RAW_TIMEOUT_S * 1000):
+            raise SystemExit(f"raw server: no message from any worker for {RAW_TIMEOUT_S} s")
         sock.send_multipart(sock.recv_multipart(copy=False), copy=False)
-    sock.close(linger=5000)
+    sock.close(linger=RAW_TIMEOUT_S * 1000)
 
 
 def raw_worker(port: int, mbytes: int, steps: int, out: str) -> None:
@@ -68,6 +73,9 @@ def raw_worker(port: int, mbytes: int, steps: int, out: str) -> None:
         for i, buf in enumerate(buffers):
             sock.send_multipart([i.to_bytes(8, "little"), buf], copy=False)
         for _ in buffers:
+            if not sock.poll(RAW_TIMEOUT_S * 1000):
+                raise SystemExit(f"raw worker: no echo from the server on port {port} "
+                                 f"for {RAW_TIMEOUT_S} s")
             sock.recv_multipart(copy=False)
         times.append(time.perf_counter() - start)
     sock.close()
@@ -75,17 +83,18 @@ def raw_worker(port: int, mbytes: int, steps: int, out: str) -> None:
 
 
 def run_raw(mbytes: int, steps: int, tmp: Path) -> float:
-    from bps.launch.role import free_port
-
-    port = free_port()
     count = len(partitions(mbytes)) * (steps + WARMUP_STEPS) * 2
     me = [sys.executable, __file__]
-    procs = [subprocess.Popen(me + ["--raw-server", str(port), str(count)])]
+    procs = [subprocess.Popen(me + ["--raw-server", str(count)], stdout=subprocess.PIPE,
+                              text=True)]
+    port = procs[0].stdout.readline().strip()
+    if not port:
+        raise RuntimeError("raw ZeroMQ baseline: the echo server did not start")
     procs += [subprocess.Popen(me + ["--raw-worker", str(port), str(mbytes), str(steps),
                                      str(tmp / f"raw{w}.json")]) for w in range(2)]
     try:
         for proc in procs:
-            if proc.wait(timeout=600) != 0:
+            if proc.wait(timeout=4 * RAW_TIMEOUT_S) != 0:
                 raise RuntimeError("raw ZeroMQ baseline failed")
     finally:
         for proc in procs:
@@ -152,12 +161,12 @@ def main() -> None:
     parser.add_argument("--mbytes", type=int, default=100)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--raw-server", nargs=2, type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--raw-server", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--raw-worker", nargs=4, help=argparse.SUPPRESS)
     parser.add_argument("--bps-worker", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.raw_server:
-        raw_server(*args.raw_server)
+        raw_server(args.raw_server)
         return
     if args.raw_worker:
         port, mbytes, steps, out = args.raw_worker

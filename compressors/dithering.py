@@ -12,6 +12,18 @@ Quantisation draws exactly one xorshift128+ number per element, in index order,
 zeros included, so the sender's RNG advances by numel per compress. Decoding needs
 no RNG: ``sign * q * scale / s`` (natural partition: ``/ 2**(s-1)``).
 
+Large inputs run on threads (``threads.chunk_bounds``) with the same bytes as one
+pass. Encoding: each chunk jumps the generator to its start (``rng.jump``), draws
+with 4 interleaved generators (lanes), quantises into a level array and codes it on
+its own, the first gap counted from the chunk start; the streams are then appended
+with each chunk's first gap re-coded (``splice_chunk``). Decoding: the format has no
+chunk offsets, so the stream is cut at bit positions; the first range is decoded in
+place, the others speculatively from an arbitrary bit with relative indices into
+scratch arrays; the true parse then goes on until it meets an entry start recorded by
+the next range's parse (from there both coincide) and copies that range's values in.
+A speculation that fails only costs time: the true parse decodes the range itself,
+so errors are always those of the sequential parse.
+
 Example::
 
     >>> import torch
@@ -40,7 +52,16 @@ from .bitstream import (
     delta_code,
     delta_length,
 )
-from .rng import UINT64_MAX_F64, load_state_list, new_state, state_list, xorshift_step
+from .rng import (
+    UINT64_MAX_F64,
+    jump,
+    jump_table,
+    load_state_list,
+    new_state,
+    state_list,
+    xorshift_step,
+)
+from .threads import chunk_bounds, run_chunks
 
 TRAILER = 16
 ERRORS = {
@@ -86,39 +107,28 @@ def next_pow2(value):
     return np.int64(1) << bit_length(value - 1)
 
 
-@njit(nogil=True, cache=True)
-def push_bits(acc, fill, code, nbits):
-    """Append ``nbits`` (<= 63) bits of ``code`` to the ``fill`` pending bits of ``acc``.
-
-    Returns (acc, fill, word, full): when 64 bits are complete, ``word`` holds them and
-    ``full`` is True (the caller stores it); ``acc`` keeps the remaining low bits."""
-    total = fill + nbits
-    if total < 64:
-        return (acc << np.uint64(nbits)) | code, total, np.uint64(0), False
-    rest = total - 64  # fill >= 1 here, so the shift below is < 64
-    word = (acc << np.uint64(64 - fill)) | (code >> np.uint64(rest))
-    return code & ((np.uint64(1) << np.uint64(rest)) - np.uint64(1)), rest, word, True
-
-
 def delta_bits(value: int) -> int:
     """The Elias-delta code of ``value`` as a Python int (for building tables)."""
     return int(delta_code(value)[0])
 
 
-BLOCK = 2048  # elements quantised per vectorised pass of the encoder
 SMALL = 16  # gaps and levels below this encode by one lookup
+LANES = 4  # independent generators interleaved in the quantiser, for instruction-level parallelism
+LANE_MIN = 1 << 16  # chunks shorter than this use one generator (no jumps)
+DRAWS = 1024  # draws per lane per quantiser pass
 
 
 def small_entry_codes() -> np.ndarray:
-    """Entry codes for gap, q < SMALL at ``gap * SMALL + q``, packed as
-    ``code (sign bit 0) | bits << 32 | position of the sign bit << 48``; q = 0: nothing."""
-    table = np.zeros(SMALL * SMALL, dtype=np.uint64)
+    """Entry codes for gap, q < SMALL and the sign at ``(gap * SMALL + q) * 2 + negative``,
+    packed as ``code | bits << 32``; q = 0: no bits."""
+    table = np.zeros(SMALL * SMALL * 2, dtype=np.uint64)
     for gap in range(1, SMALL):
         for q in range(1, SMALL):
-            q_bits = delta_length(q)
-            bits = delta_length(gap) + 1 + q_bits
-            code = (delta_bits(gap) << (1 + q_bits)) | delta_bits(q)
-            table[gap * SMALL + q] = code | bits << 32 | q_bits << 48
+            for negative in (0, 1):
+                q_bits = delta_length(q)
+                bits = delta_length(gap) + 1 + q_bits
+                code = (delta_bits(gap) << (1 + q_bits)) | negative << q_bits | delta_bits(q)
+                table[(gap * SMALL + q) * 2 + negative] = code | bits << 32
     table.setflags(write=False)
     return table
 
@@ -145,67 +155,145 @@ def quantise_block(x, scale, top, natural, draws, levels_out):
 
 
 @njit(nogil=True, cache=True)
-def dither_encode(x, scale, levels, natural, state, small_codes, words):
-    """Quantise and code x into the uint64 ``words`` (stream order, see bitstream);
-    returns the bit count. Advances ``state`` by x.size draws.
+def quantise_chunk(x, scale, top, natural, span, states, levels_out):
+    """levels_out[i] = the signed q of x[i] (scale > 0), drawing from LANES generators.
 
-    Per block: the xorshift draws (a sequential chain), the quantisation (vectorised),
-    then the coding of the nonzero levels into a 64-bit accumulator flushed word-wise;
-    entries with gap and q below SMALL come whole from ``small_codes``.
+    Lane l covers ``x[l * span : (l + 1) * span]`` and ``states[l]`` is the generator
+    state at its start (a jump ahead of the chunk's); with ``span >= x.size`` lane 0
+    does everything. The lanes' xorshift chains are independent, so interleaving them
+    hides the latency of each step; each pass draws DRAWS numbers per lane, then
+    quantises the lanes' blocks (vectorised).
     """
-    a = state[0]
-    b = state[1]
+    n = x.size
+    a0, b0, a1, b1 = states[0, 0], states[0, 1], states[1, 0], states[1, 1]
+    a2, b2, a3, b3 = states[2, 0], states[2, 1], states[3, 0], states[3, 1]
+    draws = np.empty((LANES, DRAWS), dtype=np.uint64)
+    lanes = min(LANES, -(-n // span))
+    for k0 in range(0, min(span, n), DRAWS):
+        count = min(DRAWS, span - k0)
+        if lanes == 1:
+            for j in range(count):
+                a0, b0, draws[0, j] = xorshift_step(a0, b0)
+        else:
+            for j in range(count):
+                a0, b0, draws[0, j] = xorshift_step(a0, b0)
+                a1, b1, draws[1, j] = xorshift_step(a1, b1)
+                a2, b2, draws[2, j] = xorshift_step(a2, b2)
+                a3, b3, draws[3, j] = xorshift_step(a3, b3)
+        for lane in range(lanes):
+            lo = lane * span + k0
+            hi = min(lo + count, n, (lane + 1) * span)
+            if lo < hi:
+                quantise_block(x[lo:hi], scale, top, natural, draws[lane, : hi - lo],
+                               levels_out[lo:hi])
+
+
+@njit(nogil=True, cache=True)
+def swap32(value):
+    """The low 32 bits of ``value`` byte-reversed, as uint32 (one bswap)."""
+    return np.uint32(byteswap(np.uint64(value)) >> np.uint64(32))
+
+
+@njit(nogil=True, cache=True)
+def put_bits(acc, fill, code, nbits):
+    """Append ``nbits`` (<= 32) bits of ``code`` to the ``fill`` (< 32) pending bits.
+
+    Returns (acc, fill, word, full): ``word`` is the oldest 32 pending bits in stream
+    byte order, to be stored at the current word unconditionally (garbage, overwritten
+    later, unless ``full``); when ``full`` the caller moves to the next word. No branch."""
+    acc = (acc << np.uint64(nbits)) | code
+    fill += nbits
+    word = swap32(acc >> np.uint64((fill - 32) & 63))
+    full = fill >= 32
+    return acc, fill - 32 * full, word, full
+
+
+@njit(nogil=True, cache=True)
+def bits_at(code, low, count):
+    """``count`` (<= 32) bits of ``code`` above its ``low`` lowest ones."""
+    return (code >> np.uint64(low)) & ((np.uint64(1) << np.uint64(count)) - np.uint64(1))
+
+
+@njit(nogil=True, cache=True)
+def code_chunk(levels, small_codes, words):
+    """Code the signed ``levels`` of one chunk into the uint32 ``words`` (stream byte
+    order), the first gap counted from the chunk's start (``index + 1``).
+
+    Returns (bits, first, last): the bit count and the chunk indices of the first and
+    last nonzero level (-1 if none). Entries with gap and q below SMALL come whole from
+    ``small_codes``; longer codes go in pieces of at most 32 bits.
+    """
     acc = np.uint64(0)  # pending bits, the newest in the low `fill` bits
     fill = 0
     pos = 0
     previous = -1
-    top = np.float64(np.int64(1) << (levels - 1)) if natural else np.float64(levels)
-    draws = np.empty(BLOCK, dtype=np.uint64)
-    q_block = np.empty(BLOCK, dtype=np.int64)
-    for start in range(0, x.size, BLOCK):
-        count = min(BLOCK, x.size - start)
-        for j in range(count):
-            a, b, draws[j] = xorshift_step(a, b)
-        if scale == 0.0:
-            continue
-        quantise_block(x[start : start + count], scale, top, natural, draws[:count],
-                       q_block[:count])
-        for j in range(count):
-            signed = q_block[j]
-            q = abs(signed)
-            i = start + j
-            gap = i - previous
-            if gap < SMALL and q < SMALL:  # nearly always: one lookup, no branch on q == 0
-                packed = small_codes[gap * SMALL + q]  # q == 0: no bits
-                code = (packed & np.uint64(0xFFFFFFFF)) | (
-                    np.uint64(signed < 0) << (packed >> np.uint64(48)))
-                previous = i if q else previous
-                acc, fill, word, full = push_bits(
-                    acc, fill, code, np.int64((packed >> np.uint64(32)) & np.uint64(0xFFFF)))
-            elif q == 0:
-                continue
-            else:
-                gap_code, gap_bits = delta_code(gap)
-                q_code, q_bits = delta_code(q)
-                previous = i
-                signed_q = (np.uint64(signed < 0) << np.uint64(q_bits)) | q_code
-                if gap_bits + 1 + q_bits <= 63:  # one append; two for huge gaps or levels
-                    code = (gap_code << np.uint64(1 + q_bits)) | signed_q
-                    acc, fill, word, full = push_bits(acc, fill, code, gap_bits + 1 + q_bits)
-                else:
-                    acc, fill, word, full = push_bits(acc, fill, gap_code, gap_bits)
-                    if full:
-                        words[pos] = byteswap(word)
-                        pos += 1
-                    acc, fill, word, full = push_bits(acc, fill, signed_q, q_bits + 1)
-            if full:
-                words[pos] = byteswap(word)
-                pos += 1
-    state[0] = a
-    state[1] = b
+    first = -1
+    for i in range(levels.size):
+        signed = np.int64(levels[i])
+        q = abs(signed)
+        gap = i - previous
+        if gap < SMALL and q < SMALL:  # nearly always: one lookup, no branch on q == 0
+            packed = small_codes[(gap * SMALL + q) * 2 + (signed < 0)]  # q == 0: no bits
+            acc, fill, words[pos], full = put_bits(
+                acc, fill, packed & np.uint64(0xFFFFFFFF), np.int64(packed >> np.uint64(32)))
+            pos += full
+            previous = i if q else previous
+        elif q:
+            gap_code, gap_bits = delta_code(gap)
+            q_code, q_bits = delta_code(q)
+            for part in range(2):  # the gap code; the sign and the q code (<= 43 bits each)
+                code = gap_code if part == 0 else (
+                    np.uint64(signed < 0) << np.uint64(q_bits)) | q_code
+                left = gap_bits if part == 0 else q_bits + 1
+                while left:
+                    take = min(left, 32)
+                    left -= take
+                    acc, fill, words[pos], full = put_bits(acc, fill, bits_at(code, left, take),
+                                                           take)
+                    pos += full
+            previous = i
+        if first < 0 and previous >= 0:
+            first = previous
     if fill:  # the last partial word, zero-padded
-        words[pos] = byteswap(acc << np.uint64(64 - fill))
-    return pos * 64 + fill
+        words[pos] = swap32(acc << np.uint64(32 - fill))
+    return pos * 32 + fill, first, previous
+
+
+@njit(nogil=True, cache=True)
+def read32(words, position):
+    """The 32 stream bits from ``position`` of uint32 ``words`` in stream byte order
+    (reads one word past them)."""
+    w = position >> 5
+    pair = (np.uint64(swap32(words[w])) << np.uint64(32)) | np.uint64(swap32(words[w + 1]))
+    return (pair << np.uint64(position & 31)) >> np.uint64(32)
+
+
+@njit(nogil=True, cache=True)
+def splice_chunk(dst, dst_bit, gap, src, src_bit, nbits):
+    """Write delta(gap) then ``nbits`` bits of ``src`` from ``src_bit`` into ``dst`` at
+    ``dst_bit`` (the bits of its word before it are kept; the last word zero-padded).
+    Both hold uint32 words in stream byte order; returns the new end bit of ``dst``."""
+    pos = dst_bit >> 5
+    fill = dst_bit & 31
+    acc = np.uint64(swap32(dst[pos])) >> np.uint64(32 - fill) if fill else np.uint64(0)
+    code, left = delta_code(gap)
+    while left:
+        take = min(left, 32)
+        left -= take
+        acc, fill, dst[pos], full = put_bits(acc, fill, bits_at(code, left, take), take)
+        pos += full
+    end = src_bit + nbits
+    for at in range(src_bit, end - 31, 32):
+        acc, fill, dst[pos], full = put_bits(acc, fill, read32(src, at), 32)
+        pos += full
+    left = (end - src_bit) & 31
+    if left:
+        acc, fill, dst[pos], full = put_bits(acc, fill, bits_at(read32(src, end - left), 32 - left,
+                                                                left), left)
+        pos += full
+    if fill:
+        dst[pos] = swap32(acc << np.uint64(32 - fill))
+    return pos * 32 + fill
 
 
 TABLE_BITS = 12  # entries whose whole code fits in this many bits decode by one lookup
@@ -233,21 +321,41 @@ def entry_table(max_level: int) -> np.ndarray:
 
 
 @njit(nogil=True, cache=True)
-def dither_decode(words, nbits, scale, divisor, max_level, table, magnitudes, out):
-    """Decode into zero-filled ``out``; returns 0, or an ERRORS code.
+def decode_entries(words, nbits, position, index, stop, sync, scale, divisor, max_level, table,
+                   magnitudes, out, marks):
+    """Decode entries from bit ``position``, ``index`` being the last index written,
+    into ``out`` (indices past ``out.size`` are an error), writing the zeros between
+    entries; stop at the first entry start >= ``stop``, or at one equal to a position
+    of the sorted ``sync`` (then the parse joins the one that recorded them).
+
+    Records the start positions and preceding indices of the first entries in the rows
+    of ``marks`` (shape (2, count)). Returns (error, position, index, count): error 0 or
+    an ERRORS code
+    (position is then the failing entry's start); count is the number of marks or,
+    when synchronised, the index in ``sync`` + 1 (else 0).
 
     ``words`` holds the stream as native uint64 in stream order plus one zero word, so
     the 64-bit window at any bit position is two loads. Short entries (nearly all)
     decode by one ``table`` lookup and take ``magnitudes[q] = q * scale / divisor``
     (for the q the table holds); the rest code by code. Every entry is checked
-    against the bits left, numel and the largest level before it is used.
+    against the bits left, out.size and the largest level before it is used.
     """
     n = out.size
-    position = 0  # bit position in the stream
-    index = -1
     window = np.uint64(0)  # the stream from `position` on, left-aligned
     valid = 0  # bits of `window` loaded from the stream (past its end they are zeros)
-    while position < nbits:
+    count = 0
+    k = 0  # next candidate in `sync`
+    cleared = index + 1  # out[index + 1 : cleared] are zeros
+    while position < nbits and position < stop:
+        if k < sync.size:
+            while k < sync.size and sync[k] < position:
+                k += 1
+            if k < sync.size and sync[k] == position:
+                return 0, position, index, k + 1
+        if count < marks.shape[1]:
+            marks[0, count] = position
+            marks[1, count] = index
+            count += 1
         if valid < TABLE_BITS:
             word = position >> 6
             shift = np.uint64(position & 63)
@@ -260,47 +368,90 @@ def dither_decode(words, nbits, scale, divisor, max_level, table, magnitudes, ou
             gap = (entry >> 8) & 0xFFFF
             q = (entry >> 24) & 0xFFFF
             if gap > n - 1 - index:
-                return 2
+                return 2, position, index, count
             if q > max_level:
-                return 3
+                return 3, position, index, count
             index += gap
+            for zero in range(cleared, index):
+                out[zero] = 0.0
+            out[index] = -magnitudes[q] if entry >> 40 else magnitudes[q]
+            cleared = index + 1
+            if index + 4 < n:  # zero the next 4 ahead of need: short gaps then need no loop
+                out[index + 1] = 0.0
+                out[index + 2] = 0.0
+                out[index + 3] = 0.0
+                out[index + 4] = 0.0
+                cleared = index + 5
             position += bits
             window <<= np.uint64(bits)
             valid -= bits
-            out[index] = -magnitudes[q] if entry >> 40 else magnitudes[q]
             continue
-        valid = 0  # the slow path moves `position` on its own
+        valid = 0  # the slow path moves `at` on its own
+        at = position
+        gap = 0
         for part in range(2):  # 0: the gap code; 1: the sign bit and the q code
-            word = position >> 6
-            shift = np.uint64(position & 63)
+            word = at >> 6
+            shift = np.uint64(at & 63)
             window = (words[word] << shift) | ((words[word + 1] >> np.uint64(1)) >> (
                 np.uint64(63) - shift))
             negative = False
             if part:
-                if position >= nbits:
-                    return 4
+                if at >= nbits:
+                    return 4, position, index, count
                 negative = (window >> np.uint64(63)) != 0
                 window <<= np.uint64(1)
-                position += 1
+                at += 1
             zeros = np.int64(leading_zeros(window))
             if zeros > MAX_HEAD_ZEROS:
-                return 1
+                return 1, position, index, count
             head = 2 * zeros + 1
             b = np.int64(window >> np.uint64(64 - head))
-            if b > MAX_CODE_BITS or head + b - 1 > nbits - position:
-                return 1
+            if b > MAX_CODE_BITS or head + b - 1 > nbits - at:
+                return 1, position, index, count
             low = ((window << np.uint64(head)) >> np.uint64(1)) >> np.uint64(64 - b)
             value = (np.uint64(1) << np.uint64(b - 1)) | low
-            position += head + b - 1
+            at += head + b - 1
             if part == 0:
                 if value > np.uint64(n - 1 - index):
-                    return 2
-                index += np.int64(value)
+                    return 2, position, index, count
+                gap = np.int64(value)
         if value > np.uint64(max_level):
-            return 3
+            return 3, position, index, count
+        index += gap
+        for zero in range(cleared, index):
+            out[zero] = 0.0
         magnitude = np.float64(value) * scale / divisor
         out[index] = -magnitude if negative else magnitude
-    return 0
+        cleared = index + 1
+        position = at
+    return 0, position, index, count
+
+
+MIN_SPLIT_BITS = 1 << 18  # shorter streams decode on one thread
+MARKS = 256  # entry starts a speculative parse records for the true one to meet
+NO_SYNC = np.empty(0, dtype=np.int64)
+NO_MARKS = np.empty((2, 0), dtype=np.int64)
+RESTART_BITS = 1 << 12  # a speculative parse hitting an error this close to its start retries
+
+
+@njit(nogil=True, cache=True)
+def speculate(words, nbits, start, stop, scale, divisor, max_level, table, magnitudes, scratch,
+              marks):
+    """Decode the entries from an arbitrary bit ``start`` (not known to begin an entry)
+    up to the first entry start >= ``stop``, with indices relative to an unknown
+    offset, into ``scratch``; record the first entries' positions in ``marks``.
+
+    A misaligned parse usually falls into step with the true one within a few entries;
+    an error near ``start`` means a misaligned parse, so it retries one bit further on.
+    Returns (error, position, index, count) of the final attempt (see decode_entries).
+    """
+    empty = np.empty(0, dtype=np.int64)
+    while True:
+        result = decode_entries(words, nbits, start, -1, stop, empty, scale, divisor, max_level,
+                                table, magnitudes, scratch, marks)
+        if result[0] == 0 or result[1] - start >= RESTART_BITS or start + 1 >= stop:
+            return result
+        start = result[1] + 1
 
 
 class Dithering(Compressor):
@@ -316,23 +467,70 @@ class Dithering(Compressor):
         self.max_level = 2 * int(self.divisor) if natural else levels + 1
         self.table = entry_table(self.max_level)
         # per element at most: 2 bits of gap code (delta(2) = 4 bits per 2), sign, q code
-        self.max_stream_bytes = (numel * (3 + delta_length(self.max_level)) + 7) // 8 + 8
+        self.bits_per_element = 3 + delta_length(self.max_level)
+        self.max_stream_bytes = (numel * self.bits_per_element + 7) // 8 + 8
+        self.bounds = chunk_bounds(numel)
+        self.buffers: dict = {}  # scratch arrays, allocated on first use
+
+    def buffer(self, name: str, shape: int | tuple, dtype: type) -> np.ndarray:
+        """A scratch array kept for the next call (numel is fixed)."""
+        if name not in self.buffers:
+            self.buffers[name] = np.empty(shape, dtype=dtype)
+        return self.buffers[name]
 
     def compress(self, x: torch.Tensor) -> torch.Tensor:
         values = float_view(self.check_input(x))
-        scale = math.sqrt(sum_squares(values)) if self.l2 else max_abs(values)
+        if self.l2:
+            scale = math.sqrt(sum_squares(values))
+        else:
+            scale = max(run_chunks(lambda lo, hi: max_abs(values[lo:hi]), self.bounds))
         if not math.isfinite(scale):
             raise ValueError("dithering cannot encode a tensor with inf or NaN entries")
         payload = torch.empty(self.max_stream_bytes + TRAILER, dtype=torch.uint8)
         buffer = payload.numpy()
-        words = sub_array(buffer, 0, np.uint64, -(-self.max_stream_bytes // 8))
-        nbits = dither_encode(values, scale, self.levels, self.natural, self.rng, SMALL_CODES,
-                              words)
+        words = sub_array(buffer, 0, np.uint32, buffer.size // 4)
+        a, b = self.rng
+        nbits = self.encode(values, scale, words) if scale > 0.0 else 0  # 0: all q are 0
+        self.rng[0], self.rng[1] = jump(a, b, self.numel, jump_table())
         size = (nbits + 7) // 8
         trailer = np.array([nbits], dtype=np.uint64).view(np.uint8)
         buffer[size : size + 8] = trailer
         buffer[size + 8 : size + 16] = np.array([scale], dtype=np.float64).view(np.uint8)
         return payload[: size + TRAILER]
+
+    def encode(self, values: np.ndarray, scale: float, words: np.ndarray) -> int:
+        """Quantise and code ``values`` into ``words``; returns the bit count.
+
+        Each chunk (one per thread) quantises with its generators jumped to its start
+        and codes its levels on its own, the first chunk straight into ``words``, the
+        others into scratch arrays; their streams are then appended with the first gap
+        re-coded relative to the last nonzero index before the chunk."""
+        kind = np.int8 if self.max_level < 2**7 else (
+            np.int32 if self.max_level < 2**31 else np.int64)
+        levels = self.buffer("levels", self.numel, kind)
+        top = float(2 ** (self.levels - 1)) if self.natural else float(self.levels)
+        table = jump_table()
+        a, b = self.rng
+
+        def work(lo: int, hi: int) -> tuple:
+            span = -(-(hi - lo) // LANES) if hi - lo >= LANE_MIN else hi - lo
+            states = np.zeros((LANES, 2), dtype=np.uint64)
+            for lane in range(LANES if span < hi - lo else 1):
+                states[lane] = jump(a, b, lo + lane * span, table)
+            quantise_chunk(values[lo:hi], scale, top, self.natural, span, states, levels[lo:hi])
+            out = words if lo == 0 else self.buffer(
+                f"stream{lo}", (hi - lo) * self.bits_per_element // 32 + 4, np.uint32)
+            return code_chunk(levels[lo:hi], SMALL_CODES, out)
+
+        results = run_chunks(work, self.bounds)
+        nbits, _, last = results[0]
+        for (lo, _), (bits, first, chunk_last) in zip(self.bounds[1:], results[1:], strict=True):
+            if first >= 0:
+                skip = delta_length(first + 1)  # the chunk's own code of its first gap
+                nbits = splice_chunk(words, nbits, lo + first - last, self.buffers[f"stream{lo}"],
+                                     skip, bits - skip)
+                last = lo + chunk_last
+        return nbits
 
     def decompress(self, payload: Payload, out: torch.Tensor | None = None) -> torch.Tensor:
         """Decode; on a malformed payload raise ValueError (``out`` is then unspecified)."""
@@ -355,16 +553,66 @@ class Dithering(Compressor):
         words = np.zeros(size // 8 + 2, dtype=np.uint64)  # a zero word past the stream
         words.view(np.uint8)[:size] = buffer[:size]
         words.byteswap(inplace=True)  # big-endian words in stream order -> native
-        target.zero_()
         # q * scale / divisor for the levels the table decodes, rounded as in the kernel
         magnitudes = np.arange(min(self.max_level, TABLE_MAX_Q) + 1.0) * scale / self.divisor
-        code = dither_decode(words, nbits, scale, self.divisor, self.max_level, self.table,
-                             magnitudes, target.numpy())
-        if code:
-            raise self.bad_payload(ERRORS[code])
+        values = target.numpy()
+        index = self.decode(words, nbits, (scale, self.divisor, self.max_level, self.table,
+                                           magnitudes), values)
+        values[index + 1 :] = 0.0
         if target is not out:
             out.copy_(target)
         return out
+
+    def decode(self, words: np.ndarray, nbits: int, args: tuple, values: np.ndarray) -> int:
+        """Decode the stream into ``values`` up to its last entry; returns that index.
+
+        Large streams are cut into one bit range per thread. The first is decoded in
+        place; the others speculatively, from an arbitrary bit, into scratch arrays with
+        relative indices. Then the true parse goes on from the end of each range until
+        it meets an entry start that the next range's parse recorded: from there both
+        parses coincide, so that range's values are copied in at the offset found. A
+        failed speculation (an error, or no meeting point) just means the true parse
+        decodes that range itself: errors are always those of the sequential parse."""
+        count = len(self.bounds)
+        if count == 1 or nbits < MIN_SPLIT_BITS:
+            error, _, index, _ = decode_entries(words, nbits, 0, -1, nbits, NO_SYNC, *args,
+                                                values, NO_MARKS)
+            if error:
+                raise self.bad_payload(ERRORS[error])
+            return index
+        cuts = [nbits * k // count for k in range(count)] + [nbits]
+        room = min(self.numel, 3 * self.numel // count + 4096)
+
+        def work(lo: int, hi: int) -> tuple:
+            if lo == 0:
+                return decode_entries(words, nbits, 0, -1, hi, NO_SYNC, *args, values, NO_MARKS)
+            scratch = self.buffer(f"scratch{lo}", room, values.dtype)
+            marks = self.buffer(f"marks{lo}", (2, MARKS), np.int64)
+            return speculate(words, nbits, lo, hi, *args, scratch, marks)
+
+        results = run_chunks(work, list(zip(cuts[:-1], cuts[1:], strict=True)))
+        error, position, index, _ = results[0]
+        for lo, (guess_error, end, guess_index, marked) in zip(cuts[1:-1], results[1:],
+                                                               strict=True):
+            if error or position >= nbits:
+                break
+            marks = self.buffers[f"marks{lo}"]
+            sync = NO_SYNC if guess_error else marks[0, :marked]  # else: decode sequentially
+            error, position, index, met = decode_entries(words, nbits, position, index, nbits,
+                                                         sync, *args, values, NO_MARKS)
+            if error or not met:
+                continue  # an error, or the rest was decoded to the end
+            offset = index - marks[1, met - 1]
+            if guess_index + offset >= self.numel:
+                error = 2  # where the sequential parse would stop: the rest is valid
+                break
+            start = marks[1, met - 1] + 1
+            values[index + 1 : guess_index + offset + 1] = self.buffers[f"scratch{lo}"][
+                start : guess_index + 1]
+            position, index = end, guess_index + offset
+        if error:
+            raise self.bad_payload(ERRORS[error])
+        return index
 
     def state_dict(self) -> dict:
         return {"rng": state_list(self.rng)}

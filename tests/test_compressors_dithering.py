@@ -1,0 +1,166 @@
+"""dithering's parallel paths (chunked encode, speculative decode) and the RNG jump,
+against the sequential references, on inputs small enough for the Python reference:
+the thresholds that switch those paths on are lowered by the ``small_chunks`` fixture."""
+
+import numpy as np
+import pytest
+import torch
+
+from bps.compressors import build, dithering, threads
+from bps.compressors.rng import jump, jump_table
+from tests import reference_compressors as ref
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """4 chunks from 256 elements on, 4 lanes per chunk from 32, decode split from 64 bits."""
+    monkeypatch.setattr(threads, "MIN_CHUNK", 256)
+    monkeypatch.setattr(threads, "THREADS", 4)
+    monkeypatch.setattr(dithering, "LANE_MIN", 32)
+    monkeypatch.setattr(dithering, "MIN_SPLIT_BITS", 64)
+
+
+def test_jump_matches_sequential_steps():
+    for seed in (1, 2**64 - 1, 12345):
+        rng = ref.XorShift128Plus(seed)
+        done = 0
+        for distance in (0, 1, 2, 3, 64, 1000, 4097):
+            for _ in range(distance - done):
+                rng.next()
+            done = distance
+            a, b = jump(np.uint64(seed), np.uint64(seed), distance, jump_table())
+            assert (int(a), int(b)) == (rng.a, rng.b)
+
+
+def gradient(numel: int, seed: int) -> np.ndarray:
+    """Normal values with zero runs across chunk bounds, one all-zero chunk and
+    nonzero values on the bounds."""
+    gen = np.random.default_rng(seed)
+    x = gen.standard_normal(numel)
+    x[250:270] = 0.0  # a run across the first bound
+    x[512:768] = 0.0  # a whole chunk
+    x[gen.random(numel) < 0.3] = 0.0
+    x[[255, 256, 767, 768, 1023, 1024]] = [1.5, -2.0, 0.7, -0.9, 3.0, -3.0]
+    return x.astype(np.float32)
+
+
+CASES = [(4, "linear", "max"), (2, "linear", "l2"), (127, "linear", "max"),
+         (3, "natural", "max"), (8, "natural", "l2")]
+
+
+@pytest.mark.parametrize("s, partition, normalize", CASES)
+@pytest.mark.parametrize("numel", [1100, 1543])
+def test_chunked_encode_and_speculative_decode_match_reference(small_chunks, s, partition,
+                                                                normalize, numel):
+    params = {"compressor": "dithering", "k": s, "partition": partition,
+              "normalize": normalize, "seed": 7}
+    c = build(params, numel)
+    assert len(c.bounds) == 4
+    rng = ref.XorShift128Plus(7)
+    for step in range(2):
+        x = gradient(numel, step)
+        payload = c.compress(torch.from_numpy(x)).numpy().tobytes()
+        scale = float(np.frombuffer(payload[-8:], "<f8")[0])
+        expected = ref.dithering_encode(x.astype(np.float64), s, partition, normalize, rng,
+                                        scale=scale)
+        assert payload == expected
+        assert c.state_dict() == {"rng": [rng.a, rng.b]}
+        decoded = ref.round_to(ref.dithering_decode(payload, numel, s, partition), "float32")
+        out = torch.full((numel,), 9.0)
+        np.testing.assert_array_equal(c.decompress(payload, out=out).numpy(), decoded)
+
+
+def test_all_zero_and_one_nonzero_inputs(small_chunks):
+    c = build({"compressor": "dithering", "k": 4, "seed": 3}, 1200)
+    rng = ref.XorShift128Plus(3)
+    for x in (np.zeros(1200, np.float32), np.eye(1, 1200, 900, dtype=np.float32)[0]):
+        payload = c.compress(torch.from_numpy(x)).numpy().tobytes()
+        assert payload == ref.dithering_encode(x.astype(np.float64), 4, "linear", "max", rng)
+        assert torch.equal(c.decompress(payload), torch.from_numpy(x))
+        assert c.state_dict() == {"rng": [rng.a, rng.b]}
+
+
+def test_failed_speculation_falls_back_to_the_sequential_parse(small_chunks, monkeypatch):
+    numel = 1543
+    c = build({"compressor": "dithering", "k": 4, "seed": 5}, numel)
+    payload = c.compress(torch.from_numpy(gradient(numel, 1)))
+    expected = c.decompress(payload).clone()
+    speculate = dithering.speculate
+    calls = []
+
+    def failing(*args):  # an error, then parses that never meet the true one
+        error, position, index, count = speculate(*args)
+        args[-1][0, :count] += 1  # shift the recorded entry starts off the true ones
+        calls.append(args[2])
+        return (1 if len(calls) == 1 else error), position, index, count
+
+    monkeypatch.setattr(dithering, "speculate", failing)
+    for _ in range(2):
+        assert torch.equal(c.decompress(payload), expected)
+    assert len(calls) == 6
+
+
+def test_speculation_from_every_bit_offset(small_chunks):
+    """A parse started at any bit, once it meets the true parse, decodes the same."""
+    numel = 1543
+    c = build({"compressor": "dithering", "k": 4, "seed": 5}, numel)
+    payload = c.compress(torch.from_numpy(gradient(numel, 2))).numpy()
+    nbits = int(payload[-16:-8].view("<u8")[0])
+    words = np.zeros(len(payload) // 8 + 2, dtype=np.uint64)
+    words.view(np.uint8)[: len(payload) - 16] = payload[:-16]
+    words.byteswap(inplace=True)
+    scale = float(payload[-8:].view("<f8")[0])
+    args = (scale, c.divisor, c.max_level, c.table,
+            np.arange(c.max_level + 1.0) * scale / c.divisor)
+    truth = np.zeros(numel, np.float32)
+    error, _, last, _ = dithering.decode_entries(words, nbits, 0, -1, nbits, dithering.NO_SYNC,
+                                                 *args, truth, dithering.NO_MARKS)
+    assert error == 0
+    met = 0
+    for start in range(0, nbits, 7):
+        scratch = np.full(numel, 5.0, np.float32)
+        marks = np.zeros((2, dithering.MARKS), np.int64)
+        error, end, rel_last, count = dithering.speculate(words, nbits, start, nbits, *args,
+                                                          scratch, marks)
+        out = np.full(numel, 5.0, np.float32)
+        error2, position, index, hit = dithering.decode_entries(
+            words, nbits, 0, -1, nbits, marks[0, :count], *args, out, dithering.NO_MARKS)
+        assert error2 == 0
+        if error or not hit:
+            continue
+        met += 1
+        offset = index - marks[1, hit - 1]
+        assert rel_last + offset == last and end == nbits
+        np.testing.assert_array_equal(scratch[marks[1, hit - 1] + 1 : rel_last + 1],
+                                      truth[index + 1 : last + 1])
+    assert met > nbits // 7 * 0.9
+
+
+@pytest.mark.parametrize("name", ["dithering", "natural"])
+def test_corrupted_payloads_fail_like_the_sequential_decoder(small_chunks, name):
+    params = {"compressor": "dithering", "k": 4} if name == "dithering" else {
+        "compressor": "dithering", "k": 5, "partition": "natural"}
+    numel = 1543
+    chunked = build(params, numel)
+    payload = chunked.compress(torch.from_numpy(gradient(numel, 3))).numpy().tobytes()
+    gen = np.random.default_rng(0)
+    outcomes = set()
+    for trial in range(150):
+        corrupted = bytearray(payload)
+        for _ in range(1 + trial % 3):
+            corrupted[gen.integers(0, len(payload) - 16)] = gen.integers(0, 256)
+        results = []
+        for split in (64, 1 << 40):  # speculative, then sequential (the single-thread path)
+            dithering.MIN_SPLIT_BITS = split
+            try:
+                results.append(chunked.decompress(bytes(corrupted)).numpy())
+            except ValueError as error:
+                results.append(str(error))
+        dithering.MIN_SPLIT_BITS = 64
+        if isinstance(results[0], str) or isinstance(results[1], str):
+            assert results[0] == results[1]
+            outcomes.add(results[0].split(": ")[-1])
+        else:
+            np.testing.assert_array_equal(results[0], results[1])
+            outcomes.add("ok")
+    assert len(outcomes) >= 3
