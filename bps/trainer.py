@@ -54,6 +54,7 @@ class _Part:
     length: int
     raw_key: int | None = None  # travels uncompressed (always, or during warmup)
     compressed_key: int | None = None
+    converted: torch.Tensor | None = None  # the piece in its key's dtype, reused every step
 
 
 @dataclass
@@ -400,11 +401,23 @@ class DistributedTrainer:
                 # No copy where the dtype already fits: ``share`` is not written again
                 # before step() has waited for these futures.
                 if part.compressed_key is not None and not warm:
-                    key, tensor = part.compressed_key, piece.to(torch.float32)
+                    key, tensor = part.compressed_key, self._converted(part, piece,
+                                                                       torch.float32)
                 else:
-                    key, tensor = part.raw_key, piece.to(self._wire_dtype)
+                    key, tensor = part.raw_key, self._converted(part, piece, self._wire_dtype)
                 slot.futures.append(engine.push_pull(key, tensor, self._step, lr, priority=-index))
         self._bcast_q.put(index)
+
+    @staticmethod
+    def _converted(part: _Part, piece: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``piece`` in ``dtype``: itself, or a copy in the part's own buffer. The buffer is
+        free again, as the last step's push of this part has completed; a fresh tensor
+        every step would cost a page fault per 4 KiB."""
+        if piece.dtype == dtype:
+            return piece
+        if part.converted is None or part.converted.dtype != dtype:
+            part.converted = torch.empty(part.length, dtype=dtype)
+        return part.converted.copy_(piece)
 
     def _broadcast_loop(self) -> None:
         timeout = self._rt.env.timeout * 2

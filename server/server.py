@@ -82,9 +82,14 @@ class _Key:
     steps: dict[int, _Step] = field(default_factory=dict)
     last_step: int = -1
     last_payload: torch.Tensor | None = None
+    scratch: torch.Tensor | None = None  # a push widened for the sum, reused every step
 
-    @property
-    def accumulate_dtype(self) -> torch.dtype:
+    def accumulate_dtype(self, terms: int) -> torch.dtype:
+        """float32 (float64 for float64 keys); with at most two terms the key's own dtype,
+        which is exact: float16/bfloat16 addition computes in float32 and rounds once,
+        just as a float32 sum rounded at the end does."""
+        if terms <= 2:
+            return self.dtype
         return torch.float64 if self.dtype == torch.float64 else torch.float32
 
     def describe(self) -> str:
@@ -236,10 +241,15 @@ class _KeyEngine(threading.Thread):
         pending = state.steps.setdefault(step, _Step())
         if pending.total is None:
             # raw keys: the first push's frame becomes the sum (zero-copy)
-            pending.total = values.to(state.accumulate_dtype, copy=state.chain is not None)
+            wide = state.accumulate_dtype(self.server.num_workers)
+            pending.total = values.to(wide, copy=state.chain is not None)
             pending.lr = float(header["lr"])
-        else:
+        elif values.dtype == pending.total.dtype:
             pending.total.add_(values)
+        else:  # widen first: torch's mixed-dtype add_ is ~4x slower than a copy plus add_
+            if state.scratch is None:
+                state.scratch = torch.empty(state.numel, dtype=pending.total.dtype)
+            pending.total.add_(state.scratch.copy_(values))
         pending.pushed.add(node)
         pending.waiters.append((ident, header["rid"]))
         self._reply(ident, encode(Op.ACK, rid=header["rid"]))

@@ -48,12 +48,23 @@ def numpy_sum(pushes: list[torch.Tensor]) -> np.ndarray:
 
 
 def test_raw_aggregates_match_numpy_sum(raw_run: list[dict]) -> None:
+    check_raw_aggregates(raw_run)
+
+
+def test_two_workers_sum_narrow_dtypes_exactly(tmp_path: Path) -> None:
+    # two terms are summed in float16/bfloat16 themselves: still exactly the float32 sum
+    # rounded once, which is what numpy_sum gives
+    check_raw_aggregates(run_cluster(tmp_path, workers=2, servers=1, case="raw"))
+
+
+def check_raw_aggregates(runs: list[dict]) -> None:
+    """Every node got the numpy sum of every key and step, bit-identical across nodes."""
     for key, numel, dtype_name, _ in raw_keys():
         dtype = getattr(torch, dtype_name)
         for step in range(STEPS):
-            pushes = [tensor_for(node, key, step, numel, dtype) for node in range(3)]
+            pushes = [tensor_for(node, key, step, numel, dtype) for node in range(len(runs))]
             expected = torch.from_numpy(numpy_sum(pushes)).to(dtype)
-            for node, run in enumerate(raw_run):
+            for node, run in enumerate(runs):
                 got = run["results"][(key, step)]
                 assert got.dtype == dtype and got.shape == (numel,), (key, node)
                 # float32 sums in arrival order: at most an ulp from the numpy order
@@ -61,9 +72,9 @@ def test_raw_aggregates_match_numpy_sum(raw_run: list[dict]) -> None:
                 torch.testing.assert_close(got, expected, rtol=tol, atol=tol,
                                            msg=f"key {key} step {step} node {node}")
     # every node got bit-identical aggregates: one sum per step on the server
-    for key, step in raw_run[0]["results"]:
-        assert all(torch.equal(run["results"][(key, step)], raw_run[0]["results"][(key, step)])
-                   for run in raw_run)
+    for key, step in runs[0]["results"]:
+        assert all(torch.equal(run["results"][(key, step)], runs[0]["results"][(key, step)])
+                   for run in runs)
 
 
 def test_pulls_of_a_step_get_the_same_bytes(raw_run: list[dict]) -> None:
