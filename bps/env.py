@@ -20,6 +20,8 @@ bps's own variables:
 * ``BPS_SERVER_THREADS`` (servers, default 4): engine threads summing different keys.
 * ``BPS_MAX_INFLIGHT`` (workers, default 16): pushes per server not yet acknowledged;
   further partitions wait in the priority queue.
+* ``BPS_MALLOC_TUNE`` (servers and worker engines, default 1): ``0`` leaves glibc's
+  allocator as it is (see :mod:`bps.memory`).
 * ``BPS_LOCAL_MASTER_ADDR`` / ``BPS_LOCAL_MASTER_PORT``: the node-local torch.distributed
   rendezvous that ``bpslaunch`` sets for the processes of one worker node.
 """

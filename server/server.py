@@ -35,6 +35,7 @@ import torch
 import zmq
 
 from bps.env import ClusterEnv
+from bps.memory import keep_buffers_in_heap
 from bps.protocol import (
     ClusterError,
     Op,
@@ -315,6 +316,7 @@ class ParameterServer:
         # parallelism comes from the engine threads; torch's own thread pool would only
         # add spinning OpenMP workers competing for the same cores
         torch.set_num_threads(1)
+        keep_buffers_in_heap()
         router = new_socket(self.ctx, zmq.ROUTER)
         port = router.bind_to_random_port(f"tcp://{self.env.node_host}")
         address = f"tcp://{self.env.node_host}:{port}"

@@ -49,6 +49,7 @@ import torch
 import zmq
 
 from bps.env import ClusterEnv
+from bps.memory import keep_buffers_in_heap
 from bps.protocol import (
     ClusterError,
     Op,
@@ -209,6 +210,7 @@ class WorkerEngine:
         if env.role != "worker":
             raise ValueError(f"WorkerEngine needs DMLC_ROLE=worker, got {env.role!r}")
         ctx = ctx or zmq.Context.instance()
+        keep_buffers_in_heap()
         link = SchedulerClient(ctx, env, "worker", env.node_host)
         try:
             welcome = link.rendezvous()
