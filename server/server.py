@@ -13,7 +13,8 @@ keys are decoded and summed in parallel (torch ops and numba kernels release the
 Engine threads send replies back through an inproc socket; the I/O thread forwards them.
 
 Per key and step: each worker node's push is decompressed and added to the step's sum
-(float32, float64 for float64 keys) as it arrives. When all nodes have pushed step s
+(float32, float64 for float64 keys; a sum of two float16/bfloat16 pushes is taken in
+that dtype, which rounds exactly as the float32 sum does) as it arrives. When all nodes have pushed step s
 (and every earlier step is done), the server chain gets ``set_lr(lr)`` from the push
 header and compresses the sum once; every push and pull of step s is answered with
 those same bytes. Pushes for later steps accumulate separately, so a fast worker's
