@@ -14,12 +14,12 @@ Engine threads send replies back through an inproc socket; the I/O thread forwar
 
 Per key and step: each worker node's push is decompressed and added to the step's sum
 (float32, float64 for float64 keys; a sum of two float16/bfloat16 pushes is taken in
-that dtype, which rounds exactly as the float32 sum does) as it arrives. When all nodes have pushed step s
-(and every earlier step is done), the server chain gets ``set_lr(lr)`` from the push
-header and compresses the sum once; every push and pull of step s is answered with
-those same bytes. Pushes for later steps accumulate separately, so a fast worker's
-step s+1 never mixes into s. A bad request gets an ERROR reply naming the key and field;
-the server keeps serving everyone else.
+that dtype, which rounds exactly as the float32 sum does) as it arrives. When all nodes
+have pushed step s (and every earlier step is done), the server chain gets
+``set_lr(lr)`` from the push header and compresses the sum once; every push and pull of
+step s is answered with those same bytes. Pushes for later steps accumulate separately,
+so a fast worker's step s+1 never mixes into s. A bad request gets an ERROR reply naming
+the key and field; the server keeps serving everyone else.
 """
 
 from __future__ import annotations
