@@ -29,7 +29,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
-from data import load_mnist  # noqa: E402
+from data import epoch_batches, load_mnist  # noqa: E402
 from mnist import accuracy, build_model  # noqa: E402
 
 SINGLE_BUCKET_MB = 1024
@@ -76,7 +76,6 @@ def main(argv: list[str] | None = None) -> int:
     register_hook(model, args.hook, args.powersgd_rank)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.mu)
 
-    steps = len(y_train) // size // args.batch_size
     metrics: dict = {"args": vars(args), "workers": size, "steps": [], "epochs": []}
     if rank == 0:
         print(f"ddp mnist: {size} workers, hook {args.hook}, "
@@ -84,11 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     generator = torch.Generator().manual_seed(args.seed)
     train_start = time.perf_counter()
     for epoch in range(args.epochs):
-        order = torch.randperm(len(y_train), generator=generator)  # as examples/mnist.py
-        shard = order[rank::size]
-        for step in range(steps):
+        # the same batches as examples/mnist.py
+        for idx in epoch_batches(len(y_train), rank, size, args.batch_size, generator):
             t0 = time.perf_counter()
-            idx = shard[step * args.batch_size:(step + 1) * args.batch_size]
             optimizer.zero_grad()
             loss = F.cross_entropy(model(x_train[idx]), y_train[idx])
             loss.backward()

@@ -4,6 +4,8 @@ Usage::
 
     from data import load_mnist
     (x_train, y_train), (x_test, y_test) = load_mnist(test_size=1000, seed=0)
+    for idx in epoch_batches(len(y_train), rank, size, batch_size, generator):
+        ...  # x_train[idx], y_train[idx]
 """
 
 from __future__ import annotations
@@ -38,3 +40,18 @@ def load_mnist(test_size: int = 1000, seed: int = 0):
     x = torch.from_numpy((images[order].astype(np.float32) / 255.0 - MNIST_MEAN) / MNIST_STD)
     y = torch.from_numpy(labels[order].astype(np.int64))
     return (x[test_size:], y[test_size:]), (x[:test_size], y[:test_size])
+
+
+def steps_per_epoch(num_examples: int, size: int, batch_size: int) -> int:
+    """Steps every rank takes per epoch (the same on all ranks, the remainder dropped)."""
+    return num_examples // size // batch_size
+
+
+def epoch_batches(num_examples: int, rank: int, size: int, batch_size: int,
+                  generator: torch.Generator) -> list[torch.Tensor]:
+    """This rank's batch indices for one epoch: a permutation drawn from ``generator``
+    (seeded alike on every rank, so all draw the same one), dealt round-robin to the
+    ranks and cut into ``steps_per_epoch`` batches."""
+    shard = torch.randperm(num_examples, generator=generator)[rank::size]
+    return [shard[step * batch_size:(step + 1) * batch_size]
+            for step in range(steps_per_epoch(num_examples, size, batch_size))]

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 import bps
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from data import load_mnist  # noqa: E402
+from data import epoch_batches, load_mnist, steps_per_epoch  # noqa: E402
 
 START = time.perf_counter()
 
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.mu)
     trainer = bps.DistributedTrainer(model, optimizer, params)
 
-    steps = len(y_train) // size // args.batch_size
+    steps = steps_per_epoch(len(y_train), size, args.batch_size)
     progress = Progress(rank == 0, args.epochs, steps)
     metrics: dict = {"args": vars(args), "compression_params": params, "workers": size,
                      "steps": [], "epochs": []}
@@ -153,11 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     generator = torch.Generator().manual_seed(args.seed)
     train_start = time.perf_counter()
     for epoch in range(args.epochs):
-        order = torch.randperm(len(y_train), generator=generator)  # same on every rank
-        shard = order[rank::size]
-        for step in range(steps):
+        batches = epoch_batches(len(y_train), rank, size, args.batch_size, generator)
+        for step, idx in enumerate(batches):
             t0 = time.perf_counter()
-            idx = shard[step * args.batch_size:(step + 1) * args.batch_size]
             trainer.zero_grad()
             loss = F.cross_entropy(model(x_train[idx]), y_train[idx])
             loss.backward()
