@@ -400,12 +400,16 @@ class DistributedTrainer:
                 piece = share[part.offset:part.offset + part.length]
                 # No copy where the dtype already fits: ``share`` is not written again
                 # before step() has waited for these futures.
+                out = None
                 if part.compressed_key is not None and not warm:
                     key, tensor = part.compressed_key, self._converted(part, piece,
                                                                        torch.float32)
+                    if self._rt.local_size == 1:  # decoded straight into .grad (or its copy)
+                        out = tensor
                 else:
                     key, tensor = part.raw_key, self._converted(part, piece, self._wire_dtype)
-                slot.futures.append(engine.push_pull(key, tensor, self._step, lr, priority=-index))
+                slot.futures.append(engine.push_pull(key, tensor, self._step, lr,
+                                                     priority=-index, out=out))
         self._bcast_q.put(index)
 
     @staticmethod
@@ -435,7 +439,9 @@ class DistributedTrainer:
                     except TimeoutError:
                         raise TimeoutError(f"no aggregate for {slot.name!r} (offset "
                                            f"{part.offset}) within {timeout:g}s") from None
-                    dest[part.offset:part.offset + part.length].copy_(result)
+                    target = dest[part.offset:part.offset + part.length]
+                    if result.data_ptr() != target.data_ptr():
+                        target.copy_(result)
                 slot.futures = []
             if dest is slot.recv:
                 self._bcast_ch.broadcast(slot.recv)

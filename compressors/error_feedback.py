@@ -20,8 +20,16 @@ from __future__ import annotations
 import math
 
 import torch
+from numba import njit
 
 from .base import Compressor, Payload, check_state_keys, load_buffer
+
+
+@njit(nogil=True, cache=True)
+def add_scaled_error(x, ratio, error):
+    """``error = x + ratio * error`` in place, rounded as torch rounds (ratio 1 is exact)."""
+    for i in range(x.size):
+        error[i] = x[i] + ratio * error[i]
 
 
 class ErrorFeedback(Compressor):
@@ -50,7 +58,12 @@ class ErrorFeedback(Compressor):
     def compress(self, x: torch.Tensor) -> torch.Tensor:
         x = self.check_input(x)
         ratio = self.ratio
-        corrected = x + self.error if ratio == 1.0 else x + ratio * self.error
+        if self.dtype in (torch.float32, torch.float64):  # g' is built in the error buffer
+            array = x.numpy()
+            corrected = self.error
+            add_scaled_error(array, array.dtype.type(ratio), corrected.numpy())
+        else:  # float16/bfloat16: torch rounds each op
+            corrected = x + self.error if ratio == 1.0 else x + ratio * self.error
         payload = self.inner.compress(corrected)
         update = getattr(self.inner, "fast_update_error", None)
         if update is not None:

@@ -15,8 +15,19 @@ Example::
 from __future__ import annotations
 
 import torch
+from numba import njit
 
 from .base import Compressor, Payload, check_state_keys, load_buffer
+
+
+@njit(nogil=True, cache=True)
+def nesterov_step(grad, momentum, mu, lookahead):
+    """``momentum = mu * momentum + grad``; ``lookahead = grad + mu * momentum``, one pass,
+    each operation rounded to the arrays' dtype as torch's element-wise ops round."""
+    for i in range(grad.size):
+        m = momentum[i] * mu + grad[i]
+        momentum[i] = m
+        lookahead[i] = grad[i] + mu * m
 
 
 class Momentum(Compressor):
@@ -29,13 +40,21 @@ class Momentum(Compressor):
         self.inner = inner
         self.mu = float(mu)
         self.momentum = torch.zeros(inner.numel, dtype=inner.dtype)
+        # g' for the inner chain, rewritten by every compress (float32/float64)
+        self.lookahead = torch.empty(inner.numel, dtype=inner.dtype) if self.dtype in (
+            torch.float32, torch.float64) else None
 
     def set_lr(self, lr: float) -> None:
         self.inner.set_lr(lr)
 
     def compress(self, x: torch.Tensor) -> torch.Tensor:
         x = self.check_input(x)
-        self.momentum.mul_(self.mu).add_(x)
+        if self.lookahead is not None:
+            array = x.numpy()
+            nesterov_step(array, self.momentum.numpy(), array.dtype.type(self.mu),
+                          self.lookahead.numpy())
+            return self.inner.compress(self.lookahead)
+        self.momentum.mul_(self.mu).add_(x)  # float16/bfloat16: torch rounds each op
         return self.inner.compress(x + self.mu * self.momentum)
 
     def decompress(self, payload: Payload, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -52,23 +52,23 @@ def pack_signs(x, words):
 def unpack_signs(words, scale_bits, sign_mask, out):
     """out[i] = scale's raw bits, with ``sign_mask`` set where bit i is set (any width)."""
     n = out.size
-    full = n // 32
-    for w in range(full):
+    zero = out.dtype.type(0)
+    for w in range((n + 31) // 32):
         word = words[w]
-        for j in range(32):
-            bit = (word << np.uint32(j)) >> np.uint32(31)
-            out[w * 32 + j] = scale_bits | (sign_mask * bit)
-    for j in range(n - full * 32):
-        bit = (words[full] << np.uint32(j)) >> np.uint32(31)
-        out[full * 32 + j] = scale_bits | (sign_mask * bit)
+        for j in range(min(32, n - w * 32)):
+            negative = (word >> np.uint32(31 - j)) & np.uint32(1)
+            out[w * 32 + j] = scale_bits | (sign_mask if negative else zero)
 
 
 @njit(nogil=True, cache=True)
 def subtract_signs(corrected, words, scale):
     """corrected[i] -= -scale if bit i else +scale (error feedback's fast path)."""
-    for i in range(corrected.size):
-        bit = (words[i // 32] >> np.uint32(31 - i % 32)) & np.uint32(1)
-        corrected[i] -= -scale if bit else scale
+    n = corrected.size
+    for w in range((n + 31) // 32):
+        word = words[w]
+        for j in range(min(32, n - w * 32)):
+            negative = (word >> np.uint32(31 - j)) & np.uint32(1)
+            corrected[w * 32 + j] -= -scale if negative else scale
 
 
 class OneBit(Compressor):

@@ -177,6 +177,12 @@ def select_topk(x: np.ndarray, k: int, indices: np.ndarray, selected: np.ndarray
         if threshold != threshold:  # NaNs in the sample: collect inf and NaN
             threshold = math.inf
         cut = np.array([threshold], dtype=x.dtype).view(bits.dtype)[0]
+        if threshold == 0.0:  # mostly zeros (a server's sum of sparse pushes): the nonzeros
+            count, candidates, values = collect_parallel(bits, bits.dtype.type(1), mask, n)
+            if count >= k:
+                select_exact(candidates, values, mask, k, indices, selected)
+                return
+            cap = n  # fewer than k nonzeros: zeros fill up the k
         count, candidates, values = collect_parallel(bits, cut, mask, cap)
         if count >= k:
             select_exact(candidates, values, mask, k, indices, selected)

@@ -85,6 +85,7 @@ class _Key:
     last_step: int = -1
     last_payload: torch.Tensor | None = None
     scratch: torch.Tensor | None = None  # a push widened for the sum, reused every step
+    decoded: torch.Tensor | None = None  # a compressed push decoded for the sum, reused
 
     def accumulate_dtype(self, terms: int) -> torch.dtype:
         """float32 (float64 for float64 keys); with at most two terms the key's own dtype,
@@ -192,7 +193,10 @@ class _KeyEngine(threading.Thread):
                 raise RequestError(f"key {key} ({name!r}): {exc}") from None
         self.keys[key] = _Key(key, numel, dtype, params, name, header["node"], chain)
 
-    def _decode(self, state: _Key, header: dict, payload: zmq.Frame) -> torch.Tensor:
+    def _decode(self, state: _Key, header: dict, payload: zmq.Frame,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """The push's values: a view of the frame (raw keys) or decoded into ``out``
+        (a new tensor if None)."""
         itemsize = state.dtype.itemsize
         if state.chain is None:
             if header["nbytes"] != state.numel * itemsize:
@@ -205,7 +209,7 @@ class _KeyEngine(threading.Thread):
                                f"{header['nbytes']} bytes is larger than any encoding")
         data = torch.frombuffer(payload.buffer, dtype=torch.uint8)
         try:
-            values = state.chain.decompress(data)
+            values = state.chain.decompress(data, out)
         except Exception as exc:
             raise RequestError(f"key {state.key} ({state.name!r}): cannot decode payload: "
                                f"{type(exc).__name__}: {exc}") from None
@@ -235,16 +239,20 @@ class _KeyEngine(threading.Thread):
             raise RequestError(f"{where}: field 'node'={node} out of range")
         if header["lr"] < 0:
             raise RequestError(f"{where}: field 'lr'={header['lr']} is negative")
-        values = self._decode(state, header, payload)
-        self._check_step(state, step)
         pending = state.steps.get(step)
+        out = None  # the step's first push decodes into a new tensor that becomes its sum
+        if state.chain is not None and pending is not None and pending.total is not None:
+            if state.decoded is None:
+                state.decoded = torch.empty(state.numel, dtype=state.dtype)
+            out = state.decoded
+        values = self._decode(state, header, payload, out)
+        self._check_step(state, step)
         if pending is not None and node in pending.pushed:
             raise RequestError(f"{where}: worker {node} pushed step {step} twice")
         pending = state.steps.setdefault(step, _Step())
         if pending.total is None:
-            # raw keys: the first push's frame becomes the sum (zero-copy)
-            wide = state.accumulate_dtype(self.server.num_workers)
-            pending.total = values.to(wide, copy=state.chain is not None)
+            # the first push (a raw frame, or a newly decoded tensor) becomes the sum
+            pending.total = values.to(state.accumulate_dtype(self.server.num_workers))
             pending.lr = float(header["lr"])
         elif values.dtype == pending.total.dtype:
             pending.total.add_(values)

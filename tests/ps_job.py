@@ -195,12 +195,28 @@ def main() -> None:
     if node == 0 and args.case == "compressed":
         probes = {key: garbage_push(engine.servers[engine.placement.servers[key]], key, numel)
                   for key, numel, *_ in keys}
-    results = {}
+    results, in_place, bad_out = {}, {}, ""
+    if args.case == "compressed":
+        key, numel, dtype, _ = keys[0]
+        try:  # refused before anything is sent: the key stays free for step 0
+            engine.push_pull(key, torch.zeros(numel, dtype=torch_dtype(dtype)), 0, 0.1,
+                             out=torch.zeros(numel + 1, dtype=torch_dtype(dtype)))
+        except ValueError as exc:
+            bad_out = str(exc)
     for step in range(STEPS):
+        # compressed keys, odd steps: the aggregate is decoded into the pushed tensor
+        decode_in_place = args.case == "compressed" and step % 2 == 1
+        tensors = {key: tensor_for(node, key, step, numel, torch_dtype(dtype))
+                   for key, numel, dtype, _ in keys}
         futures = {key: engine.push_pull(
-            key, tensor_for(node, key, step, numel, torch_dtype(dtype)), step, lr_for(step),
-            priority=-index) for index, (key, numel, dtype, _) in enumerate(keys)}
-        results.update({(key, step): fut.result().clone() for key, fut in futures.items()})
+            key, tensors[key], step, lr_for(step), priority=-index,
+            out=tensors[key] if decode_in_place else None)
+            for index, (key, *_) in enumerate(keys)}
+        for key, fut in futures.items():
+            result = fut.result()
+            if decode_in_place:
+                in_place[(key, step)] = result.data_ptr() == tensors[key].data_ptr()
+            results[(key, step)] = result.clone()
     stats = engine.stats
     if prober is not None:
         prober.join()
@@ -235,7 +251,8 @@ def main() -> None:
             mismatch = str(exc)
     engine.barrier()
     engine.close()
-    torch.save({"results": results, "placement": dict(engine.placement.servers),
+    torch.save({"results": results, "in_place": in_place, "bad_out": bad_out,
+                "placement": dict(engine.placement.servers),
                 "loads": list(engine.placement.loads), "probes": probes, "last": last,
                 "mismatch": mismatch, "stats": stats.__dict__, "servers": engine.servers},
                os.path.join(args.out, f"node{node}.pt"))

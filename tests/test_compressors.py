@@ -79,6 +79,19 @@ def test_topk_large_uses_selection_and_finds_exact_set():
     np.testing.assert_array_equal(y.numpy()[expected], x.numpy()[expected])
 
 
+@pytest.mark.parametrize("nonzeros", [40_000, 3000, 2999, 500])
+def test_topk_mostly_zero_input_matches_reference(nonzeros):
+    """A server's sum of sparse pushes: the sampled threshold is 0, so the nonzeros are
+    collected first; with fewer than k of them, zeros fill up the k (the first ones)."""
+    gen = np.random.default_rng(nonzeros)
+    numel, k = 300_000, 3000
+    values = np.zeros(numel, dtype=np.float32)
+    values[gen.choice(numel, nonzeros, replace=False)] = gen.standard_normal(nonzeros)
+    c = build({"compressor": "topk", "k": k}, numel)
+    payload = payload_of(c.compress(torch.tensor(values)))
+    assert payload == ref.topk_encode(values, k, "float32")
+
+
 @pytest.mark.parametrize("values", [
     np.ones(5000), np.zeros(5000), np.r_[np.ones(10), np.zeros(4990)],
     np.r_[np.full(100, np.nan), np.ones(4900)],

@@ -98,3 +98,11 @@ def test_undecodable_payload_is_refused(compressed_run: list[dict]) -> None:
     for key, message in replies.items():
         assert f"key {key} ('t{key}'): cannot decode payload" in message, message
     # ... and the aggregates of every key stayed exact (the test above)
+
+
+def test_aggregate_decoded_into_the_given_tensor(compressed_run: list[dict]) -> None:
+    # the values are checked against the reference by test_pulled_aggregate_matches_reference
+    for run in compressed_run:
+        assert run["in_place"] and all(run["in_place"].values()), run["in_place"]
+    message = compressed_run[0]["bad_out"]
+    assert "out must be a contiguous CPU tensor" in message and "key 200" in message, message

@@ -100,6 +100,7 @@ class _KeyInfo:
     server: int
     chain: Any
     busy: bool = False
+    out: torch.Tensor | None = None  # where the in-flight push_pull decodes its aggregate
 
 
 @dataclass(order=True)
@@ -260,8 +261,13 @@ class WorkerEngine:
         self._keys[key] = info
 
     def push_pull(self, key: int, tensor: torch.Tensor, step: int, lr: float,
-                  priority: int = 0) -> concurrent.futures.Future:
-        """Push this node's (already averaged) partition; the future gives the aggregate."""
+                  priority: int = 0, out: torch.Tensor | None = None
+                  ) -> concurrent.futures.Future:
+        """Push this node's (already averaged) partition; the future gives the aggregate.
+
+        ``out`` (compressed keys): a contiguous CPU tensor of the declared numel and dtype,
+        ``tensor`` itself allowed, into which the aggregate is decoded (no new tensor);
+        the future then gives ``out``."""
         info = self._keys.get(key)
         if info is None:
             raise ValueError(f"key {key}: push_pull before declare")
@@ -269,6 +275,11 @@ class WorkerEngine:
         if flat.numel() != info.numel or flat.dtype != info.dtype:
             raise ValueError(f"{info_label(info)}: tensor has numel={flat.numel()} dtype="
                              f"{flat.dtype}, declared numel={info.numel} dtype={info.dtype}")
+        if out is not None and (info.chain is None or out.numel() != info.numel
+                                or out.dtype != info.dtype or out.device.type != "cpu"
+                                or not out.is_contiguous()):
+            raise ValueError(f"{info_label(info)}: out must be a contiguous CPU tensor of "
+                             f"numel={info.numel} dtype={info.dtype}, for a compressed key")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"{info_label(info)}: step={step!r} must be an int >= 0")
         self._raise_if_failed()
@@ -276,6 +287,7 @@ class WorkerEngine:
             if info.busy:
                 raise RuntimeError(f"{info_label(info)}: a push_pull is already in flight")
             info.busy = True
+            info.out = None if out is None else out.reshape(-1)
         future = _new_future()
         order = send_order(step, priority, next(self._rids))
         if info.chain is None:
@@ -424,7 +436,7 @@ class WorkerEngine:
             start = time.perf_counter()
             data = torch.frombuffer(frame.buffer, dtype=torch.uint8) if len(frame) else \
                 torch.zeros(0, dtype=torch.uint8)
-            result = request.info.chain.decompress(data)
+            result = request.info.chain.decompress(data, request.info.out)
             self._add_stats(decompress_s=time.perf_counter() - start, pushes=1)
             _settle(request.info, request.future, result)
         except BaseException as exc:

@@ -1,0 +1,95 @@
+"""randomk's accuracy on the slow-network job, over k, momentum, error feedback and lr.
+
+Test accuracy does not depend on the link speed, so this runs the job of
+``bench/slow_network.py`` (examples/mnist.py, 4 worker nodes, 4 servers, 1 MB
+partitions, 8 epochs) on a loopback cluster (``bpslaunch local``) and prints the test
+accuracy after every epoch for each setting, next to uncompressed fp32 and topk 1%.
+
+Usage::
+
+    .venv/bin/python bench/randomk_accuracy.py                 # 10 runs, about 12 minutes
+    .venv/bin/python bench/randomk_accuracy.py --only rk-1,rk-10
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+JOB = ["--epochs", "8", "--lr", "0.05", "--batch-size", "32", "--hidden", "1100", "--layers",
+       "2", "--seed", "0"]
+EF_NESTEROV = ["--ef", "vanilla", "--momentum", "nesterov"]
+
+
+def randomk(k: float, *extra: str) -> list[str]:
+    return ["--compressor", "randomk", "--k", str(k), *extra]
+
+
+SETTINGS = {  # name -> examples/mnist.py arguments after JOB (later flags win)
+    "fp32": ["--compressor", "none", "--no-fp16"],
+    "topk-1": ["--compressor", "topk", "--k", "0.01", *EF_NESTEROV],
+    "rk-1": randomk(0.01, *EF_NESTEROV),
+    "rk-3": randomk(0.03, *EF_NESTEROV),
+    "rk-5": randomk(0.05, *EF_NESTEROV),
+    "rk-10": randomk(0.1, *EF_NESTEROV),
+    "rk-10-mu0.5": randomk(0.1, *EF_NESTEROV, "--mu", "0.5"),
+    "rk-10-no-momentum": randomk(0.1, "--ef", "vanilla", "--momentum", "none"),
+    "rk-10-lr0.02": randomk(0.1, *EF_NESTEROV, "--lr", "0.02"),
+    "rk-10-no-ef": randomk(0.1, "--ef", "none", "--momentum", "nesterov"),
+    "rk-50": randomk(0.5, *EF_NESTEROV),
+}
+
+
+def run(name: str, workdir: Path, timeout: float) -> list[float]:
+    """Test accuracy after each epoch of one setting."""
+    metrics = workdir / f"{name}.json"
+    argv = [sys.executable, "-m", "bps.launch.cli", "local", "--workers", "4", "--servers",
+            "4", "--", sys.executable, str(REPO / "examples" / "mnist.py"), *JOB,
+            *SETTINGS[name], "--metrics-json", str(metrics)]
+    env = dict(os.environ, BYTEPS_PARTITION_BYTES="1024000")
+    log = workdir / f"{name}.log"
+    with open(log, "w") as out:
+        code = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env,
+                              timeout=timeout).returncode
+    if code != 0 or not metrics.exists():
+        tail = "\n".join(log.read_text().splitlines()[-15:])
+        raise SystemExit(f"{name}: exit code {code}; last lines of its log:\n{tail}")
+    return [e["test_accuracy"] for e in json.loads(metrics.read_text())["epochs"]]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", help="comma-separated settings: " + ",".join(SETTINGS))
+    parser.add_argument("--run-timeout", type=float, default=600.0, help="seconds per run")
+    args = parser.parse_args()
+    names = args.only.split(",") if args.only else list(SETTINGS)
+    unknown = [n for n in names if n not in SETTINGS]
+    if unknown:
+        parser.error(f"--only: unknown {unknown}; choose from {','.join(SETTINGS)}")
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bps-randomk-") as tmp:
+        for index, name in enumerate(names):
+            start = time.monotonic()
+            accuracies = run(name, Path(tmp), args.run_timeout)
+            rows.append((name, accuracies))
+            print(f"[{index + 1}/{len(names)}] {name}: final {accuracies[-1]:.1%} "
+                  f"({time.monotonic() - start:.0f} s)", flush=True)
+    print(f"\n4 nodes x 1 process, 4 servers, loopback; {started}\n")
+    epochs = max(len(a) for _, a in rows)
+    print("| setting | " + " | ".join(f"ep {e + 1}" for e in range(epochs)) + " | best |")
+    print("|---|" + "---:|" * (epochs + 1))
+    for name, accuracies in rows:
+        cells = " | ".join(f"{a:.1%}" for a in accuracies)
+        print(f"| {name} | {cells} | {max(accuracies):.1%} |")
+
+
+if __name__ == "__main__":
+    main()
