@@ -60,6 +60,14 @@ class Method:
     args: tuple[str, ...]
     wire: float
 
+    @property
+    def compressed(self) -> bool:
+        return self.kind == "bps" and self.args[:2] != ("--compressor", "none")
+
+    def partition_bytes(self, args: argparse.Namespace) -> int:
+        """BYTEPS_PARTITION_BYTES of this method's runs."""
+        return args.compressed_partition_bytes if self.compressed else args.partition_bytes
+
     def wire_bytes(self, params: int, nodes: int) -> float:
         ring = 2 * (nodes - 1) / nodes if self.kind == "ddp" else 1.0
         return self.wire * params * ring
@@ -208,7 +216,7 @@ def run_one(method: Method, args: argparse.Namespace, workdir: Path) -> Run:
     with open(log_path, "w") as log:
         log.write(" ".join(argv) + "\n")
         log.flush()
-        env = dict(os.environ, BYTEPS_PARTITION_BYTES=str(args.partition_bytes))
+        env = dict(os.environ, BYTEPS_PARTITION_BYTES=str(method.partition_bytes(args)))
         process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                    text=True, cwd=REPO, env=env)
         try:
@@ -313,6 +321,7 @@ def write_results(args: argparse.Namespace, runs: list[Run], target: float, rows
         "command": command_line,
         "rate": args.rate, "nodes": args.nodes, "servers": args.servers,
         "partition_bytes": args.partition_bytes,
+        "compressed_partition_bytes": args.compressed_partition_bytes,
         "parameters": parameter_count(args.hidden, args.layers), "job": job_args(args),
         "target_accuracy": target, "rows": rows,
         "runs": [{"method": r.method.name, "label": r.method.label, "args": list(r.method.args),
@@ -405,9 +414,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(REPO / "docs"), help="where results go")
     p.add_argument("--partition-bytes", type=int, default=1024000,
-                   help="BYTEPS_PARTITION_BYTES for the bps runs: 1 MB slices spread the "
-                        "model evenly over the servers (with the 4 MB default, one server "
-                        "gets a 3.4 MB slice and fp32 steps take twice as long)")
+                   help="BYTEPS_PARTITION_BYTES for the uncompressed bps runs: 1 MB slices "
+                        "spread the model evenly over the servers (with the 4 MB default, "
+                        "one server gets a 3.4 MB slice and fp32 steps take twice as long)")
+    p.add_argument("--compressed-partition-bytes", type=int, default=4096000,
+                   help="BYTEPS_PARTITION_BYTES for the compressed bps runs: their payloads "
+                        "are too small for the balance to matter, while every partition "
+                        "costs per-message work (BytePS's default, 4 MB)"),
     p.add_argument("--from-json", metavar="PATH",
                    help="run nothing: rebuild table, CSV and figures from a saved JSON")
     p.add_argument("--run-timeout", type=float, default=1800.0, help="seconds per run")
@@ -465,6 +478,8 @@ def load_runs(path: Path, args: argparse.Namespace) -> tuple[list[Run], str]:
     args.batch_size, args.seed = int(job["--batch-size"]), int(job["--seed"])
     args.hidden, args.layers = int(job["--hidden"]), int(job["--layers"])
     args.partition_bytes = record.get("partition_bytes", args.partition_bytes)
+    args.compressed_partition_bytes = record.get("compressed_partition_bytes",
+                                                 record.get("partition_bytes"))
     args.rate_bits = parse_rate(args.rate)
     methods = all_methods(args.topk_k, args.randomk_k, args.dithering_levels)
     runs = []
