@@ -48,7 +48,7 @@ SETTINGS = {  # name -> examples/mnist.py arguments after JOB (later flags win)
 
 
 def run(name: str, workdir: Path, timeout: float) -> list[float]:
-    """Test accuracy after each epoch of one setting."""
+    """Test accuracy after each epoch of one setting ([] if the run failed)."""
     metrics = workdir / f"{name}.json"
     argv = [sys.executable, "-m", "bps.launch.cli", "local", "--workers", "4", "--servers",
             "4", "--", sys.executable, str(REPO / "examples" / "mnist.py"), *JOB,
@@ -60,7 +60,8 @@ def run(name: str, workdir: Path, timeout: float) -> list[float]:
                               timeout=timeout).returncode
     if code != 0 or not metrics.exists():
         tail = "\n".join(log.read_text().splitlines()[-15:])
-        raise SystemExit(f"{name}: exit code {code}; last lines of its log:\n{tail}")
+        print(f"{name}: FAILED, exit code {code}; last lines of its log:\n{tail}", flush=True)
+        return []
     return [e["test_accuracy"] for e in json.loads(metrics.read_text())["epochs"]]
 
 
@@ -80,15 +81,19 @@ def main() -> None:
             start = time.monotonic()
             accuracies = run(name, Path(tmp), args.run_timeout)
             rows.append((name, accuracies))
-            print(f"[{index + 1}/{len(names)}] {name}: final {accuracies[-1]:.1%} "
+            final = f"final {accuracies[-1]:.1%}" if accuracies else "failed"
+            print(f"[{index + 1}/{len(names)}] {name}: {final} "
                   f"({time.monotonic() - start:.0f} s)", flush=True)
     print(f"\n4 nodes x 1 process, 4 servers, loopback; {started}\n")
     epochs = max(len(a) for _, a in rows)
     print("| setting | " + " | ".join(f"ep {e + 1}" for e in range(epochs)) + " | best |")
     print("|---|" + "---:|" * (epochs + 1))
     for name, accuracies in rows:
-        cells = " | ".join(f"{a:.1%}" for a in accuracies)
-        print(f"| {name} | {cells} | {max(accuracies):.1%} |")
+        cells = [f"{a:.1%}" for a in accuracies] or ["failed"] * epochs
+        best = f"{max(accuracies):.1%}" if accuracies else "-"
+        print(f"| {name} | {' | '.join(cells)} | {best} |")
+    if any(not accuracies for _, accuracies in rows):
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -96,7 +96,9 @@ class Compressor:
     Subclasses implement :meth:`compress` and :meth:`decompress`; state-free compressors
     keep the default ``set_lr``/``state_dict``/``load_state_dict``. A compressor may add
     ``fast_update_error(corrected, payload)``: subtract ``decompress(payload)`` from
-    ``corrected`` in place, faster than decoding (error feedback uses it).
+    ``corrected`` in place, faster than decoding (error feedback uses it). The payload
+    must not share memory with ``x``: the chain decorators reuse their buffers, so ``x``
+    is overwritten by the next step (error feedback even updates it in place right after).
 
     Example::
 

@@ -31,6 +31,7 @@ from bps.env import ClusterEnv
 from bps.protocol import ClusterError, Op, ProtocolError, RemoteError, decode, encode, new_socket
 
 log = logging.getLogger("bps.scheduler")
+STALL_INTERVALS = 3  # no loop/tick for this many heartbeat intervals: our own stall
 
 
 @dataclass
@@ -57,6 +58,7 @@ class Scheduler:
     ctx: Any = None
     nodes: dict[bytes, _Node] = field(default_factory=dict)
     barrier_waiting: dict[int, set[bytes]] = field(default_factory=dict)
+    last_loop: float = field(default_factory=time.monotonic)
 
     def run(self) -> int:
         ctx = self.ctx or zmq.Context.instance()
@@ -109,19 +111,32 @@ class Scheduler:
                     log.error(msg)
                     self._broadcast(Op.ERROR, rid=-1, msg=msg)
                     return 1
-            live = [n for n in self.nodes.values() if not n.finalized]
-            for node in live:
-                silent = now - node.last_seen
-                if silent > env.heartbeat_timeout:
-                    msg = (f"{node.label} died: no heartbeat for {silent:.1f} s "
-                           f"(BPS_HEARTBEAT_TIMEOUT={env.heartbeat_timeout:g})")
-                    log.error(msg)
-                    self._broadcast(Op.PEER_DEAD, exclude=node.identity, msg=msg)
-                    return 1
+            node = self._silent_node(now)
+            if node is not None:
+                msg = (f"{node.label} died: no heartbeat for {now - node.last_seen:.1f} s "
+                       f"(BPS_HEARTBEAT_TIMEOUT={env.heartbeat_timeout:g})")
+                log.error(msg)
+                self._broadcast(Op.PEER_DEAD, exclude=node.identity, msg=msg)
+                return 1
             if welcomed and all(n.finalized for n in self.nodes.values() if n.role == "worker"):
                 self._broadcast(Op.SHUTDOWN)
                 log.info("all workers finished; servers shut down")
                 return 0
+
+    def _silent_node(self, now: float) -> _Node | None:
+        """A node not finished and silent for more than BPS_HEARTBEAT_TIMEOUT, or None.
+
+        If this loop itself did not run for STALL_INTERVALS heartbeat intervals (the
+        process or the machine paused), the heartbeats it missed prove nothing about the
+        nodes: their silence is counted afresh from now."""
+        if now - self.last_loop > STALL_INTERVALS * self.env.heartbeat_interval:
+            for node in self.nodes.values():
+                node.last_seen = max(node.last_seen, now)
+        self.last_loop = now
+        for node in self.nodes.values():
+            if not node.finalized and now - node.last_seen > self.env.heartbeat_timeout:
+                return node
+        return None
 
     def _welcome(self) -> None:
         servers = [n for n in self.nodes.values() if n.role == "server"]
@@ -228,6 +243,7 @@ class SchedulerClient:
         self.sock.connect(env.scheduler_address)
         self.last_seen = time.monotonic()
         self.last_sent = 0.0
+        self.last_tick = time.monotonic()
 
     def send(self, op: Op, **fields: Any) -> None:
         self.sock.send(encode(op, **fields))
@@ -260,8 +276,13 @@ class SchedulerClient:
         return header
 
     def tick(self) -> None:
-        """Heartbeat if due; raises ClusterError if the scheduler went silent."""
+        """Heartbeat if due; raises ClusterError if the scheduler went silent. Silence
+        during a stall of this thread itself (no tick for STALL_INTERVALS heartbeat
+        intervals) is not held against the scheduler."""
         now = time.monotonic()
+        if now - self.last_tick > STALL_INTERVALS * self.env.heartbeat_interval:
+            self.last_seen = max(self.last_seen, now)
+        self.last_tick = now
         if now - self.last_sent >= self.env.heartbeat_interval:
             self.send(Op.HEARTBEAT)
         silent = now - self.last_seen

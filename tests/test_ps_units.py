@@ -136,3 +136,37 @@ def test_waiting_pushes_go_out_by_step_then_priority_within_credit() -> None:
     queues.release(0)
     assert [item[o] for o in queues.take()] == ["low", "next-step"]
     assert queues.clear() == []
+
+
+def test_own_stall_is_not_taken_for_a_silent_peer() -> None:
+    """After the scheduler's loop (or a node's I/O thread) did not run for a while, the
+    heartbeats it missed do not make a peer dead; silence while it runs still does."""
+    import time
+
+    import zmq
+
+    from bps.protocol import ClusterError
+    from bps.server.scheduler import STALL_INTERVALS, Scheduler, SchedulerClient, _Node
+
+    env = ClusterEnv.from_environ({**BASE, "DMLC_PS_ROOT_URI": "127.0.0.1"})
+    silence = env.heartbeat_timeout + 20
+    assert silence > STALL_INTERVALS * env.heartbeat_interval
+    now = time.monotonic()
+    scheduler = Scheduler(env)
+    node = scheduler.nodes[b"w"] = _Node(b"w", "worker", 0, "", last_seen=now - silence)
+    scheduler.last_loop = now - silence  # the scheduler itself was paused
+    assert scheduler._silent_node(now) is None and node.last_seen == now
+    node.last_seen = now - silence  # the scheduler ran, the node did not report
+    assert scheduler._silent_node(now + 0.5) is node
+    node.finalized = True
+    assert scheduler._silent_node(now + 1.0) is None
+
+    client = SchedulerClient(zmq.Context.instance(), env, role="worker")
+    try:
+        client.last_seen = client.last_tick = time.monotonic() - silence  # paused thread
+        client.tick()
+        client.last_seen = time.monotonic() - silence  # ticking, but the scheduler is silent
+        with pytest.raises(ClusterError, match=r"tcp://127\.0\.0\.1:9000 unreachable"):
+            client.tick()
+    finally:
+        client.sock.close(linger=0)
