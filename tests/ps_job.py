@@ -267,6 +267,14 @@ TEST_ENV = {"BPS_TIMEOUT": "20", "BPS_HEARTBEAT_INTERVAL": "0.2", "BPS_HEARTBEAT
             "PYTHONUNBUFFERED": "1"}
 
 
+def default_sigint() -> None:
+    """Popen ``preexec_fn`` for launchers a test interrupts: a shell starts background jobs
+    (``make test &``, nohup) with SIGINT ignored, and Python then keeps ignoring it."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_command(argv: list[str], env: dict[str, str], timeout: float) -> tuple[int, str]:
     """Run a launcher (own process group), return (exit code, output); on timeout or any
     error, SIGTERM then SIGKILL the whole group so no process outlives the test."""

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.ps_job import TEST_ENV, run_command
+from tests.ps_job import TEST_ENV, default_sigint, run_command
 
 BPSLAUNCH = [sys.executable, "-m", "bps.launch.cli"]
 PY = sys.executable
@@ -49,7 +49,7 @@ def test_interrupt_tears_everything_down(tmp_path: Path) -> None:
     proc = subprocess.Popen(BPSLAUNCH + ["local", "--workers", "2", "--servers", "1", "--",
                                          PY, "-c", script], env={**os.environ, **TEST_ENV},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True, text=True)
+                            start_new_session=True, text=True, preexec_fn=default_sigint)
     try:
         deadline = time.monotonic() + 60
         while len(os.listdir(tmp_path)) < 2:  # waiting for a condition, with a deadline

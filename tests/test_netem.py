@@ -31,6 +31,7 @@ from bps.launch.netns import (
     parse_rate,
     support_problem,
 )
+from tests.ps_job import default_sigint
 
 REPO = Path(__file__).resolve().parents[1]
 BPSLAUNCH = [sys.executable, "-m", "bps.launch.cli", "netem"]
@@ -277,7 +278,8 @@ def _start_sleepers(marker: str, nodes: int = 2) -> subprocess.Popen:
     launcher = subprocess.Popen(BPSLAUNCH + ["--nodes", str(nodes), "--rate", "10mbit",
                                              "--torchrun", "--", sys.executable, "-c", code],
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                cwd=REPO, env=dict(os.environ, **{MARKER_VAR: marker}))
+                                cwd=REPO, env=dict(os.environ, **{MARKER_VAR: marker}),
+                                preexec_fn=default_sigint)
     seen = []
     for line in launcher.stdout:
         seen.append(line)
