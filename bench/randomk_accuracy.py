@@ -7,7 +7,7 @@ accuracy after every epoch for each setting, next to uncompressed fp32 and topk 
 
 Usage::
 
-    .venv/bin/python bench/randomk_accuracy.py                 # 10 runs, about 12 minutes
+    .venv/bin/python bench/randomk_accuracy.py                 # 11 runs, about 9 minutes
     .venv/bin/python bench/randomk_accuracy.py --only rk-1,rk-10
 """
 
@@ -22,10 +22,11 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-JOB = ["--epochs", "8", "--lr", "0.05", "--batch-size", "32", "--hidden", "1100", "--layers",
-       "2", "--seed", "0"]
-EF_NESTEROV = ["--ef", "vanilla", "--momentum", "nesterov"]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from slow_network import EF_NESTEROV, REPO, job_args  # noqa: E402
+from slow_network import parse_args as slow_network_defaults  # noqa: E402
+
+JOB = job_args(slow_network_defaults([]))  # the slow-network table's job, by construction
 
 
 def randomk(k: float, *extra: str) -> list[str]:

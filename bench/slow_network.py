@@ -420,7 +420,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--compressed-partition-bytes", type=int, default=4096000,
                    help="BYTEPS_PARTITION_BYTES for the compressed bps runs: their payloads "
                         "are too small for the balance to matter, while every partition "
-                        "costs per-message work (BytePS's default, 4 MB)"),
+                        "costs per-message work (BytePS's default, 4 MB)")
     p.add_argument("--from-json", metavar="PATH",
                    help="run nothing: rebuild table, CSV and figures from a saved JSON")
     p.add_argument("--run-timeout", type=float, default=1800.0, help="seconds per run")

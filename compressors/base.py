@@ -19,6 +19,8 @@ import torch
 Payload = torch.Tensor | bytes | bytearray | memoryview | np.ndarray
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+# what numba kernels compute in directly; float16/bfloat16 go through float32 or torch ops
+KERNEL_FLOAT_DTYPES = (torch.float32, torch.float64)
 _BITS_DTYPE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 _UNSIGNED = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 
@@ -38,7 +40,7 @@ def bit_view(tensor: torch.Tensor) -> np.ndarray:
 def float_view(tensor: torch.Tensor) -> np.ndarray:
     """A float32/float64 numpy array of the values: zero-copy for float32/float64,
     a float32 copy for float16/bfloat16 (exact)."""
-    if tensor.dtype in (torch.float32, torch.float64):
+    if tensor.dtype in KERNEL_FLOAT_DTYPES:
         return tensor.numpy()
     return tensor.float().numpy()
 

@@ -43,7 +43,7 @@ import torch
 from numba import njit
 from numba.cpython.unsafe.numbers import leading_zeros
 
-from .base import Compressor, Payload, float_view, payload_bytes, sub_array
+from .base import KERNEL_FLOAT_DTYPES, Compressor, Payload, float_view, payload_bytes, sub_array
 from .bitstream import (
     MAX_CODE_BITS,
     MAX_HEAD_ZEROS,
@@ -548,7 +548,7 @@ class Dithering(Compressor):
         if nbits % 8 and int(buffer[size - 1]) & ((1 << (8 - nbits % 8)) - 1):
             raise self.bad_payload("padding bits of the last stream byte are not zero")
         out = self.output(out)
-        target = out if self.dtype in (torch.float32, torch.float64) else torch.empty(
+        target = out if self.dtype in KERNEL_FLOAT_DTYPES else torch.empty(
             self.numel, dtype=torch.float32)
         words = np.zeros(size // 8 + 2, dtype=np.uint64)  # a zero word past the stream
         words.view(np.uint8)[:size] = buffer[:size]

@@ -22,7 +22,7 @@ import math
 import torch
 from numba import njit
 
-from .base import Compressor, Payload, check_state_keys, load_buffer
+from .base import KERNEL_FLOAT_DTYPES, Compressor, Payload, check_state_keys, load_buffer
 
 
 @njit(nogil=True, cache=True)
@@ -58,7 +58,7 @@ class ErrorFeedback(Compressor):
     def compress(self, x: torch.Tensor) -> torch.Tensor:
         x = self.check_input(x)
         ratio = self.ratio
-        if self.dtype in (torch.float32, torch.float64):  # g' is built in the error buffer
+        if self.dtype in KERNEL_FLOAT_DTYPES:  # g' is built in the error buffer
             array = x.numpy()
             corrected = self.error
             add_scaled_error(array, array.dtype.type(ratio), corrected.numpy())

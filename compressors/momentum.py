@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from numba import njit
 
-from .base import Compressor, Payload, check_state_keys, load_buffer
+from .base import KERNEL_FLOAT_DTYPES, Compressor, Payload, check_state_keys, load_buffer
 
 
 @njit(nogil=True, cache=True)
@@ -41,8 +41,8 @@ class Momentum(Compressor):
         self.mu = float(mu)
         self.momentum = torch.zeros(inner.numel, dtype=inner.dtype)
         # g' for the inner chain, rewritten by every compress (float32/float64)
-        self.lookahead = torch.empty(inner.numel, dtype=inner.dtype) if self.dtype in (
-            torch.float32, torch.float64) else None
+        self.lookahead = torch.empty(inner.numel, dtype=inner.dtype) if (
+            self.dtype in KERNEL_FLOAT_DTYPES) else None
 
     def set_lr(self, lr: float) -> None:
         self.inner.set_lr(lr)

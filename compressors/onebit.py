@@ -22,7 +22,15 @@ import numpy as np
 import torch
 from numba import njit
 
-from .base import Compressor, Payload, bit_view, float_view, payload_bytes, sub_array
+from .base import (
+    KERNEL_FLOAT_DTYPES,
+    Compressor,
+    Payload,
+    bit_view,
+    float_view,
+    payload_bytes,
+    sub_array,
+)
 from .threads import chunk_bounds, run_chunks
 
 
@@ -122,7 +130,7 @@ class OneBit(Compressor):
 
     def fast_update_error(self, corrected: torch.Tensor, payload: Payload) -> torch.Tensor:
         """corrected -= decompress(payload), in one pass for float32/float64."""
-        if self.dtype not in (torch.float32, torch.float64):
+        if self.dtype not in KERNEL_FLOAT_DTYPES:
             return corrected.sub_(self.decompress(payload))
         words, scale = self._parse(payload)
         array = corrected.numpy()

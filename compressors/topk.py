@@ -28,7 +28,15 @@ import numpy as np
 import torch
 from numba import njit
 
-from .base import Compressor, Payload, bit_view, float_view, payload_bytes, sub_array
+from .base import (
+    KERNEL_FLOAT_DTYPES,
+    Compressor,
+    Payload,
+    bit_view,
+    float_view,
+    payload_bytes,
+    sub_array,
+)
 from .threads import chunk_bounds, run_chunks
 
 SAMPLE = 16384  # strided sample size for the threshold estimate
@@ -213,7 +221,7 @@ class TopK(Compressor):
         bits = bit_view(x)
         indices = sub_array(buffer, 0, np.int32, self.k)
         values = sub_array(buffer, self.values_offset, bits.dtype, self.k)
-        if x.dtype in (torch.float32, torch.float64):  # the selected bits are the values
+        if x.dtype in KERNEL_FLOAT_DTYPES:  # the selected bits are the values
             select_topk(float_view(x), self.k, indices, values)
         else:  # selected on a float32 copy: take the values from x itself
             select_topk(float_view(x), self.k, indices, np.empty(self.k, dtype=np.uint32))

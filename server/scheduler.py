@@ -131,7 +131,7 @@ class Scheduler:
         nodes: their silence is counted afresh from now."""
         if now - self.last_loop > STALL_INTERVALS * self.env.heartbeat_interval:
             for node in self.nodes.values():
-                node.last_seen = max(node.last_seen, now)
+                node.last_seen = now
         self.last_loop = now
         for node in self.nodes.values():
             if not node.finalized and now - node.last_seen > self.env.heartbeat_timeout:
@@ -281,7 +281,7 @@ class SchedulerClient:
         intervals) is not held against the scheduler."""
         now = time.monotonic()
         if now - self.last_tick > STALL_INTERVALS * self.env.heartbeat_interval:
-            self.last_seen = max(self.last_seen, now)
+            self.last_seen = now
         self.last_tick = now
         if now - self.last_sent >= self.env.heartbeat_interval:
             self.send(Op.HEARTBEAT)
