@@ -61,7 +61,7 @@ from .rng import (
     state_list,
     xorshift_step,
 )
-from .threads import chunk_bounds, run_chunks
+from .threads import chunk_bounds, copy_chunks, run_chunks
 
 TRAILER = 16
 ERRORS = {
@@ -120,7 +120,7 @@ DRAWS = 1024  # draws per lane per quantiser pass
 
 def small_entry_codes() -> np.ndarray:
     """Entry codes for gap, q < SMALL and the sign at ``(gap * SMALL + q) * 2 + negative``,
-    packed as ``code | bits << 32``; q = 0: no bits."""
+    packed as ``code | bits << 32``."""
     table = np.zeros(SMALL * SMALL * 2, dtype=np.uint64)
     for gap in range(1, SMALL):
         for q in range(1, SMALL):
@@ -215,30 +215,55 @@ def bits_at(code, low, count):
 
 
 @njit(nogil=True, cache=True)
+def append_bits(acc, total, code, nbits, words):
+    """Append ``nbits`` (<= 32) bits of ``code`` to a stream of ``total`` bits whose
+    newest bits are the low bits of ``acc``; returns (acc, total).
+
+    Stores the last complete 32-bit word (word 0 while none is complete: it is stored
+    again once complete), so the only loop-carried work is one shift-or and one add."""
+    acc = (acc << np.uint64(nbits)) | code
+    total += nbits
+    words[max((total >> 5) - 1, 0)] = swap32(acc >> np.uint64(total & 31))
+    return acc, total
+
+
+CODE_BLOCK = 2048  # levels scanned for nonzeros before their entries are coded
+
+
+@njit(nogil=True, cache=True)
 def code_chunk(levels, small_codes, words):
     """Code the signed ``levels`` of one chunk into the uint32 ``words`` (stream byte
     order), the first gap counted from the chunk's start (``index + 1``).
 
     Returns (bits, first, last): the bit count and the chunk indices of the first and
-    last nonzero level (-1 if none). Entries with gap and q below SMALL come whole from
-    ``small_codes``; longer codes go in pieces of at most 32 bits.
+    last nonzero level (-1 if none). Each block of levels is first scanned for its
+    nonzeros (branch-free), then only those are coded, so zeros cost no coding work.
+    Entries with gap and q below SMALL come whole from ``small_codes``; longer codes
+    go in pieces of at most 32 bits.
     """
-    acc = np.uint64(0)  # pending bits, the newest in the low `fill` bits
-    fill = 0
-    pos = 0
+    acc = np.uint64(0)  # the newest stream bits
+    total = 0
     previous = -1
     first = -1
-    for i in range(levels.size):
-        signed = np.int64(levels[i])
-        q = abs(signed)
-        gap = i - previous
-        if gap < SMALL and q < SMALL:  # nearly always: one lookup, no branch on q == 0
-            packed = small_codes[(gap * SMALL + q) * 2 + (signed < 0)]  # q == 0: no bits
-            acc, fill, words[pos], full = put_bits(
-                acc, fill, packed & np.uint64(0xFFFFFFFF), np.int64(packed >> np.uint64(32)))
-            pos += full
-            previous = i if q else previous
-        elif q:
+    nonzero = np.empty(CODE_BLOCK, dtype=np.int64)
+    for start in range(0, levels.size, CODE_BLOCK):
+        count = 0
+        for i in range(start, min(start + CODE_BLOCK, levels.size)):
+            nonzero[count] = i
+            count += levels[i] != 0
+        if first < 0 and count:
+            first = nonzero[0]
+        for j in range(count):
+            i = nonzero[j]
+            signed = np.int64(levels[i])
+            q = abs(signed)
+            gap = i - previous
+            previous = i
+            if gap < SMALL and q < SMALL:  # nearly always: one lookup
+                packed = small_codes[(gap * SMALL + q) * 2 + (signed < 0)]
+                acc, total = append_bits(acc, total, packed & np.uint64(0xFFFFFFFF),
+                                         np.int64(packed >> np.uint64(32)), words)
+                continue
             gap_code, gap_bits = delta_code(gap)
             q_code, q_bits = delta_code(q)
             for part in range(2):  # the gap code; the sign and the q code (<= 43 bits each)
@@ -248,15 +273,10 @@ def code_chunk(levels, small_codes, words):
                 while left:
                     take = min(left, 32)
                     left -= take
-                    acc, fill, words[pos], full = put_bits(acc, fill, bits_at(code, left, take),
-                                                           take)
-                    pos += full
-            previous = i
-        if first < 0 and previous >= 0:
-            first = previous
-    if fill:  # the last partial word, zero-padded
-        words[pos] = swap32(acc << np.uint64(32 - fill))
-    return pos * 32 + fill, first, previous
+                    acc, total = append_bits(acc, total, bits_at(code, left, take), take, words)
+    if total & 31:  # the last partial word, zero-padded
+        words[total >> 5] = swap32(acc << np.uint64(32 - (total & 31)))
+    return total, first, previous
 
 
 @njit(nogil=True, cache=True)
@@ -320,13 +340,43 @@ def entry_table(max_level: int) -> np.ndarray:
     return table
 
 
+FIELD = 0xFF  # the pair table's fields are bytes
+PAIR_REACH = 128  # a pair lookup moves the index by at most this (table gaps are < 64)
+ZERO_BLOCK = 4096  # the decoder zeroes its output this many elements at a time, ahead of need
+
+
+@functools.cache
+def pair_table(max_level: int) -> np.ndarray:
+    """For each TABLE_BITS-bit prefix: the one or two whole entries it starts with,
+    packed as ``bits | gap1 << 8 | sign1 << 16 | gap2 << 24 | sign2 << 32`` with
+    ``sign = 2 * q + negative`` (an index into the signed magnitudes). With one entry,
+    gap2 = 0 and sign2 = sign1: writing the second repeats the first. 0: none fits."""
+    single = entry_table(max_level)
+    table = np.zeros(1 << TABLE_BITS, dtype=np.int64)
+    for prefix in range(1 << TABLE_BITS):
+        used, fields = 0, []
+        while len(fields) < 4:  # an entry found in the known bits is determined by them
+            entry = int(single[(prefix << used) & ((1 << TABLE_BITS) - 1)])
+            bits = entry & 0xFF
+            if not bits or used + bits > TABLE_BITS:
+                break
+            used += bits
+            fields += [(entry >> 8) & 0xFFFF, 2 * ((entry >> 24) & 0xFFFF) + (entry >> 40)]
+        if fields:
+            gap1, sign1, gap2, sign2 = fields + [0, fields[1]] if len(fields) == 2 else fields
+            table[prefix] = used | gap1 << 8 | sign1 << 16 | gap2 << 24 | sign2 << 32
+    table.setflags(write=False)
+    return table
+
+
 @njit(nogil=True, cache=True)
 def decode_entries(words, nbits, position, index, stop, sync, scale, divisor, max_level, table,
-                   magnitudes, out, marks):
+                   pairs, signed, out, marks):
     """Decode entries from bit ``position``, ``index`` being the last index written,
     into ``out`` (indices past ``out.size`` are an error), writing the zeros between
-    entries; stop at the first entry start >= ``stop``, or at one equal to a position
-    of the sorted ``sync`` (then the parse joins the one that recorded them).
+    entries; stop at an entry start >= ``stop`` (at most one entry past the first), or
+    at one equal to a position of the sorted ``sync`` (then the parse joins the one
+    that recorded them).
 
     Records the start positions and preceding indices of the first entries in the rows
     of ``marks`` (shape (2, count)). Returns (error, position, index, count): error 0 or
@@ -335,10 +385,13 @@ def decode_entries(words, nbits, position, index, stop, sync, scale, divisor, ma
     when synchronised, the index in ``sync`` + 1 (else 0).
 
     ``words`` holds the stream as native uint64 in stream order plus one zero word, so
-    the 64-bit window at any bit position is two loads. Short entries (nearly all)
-    decode by one ``table`` lookup and take ``magnitudes[q] = q * scale / divisor``
-    (for the q the table holds); the rest code by code. Every entry is checked
-    against the bits left, out.size and the largest level before it is used.
+    the 64-bit window at any bit position is two loads. While it must record or meet
+    entry starts, the parse goes entry by entry; then two entries per ``pairs`` lookup
+    where they fit (nearly always). Short entries decode by one ``table`` lookup, the
+    rest code by code; values come from ``signed[2 * q + negative] = ±q * scale /
+    divisor`` (for the q the tables hold). Every entry is checked against the bits
+    left, out.size and the largest level before it is used. The output is zeroed
+    ZERO_BLOCK elements at a time ahead of the entries, so short gaps write nothing.
     """
     n = out.size
     window = np.uint64(0)  # the stream from `position` on, left-aligned
@@ -347,21 +400,39 @@ def decode_entries(words, nbits, position, index, stop, sync, scale, divisor, ma
     k = 0  # next candidate in `sync`
     cleared = index + 1  # out[index + 1 : cleared] are zeros
     while position < nbits and position < stop:
-        if k < sync.size:
+        careful = k < sync.size or count < marks.shape[1]  # entry by entry
+        if careful:
             while k < sync.size and sync[k] < position:
                 k += 1
             if k < sync.size and sync[k] == position:
                 return 0, position, index, k + 1
-        if count < marks.shape[1]:
-            marks[0, count] = position
-            marks[1, count] = index
-            count += 1
+            if count < marks.shape[1]:
+                marks[0, count] = position
+                marks[1, count] = index
+                count += 1
         if valid < TABLE_BITS:
             word = position >> 6
             shift = np.uint64(position & 63)
             window = (words[word] << shift) | ((words[word + 1] >> np.uint64(1)) >> (
                 np.uint64(63) - shift))
             valid = 64
+        if cleared <= index + PAIR_REACH and cleared < n:
+            top = min(cleared + ZERO_BLOCK, n)
+            out[cleared:top] = 0.0
+            cleared = top
+        if not careful:
+            pair = pairs[window >> np.uint64(64 - TABLE_BITS)]
+            bits = pair & FIELD
+            middle = index + ((pair >> 8) & FIELD)
+            last = middle + ((pair >> 24) & FIELD)
+            if bits and bits <= nbits - position and last < n:
+                out[middle] = signed[(pair >> 16) & FIELD]
+                out[last] = signed[(pair >> 32) & FIELD]
+                index = last
+                position += bits
+                window <<= np.uint64(bits)
+                valid -= bits
+                continue
         entry = table[window >> np.uint64(64 - TABLE_BITS)]
         bits = entry & 0xFF
         if bits and bits <= nbits - position:
@@ -372,16 +443,7 @@ def decode_entries(words, nbits, position, index, stop, sync, scale, divisor, ma
             if q > max_level:
                 return 3, position, index, count
             index += gap
-            for zero in range(cleared, index):
-                out[zero] = 0.0
-            out[index] = -magnitudes[q] if entry >> 40 else magnitudes[q]
-            cleared = index + 1
-            if index + 4 < n:  # zero the next 4 ahead of need: short gaps then need no loop
-                out[index + 1] = 0.0
-                out[index + 2] = 0.0
-                out[index + 3] = 0.0
-                out[index + 4] = 0.0
-                cleared = index + 5
+            out[index] = signed[2 * q + (entry >> 40)]
             position += bits
             window <<= np.uint64(bits)
             valid -= bits
@@ -418,11 +480,11 @@ def decode_entries(words, nbits, position, index, stop, sync, scale, divisor, ma
         if value > np.uint64(max_level):
             return 3, position, index, count
         index += gap
-        for zero in range(cleared, index):
-            out[zero] = 0.0
+        if index >= cleared:
+            out[cleared:index] = 0.0
+            cleared = index + 1
         magnitude = np.float64(value) * scale / divisor
         out[index] = -magnitude if negative else magnitude
-        cleared = index + 1
         position = at
     return 0, position, index, count
 
@@ -435,8 +497,8 @@ RESTART_BITS = 1 << 12  # a speculative parse hitting an error this close to its
 
 
 @njit(nogil=True, cache=True)
-def speculate(words, nbits, start, stop, scale, divisor, max_level, table, magnitudes, scratch,
-              marks):
+def speculate(words, nbits, start, stop, scale, divisor, max_level, table, pairs, signed,
+              scratch, marks):
     """Decode the entries from an arbitrary bit ``start`` (not known to begin an entry)
     up to the first entry start >= ``stop``, with indices relative to an unknown
     offset, into ``scratch``; record the first entries' positions in ``marks``.
@@ -448,7 +510,7 @@ def speculate(words, nbits, start, stop, scale, divisor, max_level, table, magni
     empty = np.empty(0, dtype=np.int64)
     while True:
         result = decode_entries(words, nbits, start, -1, stop, empty, scale, divisor, max_level,
-                                table, magnitudes, scratch, marks)
+                                table, pairs, signed, scratch, marks)
         if result[0] == 0 or result[1] - start >= RESTART_BITS or start + 1 >= stop:
             return result
         start = result[1] + 1
@@ -466,6 +528,7 @@ class Dithering(Compressor):
         # q <= divisor, or one level more where float rounding puts |x| / scale above 1
         self.max_level = 2 * int(self.divisor) if natural else levels + 1
         self.table = entry_table(self.max_level)
+        self.pairs = pair_table(self.max_level)
         # per element at most: 2 bits of gap code (delta(2) = 4 bits per 2), sign, q code
         self.bits_per_element = 3 + delta_length(self.max_level)
         self.max_stream_bytes = (numel * self.bits_per_element + 7) // 8 + 8
@@ -553,15 +616,21 @@ class Dithering(Compressor):
         words = np.zeros(size // 8 + 2, dtype=np.uint64)  # a zero word past the stream
         words.view(np.uint8)[:size] = buffer[:size]
         words.byteswap(inplace=True)  # big-endian words in stream order -> native
-        # q * scale / divisor for the levels the table decodes, rounded as in the kernel
-        magnitudes = np.arange(min(self.max_level, TABLE_MAX_Q) + 1.0) * scale / self.divisor
         values = target.numpy()
-        index = self.decode(words, nbits, (scale, self.divisor, self.max_level, self.table,
-                                           magnitudes), values)
+        index = self.decode(words, nbits, self.decode_args(scale), values)
         values[index + 1 :] = 0.0
         if target is not out:
             out.copy_(target)
         return out
+
+    def decode_args(self, scale: float) -> tuple:
+        """The decode kernels' arguments from ``scale`` to ``signed``: the tables and
+        ``signed[2 * q + negative] = ±q * scale / divisor`` for the levels they decode,
+        rounded as in the kernel's code-by-code path."""
+        magnitudes = np.arange(min(self.max_level, TABLE_MAX_Q) + 1.0) * scale / self.divisor
+        signed = np.repeat(magnitudes, 2)
+        signed[1::2] *= -1.0
+        return scale, self.divisor, self.max_level, self.table, self.pairs, signed
 
     def decode(self, words: np.ndarray, nbits: int, args: tuple, values: np.ndarray) -> int:
         """Decode the stream into ``values`` up to its last entry; returns that index.
@@ -607,8 +676,8 @@ class Dithering(Compressor):
                 error = 2  # where the sequential parse would stop: the rest is valid
                 break
             start = marks[1, met - 1] + 1
-            values[index + 1 : guess_index + offset + 1] = self.buffers[f"scratch{lo}"][
-                start : guess_index + 1]
+            copy_chunks(values[index + 1 : guess_index + offset + 1],
+                        self.buffers[f"scratch{lo}"][start : guess_index + 1])
             position, index = end, guess_index + offset
         if error:
             raise self.bad_payload(ERRORS[error])

@@ -13,6 +13,8 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
+
 MIN_CHUNK = 1 << 20  # elements: below this, thread hand-off costs more than it saves
 ALIGN = 32  # chunk bounds are multiples of 32 elements (one onebit word)
 THREADS = max(1, min(8, os.cpu_count() or 1))
@@ -39,3 +41,9 @@ def run_chunks(kernel: Callable, bounds: list[tuple[int, int]]) -> list:
     futures = [_pool.submit(kernel, lo, hi) for lo, hi in bounds[1:]]
     first = kernel(*bounds[0])
     return [first] + [f.result() for f in futures]
+
+
+def copy_chunks(dst: np.ndarray, src: np.ndarray) -> None:
+    """``dst[:] = src`` in chunks on several threads (numpy releases the GIL while it
+    copies): one core moves memory at well below the machine's bandwidth."""
+    run_chunks(lambda lo, hi: np.copyto(dst[lo:hi], src[lo:hi]), chunk_bounds(dst.size))

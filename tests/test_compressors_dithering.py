@@ -110,8 +110,7 @@ def test_speculation_from_every_bit_offset(small_chunks):
     words.view(np.uint8)[: len(payload) - 16] = payload[:-16]
     words.byteswap(inplace=True)
     scale = float(payload[-8:].view("<f8")[0])
-    args = (scale, c.divisor, c.max_level, c.table,
-            np.arange(c.max_level + 1.0) * scale / c.divisor)
+    args = c.decode_args(scale)
     truth = np.zeros(numel, np.float32)
     error, _, last, _ = dithering.decode_entries(words, nbits, 0, -1, nbits, dithering.NO_SYNC,
                                                  *args, truth, dithering.NO_MARKS)

@@ -86,6 +86,15 @@ def test_dithering_stream_errors():
     with pytest.raises(ValueError, match="Elias"):  # 40 zeros: a code longer than 32 bits
         c.decompress(payload("0" * 40))
 
+    # two entries that one pair lookup would take: the second is checked like the first
+    assert c.decompress(payload("101" + "0100" + "1" + "1")).tolist() == [0.25, 0, -0.25, 0]
+    with pytest.raises(ValueError, match="past numel"):  # index 0, then gap 4 -> index 4
+        c.decompress(payload("101" + "01100" + "0" + "1"))
+    with pytest.raises(ValueError, match="inside an entry|Elias"):  # ends in the second
+        c.decompress(payload("101" + "0100" + "0"))
+    with pytest.raises(ValueError, match="largest level"):  # second q = 6
+        c.decompress(payload("101" + "1" + "0" + "01110"))
+
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(name=st.sampled_from(list(PARAMS)), data=st.data())
