@@ -613,7 +613,8 @@ class Dithering(Compressor):
         out = self.output(out)
         target = out if self.dtype in KERNEL_FLOAT_DTYPES else torch.empty(
             self.numel, dtype=torch.float32)
-        words = np.zeros(size // 8 + 2, dtype=np.uint64)  # a zero word past the stream
+        words = self.buffer("words", self.max_stream_bytes // 8 + 2, np.uint64)[: size // 8 + 2]
+        words[-2:] = 0  # the stream's last partial word is zero-padded; a zero word past it
         words.view(np.uint8)[:size] = buffer[:size]
         words.byteswap(inplace=True)  # big-endian words in stream order -> native
         values = target.numpy()
