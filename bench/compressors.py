@@ -1,6 +1,7 @@
 """Compressor throughput: bps's numba kernels vs plain torch vs memory copy.
 
     .venv/bin/python bench/compressors.py            # 16M float32 elements, ~2-4 minutes
+    .venv/bin/python bench/compressors.py --only dithering --torch-runs 0   # one, no baseline
 
 For each compressor: median time of compress and of decompress (into a preallocated
 output, as the server and engine do) after warm-up; throughput = input bytes /
@@ -188,7 +189,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--numel", type=int, default=16 * 2**20)
     parser.add_argument("--runs", type=int, default=7)
-    parser.add_argument("--torch-runs", type=int, default=3)
+    parser.add_argument("--torch-runs", type=int, default=3, help="0: skip the torch baselines")
+    parser.add_argument("--only", help="run only the compressors whose name starts with this "
+                        "(e.g. dithering), for A/B runs against another commit")
     args = parser.parse_args()
     n = args.numel - args.numel % 32
     x = torch.randn(n, generator=torch.Generator().manual_seed(0))
@@ -211,14 +214,18 @@ def main() -> None:
     print("| compressor | compress ms | decompress ms | GB/s | x copy | torch GB/s | x torch "
           "| compression ratio |")
     print("|---|---|---|---|---|---|---|---|")
+    cases = [case for case in cases if not args.only or case[0].startswith(args.only)]
     for name, params, baseline in cases:
         chain = build(params, n)
         t_c, t_d, payload = measure(chain, x, out, args.runs)
-        b_c, b_d, _ = measure(baseline, x, out, args.torch_runs)
         gbs = nbytes / (t_c + t_d) / 1e9
-        torch_gbs = nbytes / (b_c + b_d) / 1e9
+        versus_torch = "| - | - "  # --torch-runs 0: no baseline
+        if args.torch_runs:
+            b_c, b_d, _ = measure(baseline, x, out, args.torch_runs)
+            torch_gbs = nbytes / (b_c + b_d) / 1e9
+            versus_torch = f"| {torch_gbs:.3f} | {gbs / torch_gbs:.1f} "
         print(f"| {name} | {t_c * 1e3:.1f} | {t_d * 1e3:.1f} | {gbs:.2f} | {gbs / copy_gbs:.2f} "
-              f"| {torch_gbs:.3f} | {gbs / torch_gbs:.1f} "
+              f"{versus_torch}"
               f"| {nbytes / payload_nbytes(payload):.1f} |",
               flush=True)
     print(f"\nload average at the end: {os.getloadavg()[0]:.1f}")
