@@ -163,3 +163,34 @@ def test_corrupted_payloads_fail_like_the_sequential_decoder(small_chunks, name)
             np.testing.assert_array_equal(results[0], results[1])
             outcomes.add("ok")
     assert len(outcomes) >= 3
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.parametrize("s", [4, 127])
+def test_block_bounds_of_the_coder_and_the_decoder(monkeypatch, chunked, s):
+    """Past the coder's CODE_BLOCK and the decoder's ZERO_BLOCK (numba freezes both, so
+    the input is made large enough): nonzeros on and around the bounds, a gap across
+    a whole zero block, and a stretch whose table lookups move 40 elements each (the
+    decoder must have zeroed that far ahead)."""
+    numel = 4 * dithering.ZERO_BLOCK + 123
+    gen = np.random.default_rng(s)
+    x = gen.standard_normal(numel).astype(np.float32)
+    x[gen.random(numel) < 0.5] = 0.0
+    block, zero = dithering.CODE_BLOCK, dithering.ZERO_BLOCK
+    x[block - 40 : block + 90] = 0.0  # a gap across a coder bound
+    x[zero - 5 : 2 * zero + 300] = 0.0  # a gap over a whole zero block
+    x[[block - 1, block, 2 * block - 1, zero - 1, 2 * zero + 300]] = [2.0, -2.0, 1.0, -1.5, 9.0]
+    x[2 * zero + 301 :] = 0.0
+    x[2 * zero + 340 :: 40] = 9.0 / 4  # q = 1 exactly for s = 4: 12-bit entries 40 apart
+    if chunked:
+        monkeypatch.setattr(threads, "MIN_CHUNK", 2048)
+        monkeypatch.setattr(threads, "THREADS", 4)
+        monkeypatch.setattr(dithering, "MIN_SPLIT_BITS", 64)
+    c = build({"compressor": "dithering", "k": s, "seed": 11}, numel)
+    assert (len(c.bounds) > 1) == chunked
+    rng = ref.XorShift128Plus(11)
+    payload = c.compress(torch.from_numpy(x)).numpy().tobytes()
+    assert payload == ref.dithering_encode(x.astype(np.float64), s, "linear", "max", rng)
+    decoded = ref.round_to(ref.dithering_decode(payload, numel, s, "linear"), "float32")
+    out = torch.full((numel,), 9.0)
+    np.testing.assert_array_equal(c.decompress(payload, out=out).numpy(), decoded)
