@@ -195,20 +195,6 @@ def swap32(value):
 
 
 @njit(nogil=True, cache=True)
-def put_bits(acc, fill, code, nbits):
-    """Append ``nbits`` (<= 32) bits of ``code`` to the ``fill`` (< 32) pending bits.
-
-    Returns (acc, fill, word, full): ``word`` is the oldest 32 pending bits in stream
-    byte order, to be stored at the current word unconditionally (garbage, overwritten
-    later, unless ``full``); when ``full`` the caller moves to the next word. No branch."""
-    acc = (acc << np.uint64(nbits)) | code
-    fill += nbits
-    word = swap32(acc >> np.uint64((fill - 32) & 63))
-    full = fill >= 32
-    return acc, fill - 32 * full, word, full
-
-
-@njit(nogil=True, cache=True)
 def bits_at(code, low, count):
     """``count`` (<= 32) bits of ``code`` above its ``low`` lowest ones."""
     return (code >> np.uint64(low)) & ((np.uint64(1) << np.uint64(count)) - np.uint64(1))
@@ -225,6 +211,24 @@ def append_bits(acc, total, code, nbits, words):
     total += nbits
     words[np.uint64(max((total >> 5) - 1, 0))] = swap32(acc >> np.uint64(total & 31))
     return acc, total
+
+
+@njit(nogil=True, cache=True)
+def append_code(acc, total, code, nbits, words):
+    """``append_bits`` for a code of up to 64 bits, in pieces of at most 32."""
+    while nbits:
+        take = min(nbits, 32)
+        nbits -= take
+        acc, total = append_bits(acc, total, bits_at(code, nbits, take), take, words)
+    return acc, total
+
+
+@njit(nogil=True, cache=True)
+def flush_bits(acc, total, words):
+    """Store the last partial word, zero-padded; returns ``total``."""
+    if total & 31:
+        words[total >> 5] = swap32(acc << np.uint64(32 - (total & 31)))
+    return total
 
 
 CODE_BLOCK = 2048  # levels scanned for nonzeros before their entries are coded
@@ -267,17 +271,10 @@ def code_chunk(levels, small_codes, words):
                 continue
             gap_code, gap_bits = delta_code(gap)
             q_code, q_bits = delta_code(q)
-            for part in range(2):  # the gap code; the sign and the q code (<= 43 bits each)
-                code = gap_code if part == 0 else (
-                    np.uint64(signed < 0) << np.uint64(q_bits)) | q_code
-                left = gap_bits if part == 0 else q_bits + 1
-                while left:
-                    take = min(left, 32)
-                    left -= take
-                    acc, total = append_bits(acc, total, bits_at(code, left, take), take, words)
-    if total & 31:  # the last partial word, zero-padded
-        words[total >> 5] = swap32(acc << np.uint64(32 - (total & 31)))
-    return total, first, previous
+            acc, total = append_code(acc, total, gap_code, gap_bits, words)
+            acc, total = append_code(acc, total, (np.uint64(signed < 0) << np.uint64(q_bits))
+                                     | q_code, q_bits + 1, words)
+    return flush_bits(acc, total, words), first, previous
 
 
 @njit(nogil=True, cache=True)
@@ -297,24 +294,18 @@ def splice_chunk(dst, dst_bit, gap, src, src_bit, nbits):
     pos = dst_bit >> 5
     fill = dst_bit & 31
     acc = np.uint64(swap32(dst[pos])) >> np.uint64(32 - fill) if fill else np.uint64(0)
-    code, left = delta_code(gap)
-    while left:
-        take = min(left, 32)
-        left -= take
-        acc, fill, dst[pos], full = put_bits(acc, fill, bits_at(code, left, take), take)
-        pos += full
+    if pos:  # append_bits restores the last complete word from acc, so acc must hold it
+        acc |= np.uint64(swap32(dst[pos - 1])) << np.uint64(fill)
+    code, length = delta_code(gap)
+    acc, total = append_code(acc, dst_bit, code, length, dst)
     end = src_bit + nbits
     for at in range(src_bit, end - 31, 32):
-        acc, fill, dst[pos], full = put_bits(acc, fill, read32(src, at), 32)
-        pos += full
+        acc, total = append_bits(acc, total, read32(src, at), 32, dst)
     left = (end - src_bit) & 31
     if left:
-        acc, fill, dst[pos], full = put_bits(acc, fill, bits_at(read32(src, end - left), 32 - left,
-                                                                left), left)
-        pos += full
-    if fill:
-        dst[pos] = swap32(acc << np.uint64(32 - fill))
-    return pos * 32 + fill
+        acc, total = append_bits(acc, total, bits_at(read32(src, end - left), 32 - left, left),
+                                 left, dst)
+    return flush_bits(acc, total, dst)
 
 
 TABLE_BITS = 12  # entries whose whole code fits in this many bits decode by one lookup
