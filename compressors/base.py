@@ -98,7 +98,8 @@ class Compressor:
     Subclasses implement :meth:`compress` and :meth:`decompress`; state-free compressors
     keep the default ``set_lr``/``state_dict``/``load_state_dict``. A compressor may add
     ``fast_update_error(corrected, payload)``: subtract ``decompress(payload)`` from
-    ``corrected`` in place, faster than decoding (error feedback uses it). The payload
+    ``corrected`` in place, faster than decoding (error feedback uses it); and may
+    override ``decompress_add`` (see there). The payload
     must not share memory with ``x``: the chain decorators reuse their buffers, so ``x``
     is overwritten by the next step (error feedback even updates it in place right after).
 
@@ -124,6 +125,23 @@ class Compressor:
     def decompress(self, payload: Payload, out: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
 
+    def decompress_add(self, payload: Payload, total: torch.Tensor,
+                       scratch: torch.Tensor | None = None) -> torch.Tensor:
+        """``total += decompress(payload)`` (``total``: a contiguous 1-D CPU tensor of
+        numel elements in the compressor's dtype); returns ``total``. A server sums its
+        pushes this way. This default decodes into ``scratch`` (reused if given) and adds;
+        sparse and sign compressors add in place without decoding.
+
+        Example::
+
+            >>> import torch
+            >>> from bps.compressors.topk import TopK
+            >>> c, total = TopK(numel=3, k=1), torch.ones(3)
+            >>> c.decompress_add(c.compress(torch.tensor([0.0, -2.0, 1.0])), total)
+            tensor([ 1., -1.,  1.])
+        """
+        return self.output(total, "total").add_(self.decompress(payload, scratch))
+
     def set_lr(self, lr: float) -> None:
         """Learning rate of the current step (used by error feedback)."""
 
@@ -148,7 +166,7 @@ class Compressor:
             raise ValueError(f"compress expects a CPU tensor, got {x.device}")
         return x.contiguous()
 
-    def output(self, out: torch.Tensor | None) -> torch.Tensor:
+    def output(self, out: torch.Tensor | None, name: str = "out") -> torch.Tensor:
         if out is None:
             return torch.empty(self.numel, dtype=self.dtype)
         if (
@@ -160,11 +178,19 @@ class Compressor:
             or not out.is_contiguous()
         ):
             raise ValueError(
-                f"out must be a contiguous 1-D CPU {self.dtype} tensor of {self.numel} "
+                f"{name} must be a contiguous 1-D CPU {self.dtype} tensor of {self.numel} "
                 f"elements, got {getattr(out, 'dtype', type(out).__name__)} "
                 f"with shape {tuple(getattr(out, 'shape', ()))}"
             )
         return out
+
+    def staging(self) -> np.ndarray:
+        """An all-zero float32/float64 array of numel elements, made on first use, for
+        ``sparse.add_last_values`` (which leaves it all zero again)."""
+        staging = getattr(self, "_staging", None)
+        if staging is None:
+            staging = self._staging = torch.zeros(self.numel, dtype=self.dtype).numpy()
+        return staging
 
     def bad_payload(self, what: str) -> ValueError:
         return ValueError(f"{type(self).__name__} payload for numel={self.numel}, "
@@ -173,6 +199,16 @@ class Compressor:
     def check_size(self, payload: np.ndarray, expected: int) -> None:
         if payload.size != expected:
             raise self.bad_payload(f"{payload.size} bytes, expected exactly {expected}")
+
+
+def add_decompressed(compressor: object, payload: Payload, total: torch.Tensor,
+                     scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """``compressor.decompress_add(payload, total, scratch)``, or decode and add for a
+    registered compressor that has no ``decompress_add``."""
+    method = getattr(compressor, "decompress_add", None)
+    if method is not None:
+        return method(payload, total, scratch)
+    return total.add_(compressor.decompress(payload, scratch))
 
 
 def check_state_keys(owner: object, state: dict, keys: tuple) -> None:

@@ -18,11 +18,20 @@ Example::
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
+import numpy as np
 import torch
 from numba import njit
 
-from .base import KERNEL_FLOAT_DTYPES, Compressor, Payload, check_state_keys, load_buffer
+from .base import (
+    KERNEL_FLOAT_DTYPES,
+    Compressor,
+    Payload,
+    add_decompressed,
+    check_state_keys,
+    load_buffer,
+)
 
 
 @njit(nogil=True, cache=True)
@@ -57,13 +66,36 @@ class ErrorFeedback(Compressor):
 
     def compress(self, x: torch.Tensor) -> torch.Tensor:
         x = self.check_input(x)
-        ratio = self.ratio
-        if self.dtype in KERNEL_FLOAT_DTYPES:  # g' is built in the error buffer
+        if self.dtype in KERNEL_FLOAT_DTYPES:
             array = x.numpy()
-            corrected = self.error
-            add_scaled_error(array, array.dtype.type(ratio), corrected.numpy())
-        else:  # float16/bfloat16: torch rounds each op
-            corrected = x + self.error if ratio == 1.0 else x + ratio * self.error
+            return self.compress_corrected(
+                lambda error, ratio: add_scaled_error(array, array.dtype.type(ratio), error))
+        # float16/bfloat16: torch rounds each op
+        ratio = self.ratio
+        return self._send(x + self.error if ratio == 1.0 else x + ratio * self.error)
+
+    def compress_corrected(self, build: Callable[[np.ndarray, float], None]) -> torch.Tensor:
+        """Compress ``g'`` that ``build(error, ratio)`` writes over the error buffer
+        (a float32/float64 array holding ``e``), as ``g + ratio * e``. The decorator
+        before this one (Nesterov momentum) builds ``g'`` in its own pass this way.
+
+        Example::
+
+            >>> import numpy as np, torch
+            >>> from bps.compressors.topk import TopK
+            >>> chain = ErrorFeedback(TopK(numel=2, k=1))
+            >>> g = np.array([1.0, 0.5], dtype=np.float32)
+            >>> payload = chain.compress_corrected(lambda e, ratio: np.add(g, ratio * e, out=e))
+            >>> chain.error
+            tensor([0.0000, 0.5000])
+        """
+        if self.dtype not in KERNEL_FLOAT_DTYPES:
+            raise TypeError(f"compress_corrected needs a float32/float64 chain, not {self.dtype}")
+        build(self.error.numpy(), self.ratio)
+        return self._send(self.error)
+
+    def _send(self, corrected: torch.Tensor) -> torch.Tensor:
+        """Compress ``corrected`` and keep what it did not send as the next error."""
         payload = self.inner.compress(corrected)
         update = getattr(self.inner, "fast_update_error", None)
         if update is not None:
@@ -75,6 +107,10 @@ class ErrorFeedback(Compressor):
 
     def decompress(self, payload: Payload, out: torch.Tensor | None = None) -> torch.Tensor:
         return self.inner.decompress(payload, out)
+
+    def decompress_add(self, payload: Payload, total: torch.Tensor,
+                       scratch: torch.Tensor | None = None) -> torch.Tensor:
+        return add_decompressed(self.inner, payload, total, scratch)
 
     def state_dict(self) -> dict:
         return {

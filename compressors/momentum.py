@@ -17,7 +17,14 @@ from __future__ import annotations
 import torch
 from numba import njit
 
-from .base import KERNEL_FLOAT_DTYPES, Compressor, Payload, check_state_keys, load_buffer
+from .base import (
+    KERNEL_FLOAT_DTYPES,
+    Compressor,
+    Payload,
+    add_decompressed,
+    check_state_keys,
+    load_buffer,
+)
 
 
 @njit(nogil=True, cache=True)
@@ -30,6 +37,17 @@ def nesterov_step(grad, momentum, mu, lookahead):
         lookahead[i] = grad[i] + mu * m
 
 
+@njit(nogil=True, cache=True)
+def nesterov_step_corrected(grad, momentum, mu, ratio, error):
+    """nesterov_step with error feedback's ``g' = lookahead + ratio * error`` written over
+    ``error`` in the same pass (one pass less, no lookahead array); rounded as the two
+    separate kernels round."""
+    for i in range(grad.size):
+        m = momentum[i] * mu + grad[i]
+        momentum[i] = m
+        error[i] = (grad[i] + mu * m) + ratio * error[i]
+
+
 class Momentum(Compressor):
     """Applies Nesterov momentum to the gradient, then the inner chain."""
 
@@ -40,25 +58,32 @@ class Momentum(Compressor):
         self.inner = inner
         self.mu = float(mu)
         self.momentum = torch.zeros(inner.numel, dtype=inner.dtype)
-        # g' for the inner chain, rewritten by every compress (float32/float64)
-        self.lookahead = torch.empty(inner.numel, dtype=inner.dtype) if (
-            self.dtype in KERNEL_FLOAT_DTYPES) else None
+        self.lookahead: torch.Tensor | None = None  # g' when the inner chain takes a tensor
 
     def set_lr(self, lr: float) -> None:
         self.inner.set_lr(lr)
 
     def compress(self, x: torch.Tensor) -> torch.Tensor:
         x = self.check_input(x)
-        if self.lookahead is not None:
-            array = x.numpy()
-            nesterov_step(array, self.momentum.numpy(), array.dtype.type(self.mu),
-                          self.lookahead.numpy())
-            return self.inner.compress(self.lookahead)
-        self.momentum.mul_(self.mu).add_(x)  # float16/bfloat16: torch rounds each op
-        return self.inner.compress(x + self.mu * self.momentum)
+        if self.dtype not in KERNEL_FLOAT_DTYPES:  # float16/bfloat16: torch rounds each op
+            self.momentum.mul_(self.mu).add_(x)
+            return self.inner.compress(x + self.mu * self.momentum)
+        grad, momentum = x.numpy(), self.momentum.numpy()
+        mu = grad.dtype.type(self.mu)
+        if hasattr(self.inner, "compress_corrected"):  # error feedback: one pass for both
+            return self.inner.compress_corrected(lambda error, ratio: nesterov_step_corrected(
+                grad, momentum, mu, grad.dtype.type(ratio), error))
+        if self.lookahead is None:
+            self.lookahead = torch.empty(self.numel, dtype=self.dtype)
+        nesterov_step(grad, momentum, mu, self.lookahead.numpy())
+        return self.inner.compress(self.lookahead)
 
     def decompress(self, payload: Payload, out: torch.Tensor | None = None) -> torch.Tensor:
         return self.inner.decompress(payload, out)
+
+    def decompress_add(self, payload: Payload, total: torch.Tensor,
+                       scratch: torch.Tensor | None = None) -> torch.Tensor:
+        return add_decompressed(self.inner, payload, total, scratch)
 
     def state_dict(self) -> dict:
         return {"momentum": self.momentum.clone(), "inner": self.inner.state_dict()}

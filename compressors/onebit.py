@@ -128,6 +128,16 @@ class OneBit(Compressor):
         )
         return out
 
+    def decompress_add(self, payload: Payload, total: torch.Tensor,
+                       scratch: torch.Tensor | None = None) -> torch.Tensor:
+        """``total += decompress(payload)`` in one pass, without decoding."""
+        if self.dtype not in KERNEL_FLOAT_DTYPES:
+            return super().decompress_add(payload, total, scratch)
+        words, scale = self._parse(payload)
+        array = self.output(total, "total").numpy()
+        subtract_signs(array, words, -array.dtype.type(scale))  # adds -scale / +scale
+        return total
+
     def fast_update_error(self, corrected: torch.Tensor, payload: Payload) -> torch.Tensor:
         """corrected -= decompress(payload), in one pass for float32/float64."""
         if self.dtype not in KERNEL_FLOAT_DTYPES:

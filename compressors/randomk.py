@@ -23,8 +23,17 @@ import numpy as np
 import torch
 from numba import njit
 
-from .base import Compressor, Payload, bit_view, payload_bytes, sub_array
+from .base import (
+    KERNEL_FLOAT_DTYPES,
+    Compressor,
+    Payload,
+    bit_view,
+    float_view,
+    payload_bytes,
+    sub_array,
+)
 from .rng import load_state_list, new_state, state_list, xorshift_step
+from .sparse import add_last_values
 
 BLOCK = 4096  # indices drawn ahead of the memory accesses that use them
 
@@ -111,6 +120,18 @@ class RandomK(Compressor):
         out.zero_()
         scatter_random(state, values, bit_view(out))
         return out
+
+    def decompress_add(self, payload: Payload, total: torch.Tensor,
+                       scratch: torch.Tensor | None = None) -> torch.Tensor:
+        """``total += decompress(payload)`` touching only the drawn elements."""
+        if self.dtype not in KERNEL_FLOAT_DTYPES:
+            return super().decompress_add(payload, total, scratch)
+        state, values = self._parse(payload)
+        target = float_view(self.output(total, "total"))
+        indices = np.empty(self.k, dtype=np.uint64)
+        draw_indices(state, self.numel, indices)
+        add_last_values(indices, values.view(target.dtype), self.staging(), target)
+        return total
 
     def fast_update_error(self, corrected: torch.Tensor, payload: Payload) -> torch.Tensor:
         """corrected -= decompress(payload): the drawn entries become 0, the rest stay."""

@@ -37,6 +37,7 @@ from .base import (
     payload_bytes,
     sub_array,
 )
+from .sparse import add_last_values
 from .threads import chunk_bounds, run_chunks
 
 SAMPLE = 16384  # strided sample size for the threshold estimate
@@ -243,6 +244,16 @@ class TopK(Compressor):
         out.zero_()
         scatter(indices, values, bit_view(out))
         return out
+
+    def decompress_add(self, payload: Payload, total: torch.Tensor,
+                       scratch: torch.Tensor | None = None) -> torch.Tensor:
+        """``total += decompress(payload)`` touching only the k indexed elements."""
+        if self.dtype not in KERNEL_FLOAT_DTYPES:
+            return super().decompress_add(payload, total, scratch)
+        indices, values = self._parse(payload)
+        target = float_view(self.output(total, "total"))
+        add_last_values(indices, values.view(target.dtype), self.staging(), target)
+        return total
 
     def fast_update_error(self, corrected: torch.Tensor, payload: Payload) -> torch.Tensor:
         """corrected -= decompress(payload): the sent entries become 0, the rest stay."""

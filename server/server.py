@@ -35,6 +35,7 @@ import msgpack
 import torch
 import zmq
 
+from bps.compressors.base import add_decompressed
 from bps.env import ClusterEnv
 from bps.memory import keep_buffers_in_heap
 from bps.protocol import (
@@ -86,6 +87,17 @@ class _Key:
     last_payload: torch.Tensor | None = None
     scratch: torch.Tensor | None = None  # a push widened for the sum, reused every step
     decoded: torch.Tensor | None = None  # a compressed push decoded for the sum, reused
+    spare: list[torch.Tensor] = field(default_factory=list)  # sums of finished steps
+
+    def sums_in_place(self) -> bool:
+        """Compressed pushes are summed in the key's own dtype (decoded into a reused
+        buffer, then added with ``decompress_add``)."""
+        return self.chain is not None and self.accumulate_dtype(2 ** 31) == self.dtype
+
+    def spare_sum(self) -> torch.Tensor:
+        """A buffer for a step's sum: one a finished step gave back, or a new one (a new
+        tensor every step would cost a page fault per 4 KiB)."""
+        return self.spare.pop() if self.spare else torch.empty(self.numel, dtype=self.dtype)
 
     def accumulate_dtype(self, terms: int) -> torch.dtype:
         """float32 (float64 for float64 keys); with at most two terms the key's own dtype,
@@ -98,6 +110,12 @@ class _Key:
     def describe(self) -> str:
         return (f"numel={self.numel}, dtype={dtype_name(self.dtype)}, "
                 f"params={self.params}")
+
+
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether a payload still refers to the sum it was compressed from (a registered
+    compressor may return a view of its input)."""
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _as_bytes(tensor: torch.Tensor) -> memoryview:
@@ -194,9 +212,10 @@ class _KeyEngine(threading.Thread):
         self.keys[key] = _Key(key, numel, dtype, params, name, header["node"], chain)
 
     def _decode(self, state: _Key, header: dict, payload: zmq.Frame,
-                out: torch.Tensor | None = None) -> torch.Tensor:
-        """The push's values: a view of the frame (raw keys) or decoded into ``out``
-        (a new tensor if None)."""
+                out: torch.Tensor | None = None,
+                add_to: torch.Tensor | None = None) -> torch.Tensor:
+        """The push's values: a view of the frame (raw keys), or decoded into ``out`` (a
+        new tensor if None), or with ``add_to``: decoded and added to it in place."""
         itemsize = state.dtype.itemsize
         if state.chain is None:
             if header["nbytes"] != state.numel * itemsize:
@@ -209,7 +228,12 @@ class _KeyEngine(threading.Thread):
                                f"{header['nbytes']} bytes is larger than any encoding")
         data = torch.frombuffer(payload.buffer, dtype=torch.uint8)
         try:
-            values = state.chain.decompress(data, out)
+            if add_to is not None:
+                if state.decoded is None:
+                    state.decoded = torch.empty(state.numel, dtype=state.dtype)
+                values = add_decompressed(state.chain, data, add_to, state.decoded)
+            else:
+                values = state.chain.decompress(data, out)
         except Exception as exc:
             raise RequestError(f"key {state.key} ({state.name!r}): cannot decode payload: "
                                f"{type(exc).__name__}: {exc}") from None
@@ -240,26 +264,31 @@ class _KeyEngine(threading.Thread):
         if header["lr"] < 0:
             raise RequestError(f"{where}: field 'lr'={header['lr']} is negative")
         pending = state.steps.get(step)
-        out = None  # the step's first push decodes into a new tensor that becomes its sum
-        if state.chain is not None and pending is not None and pending.total is not None:
-            if state.decoded is None:
-                state.decoded = torch.empty(state.numel, dtype=state.dtype)
-            out = state.decoded
-        values = self._decode(state, header, payload, out)
-        self._check_step(state, step)
-        if pending is not None and node in pending.pushed:
-            raise RequestError(f"{where}: worker {node} pushed step {step} twice")
-        pending = state.steps.setdefault(step, _Step())
-        if pending.total is None:
-            # the first push (a raw frame, or a newly decoded tensor) becomes the sum
-            pending.total = values.to(state.accumulate_dtype(self.server.num_workers))
-            pending.lr = float(header["lr"])
-        elif values.dtype == pending.total.dtype:
-            pending.total.add_(values)
-        else:  # widen first: torch's mixed-dtype add_ is ~4x slower than a copy plus add_
-            if state.scratch is None:
-                state.scratch = torch.empty(state.numel, dtype=pending.total.dtype)
-            pending.total.add_(state.scratch.copy_(values))
+        if pending is not None and pending.total is not None and state.sums_in_place():
+            # later compressed pushes add into the sum directly (checked before, as the
+            # sum changes): a sparse payload touches only its k elements
+            self._check_step(state, step)
+            if node in pending.pushed:
+                raise RequestError(f"{where}: worker {node} pushed step {step} twice")
+            self._decode(state, header, payload, add_to=pending.total)
+        else:
+            # the step's first push becomes its sum: a compressed one is decoded into a
+            # reused buffer, a raw one is the frame itself (or its widened copy)
+            out = state.spare_sum() if state.sums_in_place() else None
+            values = self._decode(state, header, payload, out)
+            self._check_step(state, step)
+            if pending is not None and node in pending.pushed:
+                raise RequestError(f"{where}: worker {node} pushed step {step} twice")
+            pending = state.steps.setdefault(step, _Step())
+            if pending.total is None:
+                pending.total = values.to(state.accumulate_dtype(self.server.num_workers))
+                pending.lr = float(header["lr"])
+            elif values.dtype == pending.total.dtype:
+                pending.total.add_(values)
+            else:  # widen first: torch's mixed-dtype add_ is ~4x slower than copy + add_
+                if state.scratch is None:
+                    state.scratch = torch.empty(state.numel, dtype=pending.total.dtype)
+                pending.total.add_(state.scratch.copy_(values))
         pending.pushed.add(node)
         pending.waiters.append((ident, header["rid"]))
         self._reply(ident, encode(Op.ACK, rid=header["rid"]))
@@ -283,7 +312,9 @@ class _KeyEngine(threading.Thread):
             if state.chain is not None:
                 if pending.lr > 0:
                     state.chain.set_lr(pending.lr)
-                total = state.chain.compress(total)
+                summed, total = total, state.chain.compress(total)
+                if state.sums_in_place() and not _shares_memory(summed, total):
+                    state.spare.append(summed)
             del state.steps[step]
             state.last_step, state.last_payload = step, total
             self._send_data(state, step, pending.waiters)

@@ -87,6 +87,22 @@ def test_chain_matches_reference_over_steps_with_changing_lr(params, dtype, role
         np.testing.assert_array_equal(as_values(error), mine.error, err_msg=f"step {step}")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_momentum_without_error_feedback_matches_reference(dtype):
+    # with error feedback, Nesterov's pass also builds g' (the test above); without it
+    # the inner compressor gets the lookahead tensor
+    params = {"compressor": "topk", "k": 0.1}
+    chain = build(dict(params, momentum="nesterov", mu=0.9), 40, ref.TORCH_DTYPE[dtype])
+    assert isinstance(chain, Momentum) and not isinstance(chain.inner, ErrorFeedback)
+    encode, decode = ref_codec(params, 40, dtype)
+    mine = ref.RefChain(encode, decode, 40, dtype, ef=False, mu=0.9)
+    for step, lr in enumerate(LRS):
+        x = sample(40, dtype, seed=200 + step, distinct=True)
+        chain.set_lr(lr)
+        assert payload_of(chain.compress(x)) == mine.compress(as_values(x)), f"step {step}"
+        np.testing.assert_array_equal(as_values(chain.momentum), mine.momentum)
+
+
 def test_error_feedback_lr_ratio_rule():
     chain = build({"compressor": "topk", "k": 1, "ef": "vanilla"}, 2)
     assert chain.ratio == 1.0
@@ -195,7 +211,8 @@ def test_register_validates():
 MODULES = ["bps.config", "bps.compressors", "bps.compressors.onebit", "bps.compressors.topk",
            "bps.compressors.randomk", "bps.compressors.dithering", "bps.compressors.rng",
            "bps.compressors.error_feedback", "bps.compressors.momentum",
-           "bps.compressors.registry", "bps.compressors.wire", "bps.compressors.base"]
+           "bps.compressors.registry", "bps.compressors.wire", "bps.compressors.base",
+           "bps.compressors.sparse"]
 
 
 @pytest.mark.parametrize("module", MODULES)

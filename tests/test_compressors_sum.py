@@ -1,0 +1,172 @@
+"""Summing pushes without decoding them: ``decompress_add`` against the reference
+decoders, and a server key engine summing real pushes in place (duplicate and
+malformed pushes must leave the sum untouched)."""
+
+import struct
+
+import numpy as np
+import pytest
+import torch
+import zmq
+
+from bps.compressors import build
+from bps.compressors.base import add_decompressed
+from bps.env import ClusterEnv
+from bps.protocol import Op, decode, encode
+from bps.server.server import ParameterServer, RequestError, _KeyEngine
+from tests import reference_compressors as ref
+from tests.test_compressors import DTYPES, as_values, sample
+from tests.test_compressors_chain import ref_codec
+
+SUM_PARAMS = [
+    {"compressor": "onebit", "scaling": True},
+    {"compressor": "onebit"},
+    {"compressor": "topk", "k": 5},
+    {"compressor": "randomk", "k": 300, "seed": 9},  # 300 draws from 97: many repeats
+    {"compressor": "dithering", "k": 4, "seed": 5},
+]
+
+
+def expected_sum(total: torch.Tensor, decoded: np.ndarray, dtype: str) -> np.ndarray:
+    """``total + decoded`` rounded once to dtype (float64 holds either sum exactly enough:
+    53 >= 2 * 24 + 2 bits, so rounding twice is the same as rounding once)."""
+    return ref.round_to(as_values(total) + decoded, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("params", SUM_PARAMS, ids=lambda p: p["compressor"])
+@pytest.mark.parametrize("chain", [False, True], ids=["bare", "ef-chain"])
+def test_decompress_add_matches_reference_sum(params, dtype, chain):
+    numel, torch_dtype = 97, ref.TORCH_DTYPE[dtype]
+    full = dict(params, ef="vanilla") if chain else params
+    c = build(full, numel, torch_dtype, role="server")
+    _, ref_decode = ref_codec(params, numel, dtype)
+    total = sample(numel, dtype, seed=1)
+    for step in range(3):  # the staging array must be clean again for the next payload
+        payload = c.compress(sample(numel, dtype, seed=10 + step)).numpy().tobytes()
+        expected = expected_sum(total, ref_decode(payload), dtype)
+        assert c.decompress_add(payload, total) is total
+        np.testing.assert_array_equal(as_values(total), expected, err_msg=f"step {step}")
+    inner = c.inner if chain else c
+    if hasattr(inner, "_staging"):
+        assert not inner.staging().any()
+
+
+def topk_payload(indices: list[int], values: list[float]) -> bytes:
+    k = len(indices)
+    return struct.pack(f"<{k}i", *indices) + b"\0" * ((-4 * k) % 8) + \
+        struct.pack(f"<{k}f", *values)
+
+
+def test_topk_repeated_index_adds_its_last_value_once():
+    # a compressor never sends an index twice, but a payload may: decoding keeps the last
+    c = build({"compressor": "topk", "k": 4}, 6)
+    payload = topk_payload([3, 1, 3, 3], [1.0, 2.0, 5.0, -7.0])
+    total = torch.arange(6, dtype=torch.float32)
+    c.decompress_add(payload, total)
+    assert total.tolist() == [0.0, 3.0, 2.0, -4.0, 4.0, 5.0]
+    assert torch.equal(total, torch.arange(6.0) + c.decompress(payload))
+
+
+@pytest.mark.parametrize(("params", "payload", "match"), [
+    ({"compressor": "topk", "k": 2}, topk_payload([1, 6], [1.0, 2.0]), "outside"),
+    ({"compressor": "topk", "k": 2}, topk_payload([1], [1.0]), "bytes"),
+    ({"compressor": "onebit"}, b"\0" * 7, "bytes"),
+    ({"compressor": "randomk", "k": 2, "seed": 1}, b"\0" * 23, "bytes"),
+    ({"compressor": "dithering", "k": 4}, b"\xff" * 24, "Elias|bits|stream"),
+])
+def test_bad_payload_leaves_the_sum_untouched(params, payload, match):
+    c = build(params, 6)
+    total = torch.arange(6, dtype=torch.float32)
+    with pytest.raises(ValueError, match=match):
+        c.decompress_add(payload, total)
+    assert total.tolist() == list(range(6))
+    with pytest.raises(ValueError, match="total must be"):
+        c.decompress_add(c.compress(torch.ones(6)), torch.zeros(7))
+
+
+class PlainCodec:
+    """A registered-style compressor with no base class: only compress/decompress."""
+
+    def compress(self, x: torch.Tensor) -> torch.Tensor:
+        return (x * 2).view(torch.uint8).clone()
+
+    def decompress(self, payload, out=None):
+        values = torch.frombuffer(bytearray(bytes(payload)), dtype=torch.float32)
+        return values if out is None else out.copy_(values)
+
+
+def test_a_compressor_without_decompress_add_is_decoded_and_added():
+    total = torch.ones(3)
+    add_decompressed(PlainCodec(), PlainCodec().compress(torch.tensor([1.0, 2.0, 3.0])), total)
+    assert total.tolist() == [3.0, 5.0, 7.0]
+
+
+# ---- a server key engine summing in place --------------------------------------------
+
+@pytest.fixture
+def key_engine():
+    """A real _KeyEngine whose replies go over a real inproc PUSH/PULL pair."""
+    env = ClusterEnv.from_environ({
+        "DMLC_ROLE": "server", "DMLC_NUM_WORKER": "3", "DMLC_NUM_SERVER": "1",
+        "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": "9"})
+    ctx = zmq.Context()
+    server = ParameterServer(env, ctx)
+    replies = ctx.socket(zmq.PULL)
+    replies.bind(server.replies_address)
+    engine = _KeyEngine(server, 0)
+    engine.out = ctx.socket(zmq.PUSH)
+    engine.out.connect(server.replies_address)
+
+    def reply() -> dict:
+        """The next reply header, with its payload bytes under "body"."""
+        frames = replies.recv_multipart() if replies.poll(10_000) else None
+        assert frames is not None, "no reply from the key engine"
+        header = decode(frames[1])
+        header["body"] = frames[2] if len(frames) > 2 else None
+        return header
+
+    def request(op: Op, payload: bytes | None = None, **fields) -> dict:
+        """Handle one request as the engine's thread would; returns the first reply,
+        or raises the engine's RequestError."""
+        header = decode(encode(op, rid=1, **fields))
+        engine._handle(b"peer", header, None if payload is None else zmq.Frame(payload))
+        return reply()
+
+    yield engine, request, reply
+    engine.out.close(linger=0)
+    replies.close(linger=0)
+    ctx.term()
+
+
+def test_server_sums_compressed_pushes_in_place(key_engine):
+    engine, request, reply = key_engine
+    numel, params = 300, {"compressor": "topk", "k": 30, "ef": "vanilla"}
+    request(Op.REGISTER, key=5, numel=numel, dtype="float32", name="w", params=params, node=0)
+    workers = [build(params, numel, role="worker") for _ in range(3)]
+    encode_ref, decode_ref = ref_codec(params, numel, "float32")
+    server_ref = ref.RefChain(encode_ref, decode_ref, numel, "float32", ef=True, mu=None)
+    for step in range(3):
+        pushes = [w.compress(sample(numel, "float32", seed=100 * step + n)).numpy().tobytes()
+                  for n, w in enumerate(workers)]
+        total = np.zeros(numel, dtype=np.float32)
+
+        def push(node: int, body: bytes, step: int = step) -> dict:
+            return request(Op.PUSH, body, key=5, step=step, node=node, dtype="float32",
+                           numel=numel, nbytes=len(body), lr=0.1)
+
+        assert push(0, pushes[0])["op"] == Op.ACK
+        assert push(1, pushes[1])["op"] == Op.ACK
+        with pytest.raises(RequestError, match="worker 1 pushed step"):
+            push(1, pushes[2])  # a duplicate must not be added
+        with pytest.raises(RequestError, match="cannot decode payload"):
+            push(2, topk_payload([0] * 29 + [numel], [1.0] * 30))  # nor a bad one
+        assert push(2, pushes[2])["op"] == Op.ACK
+        for body in pushes:
+            total += decode_ref(body).astype(np.float32)
+        server_ref.set_lr(0.1)
+        expected = server_ref.compress(total.astype(np.float64))
+        for _ in range(3):  # every push also waits for the step's aggregate
+            data = reply()
+            assert data["op"] == Op.DATA and bytes(data["body"]) == expected, f"step {step}"
+    assert len(engine.keys[5].spare) == 1  # one sum buffer, reused every step
