@@ -1,0 +1,149 @@
+"""CPU time of the compression chains per training step, summed over a whole cluster.
+
+    .venv/bin/python bench/chain_cost.py              # about a minute
+    .venv/bin/python bench/chain_cost.py --threads 2 --partition-bytes 4096000
+
+The slow-network job (bench/slow_network.py: MNIST MLP 784-1100-1100-10, 4 worker
+nodes) runs 4 workers and 4 servers on the 2 cores of one machine, so every
+millisecond of chain CPU in any process shows up in the step time. For each compressor,
+on the job's compressed partitions and random gradients, one process runs what the
+cluster runs in one step: 4 worker chains compress (Nesterov + error feedback +
+compressor), the server chain sums the 4 pushes and compresses the sum (error feedback
++ compressor), 4 workers decompress the result. Two ways of doing the same work are
+timed next to each other, each against the other in alternating steps:
+
+* worker compress, "fused": Nesterov writes g' over the error buffer in its own pass
+  (``ErrorFeedback.compress_corrected``); "2 passes": Nesterov into a lookahead
+  buffer, then error feedback's own pass (the chain before this change).
+* server sum, "in place": the first push decoded into a reused buffer, the others
+  added with ``decompress_add``; "decode + add": each push decoded into a fresh or
+  scratch tensor, then added (the server before this change).
+
+Prints the median milliseconds per step of each part (kernels on ``--threads`` threads;
+1 is what the busy cluster effectively gets).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import bps.compressors.threads as threads  # noqa: E402
+from bps.compressors import build  # noqa: E402
+from bps.compressors.momentum import nesterov_step  # noqa: E402
+from bps.worker.partition import partition  # noqa: E402
+
+# the compressed weights; the 1100 x 10 layer and the biases are under min_compress_bytes
+# (64 KB) and travel uncompressed
+LAYERS = (784 * 1100, 1100 * 1100)
+PARAMS = {
+    "onebit": {"compressor": "onebit", "scaling": True, "ef": "vanilla",
+               "momentum": "nesterov", "mu": 0.9},
+    "topk": {"compressor": "topk", "k": 0.01, "ef": "vanilla", "momentum": "nesterov",
+             "mu": 0.9},
+    "randomk": {"compressor": "randomk", "k": 0.01, "ef": "vanilla", "momentum": "nesterov",
+                "mu": 0.9, "seed": 7},
+    "dithering": {"compressor": "dithering", "k": 4, "ef": "vanilla", "seed": 7},
+}
+
+
+class Cluster:
+    """The chains of every partition on every worker, and the servers' chains."""
+
+    def __init__(self, params: dict, sizes: list[int], workers: int) -> None:
+        self.sizes = sizes
+        self.workers = [[build(params, n, role="worker") for n in sizes] for _ in range(workers)]
+        self.servers = [build(params, n, role="server") for n in sizes]
+        self.grads = [[torch.randn(n) * 1e-3 for n in sizes] for _ in range(workers)]
+        self.out = [torch.empty(n) for n in sizes]
+        self.sums = [torch.empty(n) for n in sizes]
+        self.lookahead = [torch.empty(n) for n in sizes]
+
+    def step(self, fused: bool, in_place: bool) -> dict[str, float]:
+        times = dict.fromkeys(("worker compress", "server sum", "server compress",
+                               "worker decompress"), 0.0)
+
+        def timed(part: str, fn, *args):
+            start = time.perf_counter()
+            result = fn(*args)
+            times[part] += time.perf_counter() - start
+            return result
+
+        for p in range(len(self.sizes)):
+            pushes = [timed("worker compress", self._compress, w, p, fused)
+                      for w in range(len(self.workers))]
+            server = self.servers[p]
+            total = timed("server sum", self._sum, server, pushes, p, in_place)
+            result = timed("server compress", server.compress, total)
+            for w in range(len(self.workers)):
+                timed("worker decompress", self.workers[w][p].decompress, result, self.out[p])
+        return times
+
+    def _compress(self, w: int, p: int, fused: bool) -> torch.Tensor:
+        chain, grad = self.workers[w][p], self.grads[w][p]
+        if fused or not hasattr(chain, "mu"):  # dithering's chain has no momentum
+            return chain.compress(grad)
+        array = grad.numpy()
+        nesterov_step(array, chain.momentum.numpy(), array.dtype.type(chain.mu),
+                      self.lookahead[p].numpy())
+        return chain.inner.compress(self.lookahead[p])
+
+    def _sum(self, server, pushes: list, p: int, in_place: bool) -> torch.Tensor:
+        if in_place:
+            total = server.decompress(pushes[0], self.sums[p])
+            for payload in pushes[1:]:
+                server.decompress_add(payload, total, self.out[p])
+            return total
+        total = server.decompress(pushes[0])  # the old server: a new tensor per step
+        for payload in pushes[1:]:
+            total.add_(server.decompress(payload, self.out[p]))
+        return total
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--partition-bytes", type=int, default=2048000,
+                   help="BYTEPS_PARTITION_BYTES (bench/slow_network.py's for compressed runs)")
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--threads", type=int, default=1, help="kernel threads (compressors.threads)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per variant")
+    p.add_argument("--only", default=None, help="one compressor")
+    args = p.parse_args()
+    threads.THREADS = args.threads
+    torch.manual_seed(0)
+    sizes = [length for n in LAYERS for _, length in partition(n, 4, args.partition_bytes)]
+    print(f"partitions {sizes}, {args.workers} workers, {args.threads} kernel thread(s); "
+          "ms per step, median of", args.steps)
+    print("| compressor | worker compress: fused / 2 passes | server sum: in place / "
+          "decode + add | server compress | worker decompress | total: new / old |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name in [args.only] if args.only else PARAMS:
+        cluster = Cluster(PARAMS[name], sizes, args.workers)
+        new, old = [], []
+        for _ in range(2):
+            cluster.step(True, True)
+            cluster.step(False, False)
+        for _ in range(args.steps):  # alternating, so a slower period hits both alike
+            new.append(cluster.step(True, True))
+            old.append(cluster.step(False, False))
+
+        def median(rows: list[dict], part: str) -> float:
+            return statistics.median(r[part] for r in rows) * 1e3
+
+        parts = ("worker compress", "server sum", "server compress", "worker decompress")
+        total_new = sum(median(new, part) for part in parts)
+        total_old = sum(median(old, part) for part in parts)
+        print(f"| {name} | {median(new, parts[0]):.1f} / {median(old, parts[0]):.1f} | "
+              f"{median(new, parts[1]):.1f} / {median(old, parts[1]):.1f} | "
+              f"{median(new, parts[2]):.1f} | {median(new, parts[3]):.1f} | "
+              f"**{total_new:.1f}** / {total_old:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
