@@ -250,6 +250,13 @@ class _KeyEngine(threading.Thread):
             raise RequestError(f"key {state.key} ({state.name!r}): step {step} is too far "
                                f"ahead: {MAX_PENDING_STEPS} steps already pending")
 
+    def _check_push(self, state: _Key, pending: _Step | None, node: int, step: int) -> None:
+        """A push of ``step`` by worker ``node`` is neither stale nor a repeat."""
+        self._check_step(state, step)
+        if pending is not None and node in pending.pushed:
+            raise RequestError(f"key {state.key} ({state.name!r}): worker {node} pushed "
+                               f"step {step} twice")
+
     def _push(self, state: _Key, ident: bytes, header: dict, payload: zmq.Frame) -> None:
         node, step = header["node"], header["step"]
         where = f"key {state.key} ({state.name!r})"
@@ -267,18 +274,14 @@ class _KeyEngine(threading.Thread):
         if pending is not None and pending.total is not None and state.sums_in_place():
             # later compressed pushes add into the sum directly (checked before, as the
             # sum changes): a sparse payload touches only its k elements
-            self._check_step(state, step)
-            if node in pending.pushed:
-                raise RequestError(f"{where}: worker {node} pushed step {step} twice")
+            self._check_push(state, pending, node, step)
             self._decode(state, header, payload, add_to=pending.total)
         else:
             # the step's first push becomes its sum: a compressed one is decoded into a
             # reused buffer, a raw one is the frame itself (or its widened copy)
             out = state.spare_sum() if state.sums_in_place() else None
             values = self._decode(state, header, payload, out)
-            self._check_step(state, step)
-            if pending is not None and node in pending.pushed:
-                raise RequestError(f"{where}: worker {node} pushed step {step} twice")
+            self._check_push(state, pending, node, step)
             pending = state.steps.setdefault(step, _Step())
             if pending.total is None:
                 pending.total = values.to(state.accumulate_dtype(self.server.num_workers))
