@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 
 import numpy as np
 import torch
@@ -510,6 +511,15 @@ def speculate(words, nbits, start, stop, scale, divisor, max_level, table, pairs
         start = result[1] + 1
 
 
+@njit(nogil=True, cache=True)
+def subtract_levels(values, levels, dequantised):
+    """``values[i] -= dequantised[levels[i] + middle]`` with ``middle`` the index of level
+    0: error feedback's ``e = g' - D(c)`` from the levels just coded, without decoding."""
+    middle = (dequantised.size - 1) // 2
+    for i in range(values.size):
+        values[np.uint64(i)] -= dequantised[np.uint64(levels[np.uint64(i)] + middle)]
+
+
 class Dithering(Compressor):
     """Stochastic rounding of |x|/scale onto s linear or 2**(s-1) natural levels."""
 
@@ -528,6 +538,7 @@ class Dithering(Compressor):
         self.max_stream_bytes = (numel * self.bits_per_element + 7) // 8 + 8
         self.bounds = chunk_bounds(numel)
         self.buffers: dict = {}  # scratch arrays, allocated on first use
+        self.last_sent: tuple | None = None  # (weakref to the last payload, its scale)
 
     def buffer(self, name: str, shape: int | tuple, dtype: type) -> np.ndarray:
         """A scratch array kept for the next call (numel is fixed)."""
@@ -553,7 +564,9 @@ class Dithering(Compressor):
         trailer = np.array([nbits], dtype=np.uint64).view(np.uint8)
         buffer[size : size + 8] = trailer
         buffer[size + 8 : size + 16] = np.array([scale], dtype=np.float64).view(np.uint8)
-        return payload[: size + TRAILER]
+        payload = payload[: size + TRAILER]
+        self.last_sent = (weakref.ref(payload), scale)
+        return payload
 
     def encode(self, values: np.ndarray, scale: float, words: np.ndarray) -> int:
         """Quantise and code ``values`` into ``words``; returns the bit count.
@@ -588,6 +601,34 @@ class Dithering(Compressor):
                                      skip, bits - skip)
                 last = lo + chunk_last
         return nbits
+
+    def fast_update_error(self, corrected: torch.Tensor, payload: Payload) -> torch.Tensor:
+        """``corrected -= decompress(payload)``; for the payload the last ``compress``
+        returned (float32/float64), from the levels it kept, in one pass and without
+        decoding: ``D(c)`` is ``±q * scale / divisor`` rounded to the dtype, as decoding
+        rounds it. Any other payload is decoded.
+
+        Example::
+
+            >>> import torch
+            >>> c = Dithering(numel=3, levels=2, seed=1)
+            >>> x = torch.tensor([0.5, -1.0, 0.2])
+            >>> payload = c.compress(x)
+            >>> torch.equal(c.fast_update_error(x.clone(), payload), x - c.decompress(payload))
+            True
+        """
+        last, scale = self.last_sent or (None, 0.0)
+        if (last is None or last() is not payload or self.dtype not in KERNEL_FLOAT_DTYPES
+                or "levels" not in self.buffers or self.buffers["levels"].dtype != np.int8):
+            return corrected.sub_(self.decompress(payload))
+        if scale == 0.0:  # every level is 0 (and the levels buffer was not written)
+            return corrected
+        magnitudes = np.arange(self.max_level + 1.0) * scale / self.divisor  # as decode_args
+        values, levels = corrected.numpy(), self.buffers["levels"]
+        dequantised = np.concatenate([-magnitudes[:0:-1], magnitudes]).astype(values.dtype)
+        run_chunks(lambda lo, hi: subtract_levels(values[lo:hi], levels[lo:hi], dequantised),
+                   self.bounds)
+        return corrected
 
     def decompress(self, payload: Payload, out: torch.Tensor | None = None) -> torch.Tensor:
         """Decode; on a malformed payload raise ValueError (``out`` is then unspecified)."""

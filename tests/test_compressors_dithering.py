@@ -70,6 +70,37 @@ def test_chunked_encode_and_speculative_decode_match_reference(small_chunks, s, 
         np.testing.assert_array_equal(c.decompress(payload, out=out).numpy(), decoded)
 
 
+@pytest.mark.parametrize("s, partition", [(4, "linear"), (3, "natural"), (126, "linear"),
+                                          (127, "linear")])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_error_update_subtracts_the_decoded_payload(small_chunks, s, partition, dtype):
+    # error feedback's e = g' - D(c): for the payload just sent, from the kept levels
+    # (int8 up to s = 126), chunk by chunk; for wider levels, an older payload or
+    # another instance's payload, by decoding; all against the reference decoder
+    numel = 1543
+    c = build({"compressor": "dithering", "k": s, "partition": partition, "seed": 7}, numel,
+              ref.TORCH_DTYPE[dtype])
+    other = build({"compressor": "dithering", "k": s, "partition": partition, "seed": 9},
+                  numel, ref.TORCH_DTYPE[dtype])
+    assert len(c.bounds) == 4
+
+    def expected(x: np.ndarray, payload: torch.Tensor) -> np.ndarray:
+        decoded = ref.dithering_decode(payload.numpy().tobytes(), numel, s, partition)
+        return (x - ref.round_to(decoded, dtype)).astype(dtype)  # exact, then rounded once
+
+    for step in range(2):
+        x = gradient(numel, step).astype(dtype)
+        older = c.compress(torch.from_numpy(gradient(numel, 10 + step).astype(dtype)))
+        payload = c.compress(torch.from_numpy(x))
+        foreign = other.compress(torch.from_numpy(x))
+        for sent in (payload, older, foreign):
+            updated = c.fast_update_error(torch.from_numpy(x.copy()), sent)
+            np.testing.assert_array_equal(updated.numpy(), expected(x, sent))
+    zeros = torch.zeros(numel, dtype=ref.TORCH_DTYPE[dtype])
+    c.compress(torch.from_numpy(gradient(numel, 5).astype(dtype)))  # levels now nonzero
+    assert torch.equal(c.fast_update_error(zeros.clone(), c.compress(zeros)), zeros)
+
+
 def test_all_zero_and_one_nonzero_inputs(small_chunks):
     c = build({"compressor": "dithering", "k": 4, "seed": 3}, 1200)
     rng = ref.XorShift128Plus(3)
