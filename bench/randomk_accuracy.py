@@ -2,13 +2,15 @@
 
 Test accuracy does not depend on the link speed, so this runs the job of
 ``bench/slow_network.py`` (examples/mnist.py, 4 worker nodes, 4 servers, 1 MB
-partitions, 8 epochs) on a loopback cluster (``bpslaunch local``) and prints the test
-accuracy after every epoch for each setting, next to uncompressed fp32 and topk 1%.
+partitions, 16 epochs unless ``--epochs`` says otherwise) on a loopback cluster
+(``bpslaunch local``) and prints the test accuracy after every epoch for each setting,
+next to uncompressed fp32 and topk 1%.
 
 Usage::
 
-    .venv/bin/python bench/randomk_accuracy.py                 # 11 runs, about 9 minutes
-    .venv/bin/python bench/randomk_accuracy.py --only rk-1,rk-10
+    .venv/bin/python bench/randomk_accuracy.py                 # 11 runs, about 16 minutes
+    .venv/bin/python bench/randomk_accuracy.py --only fp32,topk-1,rk-1,rk-3
+    .venv/bin/python bench/randomk_accuracy.py --epochs 8      # the job before session 6
 """
 
 from __future__ import annotations
@@ -48,11 +50,12 @@ SETTINGS = {  # name -> examples/mnist.py arguments after JOB (later flags win)
 }
 
 
-def run(name: str, workdir: Path, timeout: float) -> list[float]:
+def run(name: str, workdir: Path, timeout: float, epochs: int | None) -> list[float]:
     """Test accuracy after each epoch of one setting ([] if the run failed)."""
     metrics = workdir / f"{name}.json"
+    job = JOB + (["--epochs", str(epochs)] if epochs else [])  # later flags win
     argv = [sys.executable, "-m", "bps.launch.cli", "local", "--workers", "4", "--servers",
-            "4", "--", sys.executable, str(REPO / "examples" / "mnist.py"), *JOB,
+            "4", "--", sys.executable, str(REPO / "examples" / "mnist.py"), *job,
             *SETTINGS[name], "--metrics-json", str(metrics)]
     env = dict(os.environ, BYTEPS_PARTITION_BYTES="1024000")
     log = workdir / f"{name}.log"
@@ -69,6 +72,8 @@ def run(name: str, workdir: Path, timeout: float) -> list[float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", help="comma-separated settings: " + ",".join(SETTINGS))
+    parser.add_argument("--epochs", type=int, default=None,
+                        help=f"default {JOB[JOB.index('--epochs') + 1]}, the slow-network job's")
     parser.add_argument("--run-timeout", type=float, default=600.0, help="seconds per run")
     args = parser.parse_args()
     names = args.only.split(",") if args.only else list(SETTINGS)
@@ -80,7 +85,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bps-randomk-") as tmp:
         for index, name in enumerate(names):
             start = time.monotonic()
-            accuracies = run(name, Path(tmp), args.run_timeout)
+            accuracies = run(name, Path(tmp), args.run_timeout, args.epochs)
             rows.append((name, accuracies))
             final = f"final {accuracies[-1]:.1%}" if accuracies else "failed"
             print(f"[{index + 1}/{len(names)}] {name}: {final} "
