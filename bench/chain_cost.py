@@ -12,12 +12,15 @@ compressor), the server chain sums the 4 pushes and compresses the sum (error fe
 + compressor), 4 workers decompress the result. Two ways of doing the same work are
 timed next to each other, each against the other in alternating steps:
 
-* worker compress, "fused": Nesterov writes g' over the error buffer in its own pass
-  (``ErrorFeedback.compress_corrected``); "2 passes": Nesterov into a lookahead
-  buffer, then error feedback's own pass (the chain before this change).
-* server sum, "in place": the first push decoded into a reused buffer, the others
-  added with ``decompress_add``; "decode + add": each push decoded into a fresh or
-  scratch tensor, then added (the server before this change).
+* worker compress, new: Nesterov writes g' over the error buffer in its own pass
+  (``ErrorFeedback.compress_corrected``); old: Nesterov into a lookahead buffer, then
+  error feedback's own pass (the chain before session 5).
+* server sum, new: the first push decoded into a reused buffer, the others added with
+  ``decompress_add``; old: each push decoded into a fresh or scratch tensor, then added
+  (the server before session 5).
+* dithering's error feedback (worker and server compress), new: ``e = g' - D(c)`` from
+  the levels just coded (``Dithering.fast_update_error``, session 6); old: the payload
+  decoded and subtracted.
 
 Prints the median milliseconds per step of each part (kernels on ``--threads`` threads;
 1 is what the busy cluster effectively gets).
@@ -31,11 +34,14 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import bps.compressors.threads as threads  # noqa: E402
 from bps.compressors import build  # noqa: E402
+from bps.compressors.dithering import Dithering  # noqa: E402
+from bps.compressors.error_feedback import ErrorFeedback, add_scaled_error  # noqa: E402
 from bps.compressors.momentum import nesterov_step  # noqa: E402
 from bps.worker.partition import partition  # noqa: E402
 
@@ -65,7 +71,8 @@ class Cluster:
         self.sums = [torch.empty(n) for n in sizes]
         self.lookahead = [torch.empty(n) for n in sizes]
 
-    def step(self, fused: bool, in_place: bool) -> dict[str, float]:
+    def step(self, new: bool) -> dict[str, float]:
+        """One cluster step with the new code paths, or with the old ones."""
         times = dict.fromkeys(("worker compress", "server sum", "server compress",
                                "worker decompress"), 0.0)
 
@@ -76,26 +83,28 @@ class Cluster:
             return result
 
         for p in range(len(self.sizes)):
-            pushes = [timed("worker compress", self._compress, w, p, fused)
+            pushes = [timed("worker compress", self._compress, w, p, new)
                       for w in range(len(self.workers))]
             server = self.servers[p]
-            total = timed("server sum", self._sum, server, pushes, p, in_place)
-            result = timed("server compress", server.compress, total)
+            total = timed("server sum", self._sum, server, pushes, p, new)
+            result = timed("server compress", error_feedback, server, total, new)
             for w in range(len(self.workers)):
                 timed("worker decompress", self.workers[w][p].decompress, result, self.out[p])
         return times
 
-    def _compress(self, w: int, p: int, fused: bool) -> torch.Tensor:
+    def _compress(self, w: int, p: int, new: bool) -> torch.Tensor:
         chain, grad = self.workers[w][p], self.grads[w][p]
-        if fused or not hasattr(chain, "mu"):  # dithering's chain has no momentum
+        if not hasattr(chain, "mu"):  # dithering's chain has no momentum
+            return error_feedback(chain, grad, new)
+        if new:
             return chain.compress(grad)
         array = grad.numpy()
         nesterov_step(array, chain.momentum.numpy(), array.dtype.type(chain.mu),
                       self.lookahead[p].numpy())
         return chain.inner.compress(self.lookahead[p])
 
-    def _sum(self, server, pushes: list, p: int, in_place: bool) -> torch.Tensor:
-        if in_place:
+    def _sum(self, server, pushes: list, p: int, new: bool) -> torch.Tensor:
+        if new:
             total = server.decompress(pushes[0], self.sums[p])
             for payload in pushes[1:]:
                 server.decompress_add(payload, total, self.out[p])
@@ -104,6 +113,17 @@ class Cluster:
         for payload in pushes[1:]:
             total.add_(server.decompress(payload, self.out[p]))
         return total
+
+
+def error_feedback(chain: ErrorFeedback, x: torch.Tensor, new: bool) -> torch.Tensor:
+    """``chain.compress(x)``; old: for dithering, the error by decoding the payload."""
+    if new or not isinstance(chain.inner, Dithering):
+        return chain.compress(x)
+    corrected = chain.error
+    add_scaled_error(x.numpy(), np.float32(chain.ratio), corrected.numpy())
+    payload = chain.inner.compress(corrected)
+    corrected.sub_(chain.inner.decompress(payload))
+    return payload
 
 
 def main() -> None:
@@ -120,18 +140,18 @@ def main() -> None:
     sizes = [length for n in LAYERS for _, length in partition(n, 4, args.partition_bytes)]
     print(f"partitions {sizes}, {args.workers} workers, {args.threads} kernel thread(s); "
           "ms per step, median of", args.steps)
-    print("| compressor | worker compress: fused / 2 passes | server sum: in place / "
-          "decode + add | server compress | worker decompress | total: new / old |")
+    print("| compressor | worker compress: new / old | server sum: new / old | "
+          "server compress: new / old | worker decompress | total: new / old |")
     print("|---|---:|---:|---:|---:|---:|")
     for name in [args.only] if args.only else PARAMS:
         cluster = Cluster(PARAMS[name], sizes, args.workers)
         new, old = [], []
         for _ in range(2):
-            cluster.step(True, True)
-            cluster.step(False, False)
+            cluster.step(True)
+            cluster.step(False)
         for _ in range(args.steps):  # alternating, so a slower period hits both alike
-            new.append(cluster.step(True, True))
-            old.append(cluster.step(False, False))
+            new.append(cluster.step(True))
+            old.append(cluster.step(False))
 
         def median(rows: list[dict], part: str) -> float:
             return statistics.median(r[part] for r in rows) * 1e3
@@ -141,7 +161,8 @@ def main() -> None:
         total_old = sum(median(old, part) for part in parts)
         print(f"| {name} | {median(new, parts[0]):.1f} / {median(old, parts[0]):.1f} | "
               f"{median(new, parts[1]):.1f} / {median(old, parts[1]):.1f} | "
-              f"{median(new, parts[2]):.1f} | {median(new, parts[3]):.1f} | "
+              f"{median(new, parts[2]):.1f} / {median(old, parts[2]):.1f} | "
+              f"{median(new, parts[3]):.1f} | "
               f"**{total_new:.1f}** / {total_old:.1f} |")
 
 
