@@ -27,6 +27,7 @@ import math
 import numpy as np
 import torch
 from numba import njit
+from numba.cpython.unsafe.numbers import trailing_zeros
 
 from .base import (
     KERNEL_FLOAT_DTYPES,
@@ -41,7 +42,7 @@ from .sparse import add_last_values
 from .threads import chunk_bounds, run_chunks
 
 SAMPLE = 16384  # strided sample size for the threshold estimate
-GROUP = 16  # elements tested together by collect_above
+GROUP = 64  # elements tested together by collect_above (one bit each in a uint64)
 SAME_WIDTH_UINT = {4: np.uint32, 8: np.uint64}
 SLACK = 2.0  # aim for about SLACK * k candidates
 
@@ -52,64 +53,40 @@ def collect_above(bits, threshold, magnitude_mask, offset, indices, values):
     is >= ``threshold`` (NaN above inf above finite), and their raw bits, up to
     len(indices) of them. Returns the count, or -1 if there are more.
 
-    Comparing magnitudes as unsigned ints orders them as the floats (NaN first); one
-    test per group of GROUP elements (a well-predicted branch) skips the groups with
-    none, so the per-element branch runs only in the few groups with a candidate."""
+    Comparing magnitudes as unsigned ints orders them as the floats (NaN first). Each
+    group of GROUP elements is tested into a bit mask (vectorised), whose set bits are
+    then taken one by one: the work per candidate is a few instructions, with no
+    per-element branch (1.9x faster than testing each element of a group with a hit)."""
     count = 0
     cap = indices.size
-    for start in range(0, bits.size, GROUP):
-        stop = min(start + GROUP, bits.size)
-        if stop - start == GROUP:
-            hit = False
-            for i in range(start, start + GROUP):
-                hit |= (bits[i] & magnitude_mask) >= threshold
-            if not hit:
-                continue
-        for i in range(start, stop):
-            if (bits[i] & magnitude_mask) >= threshold:
-                if count == cap:
-                    return -1
-                indices[count] = i + offset
-                values[count] = bits[i]
-                count += 1
+    whole = bits.size // GROUP * GROUP
+    for start in range(0, whole, GROUP):
+        hits = np.uint64(0)
+        for j in range(GROUP):
+            hits |= np.uint64((bits[start + j] & magnitude_mask) >= threshold) << np.uint64(j)
+        while hits:
+            if count == cap:
+                return -1
+            i = start + trailing_zeros(hits)
+            indices[np.uint64(count)] = i + offset
+            values[np.uint64(count)] = bits[np.uint64(i)]
+            count += 1
+            hits &= hits - np.uint64(1)
+    for i in range(whole, bits.size):
+        if (bits[i] & magnitude_mask) >= threshold:
+            if count == cap:
+                return -1
+            indices[count] = i + offset
+            values[count] = bits[i]
+            count += 1
     return count
 
 
 @njit(nogil=True, cache=True)
-def kth_largest(values, k):
-    """The k-th largest of ``values`` (1-based): quickselect, linear on average.
-    Reorders ``values``."""
-    lo, hi = 0, values.size - 1
-    target = values.size - k  # position in ascending order
-    while lo < hi:
-        mid = (lo + hi) // 2
-        pivot = values[mid]
-        i, j = lo, hi
-        while i <= j:
-            while values[i] < pivot:
-                i += 1
-            while pivot < values[j]:
-                j -= 1
-            if i <= j:
-                values[i], values[j] = values[j], values[i]
-                i += 1
-                j -= 1
-        if target <= j:
-            hi = j
-        elif target >= i:
-            lo = i
-        else:
-            break
-    return values[target]
-
-
-@njit(nogil=True, cache=True)
-def select_exact(candidates, values, magnitude_mask, k, indices, selected):
-    """Write the k candidates of largest magnitude (of those tied with the k-th, the
-    first ones) into indices and their raw bits into selected, ascending by index.
-    Reads only the candidate arrays."""
-    magnitudes = values & magnitude_mask
-    cut = kth_largest(magnitudes.copy(), k)
+def take_above(candidates, values, magnitudes, cut, k, indices, selected):
+    """Write the k candidates whose magnitude is > ``cut``, then the first ones equal to
+    it, into indices and their raw bits into selected (ascending by index), given that
+    ``cut`` is the k-th largest magnitude. Returns the number written (k)."""
     above = 0
     for j in range(candidates.size):
         above += magnitudes[j] > cut
@@ -122,6 +99,18 @@ def select_exact(candidates, values, magnitude_mask, k, indices, selected):
             selected[out] = values[j]
             out += 1
     return out
+
+
+def select_exact(candidates: np.ndarray, values: np.ndarray, magnitude_mask, k: int,
+                 indices: np.ndarray, selected: np.ndarray) -> None:
+    """Write the k candidates of largest magnitude (of those tied with the k-th, the
+    first ones) into indices and their raw bits into selected, ascending by index.
+    Reads only the candidate arrays. The k-th largest comes from ``np.partition``
+    (introselect, vectorised in numpy: 16x faster here than a quickselect in numba)."""
+    magnitudes = values & magnitude_mask
+    position = magnitudes.size - k
+    cut = np.partition(magnitudes, position)[position]
+    take_above(candidates, values, magnitudes, cut, k, indices, selected)
 
 
 @njit(nogil=True, cache=True)
@@ -142,6 +131,26 @@ def indices_valid(indices, n):
 def scatter(indices, values, out):
     for j in range(indices.size):
         out[indices[j]] = values[j]
+
+
+FILL_BLOCK = 8192  # elements zeroed at a time by zero_and_scatter (32 KB of float32)
+
+
+@njit(nogil=True, cache=True)
+def zero_and_scatter(indices, values, out):
+    """``out[:] = 0; out[indices] = values`` in one pass over ``out``: block by block,
+    each zeroed, then the entries in it written while it is in cache (a zeroing pass and
+    a scattered one cost 1.3x more at k = 1%). Entries are written in payload order,
+    each once its block is zeroed, so any order and repeats decode as the two passes
+    would (the last value wins); ascending indices, as compress writes them, are the
+    fast case."""
+    j = 0
+    for start in range(0, out.size, FILL_BLOCK):
+        stop = min(start + FILL_BLOCK, out.size)
+        out[start:stop] = 0
+        while j < indices.size and indices[j] < stop:
+            out[indices[j]] = values[j]
+            j += 1
 
 
 def collect_parallel(bits: np.ndarray, threshold, mask, cap: int) -> tuple:
@@ -241,8 +250,7 @@ class TopK(Compressor):
     def decompress(self, payload: Payload, out: torch.Tensor | None = None) -> torch.Tensor:
         indices, values = self._parse(payload)
         out = self.output(out)
-        out.zero_()
-        scatter(indices, values, bit_view(out))
+        zero_and_scatter(indices, values, bit_view(out))
         return out
 
     def decompress_add(self, payload: Payload, total: torch.Tensor,

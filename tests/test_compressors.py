@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bps.compressors import build
+from bps.compressors import build, topk
 from tests import reference_compressors as ref
 
 DTYPES = ["float32", "float16", "bfloat16", "float64"]
@@ -77,6 +77,55 @@ def test_topk_large_uses_selection_and_finds_exact_set():
     expected = np.sort(np.argsort(-np.abs(x.numpy()), kind="stable")[:k])
     np.testing.assert_array_equal(np.flatnonzero(y.numpy()), expected)
     np.testing.assert_array_equal(y.numpy()[expected], x.numpy()[expected])
+
+
+@pytest.mark.parametrize("size", [0, 1, 63, 64, 65, 1000, 4097])
+def test_topk_candidate_scan_against_numpy(size):
+    # magnitudes as unsigned bits (NaN > inf > finite), ascending indices plus the
+    # offset, the count or -1 past the cap; groups of 64 and the tail alike
+    gen = np.random.default_rng(size)
+    x = gen.standard_normal(size).astype(np.float32)
+    x[gen.random(size) < 0.05] = np.nan
+    x[gen.random(size) < 0.05] = -np.inf
+    bits = x.view(np.uint32)
+    mask = np.uint32(0x7FFFFFFF)
+    for threshold in (np.float32(1.5), np.float32(np.inf), np.float32(0.0)):
+        cut = np.array([threshold]).view(np.uint32)[0]
+        expected = np.flatnonzero((bits & mask) >= cut)
+        for cap in {expected.size, expected.size + 3, max(expected.size - 1, 0)}:
+            indices = np.full(cap, -7, dtype=np.int32)
+            values = np.zeros(cap, dtype=np.uint32)
+            count = topk.collect_above(bits, cut, mask, 1000, indices, values)
+            if cap < expected.size:
+                assert count == -1
+                continue
+            assert count == expected.size
+            np.testing.assert_array_equal(indices[:count], expected + 1000)
+            np.testing.assert_array_equal(values[:count], bits[expected])
+
+
+@pytest.mark.parametrize("order", ["ascending", "ascending with repeats", "shuffled"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_topk_decodes_any_index_order(order, dtype):
+    # compress writes ascending indices; a payload from elsewhere may repeat or shuffle
+    # them: the block-by-block decoder must still give the reference (last value wins)
+    gen = np.random.default_rng(len(order))
+    numel, k = 30_000, 700  # several of the decoder's zeroing blocks
+    indices = np.sort(gen.choice(numel, k, replace=False))
+    indices[[0, -1]] = [0, numel - 1]
+    if order == "ascending with repeats":
+        indices = np.sort(np.r_[indices[: k - 10], indices[100:110]])
+    elif order == "shuffled":
+        indices[:20] = indices[5]  # repeats out of order too
+        gen.shuffle(indices)
+    values = torch.tensor(gen.standard_normal(k), dtype=ref.TORCH_DTYPE[dtype])
+    raw = values.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[values.element_size()])
+    payload = (indices.astype("<i4").tobytes() + bytes((-4 * k) % 8)
+               + raw.numpy().astype(raw.numpy().dtype.newbyteorder("<")).tobytes())
+    c = build({"compressor": "topk", "k": k}, numel, ref.TORCH_DTYPE[dtype])
+    out = torch.full((numel,), 5.0, dtype=ref.TORCH_DTYPE[dtype])
+    decoded = c.decompress(torch.frombuffer(bytearray(payload), dtype=torch.uint8), out=out)
+    np.testing.assert_array_equal(as_values(decoded), ref.topk_decode(payload, numel, k, dtype))
 
 
 @pytest.mark.parametrize("nonzeros", [40_000, 3000, 2999, 500])
