@@ -74,22 +74,23 @@ ERRORS = {
 
 
 @njit(nogil=True, cache=True)
-def max_abs(x):
-    """max |x| as float64 (NaN ignored). Taken in x's dtype, exact as the conversion is
-    monotonic; 16 running maxima let the loop vectorise."""
-    lanes = np.zeros(16, dtype=x.dtype)
-    whole = x.size // 16 * 16
-    for i in range(0, whole, 16):
-        for j in range(16):
-            magnitude = abs(x[i + j])
-            lanes[j] = magnitude if magnitude > lanes[j] else lanes[j]
-    best = x.dtype.type(0)
-    for i in range(whole, x.size):
-        magnitude = abs(x[i])
+def max_magnitude_bits(bits, magnitude_mask):
+    """The largest ``bits[i] & magnitude_mask``: for the raw bits of floats without their
+    sign, the bits of max|x|, with NaN above inf (integer max vectorises, float max with
+    NaN rules does not: 2x faster)."""
+    best = bits.dtype.type(0)
+    for i in range(bits.size):
+        magnitude = bits[i] & magnitude_mask
         best = magnitude if magnitude > best else best
-    for j in range(16):
-        best = lanes[j] if lanes[j] > best else best
-    return np.float64(best)
+    return best
+
+
+def max_abs(values: np.ndarray, bounds: list[tuple[int, int]]) -> float:
+    """max|values| (float32/float64) as float64, NaN if any value is NaN, on threads."""
+    bits = values.view(np.uint32 if values.itemsize == 4 else np.uint64)
+    mask = bits.dtype.type(np.iinfo(bits.dtype).max >> 1)
+    top = max(run_chunks(lambda lo, hi: max_magnitude_bits(bits[lo:hi], mask), bounds))
+    return float(np.array([top], dtype=bits.dtype).view(values.dtype)[0])
 
 
 @njit(nogil=True, cache=True)
@@ -551,7 +552,7 @@ class Dithering(Compressor):
         if self.l2:
             scale = math.sqrt(sum_squares(values))
         else:
-            scale = max(run_chunks(lambda lo, hi: max_abs(values[lo:hi]), self.bounds))
+            scale = max_abs(values, self.bounds)
         if not math.isfinite(scale):
             raise ValueError("dithering cannot encode a tensor with inf or NaN entries")
         payload = torch.empty(self.max_stream_bytes + TRAILER, dtype=torch.uint8)

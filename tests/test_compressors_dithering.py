@@ -101,6 +101,25 @@ def test_error_update_subtracts_the_decoded_payload(small_chunks, s, partition, 
     assert torch.equal(c.fast_update_error(zeros.clone(), c.compress(zeros)), zeros)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
+@pytest.mark.parametrize("normalize", ["max", "l2"])
+def test_inf_or_nan_anywhere_is_refused(small_chunks, dtype, normalize):
+    c = build({"compressor": "dithering", "k": 4, "normalize": normalize, "seed": 3}, 1200,
+              ref.TORCH_DTYPE[dtype])
+    for bad in (np.nan, -np.inf, np.inf):
+        for at in (0, 700, 1199):  # in the first chunk, a later one, the last element
+            x = torch.ones(1200, dtype=ref.TORCH_DTYPE[dtype]) * 2.0
+            x[at] = float(bad)
+            with pytest.raises(ValueError, match="inf or NaN"):
+                c.compress(x)
+    x = torch.tensor(gradient(1200, 3), dtype=ref.TORCH_DTYPE[dtype])
+    payload = c.compress(x).numpy().tobytes()  # the generator did not move on refusals
+    expected_scale = (np.abs(x.double().numpy()).max() if normalize == "max"
+                      else np.sqrt(np.sum(x.double().numpy() ** 2)))
+    np.testing.assert_allclose(np.frombuffer(payload[-8:], "<f8")[0], expected_scale,
+                               rtol=0 if normalize == "max" else 1e-12)
+
+
 def test_all_zero_and_one_nonzero_inputs(small_chunks):
     c = build({"compressor": "dithering", "k": 4, "seed": 3}, 1200)
     rng = ref.XorShift128Plus(3)
