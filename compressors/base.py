@@ -37,6 +37,14 @@ def bit_view(tensor: torch.Tensor) -> np.ndarray:
     return tensor.view(_BITS_DTYPE[size]).numpy().view(_UNSIGNED[size])
 
 
+def magnitude_bits(values: np.ndarray) -> tuple[np.ndarray, np.unsignedinteger]:
+    """The raw bits of float32/float64 ``values`` as unsigned ints of the same width (no
+    copy) and the mask of all bits but the sign: ``bits & mask`` orders as ``|values|``,
+    with NaN above inf."""
+    bits = values.view(_UNSIGNED[values.itemsize])
+    return bits, bits.dtype.type(np.iinfo(bits.dtype).max >> 1)
+
+
 def float_view(tensor: torch.Tensor) -> np.ndarray:
     """A float32/float64 numpy array of the values: zero-copy for float32/float64,
     a float32 copy for float16/bfloat16 (exact)."""

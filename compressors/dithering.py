@@ -44,7 +44,15 @@ import torch
 from numba import njit
 from numba.cpython.unsafe.numbers import leading_zeros
 
-from .base import KERNEL_FLOAT_DTYPES, Compressor, Payload, float_view, payload_bytes, sub_array
+from .base import (
+    KERNEL_FLOAT_DTYPES,
+    Compressor,
+    Payload,
+    float_view,
+    magnitude_bits,
+    payload_bytes,
+    sub_array,
+)
 from .bitstream import (
     MAX_CODE_BITS,
     MAX_HEAD_ZEROS,
@@ -87,8 +95,7 @@ def max_magnitude_bits(bits, magnitude_mask):
 
 def max_abs(values: np.ndarray, bounds: list[tuple[int, int]]) -> float:
     """max|values| (float32/float64) as float64, NaN if any value is NaN, on threads."""
-    bits = values.view(np.uint32 if values.itemsize == 4 else np.uint64)
-    mask = bits.dtype.type(np.iinfo(bits.dtype).max >> 1)
+    bits, mask = magnitude_bits(values)
     top = max(run_chunks(lambda lo, hi: max_magnitude_bits(bits[lo:hi], mask), bounds))
     return float(np.array([top], dtype=bits.dtype).view(values.dtype)[0])
 
@@ -624,7 +631,7 @@ class Dithering(Compressor):
             return corrected.sub_(self.decompress(payload))
         if scale == 0.0:  # every level is 0 (and the levels buffer was not written)
             return corrected
-        magnitudes = np.arange(self.max_level + 1.0) * scale / self.divisor  # as decode_args
+        magnitudes = self.level_magnitudes(scale, self.max_level)
         values, levels = corrected.numpy(), self.buffers["levels"]
         dequantised = np.concatenate([-magnitudes[:0:-1], magnitudes]).astype(values.dtype)
         run_chunks(lambda lo, hi: subtract_levels(values[lo:hi], levels[lo:hi], dequantised),
@@ -660,11 +667,16 @@ class Dithering(Compressor):
             out.copy_(target)
         return out
 
+    def level_magnitudes(self, scale: float, top: int) -> np.ndarray:
+        """``q * scale / divisor`` in float64 for q = 0..top, rounded as decoding rounds
+        each value (the decoder's tables and error feedback's levels both use these)."""
+        return np.arange(top + 1.0) * scale / self.divisor
+
     def decode_args(self, scale: float) -> tuple:
         """The decode kernels' arguments from ``scale`` to ``signed``: the tables and
         ``signed[2 * q + negative] = ±q * scale / divisor`` for the levels they decode,
         rounded as in the kernel's code-by-code path."""
-        magnitudes = np.arange(min(self.max_level, TABLE_MAX_Q) + 1.0) * scale / self.divisor
+        magnitudes = self.level_magnitudes(scale, min(self.max_level, TABLE_MAX_Q))
         signed = np.repeat(magnitudes, 2)
         signed[1::2] *= -1.0
         return scale, self.divisor, self.max_level, self.table, self.pairs, signed

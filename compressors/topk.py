@@ -35,6 +35,7 @@ from .base import (
     Payload,
     bit_view,
     float_view,
+    magnitude_bits,
     payload_bytes,
     sub_array,
 )
@@ -43,7 +44,6 @@ from .threads import chunk_bounds, run_chunks
 
 SAMPLE = 16384  # strided sample size for the threshold estimate
 GROUP = 64  # elements tested together by collect_above (one bit each in a uint64)
-SAME_WIDTH_UINT = {4: np.uint32, 8: np.uint64}
 SLACK = 2.0  # aim for about SLACK * k candidates
 
 
@@ -179,8 +179,7 @@ def select_topk(x: np.ndarray, k: int, indices: np.ndarray, selected: np.ndarray
     """Write the indices (ascending) of k entries of largest |x| and x's raw bits there,
     in time linear in x.size. ``x`` is float32 or float64."""
     n = x.size
-    bits = x.view(SAME_WIDTH_UINT[x.dtype.itemsize])
-    mask = bits.dtype.type(np.iinfo(bits.dtype).max >> 1)  # all bits but the sign
+    bits, mask = magnitude_bits(x)
     stride = max(1, n // SAMPLE)
     sample = np.abs(x[::stride].astype(np.float64))
     # each sample element stands for `stride` elements: aim for about 1.25 k above the cut
