@@ -16,6 +16,8 @@ import warnings
 import numpy as np
 import torch
 
+from .sparse import add_last_values
+
 Payload = torch.Tensor | bytes | bytearray | memoryview | np.ndarray
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -199,6 +201,16 @@ class Compressor:
         if staging is None:
             staging = self._staging = torch.zeros(self.numel, dtype=self.dtype).numpy()
         return staging
+
+    def add_entries(self, indices: np.ndarray, raw_values: np.ndarray,
+                    total: torch.Tensor) -> torch.Tensor:
+        """``total += y`` for the sparse ``y`` that decoding writes (zeros, then
+        ``y[indices[j]] = value j`` in order, so a repeated index keeps its last value),
+        touching only the indexed elements; ``raw_values`` are the values' raw bits and
+        the indices are checked. float32/float64 only."""
+        target = float_view(self.output(total, "total"))
+        add_last_values(indices, raw_values.view(target.dtype), self.staging(), target)
+        return total
 
     def bad_payload(self, what: str) -> ValueError:
         return ValueError(f"{type(self).__name__} payload for numel={self.numel}, "

@@ -28,12 +28,10 @@ from .base import (
     Compressor,
     Payload,
     bit_view,
-    float_view,
     payload_bytes,
     sub_array,
 )
 from .rng import load_state_list, new_state, state_list, xorshift_step
-from .sparse import add_last_values
 
 BLOCK = 4096  # indices drawn ahead of the memory accesses that use them
 
@@ -127,11 +125,9 @@ class RandomK(Compressor):
         if self.dtype not in KERNEL_FLOAT_DTYPES:
             return super().decompress_add(payload, total, scratch)
         state, values = self._parse(payload)
-        target = float_view(self.output(total, "total"))
         indices = np.empty(self.k, dtype=np.uint64)
         draw_indices(state, self.numel, indices)
-        add_last_values(indices, values.view(target.dtype), self.staging(), target)
-        return total
+        return self.add_entries(indices, values, total)
 
     def fast_update_error(self, corrected: torch.Tensor, payload: Payload) -> torch.Tensor:
         """corrected -= decompress(payload): the drawn entries become 0, the rest stay."""

@@ -39,7 +39,6 @@ from .base import (
     payload_bytes,
     sub_array,
 )
-from .sparse import add_last_values
 from .threads import chunk_bounds, run_chunks
 
 SAMPLE = 16384  # strided sample size for the threshold estimate
@@ -258,9 +257,7 @@ class TopK(Compressor):
         if self.dtype not in KERNEL_FLOAT_DTYPES:
             return super().decompress_add(payload, total, scratch)
         indices, values = self._parse(payload)
-        target = float_view(self.output(total, "total"))
-        add_last_values(indices, values.view(target.dtype), self.staging(), target)
-        return total
+        return self.add_entries(indices, values, total)
 
     def fast_update_error(self, corrected: torch.Tensor, payload: Payload) -> torch.Tensor:
         """corrected -= decompress(payload): the sent entries become 0, the rest stay."""
