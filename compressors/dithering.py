@@ -62,7 +62,10 @@ from .bitstream import (
     delta_length,
 )
 from .rng import (
+    LANES,
     UINT64_MAX_F64,
+    VECTOR,
+    draw_lanes,
     jump,
     jump_table,
     load_state_list,
@@ -122,9 +125,8 @@ def delta_bits(value: int) -> int:
 
 
 SMALL = 16  # gaps and levels below this encode by one lookup
-LANES = 4  # independent generators interleaved in the quantiser, for instruction-level parallelism
 LANE_MIN = 1 << 16  # chunks shorter than this use one generator (no jumps)
-DRAWS = 1024  # draws per lane per quantiser pass
+DRAWS = 512  # draws per lane per quantiser pass (LANES rows of them stay in L1)
 
 
 def small_entry_codes() -> np.ndarray:
@@ -167,28 +169,23 @@ def quantise_block(x, scale, top, natural, draws, levels_out):
 def quantise_chunk(x, scale, top, natural, span, states, levels_out):
     """levels_out[i] = the signed q of x[i] (scale > 0), drawing from LANES generators.
 
-    Lane l covers ``x[l * span : (l + 1) * span]`` and ``states[l]`` is the generator
-    state at its start (a jump ahead of the chunk's); with ``span >= x.size`` lane 0
-    does everything. The lanes' xorshift chains are independent, so interleaving them
-    hides the latency of each step; each pass draws DRAWS numbers per lane, then
-    quantises the lanes' blocks (vectorised).
+    Lane l covers ``x[l * span : (l + 1) * span]`` and ``states[:, l]`` (a, b) is the
+    generator state at its start (a jump ahead of the chunk's); with ``span >= x.size``
+    lane 0 does everything, one draw at a time. Otherwise each pass steps all lanes
+    DRAWS times side by side (``draw_lanes``), then quantises the lanes' blocks
+    (vectorised). Draws past a lane's span are never used.
     """
     n = x.size
-    a0, b0, a1, b1 = states[0, 0], states[0, 1], states[1, 0], states[1, 1]
-    a2, b2, a3, b3 = states[2, 0], states[2, 1], states[3, 0], states[3, 1]
     draws = np.empty((LANES, DRAWS), dtype=np.uint64)
     lanes = min(LANES, -(-n // span))
+    a, b = states[0, 0], states[1, 0]
     for k0 in range(0, min(span, n), DRAWS):
         count = min(DRAWS, span - k0)
         if lanes == 1:
             for j in range(count):
-                a0, b0, draws[0, j] = xorshift_step(a0, b0)
+                a, b, draws[0, j] = xorshift_step(a, b)
         else:
-            for j in range(count):
-                a0, b0, draws[0, j] = xorshift_step(a0, b0)
-                a1, b1, draws[1, j] = xorshift_step(a1, b1)
-                a2, b2, draws[2, j] = xorshift_step(a2, b2)
-                a3, b3, draws[3, j] = xorshift_step(a3, b3)
+            draw_lanes(states, draws, -(-count // VECTOR))
         for lane in range(lanes):
             lo = lane * span + k0
             hi = min(lo + count, n, (lane + 1) * span)
@@ -240,6 +237,22 @@ def flush_bits(acc, total, words):
     return total
 
 
+@njit(nogil=True, cache=True, inline="always")
+def append_entry(acc, total, gap, signed, small_codes, words):
+    """Append one entry: delta(gap), the sign bit, delta(|signed|); returns (acc, total).
+    With gap and q below SMALL (nearly always) the whole entry is one lookup."""
+    q = abs(signed)
+    if gap < SMALL and q < SMALL:
+        packed = small_codes[np.uint64((gap * SMALL + q) * 2 + (signed < 0))]
+        return append_bits(acc, total, packed & np.uint64(0xFFFFFFFF),
+                           np.int64(packed >> np.uint64(32)), words)
+    gap_code, gap_bits = delta_code(gap)
+    q_code, q_bits = delta_code(q)
+    acc, total = append_code(acc, total, gap_code, gap_bits, words)
+    return append_code(acc, total, (np.uint64(signed < 0) << np.uint64(q_bits)) | q_code,
+                       q_bits + 1, words)
+
+
 CODE_BLOCK = 2048  # levels scanned for nonzeros before their entries are coded
 
 
@@ -251,9 +264,8 @@ def code_chunk(levels, small_codes, words):
     Returns (bits, first, last): the bit count and the chunk indices of the first and
     last nonzero level (-1 if none). Each block of levels is first scanned for its
     nonzeros (branch-free), then only those are coded, so zeros cost no coding work.
-    Entries with gap and q below SMALL come whole from ``small_codes``; longer codes
-    go in pieces of at most 32 bits. Indices are cast to unsigned, so numba leaves out
-    its negative-index wraparound (15% of this loop's time).
+    Indices are cast to unsigned, so numba leaves out its negative-index wraparound
+    (15% of this loop's time). For int8 levels ``code_windows`` is faster.
     """
     acc = np.uint64(0)  # the newest stream bits
     total = 0
@@ -269,20 +281,110 @@ def code_chunk(levels, small_codes, words):
             first = nonzero[0]
         for j in range(count):
             i = nonzero[np.uint64(j)]
-            signed = np.int64(levels[np.uint64(i)])
-            q = abs(signed)
-            gap = i - previous
+            acc, total = append_entry(acc, total, i - previous, np.int64(levels[np.uint64(i)]),
+                                      small_codes, words)
             previous = i
-            if gap < SMALL and q < SMALL:  # nearly always: one lookup
-                packed = small_codes[np.uint64((gap * SMALL + q) * 2 + (signed < 0))]
-                acc, total = append_bits(acc, total, packed & np.uint64(0xFFFFFFFF),
-                                         np.int64(packed >> np.uint64(32)), words)
+    return flush_bits(acc, total, words), first, previous
+
+
+WINDOW = 4  # int8 levels read as one uint32 and coded by one table lookup
+WINDOW_LOW = -3  # window levels -3..4 (3 bits each once biased by 3) have table entries
+REST_MASK = (1 << 40) - 1
+
+
+def window_codes() -> np.ndarray:
+    """For each 12-bit pattern of WINDOW levels (level - WINDOW_LOW, 3 bits each, the
+    first level lowest) with a nonzero level: the window's code after its first gap
+    (the first entry's sign and delta(q), then whole entries with gaps inside the
+    window), packed as ``code | bits << 40 | first << 48 | last << 52`` with the
+    positions of the first and last nonzero level."""
+    table = np.zeros(1 << (3 * WINDOW), dtype=np.uint64)
+    for pattern in range(table.size):
+        levels = [((pattern >> (3 * k)) & 7) + WINDOW_LOW for k in range(WINDOW)]
+        positions = [k for k, level in enumerate(levels) if level]
+        if not positions:
+            continue
+        code, bits, previous = 0, 0, positions[0]
+        for k in positions:
+            if k != positions[0]:
+                code, bits = code << delta_length(k - previous) | delta_bits(k - previous), (
+                    bits + delta_length(k - previous))
+            q = abs(levels[k])
+            code = (code << 1 | (levels[k] < 0)) << delta_length(q) | delta_bits(q)
+            bits += 1 + delta_length(q)
+            previous = k
+        table[pattern] = code | bits << 40 | positions[0] << 48 | positions[-1] << 52
+    table.setflags(write=False)
+    return table
+
+
+def gap_codes() -> np.ndarray:
+    """delta(gap) for gap < SMALL, packed as ``code | bits << 32``."""
+    table = np.array([0] + [delta_bits(g) | delta_length(g) << 32 for g in range(1, SMALL)],
+                     dtype=np.uint64)
+    table.setflags(write=False)
+    return table
+
+
+WINDOW_CODES = window_codes()
+GAP_CODES = gap_codes()
+
+
+@njit(nogil=True, cache=True)
+def code_windows(levels, windows, window_codes, gap_codes, small_codes, words):
+    """``code_chunk`` for int8 ``levels``, WINDOW levels at a time: ``windows`` is the
+    whole windows of ``levels`` viewed as uint32 (little-endian: the first level in the
+    low byte). An all-zero window costs one compare. Otherwise the levels are biased by
+    -WINDOW_LOW with a byte-wise add that carries nothing across bytes; if each fits in
+    3 bits, one lookup gives the window's code after its first gap, which is prepended
+    (one more lookup when small), so a window costs one or two appends whatever its
+    entries. Levels out of range and the tail are coded entry by entry.
+    """
+    acc = np.uint64(0)
+    total = 0
+    previous = -1
+    first = -1
+    bias = np.uint32(-WINDOW_LOW * 0x01010101)
+    for w in range(windows.size):
+        word = windows[np.uint64(w)]
+        if word == 0:
+            continue
+        base = w * WINDOW
+        biased = ((word & np.uint32(0x7F7F7F7F)) + bias) ^ (word & np.uint32(0x80808080))
+        if biased & np.uint32(0xF8F8F8F8):  # a level outside WINDOW_LOW..WINDOW_LOW + 7
+            for i in range(base, base + WINDOW):
+                level = np.int64(levels[np.uint64(i)])
+                if level:
+                    acc, total = append_entry(acc, total, i - previous, level, small_codes,
+                                              words)
+                    first = i if first < 0 else first
+                    previous = i
+            continue
+        spread = biased | (biased >> np.uint32(5))  # levels 1 and 3 next to 0 and 2
+        pattern = (spread & np.uint32(0x3F)) | ((spread >> np.uint32(10)) & np.uint32(0xFC0))
+        entry = window_codes[np.uint64(pattern)]
+        start = base + np.int64((entry >> np.uint64(48)) & np.uint64(0xF))
+        gap = start - previous
+        first = start if first < 0 else first
+        previous = base + np.int64(entry >> np.uint64(52))
+        rest = entry & np.uint64(REST_MASK)
+        rest_bits = np.int64((entry >> np.uint64(40)) & np.uint64(0xFF))
+        if gap < SMALL:
+            gap_entry = gap_codes[np.uint64(gap)]
+            gap_bits = np.int64(gap_entry >> np.uint64(32))
+            if gap_bits + rest_bits <= 32:
+                code = ((gap_entry & np.uint64(0xFFFFFFFF)) << np.uint64(rest_bits)) | rest
+                acc, total = append_bits(acc, total, code, gap_bits + rest_bits, words)
                 continue
-            gap_code, gap_bits = delta_code(gap)
-            q_code, q_bits = delta_code(q)
-            acc, total = append_code(acc, total, gap_code, gap_bits, words)
-            acc, total = append_code(acc, total, (np.uint64(signed < 0) << np.uint64(q_bits))
-                                     | q_code, q_bits + 1, words)
+        gap_code, gap_bits = delta_code(gap)
+        acc, total = append_code(acc, total, gap_code, gap_bits, words)
+        acc, total = append_code(acc, total, rest, rest_bits, words)
+    for i in range(windows.size * WINDOW, levels.size):
+        level = np.int64(levels[np.uint64(i)])
+        if level:
+            acc, total = append_entry(acc, total, i - previous, level, small_codes, words)
+            first = i if first < 0 else first
+            previous = i
     return flush_bits(acc, total, words), first, previous
 
 
@@ -592,13 +694,17 @@ class Dithering(Compressor):
 
         def work(lo: int, hi: int) -> tuple:
             span = -(-(hi - lo) // LANES) if hi - lo >= LANE_MIN else hi - lo
-            states = np.zeros((LANES, 2), dtype=np.uint64)
+            states = np.zeros((2, LANES), dtype=np.uint64)
             for lane in range(LANES if span < hi - lo else 1):
-                states[lane] = jump(a, b, lo + lane * span, table)
+                states[:, lane] = jump(a, b, lo + lane * span, table)
             quantise_chunk(values[lo:hi], scale, top, self.natural, span, states, levels[lo:hi])
             out = words if lo == 0 else self.buffer(
                 f"stream{lo}", (hi - lo) * self.bits_per_element // 32 + 4, np.uint32)
-            return code_chunk(levels[lo:hi], SMALL_CODES, out)
+            chunk = levels[lo:hi]
+            if chunk.dtype != np.int8:
+                return code_chunk(chunk, SMALL_CODES, out)
+            windows = chunk[: chunk.size // WINDOW * WINDOW].view(np.uint32)
+            return code_windows(chunk, windows, WINDOW_CODES, GAP_CODES, SMALL_CODES, out)
 
         results = run_chunks(work, self.bounds)
         nbits, _, last = results[0]

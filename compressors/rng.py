@@ -11,12 +11,19 @@ number of steps in at most 64 matrix-vector products (``jump_table`` holds the
 matrices of 2**k steps), letting threads start their chunk of draws at once::
 
     >>> a, b = jump(np.uint64(7), np.uint64(7), 2, jump_table())  # == after 2 draws
+
+One generator is a serial chain of shifts and xors; ``draw_lanes`` steps LANES
+generators (each jumped to the start of its own span of draws) side by side in SIMD
+registers, about 4x the draws per second of one.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, uint64
+from llvmlite import ir
+from numba import njit, types, uint64
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 DEFAULT_SEED = 1  # used when compression_params["seed"] is None (not set by a trainer)
 UINT64_MAX_F64 = float(2**64 - 1)  # bernoulli threshold factor, compared in float64
@@ -97,6 +104,93 @@ def jump(a, b, distance, table):
         if (uint64(distance) >> uint64(k)) & uint64(1):
             a, b = apply_matrix(table[k], a, b)
     return a, b
+
+
+VECTOR = 4  # generators per SIMD register (4 x uint64: 256 bits)
+LANES = 2 * VECTOR  # generators stepped side by side: two registers hide each other's latency
+_I64 = ir.IntType(64)
+_I32 = ir.IntType(32)
+_V64 = ir.VectorType(_I64, VECTOR)
+
+
+def _splat(value: int) -> ir.Constant:
+    return ir.Constant(_V64, [ir.Constant(_I64, value)] * VECTOR)
+
+
+def _lanes(*indices: int) -> ir.Constant:
+    return ir.Constant(ir.VectorType(_I32, VECTOR), [ir.Constant(_I32, i) for i in indices])
+
+
+def _transpose(builder: ir.IRBuilder, rows: list) -> list:
+    """The 4x4 matrix of 4 vectors, transposed (8 shuffles)."""
+    even0 = builder.shuffle_vector(rows[0], rows[1], _lanes(0, 4, 2, 6))
+    odd0 = builder.shuffle_vector(rows[0], rows[1], _lanes(1, 5, 3, 7))
+    even1 = builder.shuffle_vector(rows[2], rows[3], _lanes(0, 4, 2, 6))
+    odd1 = builder.shuffle_vector(rows[2], rows[3], _lanes(1, 5, 3, 7))
+    return [builder.shuffle_vector(even0, even1, _lanes(0, 1, 4, 5)),
+            builder.shuffle_vector(odd0, odd1, _lanes(0, 1, 4, 5)),
+            builder.shuffle_vector(even0, even1, _lanes(2, 3, 6, 7)),
+            builder.shuffle_vector(odd0, odd1, _lanes(2, 3, 6, 7))]
+
+
+@intrinsic
+def draw_lanes(typingctx, states, out, blocks):
+    """Step LANES generators ``4 * blocks`` times: ``out[l, j]`` = generator l's j-th
+    draw, and ``states`` (C-contiguous uint64, shape (2, LANES): the a's, then the b's)
+    is left at the state after them. ``out`` is C-contiguous uint64 with LANES rows of
+    at least ``4 * blocks``.
+
+    Numba does not vectorise the step across generators, so this emits the LLVM vector
+    code itself: each block steps each register of 4 generators 4 times, then transposes
+    the 4x4 draws so each generator's 4 land next to each other in its row.
+
+    Example::
+
+        >>> @njit
+        ... def first_draws(states, out):
+        ...     draw_lanes(states, out, 1)
+        >>> states = np.full((2, LANES), 7, dtype=np.uint64)
+        >>> out = np.empty((LANES, 4), dtype=np.uint64)
+        >>> first_draws(states, out)
+        >>> a, b, draw = xorshift_step(uint64(7), uint64(7))
+        >>> bool(out[3, 0] == draw) and bool(out[3, 1] == xorshift_step(a, b)[2])
+        True
+    """
+    registers = LANES // VECTOR
+
+    def codegen(context, builder, signature, args):
+        state_array = context.make_array(signature.args[0])(context, builder, args[0])
+        out_array = context.make_array(signature.args[1])(context, builder, args[1])
+        row_bytes = cgutils.unpack_tuple(builder, out_array.strides)[0]
+        vectors = builder.bitcast(state_array.data, _V64.as_pointer())
+        pointers = [builder.gep(vectors, [ir.Constant(_I64, k)]) for k in range(2 * registers)]
+        slots = [cgutils.alloca_once_value(builder, builder.load(ptr, align=8))
+                 for ptr in pointers]  # promoted to registers by LLVM
+        base = builder.bitcast(out_array.data, ir.IntType(8).as_pointer())
+        with cgutils.for_range(builder, args[2]) as loop:
+            column = builder.mul(loop.index, ir.Constant(_I64, 8 * VECTOR))
+            for register in range(registers):
+                a, b = builder.load(slots[register]), builder.load(slots[registers + register])
+                draws = []
+                for _ in range(VECTOR):  # xorshift128+, as xorshift_step
+                    t, s = a, b
+                    t = builder.xor(t, builder.shl(t, _splat(23)))
+                    t = builder.xor(t, builder.lshr(t, _splat(17)))
+                    t = builder.xor(t, builder.xor(s, builder.lshr(s, _splat(26))))
+                    a, b = s, t
+                    draws.append(builder.add(t, s))
+                builder.store(a, slots[register])
+                builder.store(b, slots[registers + register])
+                for k, row in enumerate(_transpose(builder, draws)):
+                    lane = register * VECTOR + k
+                    offset = builder.add(builder.mul(row_bytes, ir.Constant(_I64, lane)), column)
+                    builder.store(row, builder.bitcast(builder.gep(base, [offset]),
+                                                       _V64.as_pointer()), align=8)
+        for slot, ptr in zip(slots, pointers, strict=True):
+            builder.store(builder.load(slot), ptr, align=8)
+        return context.get_dummy_value()
+
+    return types.none(states, out, blocks), codegen
 
 
 def state_list(state: np.ndarray) -> list:

@@ -5,9 +5,10 @@ the thresholds that switch those paths on are lowered by the ``small_chunks`` fi
 import numpy as np
 import pytest
 import torch
+from numba import njit
 
 from bps.compressors import build, dithering, threads
-from bps.compressors.rng import jump, jump_table
+from bps.compressors.rng import LANES, draw_lanes, jump, jump_table
 from tests import reference_compressors as ref
 
 
@@ -30,6 +31,71 @@ def test_jump_matches_sequential_steps():
             done = distance
             a, b = jump(np.uint64(seed), np.uint64(seed), distance, jump_table())
             assert (int(a), int(b)) == (rng.a, rng.b)
+
+
+def test_draw_lanes_steps_each_generator_from_its_own_state():
+    seeds = [1, 2, 3, 2**64 - 1, 12345, 7, 9, 2**63]
+    references = [ref.XorShift128Plus(seed) for seed in seeds]
+    states = np.array([seeds, seeds], dtype=np.uint64)
+    out = np.zeros((LANES, 64), dtype=np.uint64)
+
+    @njit
+    def draw(states, out, blocks):
+        draw_lanes(states, out, blocks)
+
+    for blocks in (3, 1, 16):  # the states carry over from call to call
+        draw(states, out, blocks)
+        for lane, reference in enumerate(references):
+            assert out[lane, : 4 * blocks].tolist() == [reference.next()
+                                                        for _ in range(4 * blocks)]
+            assert states[:, lane].tolist() == [reference.a, reference.b]
+        assert not out[:, 4 * blocks :].any()  # nothing written past the blocks
+        out[:] = 0
+
+
+def reference_stream(levels: np.ndarray) -> tuple[bytes, int]:
+    """The stream bytes and bit count of signed levels, written from SPEC §4."""
+    bits, previous = [], -1
+    for i, level in enumerate(levels.tolist()):
+        if level:
+            bits += [ref.elias_delta(i - previous), "1" if level < 0 else "0",
+                     ref.elias_delta(abs(level))]
+            previous = i
+    stream = "".join(bits)
+    padded = stream + "0" * (-len(stream) % 8)
+    return bytes(int(padded[j : j + 8], 2) for j in range(0, len(padded), 8)), len(stream)
+
+
+def test_window_coder_codes_every_pattern_after_any_gap():
+    """Every window of 4 levels the table covers (-3..4 each), each after a gap drawn from
+    1..40 (zero windows in between), windows with levels outside it (slow path), windows
+    whose code with its gap passes 32 bits, a gap past 2**16 and a tail that is not a
+    whole window: the same bits as the reference, and the same as ``code_chunk``."""
+    gen = np.random.default_rng(5)
+    patterns = [[((p >> (3 * k)) & 7) - 3 for k in range(4)] for p in range(4096)]
+    patterns += [[5, 0, -4, 1], [-9, 100, -128, 127], [4, 4, 4, 4], [-3, 4, -3, 4]]
+    pieces = []
+    for pattern in gen.permutation(np.array(patterns)):
+        pieces += [[0] * (4 * int(gen.integers(0, 10))), list(pattern)]
+    pieces += [[0] * (1 << 17), [1, 0, 0, -1, 0, 0, 4, 4, 4, 4, 3, 0, 0, 2, 2]]
+    levels = [v for piece in pieces for v in piece]
+    for ones in range(64):  # 35-bit windows (gap 9 or 13, four 4s) at every bit offset
+        levels += [1] * ones
+        levels += [0] * (-len(levels) % 4 + 8 + 4 * (ones % 2)) + [4, 4, 4, 4]
+    levels = np.array(levels + [0, -2, 0, 0, 3], dtype=np.int8)
+    for start in (0, 1, 3):  # windows at every offset from the reference's nonzeros
+        chunk = levels[start:]
+        expected, nbits = reference_stream(chunk)
+        words = np.zeros(chunk.size, dtype=np.uint32)
+        windows = chunk[: chunk.size // 4 * 4].view(np.uint32)
+        result = dithering.code_windows(chunk, windows, dithering.WINDOW_CODES,
+                                        dithering.GAP_CODES, dithering.SMALL_CODES, words)
+        nonzero = np.flatnonzero(chunk)
+        assert result == (nbits, nonzero[0], nonzero[-1])
+        assert words.view(np.uint8)[: len(expected)].tobytes() == expected
+        words_chunk = np.zeros(chunk.size, dtype=np.uint32)
+        assert dithering.code_chunk(chunk, dithering.SMALL_CODES, words_chunk) == result
+        np.testing.assert_array_equal(words_chunk, words)
 
 
 def gradient(numel: int, seed: int) -> np.ndarray:
