@@ -490,10 +490,12 @@ def decode_entries(words, nbits, position, index, stop, sync, scale, divisor, ma
     ``words`` holds the stream as native uint64 in stream order plus one zero word, so
     the 64-bit window at any bit position is two loads. While it must record or meet
     entry starts, the parse goes entry by entry; then two entries per ``pairs`` lookup
-    where they fit (nearly always). Short entries decode by one ``table`` lookup, the
-    rest code by code; values come from ``signed[2 * q + negative] = ±q * scale /
-    divisor`` (for the q the tables hold). Every entry is checked against the bits
-    left, out.size and the largest level before it is used. The output is zeroed
+    where they fit (nearly always), in an inner loop without checks while the stream has
+    a whole table prefix left and the zeroed output reaches past any pair. Short entries
+    decode by one ``table`` lookup, the rest code by code; values come from
+    ``signed[2 * q + negative] = ±q * scale / divisor`` (for the q the tables hold).
+    Every entry is checked against the bits left, out.size and the largest level before
+    it is used. The output is zeroed
     ZERO_BLOCK elements at a time ahead of the entries, so short gaps write nothing.
     The hot path's indices are unsigned, so numba leaves out its negative-index
     wraparound (6-8% of the time).
@@ -504,6 +506,7 @@ def decode_entries(words, nbits, position, index, stop, sync, scale, divisor, ma
     count = 0
     k = 0  # next candidate in `sync`
     cleared = index + 1  # out[index + 1 : cleared] are zeros
+    fast_end = min(stop, nbits - TABLE_BITS + 1)  # a pair from before here is in the stream
     while position < nbits and position < stop:
         careful = k < sync.size or count < marks.shape[1]  # entry by entry
         if careful:
@@ -525,7 +528,28 @@ def decode_entries(words, nbits, position, index, stop, sync, scale, divisor, ma
             top = min(cleared + ZERO_BLOCK, n)
             out[cleared:top] = 0.0
             cleared = top
-        if not careful:
+        if not careful:  # pairs while no check can fail: far from the stream's and zeros' ends
+            start = position
+            while position < fast_end and index < cleared - PAIR_REACH:
+                if valid < TABLE_BITS:
+                    word = position >> 6
+                    shift = np.uint64(position & 63)
+                    window = (words[np.uint64(word)] << shift) | (
+                        (words[np.uint64(word + 1)] >> np.uint64(1)) >> (np.uint64(63) - shift))
+                    valid = 64
+                pair = pairs[window >> np.uint64(64 - TABLE_BITS)]
+                bits = pair & FIELD
+                if not bits:
+                    break
+                middle = index + ((pair >> 8) & FIELD)
+                index = middle + ((pair >> 24) & FIELD)
+                out[np.uint64(middle)] = signed[np.uint64((pair >> 16) & FIELD)]
+                out[np.uint64(index)] = signed[np.uint64((pair >> 32) & FIELD)]
+                position += bits
+                window <<= np.uint64(bits)
+                valid -= bits
+            if position != start:
+                continue
             pair = pairs[window >> np.uint64(64 - TABLE_BITS)]
             bits = pair & FIELD
             middle = index + ((pair >> 8) & FIELD)

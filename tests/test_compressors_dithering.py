@@ -223,11 +223,7 @@ def test_speculation_from_every_bit_offset(small_chunks):
     numel = 1543
     c = build({"compressor": "dithering", "k": 4, "seed": 5}, numel)
     payload = c.compress(torch.from_numpy(gradient(numel, 2))).numpy()
-    nbits = int(payload[-16:-8].view("<u8")[0])
-    words = np.zeros(len(payload) // 8 + 2, dtype=np.uint64)
-    words.view(np.uint8)[: len(payload) - 16] = payload[:-16]
-    words.byteswap(inplace=True)
-    scale = float(payload[-8:].view("<f8")[0])
+    words, nbits, scale = stream_words(payload)
     args = c.decode_args(scale)
     truth = np.zeros(numel, np.float32)
     error, _, last, _ = dithering.decode_entries(words, nbits, 0, -1, nbits, dithering.NO_SYNC,
@@ -251,6 +247,70 @@ def test_speculation_from_every_bit_offset(small_chunks):
         np.testing.assert_array_equal(scratch[marks[1, hit - 1] + 1 : rel_last + 1],
                                       truth[index + 1 : last + 1])
     assert met > nbits // 7 * 0.9
+
+
+def stream_words(payload: np.ndarray) -> tuple[np.ndarray, int, float]:
+    """The decoder's input: the stream as native uint64 in stream order, its bits, scale."""
+    words = np.zeros(len(payload) // 8 + 2, dtype=np.uint64)
+    words.view(np.uint8)[: len(payload) - 16] = payload[:-16]
+    words.byteswap(inplace=True)
+    return words, int(payload[-16:-8].view("<u8")[0]), float(payload[-8:].view("<f8")[0])
+
+
+def entry_starts(payload: np.ndarray) -> list[int]:
+    """The bit position of every entry, parsed in Python from SPEC §4."""
+    nbits = int(payload[-16:-8].view("<u8")[0])
+    stream = "".join(format(byte, "08b") for byte in payload[:-16].tolist())[:nbits]
+    starts, pos = [], 0
+
+    def skip_delta(pos: int) -> int:
+        zeros = stream.index("1", pos) - pos
+        b = int(stream[pos + zeros : pos + 2 * zeros + 1], 2)
+        return pos + 2 * zeros + 1 + b - 1
+
+    while pos < nbits:
+        starts.append(pos)
+        pos = skip_delta(skip_delta(pos) + 1)
+    return starts
+
+
+def test_decode_stops_at_most_one_entry_past_stop():
+    """``decode_entries`` with ``stop``: it ends at the first entry start >= stop or (two
+    entries per lookup) the one after: the threads' ranges rely on it."""
+    numel = 20000
+    c = build({"compressor": "dithering", "k": 4, "seed": 5}, numel)
+    payload = c.compress(torch.from_numpy(gradient(numel, 3))).numpy()
+    words, nbits, scale = stream_words(payload)
+    starts = entry_starts(payload)
+    for stop in range(1, nbits, 97):
+        out = np.zeros(numel, np.float32)
+        error, position, _, _ = dithering.decode_entries(
+            words, nbits, 0, -1, stop, dithering.NO_SYNC, *c.decode_args(scale), out,
+            dithering.NO_MARKS)
+        first = next(k for k, start in enumerate(starts + [nbits]) if start >= stop)
+        assert error == 0 and position in (starts + [nbits, nbits])[first : first + 2]
+
+
+def test_a_stream_cut_inside_its_last_entry_is_refused():
+    """The bit count cut by one of the last entry's trailing zero bits: the zero padding
+    would complete the entry, yet the stream ends inside it."""
+    numel = 20000
+    x = gradient(numel, 4)
+    x[-300:] = 0.0  # the last entry well before the output's end (the decoder's fast loop)
+    c = build({"compressor": "dithering", "k": 4, "seed": 6}, numel)
+    cuts = 0
+    for _ in range(40):
+        payload = c.compress(torch.from_numpy(x)).numpy().copy()
+        nbits = int(payload[-16:-8].view("<u8")[0])
+        last_bit = (int(payload[(nbits - 1) // 8]) >> (7 - (nbits - 1) % 8)) & 1
+        if last_bit or nbits % 8 == 1:  # a 1, or the cut would drop a whole byte
+            continue
+        assert entry_starts(payload)[-1] < nbits - 1  # so the cut is inside that entry
+        payload[-16:-8] = np.array([nbits - 1], dtype="<u8").view(np.uint8)
+        with pytest.raises(ValueError, match="truncated Elias-delta|ends inside an entry"):
+            c.decompress(torch.from_numpy(payload))
+        cuts += 1
+    assert cuts >= 5
 
 
 @pytest.mark.parametrize("name", ["dithering", "natural"])
