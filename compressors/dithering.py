@@ -472,6 +472,16 @@ def pair_table(max_level: int) -> np.ndarray:
     return table
 
 
+@njit(nogil=True, cache=True, inline="always")
+def window_at(words, position):
+    """The 64 stream bits from bit ``position`` of the native uint64 ``words`` (two
+    loads; the second word is shifted in two steps so that a shift of 0 moves nothing)."""
+    word = np.uint64(position >> 6)
+    shift = np.uint64(position & 63)
+    return (words[word] << shift) | ((words[word + np.uint64(1)] >> np.uint64(1))
+                                     >> (np.uint64(63) - shift))
+
+
 @njit(nogil=True, cache=True)
 def decode_entries(words, nbits, position, index, stop, sync, scale, divisor, max_level, table,
                    pairs, signed, out, marks):
@@ -519,11 +529,7 @@ def decode_entries(words, nbits, position, index, stop, sync, scale, divisor, ma
                 marks[1, count] = index
                 count += 1
         if valid < TABLE_BITS:
-            word = position >> 6
-            shift = np.uint64(position & 63)
-            window = (words[np.uint64(word)] << shift) | (
-                (words[np.uint64(word + 1)] >> np.uint64(1)) >> (np.uint64(63) - shift))
-            valid = 64
+            window, valid = window_at(words, position), 64
         if cleared <= index + PAIR_REACH and cleared < n:
             top = min(cleared + ZERO_BLOCK, n)
             out[cleared:top] = 0.0
@@ -532,11 +538,7 @@ def decode_entries(words, nbits, position, index, stop, sync, scale, divisor, ma
             start = position
             while position < fast_end and index < cleared - PAIR_REACH:
                 if valid < TABLE_BITS:
-                    word = position >> 6
-                    shift = np.uint64(position & 63)
-                    window = (words[np.uint64(word)] << shift) | (
-                        (words[np.uint64(word + 1)] >> np.uint64(1)) >> (np.uint64(63) - shift))
-                    valid = 64
+                    window, valid = window_at(words, position), 64
                 pair = pairs[window >> np.uint64(64 - TABLE_BITS)]
                 bits = pair & FIELD
                 if not bits:
@@ -581,10 +583,7 @@ def decode_entries(words, nbits, position, index, stop, sync, scale, divisor, ma
         at = position
         gap = 0
         for part in range(2):  # 0: the gap code; 1: the sign bit and the q code
-            word = at >> 6
-            shift = np.uint64(at & 63)
-            window = (words[word] << shift) | ((words[word + 1] >> np.uint64(1)) >> (
-                np.uint64(63) - shift))
+            window = window_at(words, at)
             negative = False
             if part:
                 if at >= nbits:
