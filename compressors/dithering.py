@@ -175,6 +175,8 @@ def quantise_chunk(x, scale, top, natural, span, states, levels_out):
     DRAWS times side by side (``draw_lanes``), then quantises the lanes' blocks
     (vectorised). Draws past a lane's span are never used.
     """
+    if states.shape != (2, LANES) or not states.flags.c_contiguous:
+        raise ValueError("quantise_chunk: states must be a C-contiguous (2, LANES) array")
     n = x.size
     draws = np.empty((LANES, DRAWS), dtype=np.uint64)
     lanes = min(LANES, -(-n // span))

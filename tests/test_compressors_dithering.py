@@ -53,6 +53,14 @@ def test_draw_lanes_steps_each_generator_from_its_own_state():
         out[:] = 0
 
 
+def test_quantiser_refuses_a_states_array_draw_lanes_would_overrun():
+    x = np.ones(1024, np.float32)
+    levels = np.zeros(1024, np.int8)
+    for states in (np.zeros((LANES, 2), np.uint64), np.zeros((2, 2 * LANES), np.uint64)[:, ::2]):
+        with pytest.raises(ValueError, match="states"):
+            dithering.quantise_chunk(x, 1.0, 4.0, False, 128, states, levels)
+
+
 def reference_stream(levels: np.ndarray) -> tuple[bytes, int]:
     """The stream bytes and bit count of signed levels, written from SPEC §4."""
     bits, previous = [], -1
