@@ -332,6 +332,20 @@ WINDOW_CODES = window_codes()
 GAP_CODES = gap_codes()
 
 
+@njit(nogil=True, cache=True, inline="always")
+def code_levels(levels, lo, hi, acc, total, first, previous, small_codes, words):
+    """Code the nonzero ``levels[lo:hi]`` entry by entry after the last nonzero index
+    ``previous`` (``first``: the first nonzero index so far, -1 if none); returns
+    (acc, total, first, previous)."""
+    for i in range(lo, hi):
+        level = np.int64(levels[np.uint64(i)])
+        if level:
+            acc, total = append_entry(acc, total, i - previous, level, small_codes, words)
+            first = i if first < 0 else first
+            previous = i
+    return acc, total, first, previous
+
+
 @njit(nogil=True, cache=True)
 def code_windows(levels, windows, window_codes, gap_codes, small_codes, words):
     """``code_chunk`` for int8 ``levels``, WINDOW levels at a time: ``windows`` is the
@@ -354,13 +368,8 @@ def code_windows(levels, windows, window_codes, gap_codes, small_codes, words):
         base = w * WINDOW
         biased = ((word & np.uint32(0x7F7F7F7F)) + bias) ^ (word & np.uint32(0x80808080))
         if biased & np.uint32(0xF8F8F8F8):  # a level outside WINDOW_LOW..WINDOW_LOW + 7
-            for i in range(base, base + WINDOW):
-                level = np.int64(levels[np.uint64(i)])
-                if level:
-                    acc, total = append_entry(acc, total, i - previous, level, small_codes,
-                                              words)
-                    first = i if first < 0 else first
-                    previous = i
+            acc, total, first, previous = code_levels(levels, base, base + WINDOW, acc, total,
+                                                      first, previous, small_codes, words)
             continue
         spread = biased | (biased >> np.uint32(5))  # levels 1 and 3 next to 0 and 2
         pattern = (spread & np.uint32(0x3F)) | ((spread >> np.uint32(10)) & np.uint32(0xFC0))
@@ -381,12 +390,8 @@ def code_windows(levels, windows, window_codes, gap_codes, small_codes, words):
         gap_code, gap_bits = delta_code(gap)
         acc, total = append_code(acc, total, gap_code, gap_bits, words)
         acc, total = append_code(acc, total, rest, rest_bits, words)
-    for i in range(windows.size * WINDOW, levels.size):
-        level = np.int64(levels[np.uint64(i)])
-        if level:
-            acc, total = append_entry(acc, total, i - previous, level, small_codes, words)
-            first = i if first < 0 else first
-            previous = i
+    acc, total, first, previous = code_levels(levels, windows.size * WINDOW, levels.size, acc,
+                                              total, first, previous, small_codes, words)
     return flush_bits(acc, total, words), first, previous
 
 
@@ -502,13 +507,14 @@ def decode_entries(words, nbits, position, index, stop, sync, scale, divisor, ma
     ``words`` holds the stream as native uint64 in stream order plus one zero word, so
     the 64-bit window at any bit position is two loads. While it must record or meet
     entry starts, the parse goes entry by entry; then two entries per ``pairs`` lookup
-    where they fit (nearly always), in an inner loop without checks while the stream has
-    a whole table prefix left and the zeroed output reaches past any pair. Short entries
-    decode by one ``table`` lookup, the rest code by code; values come from
-    ``signed[2 * q + negative] = ±q * scale / divisor`` (for the q the tables hold).
-    Every entry is checked against the bits left, out.size and the largest level before
-    it is used. The output is zeroed
-    ZERO_BLOCK elements at a time ahead of the entries, so short gaps write nothing.
+    (nearly always), in an inner loop without checks, while none can fail: the stream
+    has a whole table prefix left, the zeroed output reaches past any pair and the table
+    holds only valid levels. Elsewhere (near either end, or no pair fits) one entry at a
+    time: short entries by one ``table`` lookup, the rest code by code, each checked
+    against the bits left, out.size and the largest level before it is used. Values come
+    from ``signed[2 * q + negative] = ±q * scale / divisor`` (for the q the tables
+    hold). The output is zeroed ZERO_BLOCK elements at a time ahead of the entries, so
+    short gaps write nothing.
     The hot path's indices are unsigned, so numba leaves out its negative-index
     wraparound (6-8% of the time).
     """
@@ -553,19 +559,7 @@ def decode_entries(words, nbits, position, index, stop, sync, scale, divisor, ma
                 window <<= np.uint64(bits)
                 valid -= bits
             if position != start:
-                continue
-            pair = pairs[window >> np.uint64(64 - TABLE_BITS)]
-            bits = pair & FIELD
-            middle = index + ((pair >> 8) & FIELD)
-            last = middle + ((pair >> 24) & FIELD)
-            if bits and bits <= nbits - position and last < n:
-                out[np.uint64(middle)] = signed[np.uint64((pair >> 16) & FIELD)]
-                out[np.uint64(last)] = signed[np.uint64((pair >> 32) & FIELD)]
-                index = last
-                position += bits
-                window <<= np.uint64(bits)
-                valid -= bits
-                continue
+                continue  # else near an end, or no pair fits: one entry, checked
         entry = table[window >> np.uint64(64 - TABLE_BITS)]
         bits = entry & 0xFF
         if bits and bits <= nbits - position:

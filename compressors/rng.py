@@ -117,20 +117,20 @@ def _splat(value: int) -> ir.Constant:
     return ir.Constant(_V64, [ir.Constant(_I64, value)] * VECTOR)
 
 
-def _lanes(*indices: int) -> ir.Constant:
+def _shuffle_mask(*indices: int) -> ir.Constant:
     return ir.Constant(ir.VectorType(_I32, VECTOR), [ir.Constant(_I32, i) for i in indices])
 
 
 def _transpose(builder: ir.IRBuilder, rows: list) -> list:
     """The 4x4 matrix of 4 vectors, transposed (8 shuffles)."""
-    even0 = builder.shuffle_vector(rows[0], rows[1], _lanes(0, 4, 2, 6))
-    odd0 = builder.shuffle_vector(rows[0], rows[1], _lanes(1, 5, 3, 7))
-    even1 = builder.shuffle_vector(rows[2], rows[3], _lanes(0, 4, 2, 6))
-    odd1 = builder.shuffle_vector(rows[2], rows[3], _lanes(1, 5, 3, 7))
-    return [builder.shuffle_vector(even0, even1, _lanes(0, 1, 4, 5)),
-            builder.shuffle_vector(odd0, odd1, _lanes(0, 1, 4, 5)),
-            builder.shuffle_vector(even0, even1, _lanes(2, 3, 6, 7)),
-            builder.shuffle_vector(odd0, odd1, _lanes(2, 3, 6, 7))]
+    even0 = builder.shuffle_vector(rows[0], rows[1], _shuffle_mask(0, 4, 2, 6))
+    odd0 = builder.shuffle_vector(rows[0], rows[1], _shuffle_mask(1, 5, 3, 7))
+    even1 = builder.shuffle_vector(rows[2], rows[3], _shuffle_mask(0, 4, 2, 6))
+    odd1 = builder.shuffle_vector(rows[2], rows[3], _shuffle_mask(1, 5, 3, 7))
+    return [builder.shuffle_vector(even0, even1, _shuffle_mask(0, 1, 4, 5)),
+            builder.shuffle_vector(odd0, odd1, _shuffle_mask(0, 1, 4, 5)),
+            builder.shuffle_vector(even0, even1, _shuffle_mask(2, 3, 6, 7)),
+            builder.shuffle_vector(odd0, odd1, _shuffle_mask(2, 3, 6, 7))]
 
 
 @intrinsic
