@@ -57,7 +57,10 @@ def run(name: str, workdir: Path, timeout: float, epochs: int | None) -> list[fl
     argv = [sys.executable, "-m", "bps.launch.cli", "local", "--workers", "4", "--servers",
             "4", "--", sys.executable, str(REPO / "examples" / "mnist.py"), *job,
             *SETTINGS[name], "--metrics-json", str(metrics)]
+    # a fixed job seed: with the servers' node-order sums each setting's run is
+    # reproducible (its accuracies then vary only with the seed)
     env = dict(os.environ, BYTEPS_PARTITION_BYTES="1024000")
+    env.setdefault("BPS_JOB_SEED", "1")
     log = workdir / f"{name}.log"
     with open(log, "w") as out:
         code = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env,

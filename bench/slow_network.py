@@ -217,6 +217,9 @@ def run_one(method: Method, args: argparse.Namespace, workdir: Path) -> Run:
         log.write(" ".join(argv) + "\n")
         log.flush()
         env = dict(os.environ, BYTEPS_PARTITION_BYTES=str(method.partition_bytes(args)))
+        # the job seed (randomk's and dithering's generators) from --seed: with the
+        # servers' node-order sums, a bps run's losses and accuracies are then reproducible
+        env.setdefault("BPS_JOB_SEED", str(args.seed + 1))
         process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                    text=True, cwd=REPO, env=env)
         try:

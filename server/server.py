@@ -14,7 +14,11 @@ Engine threads send replies back through an inproc socket; the I/O thread forwar
 
 Per key and step: each worker node's push is decompressed and added to the step's sum
 (float32, float64 for float64 keys; a sum of two float16/bfloat16 pushes is taken in
-that dtype, which rounds exactly as the float32 sum does) as it arrives. When all nodes
+that dtype, which rounds exactly as the float32 sum does) in worker-node order: a push
+that arrives before those of lower-numbered nodes is acknowledged and kept (its frame,
+undecoded) until they have been added. The sum's rounding, and with it a whole job's
+results, then does not depend on which node was faster (a run is reproducible from its
+seeds, as with DDP's fixed allreduce order). When all nodes
 have pushed step s (and every earlier step is done), the server chain gets
 ``set_lr(lr)`` from the push header and compresses the sum once; every push and pull of
 step s is answered with those same bytes. Pushes for later steps accumulate separately,
@@ -68,7 +72,9 @@ class _Step:
     """The sum of one step of one key while its pushes arrive."""
 
     total: torch.Tensor | None = None
-    pushed: set[int] = field(default_factory=set)
+    pushed: set[int] = field(default_factory=set)  # nodes whose push arrived
+    held: dict[int, tuple[bytes, dict, zmq.Frame]] = field(default_factory=dict)  # not added yet
+    summed: int = 0  # the pushes of nodes 0 .. summed - 1 are in total
     waiters: list[tuple[bytes, int]] = field(default_factory=list)
     lr: float = 0.0
 
@@ -211,21 +217,13 @@ class _KeyEngine(threading.Thread):
                 raise RequestError(f"key {key} ({name!r}): {exc}") from None
         self.keys[key] = _Key(key, numel, dtype, params, name, header["node"], chain)
 
-    def _decode(self, state: _Key, header: dict, payload: zmq.Frame,
-                out: torch.Tensor | None = None,
+    def _decode(self, state: _Key, payload: zmq.Frame, out: torch.Tensor | None = None,
                 add_to: torch.Tensor | None = None) -> torch.Tensor:
         """The push's values: a view of the frame (raw keys), or decoded into ``out`` (a
         new tensor if None), or with ``add_to``: decoded and added to it in place."""
-        itemsize = state.dtype.itemsize
         if state.chain is None:
-            if header["nbytes"] != state.numel * itemsize:
-                raise RequestError(f"key {state.key} ({state.name!r}): raw payload of "
-                                   f"{header['nbytes']} bytes, expected {state.numel * itemsize}")
             return torch.frombuffer(payload.buffer, dtype=state.dtype) if state.numel else \
                 torch.zeros(0, dtype=state.dtype)
-        if header["nbytes"] > 2 * state.numel * itemsize + 64:
-            raise RequestError(f"key {state.key} ({state.name!r}): compressed payload of "
-                               f"{header['nbytes']} bytes is larger than any encoding")
         data = torch.frombuffer(payload.buffer, dtype=torch.uint8)
         try:
             if add_to is not None:
@@ -270,32 +268,64 @@ class _KeyEngine(threading.Thread):
             raise RequestError(f"{where}: field 'node'={node} out of range")
         if header["lr"] < 0:
             raise RequestError(f"{where}: field 'lr'={header['lr']} is negative")
-        pending = state.steps.get(step)
-        if pending is not None and pending.total is not None and state.sums_in_place():
-            # later compressed pushes add into the sum directly (checked before, as the
-            # sum changes): a sparse payload touches only its k elements
-            self._check_push(state, pending, node, step)
-            self._decode(state, header, payload, add_to=pending.total)
-        else:
-            # the step's first push becomes its sum: a compressed one is decoded into a
-            # reused buffer, a raw one is the frame itself (or its widened copy)
-            out = state.spare_sum() if state.sums_in_place() else None
-            values = self._decode(state, header, payload, out)
-            self._check_push(state, pending, node, step)
-            pending = state.steps.setdefault(step, _Step())
-            if pending.total is None:
-                pending.total = values.to(state.accumulate_dtype(self.server.num_workers))
-                pending.lr = float(header["lr"])
-            elif values.dtype == pending.total.dtype:
-                pending.total.add_(values)
-            else:  # widen first: torch's mixed-dtype add_ is ~4x slower than copy + add_
-                if state.scratch is None:
-                    state.scratch = torch.empty(state.numel, dtype=pending.total.dtype)
-                pending.total.add_(state.scratch.copy_(values))
+        raw_bytes = state.numel * state.dtype.itemsize
+        if state.chain is None and header["nbytes"] != raw_bytes:
+            raise RequestError(f"{where}: raw payload of {header['nbytes']} bytes, expected "
+                               f"{raw_bytes}")
+        if state.chain is not None and header["nbytes"] > 2 * raw_bytes + 64:
+            raise RequestError(f"{where}: compressed payload of {header['nbytes']} bytes is "
+                               "larger than any encoding")
+        self._check_push(state, state.steps.get(step), node, step)
+        pending = state.steps.setdefault(step, _Step())
         pending.pushed.add(node)
+        pending.held[node] = (ident, header, payload)
         pending.waiters.append((ident, header["rid"]))
-        self._reply(ident, encode(Op.ACK, rid=header["rid"]))
+        refused = self._sum_held(state, pending)
+        if not pending.pushed and not pending.waiters:  # a refused push holds no slot
+            del state.steps[step]
+        if refused is not None:
+            refused_node, refused_ident, refused_header, error = refused
+            if refused_node == node:
+                raise error
+            self._error(refused_ident, refused_header, str(error))  # after its ACK
+        self._reply(ident, encode(Op.ACK, rid=header["rid"]))  # added, or held
         self._finish_ready_steps(state)
+
+    def _sum_held(self, state: _Key, pending: _Step) -> tuple | None:
+        """Add the held pushes to the sum in node order, as far as every lower-numbered
+        node has pushed. A push that cannot be decoded is dropped (the nodes after it
+        wait for that node to push again) and returned as (node, ident, header, error)."""
+        while pending.summed in pending.held:
+            node = pending.summed
+            ident, header, payload = pending.held.pop(node)
+            try:
+                self._add_push(state, pending, header, payload)
+            except RequestError as exc:
+                pending.pushed.discard(node)
+                pending.waiters.remove((ident, header["rid"]))
+                return node, ident, header, exc
+            pending.summed += 1
+        return None
+
+    def _add_push(self, state: _Key, pending: _Step, header: dict, payload: zmq.Frame) -> None:
+        if pending.total is not None and state.sums_in_place():
+            # a compressed push adds into the sum directly (a sparse payload touches only
+            # its k elements); it is decoded before anything is added
+            self._decode(state, payload, add_to=pending.total)
+            return
+        # the step's first push becomes its sum: a compressed one is decoded into a reused
+        # buffer, a raw one is the frame itself (or its widened copy)
+        out = state.spare_sum() if state.sums_in_place() else None
+        values = self._decode(state, payload, out)
+        if pending.total is None:
+            pending.total = values.to(state.accumulate_dtype(self.server.num_workers))
+            pending.lr = float(header["lr"])
+        elif values.dtype == pending.total.dtype:
+            pending.total.add_(values)
+        else:  # widen first: torch's mixed-dtype add_ is ~4x slower than copy + add_
+            if state.scratch is None:
+                state.scratch = torch.empty(state.numel, dtype=pending.total.dtype)
+            pending.total.add_(state.scratch.copy_(values))
 
     def _pull(self, state: _Key, ident: bytes, header: dict) -> None:
         step = header["step"]
@@ -309,7 +339,7 @@ class _KeyEngine(threading.Thread):
         while state.steps:
             step = min(state.steps)
             pending = state.steps[step]
-            if len(pending.pushed) < self.server.num_workers:
+            if pending.summed < self.server.num_workers:
                 return
             total = pending.total.to(state.dtype)
             if state.chain is not None:

@@ -113,6 +113,75 @@ def probe_server(address: str, known_key: int, node: int) -> dict[str, str]:
     return replies
 
 
+ORDER_KEY = 10**6 + 1  # order_probe's keys: this one raw, the next one topk (lossless)
+ORDER_NUMEL = 64
+
+
+def order_values(node: int) -> torch.Tensor:
+    """What order_probe pushes as ``node``: 1, 1e8, -1e8, 1, ... so that the float32 sum
+    in node order ((1 + 1e8) - 1e8 = 0: 1 is under half an ulp of 1e8) differs from the
+    sum in the order the probe sends them, last node first ((-1e8 + 1e8) + 1 = 1)."""
+    return torch.full((ORDER_NUMEL,), [1.0, 1e8, -1e8][node % 3])
+
+
+def order_probe(address: str, workers: int) -> dict:
+    """Push one step of two fresh keys as every node, highest node first, through one
+    socket (so the server receives them in that order); returns what came back.
+
+    ``raw``: the raw key's aggregate. ``refused``: for the topk key, where node 1's
+    first push is garbage: the replies to it (ACK, as it waits for node 0, then ERROR
+    once it is decoded) and the aggregate after node 1 pushes again."""
+    from bps.compressors import build
+    from bps.config import validate_compression_params
+    from bps.protocol import Op, decode, encode
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    rid = iter(range(100, 10**6))
+
+    def request(frames: list, until: set) -> list[tuple[dict, list]]:
+        sock.send_multipart(frames)
+        replies = []
+        while not replies or replies[-1][0]["op"].name not in until:
+            if not sock.poll(10_000):
+                raise RuntimeError(f"order_probe: no reply from {address} after {replies}")
+            header, *payload = sock.recv_multipart()
+            replies.append((decode(header), payload))
+        return replies
+
+    def push(key: int, node: int, body: bytes, until: set) -> list[tuple[dict, list]]:
+        return request([encode(Op.PUSH, rid=next(rid), key=key, step=0, node=node,
+                               dtype="float32", numel=ORDER_NUMEL, nbytes=len(body), lr=0.1),
+                        body], until)
+
+    params = validate_compression_params({"compressor": "topk", "k": ORDER_NUMEL})
+    topk = build(params, ORDER_NUMEL, torch.float32, role="worker")
+    for key, key_params in ((ORDER_KEY, None), (ORDER_KEY + 1, params)):
+        request([encode(Op.REGISTER, rid=next(rid), key=key, numel=ORDER_NUMEL,
+                        dtype="float32", name=f"order{key}", params=key_params, node=0)],
+                {"OK"})
+    result: dict = {}
+    for node in reversed(range(workers)):
+        body = order_values(node).numpy().tobytes()
+        replies = push(ORDER_KEY, node, body, {"DATA"} if node == 0 else {"ACK"})
+    result["raw"] = torch.frombuffer(bytearray(replies[-1][1][0]), dtype=torch.float32)
+    encoded = {node: topk.compress(order_values(node)).numpy().tobytes()
+               for node in range(workers)}
+    refused = push(ORDER_KEY + 1, 1, os.urandom(7), {"ACK"})
+    garbage = refused[-1][0]["rid"]
+    for node in reversed(range(2, workers)):
+        push(ORDER_KEY + 1, node, encoded[node], {"ACK"})
+    refused += push(ORDER_KEY + 1, 0, encoded[0], {"ERROR"})
+    replies = push(ORDER_KEY + 1, 1, encoded[1], {"DATA"})
+    result["refused"] = [(h["op"].name, h.get("msg", "")) for h, _ in refused
+                         if h["rid"] == garbage]
+    result["topk"] = topk.decompress(torch.frombuffer(bytearray(replies[-1][1][0]),
+                                                      dtype=torch.uint8))
+    sock.close()
+    return result
+
+
 def garbage_push(address: str, key: int, numel: int) -> str:
     """PUSH 7 random bytes as a compressed payload; returns the reply's text."""
     from bps.protocol import Op, decode, encode
@@ -184,6 +253,7 @@ def main() -> None:
     for key, numel, dtype, params in keys:
         engine.declare(key, numel, torch_dtype(dtype), params, name=f"t{key}")
     probes: dict = {}
+    order: dict = {}
     prober = None
     if node == 0 and args.case == "raw":
         def probe_all() -> None:
@@ -192,6 +262,8 @@ def main() -> None:
                 probes[server] = probe_server(address, known, node)
         prober = threading.Thread(target=probe_all)
         prober.start()
+    if node == 0 and args.case == "raw":
+        order = order_probe(engine.servers[0], env.num_workers)
     if node == 0 and args.case == "compressed":
         probes = {key: garbage_push(engine.servers[engine.placement.servers[key]], key, numel)
                   for key, numel, *_ in keys}
@@ -254,7 +326,8 @@ def main() -> None:
     torch.save({"results": results, "in_place": in_place, "bad_out": bad_out,
                 "placement": dict(engine.placement.servers),
                 "loads": list(engine.placement.loads), "probes": probes, "last": last,
-                "mismatch": mismatch, "stats": stats.__dict__, "servers": engine.servers},
+                "mismatch": mismatch, "stats": stats.__dict__, "servers": engine.servers,
+                "order": order},
                os.path.join(args.out, f"node{node}.pt"))
 
 

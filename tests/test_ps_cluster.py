@@ -12,8 +12,10 @@ import torch
 
 from tests.ps_job import (
     MISMATCH_KEY,
+    ORDER_KEY,
     STEPS,
     TEST_ENV,
+    order_values,
     raw_keys,
     run_command,
     tensor_for,
@@ -41,10 +43,13 @@ def raw_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 
 
 def numpy_sum(pushes: list[torch.Tensor]) -> np.ndarray:
-    """Reference: sum in float32 (float64 for float64 data), like SPEC §1's servers."""
+    """Reference: sum in float32 (float64 for float64 data), like SPEC §1's servers,
+    one push after the other in node order."""
     acc = np.float64 if pushes[0].dtype == torch.float64 else np.float32
-    return np.sum([p.to(torch.float64).numpy().astype(acc) for p in pushes], axis=0,
-                  dtype=acc)
+    total = pushes[0].to(torch.float64).numpy().astype(acc)
+    for push in pushes[1:]:
+        total = total + push.to(torch.float64).numpy().astype(acc)
+    return total
 
 
 def test_raw_aggregates_match_numpy_sum(raw_run: list[dict]) -> None:
@@ -67,14 +72,31 @@ def check_raw_aggregates(runs: list[dict]) -> None:
             for node, run in enumerate(runs):
                 got = run["results"][(key, step)]
                 assert got.dtype == dtype and got.shape == (numel,), (key, node)
-                # float32 sums in arrival order: at most an ulp from the numpy order
-                tol = {"float32": 1e-6, "float64": 1e-12}.get(dtype_name, 0.0)
-                torch.testing.assert_close(got, expected, rtol=tol, atol=tol,
-                                           msg=f"key {key} step {step} node {node}")
+                # summed in node order, whatever the arrival order: bit-exact
+                assert torch.equal(got, expected), f"key {key} step {step} node {node}"
     # every node got bit-identical aggregates: one sum per step on the server
     for key, step in runs[0]["results"]:
         assert all(torch.equal(run["results"][(key, step)], runs[0]["results"][(key, step)])
                    for run in runs)
+
+
+def test_pushes_are_summed_in_node_order_whatever_their_arrival(raw_run: list[dict]) -> None:
+    order = raw_run[0]["order"]
+    workers = len(raw_run)
+    expected = numpy_sum([order_values(node) for node in range(workers)])
+    arrival = numpy_sum([order_values(node) for node in reversed(range(workers))])
+    assert not np.array_equal(expected, arrival)  # the values do tell the orders apart
+    assert np.array_equal(order["raw"].numpy(), expected)
+    assert np.array_equal(order["topk"].numpy(), expected)
+
+
+def test_a_held_push_that_cannot_be_decoded_is_refused_after_its_ack(
+        raw_run: list[dict]) -> None:
+    # node 1's garbage waited (ACK) for node 0; decoded then, it got an ERROR, and the
+    # step was summed once node 1 pushed again (test above)
+    (first, _), (second, message) = raw_run[0]["order"]["refused"]
+    assert (first, second) == ("ACK", "ERROR")
+    assert f"key {ORDER_KEY + 1}" in message and "cannot decode payload" in message
 
 
 def test_pulls_of_a_step_get_the_same_bytes(raw_run: list[dict]) -> None:

@@ -16,7 +16,8 @@ Usage (local rank 0 of a worker node)::
 One I/O thread owns every socket (one DEALER per server, the scheduler link); a small
 thread pool runs the compressor chains (numba kernels release the GIL). Each server has
 at most ``BPS_MAX_INFLIGHT`` pushes not yet acknowledged (the server ACKs a push as soon
-as it is summed, so the credit never waits on other workers and cannot deadlock); the
+as its header checks pass, before it is summed in node order, so the credit never waits
+on other workers and cannot deadlock; a push that then fails to decode gets an ERROR); the
 rest wait in a per-server queue ordered by (step, -priority, arrival), so a larger
 ``priority`` goes out first (give the partitions needed first by the next forward pass
 the largest priority).
