@@ -97,6 +97,7 @@ class RandomK(Compressor):
         self.rng = new_state(seed)
         self.bits_dtype = bit_view(torch.empty(0, dtype=dtype)).dtype
         self.payload_size = 16 + k * self.bits_dtype.itemsize
+        self.indices: np.ndarray | None = None  # decompress_add's, kept for the next call
 
     def compress(self, x: torch.Tensor) -> torch.Tensor:
         bits = bit_view(self.check_input(x))
@@ -125,9 +126,10 @@ class RandomK(Compressor):
         if self.dtype not in KERNEL_FLOAT_DTYPES:
             return super().decompress_add(payload, total, scratch)
         state, values = self._parse(payload)
-        indices = np.empty(self.k, dtype=np.uint64)
-        draw_indices(state, self.numel, indices)
-        return self.add_entries(indices, values, total)
+        if self.indices is None:
+            self.indices = np.empty(self.k, dtype=np.uint64)
+        draw_indices(state, self.numel, self.indices)
+        return self.add_entries(self.indices, values, total)
 
     def fast_update_error(self, corrected: torch.Tensor, payload: Payload) -> torch.Tensor:
         """corrected -= decompress(payload): the drawn entries become 0, the rest stay."""

@@ -35,6 +35,22 @@ STALL_INTERVALS = 3  # no loop/tick for this many heartbeat intervals: our own s
 
 
 @dataclass
+class LoopClock:
+    """When a heartbeat loop last ran, to tell a stall of the loop itself (the process
+    or the machine paused) from silent peers: the heartbeats it missed prove nothing."""
+
+    interval: float  # the heartbeat interval
+    last: float = field(default_factory=time.monotonic)
+
+    def resumed_after_stall(self, now: float) -> bool:
+        """Whether the loop did not run for STALL_INTERVALS intervals before ``now``
+        (which becomes its last run)."""
+        stalled = now - self.last > STALL_INTERVALS * self.interval
+        self.last = now
+        return stalled
+
+
+@dataclass
 class _Node:
     identity: bytes
     role: str
@@ -58,7 +74,10 @@ class Scheduler:
     ctx: Any = None
     nodes: dict[bytes, _Node] = field(default_factory=dict)
     barrier_waiting: dict[int, set[bytes]] = field(default_factory=dict)
-    last_loop: float = field(default_factory=time.monotonic)
+    loop_clock: LoopClock = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.loop_clock = LoopClock(self.env.heartbeat_interval)
 
     def run(self) -> int:
         ctx = self.ctx or zmq.Context.instance()
@@ -129,10 +148,9 @@ class Scheduler:
         If this loop itself did not run for STALL_INTERVALS heartbeat intervals (the
         process or the machine paused), the heartbeats it missed prove nothing about the
         nodes: their silence is counted afresh from now."""
-        if now - self.last_loop > STALL_INTERVALS * self.env.heartbeat_interval:
+        if self.loop_clock.resumed_after_stall(now):
             for node in self.nodes.values():
                 node.last_seen = now
-        self.last_loop = now
         for node in self.nodes.values():
             if not node.finalized and now - node.last_seen > self.env.heartbeat_timeout:
                 return node
@@ -243,7 +261,7 @@ class SchedulerClient:
         self.sock.connect(env.scheduler_address)
         self.last_seen = time.monotonic()
         self.last_sent = 0.0
-        self.last_tick = time.monotonic()
+        self.tick_clock = LoopClock(env.heartbeat_interval)
 
     def send(self, op: Op, **fields: Any) -> None:
         self.sock.send(encode(op, **fields))
@@ -280,9 +298,8 @@ class SchedulerClient:
         during a stall of this thread itself (no tick for STALL_INTERVALS heartbeat
         intervals) is not held against the scheduler."""
         now = time.monotonic()
-        if now - self.last_tick > STALL_INTERVALS * self.env.heartbeat_interval:
+        if self.tick_clock.resumed_after_stall(now):
             self.last_seen = now
-        self.last_tick = now
         if now - self.last_sent >= self.env.heartbeat_interval:
             self.send(Op.HEARTBEAT)
         silent = now - self.last_seen

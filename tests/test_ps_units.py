@@ -154,7 +154,7 @@ def test_own_stall_is_not_taken_for_a_silent_peer() -> None:
     now = time.monotonic()
     scheduler = Scheduler(env)
     node = scheduler.nodes[b"w"] = _Node(b"w", "worker", 0, "", last_seen=now - silence)
-    scheduler.last_loop = now - silence  # the scheduler itself was paused
+    scheduler.loop_clock.last = now - silence  # the scheduler itself was paused
     assert scheduler._silent_node(now) is None and node.last_seen == now
     node.last_seen = now - silence  # the scheduler ran, the node did not report
     assert scheduler._silent_node(now + 0.5) is node
@@ -163,7 +163,7 @@ def test_own_stall_is_not_taken_for_a_silent_peer() -> None:
 
     client = SchedulerClient(zmq.Context.instance(), env, role="worker")
     try:
-        client.last_seen = client.last_tick = time.monotonic() - silence  # paused thread
+        client.last_seen = client.tick_clock.last = time.monotonic() - silence  # paused
         client.tick()
         client.last_seen = time.monotonic() - silence  # ticking, but the scheduler is silent
         with pytest.raises(ClusterError, match=r"tcp://127\.0\.0\.1:9000 unreachable"):
