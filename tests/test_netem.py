@@ -165,6 +165,17 @@ def _processes_with(marker: str) -> list[int]:
     return found
 
 
+def _of_another_cluster(namespace: str, marker: str) -> bool:
+    """Whether ``namespace`` (``bpsn-<launcher pid>-...``) belongs to a launcher that is
+    alive and was not started by this test: a cluster someone else runs on the machine."""
+    pid = namespace[len(PREFIX):].split("-", 1)[0]
+    try:
+        environ = Path(f"/proc/{int(pid)}/environ").read_bytes()
+    except (ValueError, OSError):
+        return False  # no such launcher any more: a leftover, whoever made it
+    return f"{MARKER_VAR}={marker}".encode() not in environ
+
+
 @pytest.fixture
 def leftovers(netns_allowed):
     """Yields a marker for the launched processes' environment; then checks for leftovers."""
@@ -172,7 +183,8 @@ def leftovers(netns_allowed):
     namespaces_before = {ns for ns in list_namespaces() if ns.startswith(PREFIX)}
     links_before = _root_links()
     yield marker
-    assert {ns for ns in list_namespaces() if ns.startswith(PREFIX)} <= namespaces_before
+    new = {ns for ns in list_namespaces() if ns.startswith(PREFIX)} - namespaces_before
+    assert {ns for ns in new if not _of_another_cluster(ns, marker)} == set()
     assert _root_links() <= links_before
     assert _processes_with(marker) == []
 
