@@ -72,11 +72,18 @@ class _Step:
     """The sum of one step of one key while its pushes arrive."""
 
     total: torch.Tensor | None = None
-    pushed: set[int] = field(default_factory=set)  # nodes whose push arrived
     held: dict[int, tuple[bytes, dict, zmq.Frame]] = field(default_factory=dict)  # not added yet
     summed: int = 0  # the pushes of nodes 0 .. summed - 1 are in total
     waiters: list[tuple[bytes, int]] = field(default_factory=list)
     lr: float = 0.0
+
+    def pushed(self, node: int) -> bool:
+        """Whether ``node``'s push of this step arrived (added, or held)."""
+        return node < self.summed or node in self.held
+
+    def started(self) -> bool:
+        """Whether any push of this step arrived."""
+        return self.summed > 0 or bool(self.held)
 
 
 @dataclass
@@ -251,7 +258,7 @@ class _KeyEngine(threading.Thread):
     def _check_push(self, state: _Key, pending: _Step | None, node: int, step: int) -> None:
         """A push of ``step`` by worker ``node`` is neither stale nor a repeat."""
         self._check_step(state, step)
-        if pending is not None and node in pending.pushed:
+        if pending is not None and pending.pushed(node):
             raise RequestError(f"key {state.key} ({state.name!r}): worker {node} pushed "
                                f"step {step} twice")
 
@@ -277,11 +284,10 @@ class _KeyEngine(threading.Thread):
                                "larger than any encoding")
         self._check_push(state, state.steps.get(step), node, step)
         pending = state.steps.setdefault(step, _Step())
-        pending.pushed.add(node)
         pending.held[node] = (ident, header, payload)
         pending.waiters.append((ident, header["rid"]))
         refused = self._sum_held(state, pending)
-        if not pending.pushed and not pending.waiters:  # a refused push holds no slot
+        if not pending.started() and not pending.waiters:  # a refused push holds no slot
             del state.steps[step]
         if refused is not None:
             refused_node, refused_ident, refused_header, error = refused
@@ -301,7 +307,6 @@ class _KeyEngine(threading.Thread):
             try:
                 self._add_push(state, pending, header, payload)
             except RequestError as exc:
-                pending.pushed.discard(node)
                 pending.waiters.remove((ident, header["rid"]))
                 return node, ident, header, exc
             pending.summed += 1
@@ -359,7 +364,7 @@ class _KeyEngine(threading.Thread):
                                       nbytes=body.nbytes), body)
 
     def _set_state(self, state: _Key, payload: zmq.Frame) -> None:
-        if any(s.pushed for s in state.steps.values()):
+        if any(s.started() for s in state.steps.values()):
             raise RequestError(f"key {state.key} ({state.name!r}): SET_STATE while a step "
                                f"is in progress")
         if state.chain is not None:
