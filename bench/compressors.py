@@ -175,26 +175,17 @@ def payload_nbytes(payload) -> int:
     return sum(payload_nbytes(p) for p in payload if isinstance(p, torch.Tensor))
 
 
-def measure(codec, x, out, runs):
-    holder = {}
-
-    def compress():
-        holder["p"] = codec.compress(x)
-
-    t_compress = median_time(compress, runs)
-    payload = holder["p"]
-    t_decompress = median_time(lambda: codec.decompress(payload, out=out), runs)
-    return t_compress, t_decompress, payload
-
-
-def measure_with_copy(codec, x, out, runs, copy):
-    """measure(), with ``copy`` timed before each compress and each decompress; returns
-    (copy, compress, decompress) medians and the payload."""
+def measure(codec, x, out, runs, copy=None):
+    """Median compress and decompress times after one warm-up of each, with ``copy``
+    (if given) timed before each compress and each decompress; returns (copy median or
+    None, compress, decompress, payload)."""
     holder = {"p": codec.compress(x)}
     codec.decompress(holder["p"], out=out)
     times: dict[str, list[float]] = {"copy": [], "compress": [], "decompress": []}
 
     def timed(name, fn):
+        if fn is None:
+            return
         start = time.perf_counter()
         fn()
         times[name].append(time.perf_counter() - start)
@@ -207,8 +198,9 @@ def measure_with_copy(codec, x, out, runs, copy):
         timed("compress", compress)
         timed("copy", copy)
         timed("decompress", lambda: codec.decompress(holder["p"], out=out))
-    medians = [statistics.median(times[name]) for name in ("copy", "compress", "decompress")]
-    return (*medians, holder["p"])
+    copy_time = statistics.median(times["copy"]) if copy else None
+    return (copy_time, statistics.median(times["compress"]),
+            statistics.median(times["decompress"]), holder["p"])
 
 
 def main() -> None:
@@ -243,12 +235,12 @@ def main() -> None:
     cases = [case for case in cases if not args.only or case[0].startswith(args.only)]
     for name, params, baseline in cases:
         chain = build(params, n)
-        t_copy, t_c, t_d, payload = measure_with_copy(
-            chain, x, out, args.runs, lambda: np.copyto(target, source))
+        t_copy, t_c, t_d, payload = measure(chain, x, out, args.runs,
+                                            lambda: np.copyto(target, source))
         gbs = nbytes / (t_c + t_d) / 1e9
         versus_torch = "| - | - "  # --torch-runs 0: no baseline
         if args.torch_runs:
-            b_c, b_d, _ = measure(baseline, x, out, args.torch_runs)
+            _, b_c, b_d, _ = measure(baseline, x, out, args.torch_runs)
             torch_gbs = nbytes / (b_c + b_d) / 1e9
             versus_torch = f"| {torch_gbs:.3f} | {gbs / torch_gbs:.1f} "
         print(f"| {name} | {t_c * 1e3:.1f} | {t_d * 1e3:.1f} | {gbs:.2f} | {t_copy * 1e3:.1f} "
