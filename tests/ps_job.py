@@ -262,7 +262,6 @@ def main() -> None:
                 probes[server] = probe_server(address, known, node)
         prober = threading.Thread(target=probe_all)
         prober.start()
-    if node == 0 and args.case == "raw":
         order = order_probe(engine.servers[0], env.num_workers)
     if node == 0 and args.case == "compressed":
         probes = {key: garbage_push(engine.servers[engine.placement.servers[key]], key, numel)
