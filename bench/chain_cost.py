@@ -18,8 +18,8 @@ timed next to each other, each against the other in alternating steps:
 * server sum, new: the first push decoded into a reused buffer, the others added with
   ``decompress_add``; old: each push decoded into a fresh or scratch tensor, then added
   (the server before session 5).
-* dithering's error feedback (worker and server compress), new: ``e = g' - D(c)`` from
-  the levels just coded (``Dithering.fast_update_error``, session 6); old: the payload
+* dithering's error feedback (worker and server compress), new: ``e = g' - D(c)`` in
+  the quantiser's pass (``Dithering.compress_residual``, session 9); old: the payload
   decoded and subtracted.
 
 Prints the median milliseconds per step of each part (kernels on ``--threads`` threads;

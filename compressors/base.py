@@ -108,8 +108,9 @@ class Compressor:
     Subclasses implement :meth:`compress` and :meth:`decompress`; state-free compressors
     keep the default ``set_lr``/``state_dict``/``load_state_dict``. A compressor may add
     ``fast_update_error(corrected, payload)``: subtract ``decompress(payload)`` from
-    ``corrected`` in place, faster than decoding (error feedback uses it); and may
-    override ``decompress_add`` (see there). The payload
+    ``corrected`` in place, faster than decoding, or ``compress_residual(corrected)``:
+    compress and leave that residual in ``corrected`` in the same pass (error feedback
+    uses either); and may override ``decompress_add`` (see there). The payload
     must not share memory with ``x``: the chain decorators reuse their buffers, so ``x``
     is overwritten by the next step (error feedback even updates it in place right after).
 

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import functools
 import math
-import weakref
 
 import numpy as np
 import torch
@@ -166,8 +165,20 @@ def quantise_block(x, scale, top, natural, draws, levels_out):
 
 
 @njit(nogil=True, cache=True)
-def quantise_chunk(x, scale, top, natural, span, states, levels_out):
-    """levels_out[i] = the signed q of x[i] (scale > 0), drawing from LANES generators.
+def subtract_levels(values, levels, dequantised):
+    """``values[i] -= dequantised[levels[i] + middle]`` with ``middle`` the index of level
+    0: error feedback's ``e = g' - D(c)`` from the levels just drawn, without decoding."""
+    middle = (dequantised.size - 1) // 2
+    for i in range(values.size):
+        values[np.uint64(i)] -= dequantised[np.uint64(levels[np.uint64(i)] + middle)]
+
+
+@njit(nogil=True, cache=True)
+def quantise_chunk(x, scale, top, natural, span, states, dequantised, levels_out):
+    """levels_out[i] = the signed q of x[i] (scale > 0), drawing from LANES generators;
+    with a non-empty ``dequantised`` (the decoded value of each level, level 0 in the
+    middle), x becomes the residual ``x - dequantised[level]``, block by block while
+    the block is in L1 (in ``quantise_block`` itself the loop would not vectorise).
 
     Lane l covers ``x[l * span : (l + 1) * span]`` and ``states[:, l]`` (a, b) is the
     generator state at its start (a jump ahead of the chunk's); with ``span >= x.size``
@@ -194,6 +205,8 @@ def quantise_chunk(x, scale, top, natural, span, states, levels_out):
             if lo < hi:
                 quantise_block(x[lo:hi], scale, top, natural, draws[lane, : hi - lo],
                                levels_out[lo:hi])
+                if dequantised.size:
+                    subtract_levels(x[lo:hi], levels_out[lo:hi], dequantised)
 
 
 @njit(nogil=True, cache=True)
@@ -481,12 +494,13 @@ def pair_table(max_level: int) -> np.ndarray:
 
 @njit(nogil=True, cache=True, inline="always")
 def window_at(words, position):
-    """The 64 stream bits from bit ``position`` of the native uint64 ``words`` (two
-    loads; the second word is shifted in two steps so that a shift of 0 moves nothing)."""
+    """The 64 stream bits from bit ``position`` of ``words``, the stream's bytes viewed
+    as uint64 (two byte-swapped loads; the second word is shifted in two steps so that
+    a shift of 0 moves nothing)."""
     word = np.uint64(position >> 6)
     shift = np.uint64(position & 63)
-    return (words[word] << shift) | ((words[word + np.uint64(1)] >> np.uint64(1))
-                                     >> (np.uint64(63) - shift))
+    return (byteswap(words[word]) << shift) | (
+        (byteswap(words[word + np.uint64(1)]) >> np.uint64(1)) >> (np.uint64(63) - shift))
 
 
 @njit(nogil=True, cache=True)
@@ -500,27 +514,27 @@ def decode_entries(words, nbits, position, index, stop, sync, scale, divisor, ma
 
     Records the start positions and preceding indices of the first entries in the rows
     of ``marks`` (shape (2, count)). Returns (error, position, index, count): error 0 or
-    an ERRORS code
-    (position is then the failing entry's start); count is the number of marks or,
-    when synchronised, the index in ``sync`` + 1 (else 0).
+    an ERRORS code (position is then the failing entry's start); count is the number of
+    marks or, when synchronised, the index in ``sync`` + 1 (else 0).
 
-    ``words`` holds the stream as native uint64 in stream order plus one zero word, so
-    the 64-bit window at any bit position is two loads. While it must record or meet
-    entry starts, the parse goes entry by entry; then two entries per ``pairs`` lookup
-    (nearly always), in an inner loop without checks, while none can fail: the stream
-    has a whole table prefix left, the zeroed output reaches past any pair and the table
-    holds only valid levels. Elsewhere (near either end, or no pair fits) one entry at a
-    time: short entries by one ``table`` lookup, the rest code by code, each checked
-    against the bits left, out.size and the largest level before it is used. Values come
-    from ``signed[2 * q + negative] = ±q * scale / divisor`` (for the q the tables
-    hold). The output is zeroed ZERO_BLOCK elements at a time ahead of the entries, so
-    short gaps write nothing.
-    The hot path's indices are unsigned, so numba leaves out its negative-index
-    wraparound (6-8% of the time).
+    ``words`` is the payload viewed as uint64, so the 64-bit window at any bit position
+    is two loads; the trailer's 16 bytes are the words past the stream (bits past
+    ``nbits`` are never decoded: every code is checked against the bits left).
+
+    While it must record or meet entry starts, the parse goes entry by entry; then two
+    entries per ``pairs`` lookup (nearly always), in an inner loop without checks, while
+    none can fail: the stream has a whole table prefix left, the zeroed output reaches
+    past any pair and the table holds only valid levels. Elsewhere (near either end, or
+    no pair fits) one entry at a time: short entries by one ``table`` lookup, the rest
+    code by code, each checked against the bits left, out.size and the largest level
+    before it is used. Values come from ``signed[2 * q + negative] = ±q * scale /
+    divisor`` (for the q the tables hold). The output is zeroed ZERO_BLOCK elements at a
+    time ahead of the entries, so short gaps write nothing. The hot path's indices are
+    unsigned, so numba leaves out its negative-index wraparound (6-8% of the time).
     """
     n = out.size
     window = np.uint64(0)  # the stream from `position` on, left-aligned
-    valid = 0  # bits of `window` loaded from the stream (past its end they are zeros)
+    valid = 0  # bits of `window` loaded (past the stream's end: the trailer's bytes)
     count = 0
     k = 0  # next candidate in `sync`
     cleared = index + 1  # out[index + 1 : cleared] are zeros
@@ -640,15 +654,6 @@ def speculate(words, nbits, start, stop, scale, divisor, max_level, table, pairs
         start = result[1] + 1
 
 
-@njit(nogil=True, cache=True)
-def subtract_levels(values, levels, dequantised):
-    """``values[i] -= dequantised[levels[i] + middle]`` with ``middle`` the index of level
-    0: error feedback's ``e = g' - D(c)`` from the levels just coded, without decoding."""
-    middle = (dequantised.size - 1) // 2
-    for i in range(values.size):
-        values[np.uint64(i)] -= dequantised[np.uint64(levels[np.uint64(i)] + middle)]
-
-
 class Dithering(Compressor):
     """Stochastic rounding of |x|/scale onto s linear or 2**(s-1) natural levels."""
 
@@ -667,7 +672,6 @@ class Dithering(Compressor):
         self.max_stream_bytes = (numel * self.bits_per_element + 7) // 8 + 8
         self.bounds = chunk_bounds(numel)
         self.buffers: dict = {}  # scratch arrays, allocated on first use
-        self.last_sent: tuple | None = None  # (weakref to the last payload, its scale)
 
     def buffer(self, name: str, shape: int | tuple, dtype: type) -> np.ndarray:
         """A scratch array kept for the next call (numel is fixed)."""
@@ -676,7 +680,33 @@ class Dithering(Compressor):
         return self.buffers[name]
 
     def compress(self, x: torch.Tensor) -> torch.Tensor:
-        values = float_view(self.check_input(x))
+        return self.encode_payload(float_view(self.check_input(x)), residual=False)
+
+    def compress_residual(self, corrected: torch.Tensor) -> torch.Tensor:
+        """Compress ``corrected`` and leave ``corrected - decompress(payload)`` in it, as
+        error feedback needs: for float32/float64 and levels below 128 in the quantiser's
+        pass, each ``D(c)`` rounded as decoding rounds it; otherwise by decoding.
+
+        Example::
+
+            >>> import torch
+            >>> c = Dithering(numel=3, levels=2, seed=1)
+            >>> x = torch.tensor([0.5, -1.0, 0.2])
+            >>> residual = x.clone()
+            >>> payload = c.compress_residual(residual)
+            >>> torch.equal(residual, x - c.decompress(payload))
+            True
+        """
+        values = self.check_input(corrected)
+        if (values is not corrected or self.dtype not in KERNEL_FLOAT_DTYPES
+                or self.max_level >= 2**7):
+            payload = self.compress(corrected)
+            corrected.sub_(self.decompress(payload))
+            return payload
+        return self.encode_payload(corrected.numpy(), residual=True)
+
+    def encode_payload(self, values: np.ndarray, residual: bool) -> torch.Tensor:
+        """The payload of ``values``; with ``residual``, ``values`` becomes the residual."""
         if self.l2:
             scale = math.sqrt(sum_squares(values))
         else:
@@ -687,18 +717,23 @@ class Dithering(Compressor):
         buffer = payload.numpy()
         words = sub_array(buffer, 0, np.uint32, buffer.size // 4)
         a, b = self.rng
-        nbits = self.encode(values, scale, words) if scale > 0.0 else 0  # 0: all q are 0
+        dequantised = np.empty(0, dtype=values.dtype)
+        if residual:
+            magnitudes = self.level_magnitudes(scale, self.max_level)
+            dequantised = np.concatenate([-magnitudes[:0:-1], magnitudes]).astype(values.dtype)
+        # scale 0: every q is 0 and the residual is the input
+        nbits = self.encode(values, scale, words, dequantised) if scale > 0.0 else 0
         self.rng[0], self.rng[1] = jump(a, b, self.numel, jump_table())
         size = (nbits + 7) // 8
         trailer = np.array([nbits], dtype=np.uint64).view(np.uint8)
         buffer[size : size + 8] = trailer
         buffer[size + 8 : size + 16] = np.array([scale], dtype=np.float64).view(np.uint8)
-        payload = payload[: size + TRAILER]
-        self.last_sent = (weakref.ref(payload), scale)
-        return payload
+        return payload[: size + TRAILER]
 
-    def encode(self, values: np.ndarray, scale: float, words: np.ndarray) -> int:
-        """Quantise and code ``values`` into ``words``; returns the bit count.
+    def encode(self, values: np.ndarray, scale: float, words: np.ndarray,
+               dequantised: np.ndarray) -> int:
+        """Quantise and code ``values`` into ``words``; returns the bit count. With a
+        non-empty ``dequantised`` (``quantise_block``), ``values`` becomes the residual.
 
         Each chunk (one per thread) quantises with its generators jumped to its start
         and codes its levels on its own, the first chunk straight into ``words``, the
@@ -716,7 +751,8 @@ class Dithering(Compressor):
             states = np.zeros((2, LANES), dtype=np.uint64)
             for lane in range(LANES if span < hi - lo else 1):
                 states[:, lane] = jump(a, b, lo + lane * span, table)
-            quantise_chunk(values[lo:hi], scale, top, self.natural, span, states, levels[lo:hi])
+            quantise_chunk(values[lo:hi], scale, top, self.natural, span, states, dequantised,
+                           levels[lo:hi])
             out = words if lo == 0 else self.buffer(
                 f"stream{lo}", (hi - lo) * self.bits_per_element // 32 + 4, np.uint32)
             chunk = levels[lo:hi]
@@ -734,34 +770,6 @@ class Dithering(Compressor):
                                      skip, bits - skip)
                 last = lo + chunk_last
         return nbits
-
-    def fast_update_error(self, corrected: torch.Tensor, payload: Payload) -> torch.Tensor:
-        """``corrected -= decompress(payload)``; for the payload the last ``compress``
-        returned (float32/float64), from the levels it kept, in one pass and without
-        decoding: ``D(c)`` is ``±q * scale / divisor`` rounded to the dtype, as decoding
-        rounds it. Any other payload is decoded.
-
-        Example::
-
-            >>> import torch
-            >>> c = Dithering(numel=3, levels=2, seed=1)
-            >>> x = torch.tensor([0.5, -1.0, 0.2])
-            >>> payload = c.compress(x)
-            >>> torch.equal(c.fast_update_error(x.clone(), payload), x - c.decompress(payload))
-            True
-        """
-        last, scale = self.last_sent or (None, 0.0)
-        if (last is None or last() is not payload or self.dtype not in KERNEL_FLOAT_DTYPES
-                or "levels" not in self.buffers or self.buffers["levels"].dtype != np.int8):
-            return corrected.sub_(self.decompress(payload))
-        if scale == 0.0:  # every level is 0 (and the levels buffer was not written)
-            return corrected
-        magnitudes = self.level_magnitudes(scale, self.max_level)
-        values, levels = corrected.numpy(), self.buffers["levels"]
-        dequantised = np.concatenate([-magnitudes[:0:-1], magnitudes]).astype(values.dtype)
-        run_chunks(lambda lo, hi: subtract_levels(values[lo:hi], levels[lo:hi], dequantised),
-                   self.bounds)
-        return corrected
 
     def decompress(self, payload: Payload, out: torch.Tensor | None = None) -> torch.Tensor:
         """Decode; on a malformed payload raise ValueError (``out`` is then unspecified)."""
@@ -781,10 +789,7 @@ class Dithering(Compressor):
         out = self.output(out)
         target = out if self.dtype in KERNEL_FLOAT_DTYPES else torch.empty(
             self.numel, dtype=torch.float32)
-        words = self.buffer("words", self.max_stream_bytes // 8 + 2, np.uint64)[: size // 8 + 2]
-        words[-2:] = 0  # the stream's last partial word is zero-padded; a zero word past it
-        words.view(np.uint8)[:size] = buffer[:size]
-        words.byteswap(inplace=True)  # big-endian words in stream order -> native
+        words = buffer[: buffer.size // 8 * 8].view(np.uint64)  # read in place (aligned)
         values = target.numpy()
         index = self.decode(words, nbits, self.decode_args(scale), values)
         values[index + 1 :] = 0.0

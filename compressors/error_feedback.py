@@ -96,12 +96,16 @@ class ErrorFeedback(Compressor):
 
     def _send(self, corrected: torch.Tensor) -> torch.Tensor:
         """Compress ``corrected`` and keep what it did not send as the next error."""
-        payload = self.inner.compress(corrected)
-        update = getattr(self.inner, "fast_update_error", None)
-        if update is not None:
-            update(corrected, payload)
+        fused = getattr(self.inner, "compress_residual", None)
+        if fused is not None:
+            payload = fused(corrected)
         else:
-            corrected.sub_(self.inner.decompress(payload))
+            payload = self.inner.compress(corrected)
+            update = getattr(self.inner, "fast_update_error", None)
+            if update is not None:
+                update(corrected, payload)
+            else:
+                corrected.sub_(self.inner.decompress(payload))
         self.error = corrected
         return payload
 

@@ -58,7 +58,8 @@ def test_quantiser_refuses_a_states_array_draw_lanes_would_overrun():
     levels = np.zeros(1024, np.int8)
     for states in (np.zeros((LANES, 2), np.uint64), np.zeros((2, 2 * LANES), np.uint64)[:, ::2]):
         with pytest.raises(ValueError, match="states"):
-            dithering.quantise_chunk(x, 1.0, 4.0, False, 128, states, levels)
+            dithering.quantise_chunk(x, 1.0, 4.0, False, 128, states, np.empty(0, np.float32),
+                                     levels)
 
 
 def reference_stream(levels: np.ndarray) -> tuple[bytes, int]:
@@ -146,33 +147,45 @@ def test_chunked_encode_and_speculative_decode_match_reference(small_chunks, s, 
 
 @pytest.mark.parametrize("s, partition", [(4, "linear"), (3, "natural"), (126, "linear"),
                                           (127, "linear")])
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_error_update_subtracts_the_decoded_payload(small_chunks, s, partition, dtype):
-    # error feedback's e = g' - D(c): for the payload just sent, from the kept levels
-    # (int8 up to s = 126), chunk by chunk; for wider levels, an older payload or
-    # another instance's payload, by decoding; all against the reference decoder
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
+def test_compress_residual_leaves_the_input_minus_the_decoded_payload(small_chunks, s,
+                                                                       partition, dtype):
+    # error feedback's e = g' - D(c): in the quantiser's pass for float32/float64 and
+    # levels up to 127 (s = 126), chunk by chunk; by decoding for wider levels or
+    # float16; all against the reference decoder, and the payload is compress()'s
     numel = 1543
-    c = build({"compressor": "dithering", "k": s, "partition": partition, "seed": 7}, numel,
-              ref.TORCH_DTYPE[dtype])
-    other = build({"compressor": "dithering", "k": s, "partition": partition, "seed": 9},
-                  numel, ref.TORCH_DTYPE[dtype])
-    assert len(c.bounds) == 4
+    params = {"compressor": "dithering", "k": s, "partition": partition, "seed": 7}
+    fused = build(params, numel, ref.TORCH_DTYPE[dtype])
+    plain = build(params, numel, ref.TORCH_DTYPE[dtype])
+    assert len(fused.bounds) == 4
 
     def expected(x: np.ndarray, payload: torch.Tensor) -> np.ndarray:
         decoded = ref.dithering_decode(payload.numpy().tobytes(), numel, s, partition)
-        return (x - ref.round_to(decoded, dtype)).astype(dtype)  # exact, then rounded once
+        if dtype == "float16":  # torch's float16 ops compute in float32, then round
+            return (x.astype(np.float32) - ref.round_to(decoded, dtype).astype(np.float32)
+                    ).astype(dtype)
+        return (x - ref.round_to(decoded, dtype)).astype(dtype)
 
-    for step in range(2):
+    for step in range(3):
         x = gradient(numel, step).astype(dtype)
-        older = c.compress(torch.from_numpy(gradient(numel, 10 + step).astype(dtype)))
-        payload = c.compress(torch.from_numpy(x))
-        foreign = other.compress(torch.from_numpy(x))
-        for sent in (payload, older, foreign):
-            updated = c.fast_update_error(torch.from_numpy(x.copy()), sent)
-            np.testing.assert_array_equal(updated.numpy(), expected(x, sent))
+        residual = torch.from_numpy(x.copy())
+        payload = fused.compress_residual(residual)
+        assert torch.equal(payload, plain.compress(torch.from_numpy(x)))
+        np.testing.assert_array_equal(residual.numpy(), expected(x, payload))
     zeros = torch.zeros(numel, dtype=ref.TORCH_DTYPE[dtype])
-    c.compress(torch.from_numpy(gradient(numel, 5).astype(dtype)))  # levels now nonzero
-    assert torch.equal(c.fast_update_error(zeros.clone(), c.compress(zeros)), zeros)
+    payload = fused.compress_residual(zeros)
+    assert torch.equal(zeros, torch.zeros(numel, dtype=ref.TORCH_DTYPE[dtype]))
+    assert torch.equal(payload, plain.compress(zeros))
+
+
+def test_compress_residual_refuses_inf_and_loses_nothing(small_chunks):
+    c = build({"compressor": "dithering", "k": 4, "seed": 3}, 1200)
+    x = torch.ones(1200)
+    x[700] = float("inf")
+    kept, state = x.clone(), c.state_dict()
+    with pytest.raises(ValueError, match="inf or NaN"):
+        c.compress_residual(x)
+    assert torch.equal(x, kept) and c.state_dict() == state
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
@@ -258,10 +271,8 @@ def test_speculation_from_every_bit_offset(small_chunks):
 
 
 def stream_words(payload: np.ndarray) -> tuple[np.ndarray, int, float]:
-    """The decoder's input: the stream as native uint64 in stream order, its bits, scale."""
-    words = np.zeros(len(payload) // 8 + 2, dtype=np.uint64)
-    words.view(np.uint8)[: len(payload) - 16] = payload[:-16]
-    words.byteswap(inplace=True)
+    """The decoder's input: the payload's bytes viewed as uint64, its bits, scale."""
+    words = payload[: len(payload) // 8 * 8].copy().view(np.uint64)
     return words, int(payload[-16:-8].view("<u8")[0]), float(payload[-8:].view("<f8")[0])
 
 
