@@ -29,8 +29,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
-from data import epoch_batches, load_mnist  # noqa: E402
-from mnist import accuracy, build_model  # noqa: E402
+from data import epoch_batches, load_mnist, steps_per_epoch  # noqa: E402
+from mnist import accuracy, build_model, lr_schedule  # noqa: E402
 
 SINGLE_BUCKET_MB = 1024
 
@@ -41,6 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--powersgd-rank", type=int, default=1)
     p.add_argument("--epochs", type=int, default=6)
     p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--lr-schedule", choices=["constant", "cosine"], default="constant")
     p.add_argument("--mu", type=float, default=0.9, help="SGD momentum")
     p.add_argument("--batch-size", type=int, default=32, help="per worker process")
     p.add_argument("--hidden", type=int, default=512)
@@ -75,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
                                     bucket_cap_mb=SINGLE_BUCKET_MB)
     register_hook(model, args.hook, args.powersgd_rank)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.mu)
+    scheduler = lr_schedule(optimizer, args.lr_schedule,
+                            args.epochs * steps_per_epoch(len(y_train), size, args.batch_size))
 
     metrics: dict = {"args": vars(args), "workers": size, "steps": [], "epochs": []}
     if rank == 0:
@@ -90,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
             loss = F.cross_entropy(model(x_train[idx]), y_train[idx])
             loss.backward()
             optimizer.step()
+            if scheduler is not None:
+                scheduler.step()
             metrics["steps"].append({"step": len(metrics["steps"]) + 1,
                                      "time": time.perf_counter() - t0, "loss": loss.item()})
         if rank == 0:

@@ -25,10 +25,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from slow_network import EF_NESTEROV, REPO, job_args  # noqa: E402
+from slow_network import EF_NESTEROV, REPO, Method, job_args  # noqa: E402
 from slow_network import parse_args as slow_network_defaults  # noqa: E402
 
-JOB = job_args(slow_network_defaults([]))  # the slow-network table's job, by construction
+RUNNER = slow_network_defaults([])
+JOB = job_args(RUNNER)  # the slow-network table's job, by construction
 
 
 def randomk(k: float, *extra: str) -> list[str]:
@@ -50,17 +51,21 @@ SETTINGS = {  # name -> examples/mnist.py arguments after JOB (later flags win)
 }
 
 
-def run(name: str, workdir: Path, timeout: float, epochs: int | None) -> list[float]:
+def run(name: str, workdir: Path, timeout: float, job_seed: int,
+        extra: list[str]) -> list[float]:
     """Test accuracy after each epoch of one setting ([] if the run failed)."""
     metrics = workdir / f"{name}.json"
-    job = JOB + (["--epochs", str(epochs)] if epochs else [])  # later flags win
+    job = JOB + extra  # later flags win
     argv = [sys.executable, "-m", "bps.launch.cli", "local", "--workers", "4", "--servers",
             "4", "--", sys.executable, str(REPO / "examples" / "mnist.py"), *job,
             *SETTINGS[name], "--metrics-json", str(metrics)]
     # a fixed job seed: with the servers' node-order sums each setting's run is
     # reproducible (its accuracies then vary only with the seed)
-    env = dict(os.environ, BYTEPS_PARTITION_BYTES="1024000")
-    env.setdefault("BPS_JOB_SEED", "1")
+    # the runner's partitions (randomk draws per partition) and job seed, so that a
+    # setting of the table has the same accuracies here as in its table run
+    method = Method(name, name, "bps", tuple(SETTINGS[name]), 0.0)
+    env = dict(os.environ, BYTEPS_PARTITION_BYTES=str(method.partition_bytes(RUNNER)),
+               BPS_JOB_SEED=str(job_seed))
     log = workdir / f"{name}.log"
     with open(log, "w") as out:
         code = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env,
@@ -77,8 +82,14 @@ def main() -> None:
     parser.add_argument("--only", help="comma-separated settings: " + ",".join(SETTINGS))
     parser.add_argument("--epochs", type=int, default=None,
                         help=f"default {JOB[JOB.index('--epochs') + 1]}, the slow-network job's")
+    parser.add_argument("--lr-schedule", choices=["constant", "cosine"], default=None,
+                        help=f"default {RUNNER.lr_schedule}, the slow-network job's")
+    parser.add_argument("--job-seed", type=int, default=RUNNER.seed + 1,
+                        help="BPS_JOB_SEED (randomk's draws); default the runner's")
     parser.add_argument("--run-timeout", type=float, default=600.0, help="seconds per run")
     args = parser.parse_args()
+    extra = (["--epochs", str(args.epochs)] if args.epochs else []) + (
+        ["--lr-schedule", args.lr_schedule] if args.lr_schedule else [])
     names = args.only.split(",") if args.only else list(SETTINGS)
     unknown = [n for n in names if n not in SETTINGS]
     if unknown:
@@ -88,7 +99,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bps-randomk-") as tmp:
         for index, name in enumerate(names):
             start = time.monotonic()
-            accuracies = run(name, Path(tmp), args.run_timeout, args.epochs)
+            accuracies = run(name, Path(tmp), args.run_timeout, args.job_seed, extra)
             rows.append((name, accuracies))
             final = f"final {accuracies[-1]:.1%}" if accuracies else "failed"
             print(f"[{index + 1}/{len(names)}] {name}: {final} "

@@ -175,9 +175,9 @@ class Run:
 # --------------------------------------------------------------------------- running
 
 def job_args(args: argparse.Namespace) -> list[str]:
-    return ["--epochs", str(args.epochs), "--lr", str(args.lr), "--batch-size",
-            str(args.batch_size), "--hidden", str(args.hidden), "--layers", str(args.layers),
-            "--seed", str(args.seed)]
+    return ["--epochs", str(args.epochs), "--lr", str(args.lr), "--lr-schedule",
+            args.lr_schedule, "--batch-size", str(args.batch_size), "--hidden", str(args.hidden),
+            "--layers", str(args.layers), "--seed", str(args.seed)]
 
 
 def command(method: Method, args: argparse.Namespace, metrics: Path, stats: Path) -> list[str]:
@@ -413,6 +413,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="default 16 (quick: 1); after 8, randomk 1%% is still catching up "
                         "(each weight moves about once per 1/k steps)")
     p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--lr-schedule", choices=["constant", "cosine"], default="cosine",
+                   help="cosine: the lr decays to 0 over the run (every method alike)")
     p.add_argument("--batch-size", type=int, default=32, help="per worker")
     p.add_argument("--hidden", type=int, default=None, help="default 1100 (quick: 128)")
     p.add_argument("--layers", type=int, default=2)
@@ -482,6 +484,7 @@ def load_runs(path: Path, args: argparse.Namespace) -> tuple[list[Run], str]:
     args.rate, args.nodes, args.servers = record["rate"], record["nodes"], record["servers"]
     job = dict(zip(record["job"][::2], record["job"][1::2], strict=True))
     args.epochs, args.lr = int(job["--epochs"]), float(job["--lr"])
+    args.lr_schedule = job.get("--lr-schedule", "constant")  # before session 9: constant
     args.batch_size, args.seed = int(job["--batch-size"]), int(job["--seed"])
     args.hidden, args.layers = int(job["--hidden"]), int(job["--layers"])
     args.partition_bytes = record.get("partition_bytes", args.partition_bytes)

@@ -48,6 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup-steps", type=int, default=0)
     p.add_argument("--epochs", type=int, default=6)
     p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--lr-schedule", choices=["constant", "cosine"], default="constant",
+                   help="cosine: the lr decays to 0 over the run, step by step")
     p.add_argument("--batch-size", type=int, default=32, help="per worker process")
     p.add_argument("--hidden", type=int, default=512, help="width of the hidden layers")
     p.add_argument("--layers", type=int, default=1, help="number of hidden layers")
@@ -87,6 +89,25 @@ def build_model(hidden: int, layers: int) -> torch.nn.Module:
         blocks += [torch.nn.Linear(width, hidden), torch.nn.ReLU()]
         width = hidden
     return torch.nn.Sequential(*blocks, torch.nn.Linear(width, 10))
+
+
+def lr_schedule(optimizer: torch.optim.Optimizer, schedule: str,
+                total_steps: int) -> torch.optim.lr_scheduler.LRScheduler | None:
+    """The learning-rate scheduler of ``--lr-schedule`` (``None``: constant); step it
+    after every optimizer step. bps picks up each new lr (error feedback rescales its
+    error by ``lr_prev / lr_now``).
+
+    Example::
+
+        >>> model = torch.nn.Linear(2, 1)
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> scheduler = lr_schedule(optimizer, "cosine", total_steps=2)
+        >>> optimizer.step(); scheduler.step(); optimizer.param_groups[0]["lr"]
+        0.05
+    """
+    if schedule == "constant":
+        return None
+    return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
 
 
 def accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -143,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     trainer = bps.DistributedTrainer(model, optimizer, params)
 
     steps = steps_per_epoch(len(y_train), size, args.batch_size)
+    scheduler = lr_schedule(optimizer, args.lr_schedule, args.epochs * steps)
     progress = Progress(rank == 0, args.epochs, steps)
     metrics: dict = {"args": vars(args), "compression_params": params, "workers": size,
                      "steps": [], "epochs": []}
@@ -160,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
             loss = F.cross_entropy(model(x_train[idx]), y_train[idx])
             loss.backward()
             trainer.step()
+            if scheduler is not None:
+                scheduler.step()
             stats = trainer.stats()
             metrics["steps"].append({
                 "step": stats["step"], "time": time.perf_counter() - t0,

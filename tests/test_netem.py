@@ -398,6 +398,10 @@ def test_slow_network_runner_quick(leftovers, tmp_path):
     record = json.loads((tmp_path / "slow_network_100mbit_quick.json").read_text())
     rows = {row["method"]: row for row in record["rows"]}
     assert set(rows) == {"fp32", "onebit", "ddp-powersgd"}
+    job = dict(zip(record["job"][::2], record["job"][1::2], strict=True))
+    assert job["--lr-schedule"] == "cosine"  # every run, bps and DDP, decays the lr alike
+    for run in record["runs"]:
+        assert run["metrics"]["args"]["lr_schedule"] == "cosine"
     for row in rows.values():
         assert row["exit_code"] == 0 and row["final_accuracy"] > 0.5 and row["step_time_s"] > 0
     assert rows["onebit"]["wire_bytes_per_step"] < rows["fp32"]["wire_bytes_per_step"] / 5
