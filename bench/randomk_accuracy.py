@@ -1,16 +1,18 @@
 """randomk's accuracy on the slow-network job, over k, momentum, error feedback and lr.
 
 Test accuracy does not depend on the link speed, so this runs the job of
-``bench/slow_network.py`` (examples/mnist.py, 4 worker nodes, 4 servers, 1 MB
-partitions, 16 epochs unless ``--epochs`` says otherwise) on a loopback cluster
-(``bpslaunch local``) and prints the test accuracy after every epoch for each setting,
-next to uncompressed fp32 and topk 1%.
+``bench/slow_network.py`` (examples/mnist.py, 4 worker nodes, 4 servers, its partition
+sizes, job seed and lr schedule, 16 epochs unless ``--epochs`` says otherwise) on a
+loopback cluster (``bpslaunch local``) and prints the test accuracy after every epoch for
+each setting, next to uncompressed fp32 and topk 1%. Servers sum in node order, so a
+setting of the table gets the same accuracies here, epoch by epoch, as in its table run.
 
 Usage::
 
     .venv/bin/python bench/randomk_accuracy.py                 # 11 runs, about 16 minutes
     .venv/bin/python bench/randomk_accuracy.py --only fp32,topk-1,rk-1,rk-3
-    .venv/bin/python bench/randomk_accuracy.py --epochs 8      # the job before session 6
+    .venv/bin/python bench/randomk_accuracy.py --only rk-1 --job-seed 2   # other draws
+    .venv/bin/python bench/randomk_accuracy.py --lr-schedule constant     # before session 9
 """
 
 from __future__ import annotations

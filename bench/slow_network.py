@@ -319,7 +319,8 @@ def write_results(args: argparse.Namespace, runs: list[Run], target: float, rows
                   command_line: str) -> list[Path]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"slow_network_{args.rate}{'_quick' if args.quick else ''}"
+    schedule = "" if args.lr_schedule == "constant" else f"_{args.lr_schedule}"
+    stem = out / f"slow_network_{args.rate}{schedule}{'_quick' if args.quick else ''}"
     record = {
         "command": command_line,
         "rate": args.rate, "nodes": args.nodes, "servers": args.servers,
@@ -413,8 +414,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="default 16 (quick: 1); after 8, randomk 1%% is still catching up "
                         "(each weight moves about once per 1/k steps)")
     p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--lr-schedule", choices=["constant", "cosine"], default="cosine",
-                   help="cosine: the lr decays to 0 over the run (every method alike)")
+    p.add_argument("--lr-schedule", choices=["constant", "cosine"], default="constant",
+                   help="cosine: the lr decays to 0 over the run, for every method alike "
+                        "(results get a _cosine suffix)")
     p.add_argument("--batch-size", type=int, default=32, help="per worker")
     p.add_argument("--hidden", type=int, default=None, help="default 1100 (quick: 128)")
     p.add_argument("--layers", type=int, default=2)
