@@ -733,7 +733,7 @@ class Dithering(Compressor):
     def encode(self, values: np.ndarray, scale: float, words: np.ndarray,
                dequantised: np.ndarray) -> int:
         """Quantise and code ``values`` into ``words``; returns the bit count. With a
-        non-empty ``dequantised`` (``quantise_block``), ``values`` becomes the residual.
+        non-empty ``dequantised`` (``quantise_chunk``), ``values`` becomes the residual.
 
         Each chunk (one per thread) quantises with its generators jumped to its start
         and codes its levels on its own, the first chunk straight into ``words``, the
