@@ -417,11 +417,35 @@ def read32(words, position):
     return (pair << np.uint64(position & 31)) >> np.uint64(32)
 
 
+@njit(nogil=True, cache=True, inline="always")
+def bswap32(value):
+    """``value`` (uint32) byte-reversed, written so that LLVM vectorises it in a loop
+    (numba widens integer arithmetic to 64 bits: the masks keep the result in 32)."""
+    return (((value << np.uint32(24)) & np.uint32(0xFF000000))
+            | ((value << np.uint32(8)) & np.uint32(0xFF0000))
+            | ((value >> np.uint32(8)) & np.uint32(0xFF00)) | (value >> np.uint32(24)))
+
+
+@njit(nogil=True, cache=True)
+def shift_words(dst, src, shift):
+    """``dst[k]`` = the 32 stream bits from bit ``shift`` (1..31) of ``src[k:k + 2]``;
+    all uint32 in stream byte order (reads one word past them; vectorised)."""
+    left = np.uint32(shift)
+    right = np.uint32(32 - shift)
+    for k in range(dst.size):
+        high = bswap32(src[np.uint64(k)])
+        low = bswap32(src[np.uint64(k + 1)])
+        dst[np.uint64(k)] = bswap32(((high << left) & np.uint32(0xFFFFFFFF)) | (low >> right))
+
+
 @njit(nogil=True, cache=True)
 def splice_chunk(dst, dst_bit, gap, src, src_bit, nbits):
     """Write delta(gap) then ``nbits`` bits of ``src`` from ``src_bit`` into ``dst`` at
     ``dst_bit`` (the bits of its word before it are kept; the last word zero-padded).
-    Both hold uint32 words in stream byte order; returns the new end bit of ``dst``."""
+    Both hold uint32 words in stream byte order; returns the new end bit of ``dst``.
+
+    Bits are appended until ``dst`` reaches a word boundary; from there whole words
+    are copied (or shifted, ``shift_words``) at once, and the rest appended."""
     pos = dst_bit >> 5
     fill = dst_bit & 31
     acc = np.uint64(swap32(dst[pos])) >> np.uint64(32 - fill) if fill else np.uint64(0)
@@ -429,13 +453,26 @@ def splice_chunk(dst, dst_bit, gap, src, src_bit, nbits):
         acc |= np.uint64(swap32(dst[pos - 1])) << np.uint64(fill)
     code, length = delta_code(gap)
     acc, total = append_code(acc, dst_bit, code, length, dst)
-    end = src_bit + nbits
-    for at in range(src_bit, end - 31, 32):
-        acc, total = append_bits(acc, total, read32(src, at), 32, dst)
-    left = (end - src_bit) & 31
-    if left:
-        acc, total = append_bits(acc, total, bits_at(read32(src, end - left), 32 - left, left),
-                                 left, dst)
+    at, end = src_bit, src_bit + nbits
+    head = min(-total & 31, end - at)
+    if head:
+        acc, total = append_bits(acc, total, bits_at(read32(src, at), 32 - head, head), head,
+                                 dst)
+        at += head
+    words = (end - at) >> 5 if total & 31 == 0 else 0
+    if words:
+        out = dst[total >> 5 : (total >> 5) + words]
+        if at & 31:
+            shift_words(out, src[at >> 5 : (at >> 5) + words + 1], at & 31)
+        else:
+            out[:] = src[at >> 5 : (at >> 5) + words]
+        acc = np.uint64(swap32(out[-1]))  # the last complete word, for the tail's append
+        at += 32 * words
+        total += 32 * words
+    if at < end:
+        left = end - at
+        acc, total = append_bits(acc, total, bits_at(read32(src, at), 32 - left, left), left,
+                                 dst)
     return flush_bits(acc, total, dst)
 
 

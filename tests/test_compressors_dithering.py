@@ -239,6 +239,28 @@ def test_failed_speculation_falls_back_to_the_sequential_parse(small_chunks, mon
     assert len(calls) == 6
 
 
+def test_splice_appends_a_gap_code_and_any_bit_range_at_any_bit():
+    """splice_chunk against bit strings: every destination and source alignment, ranges
+    shorter and longer than a word, and bits of the destination's word before it kept."""
+    gen = np.random.default_rng(4)
+
+    def bits_of(words: np.ndarray) -> str:  # uint32 words in stream byte order
+        return "".join(format(byte, "08b") for byte in words.view(np.uint8).tolist())
+
+    for dst_bit in range(0, 70, 3):
+        for src_bit in range(0, 40, 5):
+            for nbits in (0, 1, 31, 32, 33, 64, 95, 200):
+                src = gen.integers(0, 2**32, 12, dtype=np.uint32)
+                dst = gen.integers(0, 2**32, 16, dtype=np.uint32)
+                before = bits_of(dst)[:dst_bit]
+                gap = int(gen.integers(1, 3000))
+                end = dithering.splice_chunk(dst, dst_bit, gap, src, src_bit, nbits)
+                expected = before + ref.elias_delta(gap) + bits_of(src)[src_bit:src_bit + nbits]
+                assert end == len(expected)
+                padded = expected + "0" * (-len(expected) % 32)
+                assert bits_of(dst)[:len(padded)] == padded
+
+
 def test_speculation_from_every_bit_offset(small_chunks):
     """A parse started at any bit, once it meets the true parse, decodes the same."""
     numel = 1543
