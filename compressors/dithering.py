@@ -417,15 +417,6 @@ def read32(words, position):
     return (pair << np.uint64(position & 31)) >> np.uint64(32)
 
 
-@njit(nogil=True, cache=True, inline="always")
-def bswap32(value):
-    """``value`` (uint32) byte-reversed, written so that LLVM vectorises it in a loop
-    (numba widens integer arithmetic to 64 bits: the masks keep the result in 32)."""
-    return (((value << np.uint32(24)) & np.uint32(0xFF000000))
-            | ((value << np.uint32(8)) & np.uint32(0xFF0000))
-            | ((value >> np.uint32(8)) & np.uint32(0xFF00)) | (value >> np.uint32(24)))
-
-
 @njit(nogil=True, cache=True)
 def shift_words(dst, src, shift):
     """``dst[k]`` = the 32 stream bits from bit ``shift`` (1..31) of ``src[k:k + 2]``;
@@ -433,9 +424,9 @@ def shift_words(dst, src, shift):
     left = np.uint32(shift)
     right = np.uint32(32 - shift)
     for k in range(dst.size):
-        high = bswap32(src[np.uint64(k)])
-        low = bswap32(src[np.uint64(k + 1)])
-        dst[np.uint64(k)] = bswap32(((high << left) & np.uint32(0xFFFFFFFF)) | (low >> right))
+        high = swap32(src[np.uint64(k)])
+        low = swap32(src[np.uint64(k + 1)])
+        dst[np.uint64(k)] = swap32((high << left) | (low >> right))
 
 
 @njit(nogil=True, cache=True)
