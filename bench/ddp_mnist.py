@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 from data import epoch_batches, load_mnist, steps_per_epoch  # noqa: E402
-from mnist import accuracy, build_model, lr_schedule  # noqa: E402
+from mnist import LR_SCHEDULES, accuracy, build_model, lr_schedule  # noqa: E402
 
 SINGLE_BUCKET_MB = 1024
 
@@ -41,7 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--powersgd-rank", type=int, default=1)
     p.add_argument("--epochs", type=int, default=6)
     p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--lr-schedule", choices=["constant", "cosine"], default="constant")
+    p.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="constant")
     p.add_argument("--mu", type=float, default=0.9, help="SGD momentum")
     p.add_argument("--batch-size", type=int, default=32, help="per worker process")
     p.add_argument("--hidden", type=int, default=512)

@@ -61,10 +61,8 @@ def run(name: str, workdir: Path, timeout: float, job_seed: int,
     argv = [sys.executable, "-m", "bps.launch.cli", "local", "--workers", "4", "--servers",
             "4", "--", sys.executable, str(REPO / "examples" / "mnist.py"), *job,
             *SETTINGS[name], "--metrics-json", str(metrics)]
-    # a fixed job seed: with the servers' node-order sums each setting's run is
-    # reproducible (its accuracies then vary only with the seed)
-    # the runner's partitions (randomk draws per partition) and job seed, so that a
-    # setting of the table has the same accuracies here as in its table run
+    # the runner's partitions (randomk draws per partition) and a fixed job seed: with the
+    # servers' node-order sums a setting of the table gets the same accuracies here
     method = Method(name, name, "bps", tuple(SETTINGS[name]), 0.0)
     env = dict(os.environ, BYTEPS_PARTITION_BYTES=str(method.partition_bytes(RUNNER)),
                BPS_JOB_SEED=str(job_seed))

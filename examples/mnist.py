@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from data import epoch_batches, load_mnist, steps_per_epoch  # noqa: E402
 
 START = time.perf_counter()
+LR_SCHEDULES = ("constant", "cosine")  # see lr_schedule
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -48,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup-steps", type=int, default=0)
     p.add_argument("--epochs", type=int, default=6)
     p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--lr-schedule", choices=["constant", "cosine"], default="constant",
+    p.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="constant",
                    help="cosine: the lr decays to 0 over the run, step by step")
     p.add_argument("--batch-size", type=int, default=32, help="per worker process")
     p.add_argument("--hidden", type=int, default=512, help="width of the hidden layers")
