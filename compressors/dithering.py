@@ -699,6 +699,9 @@ class Dithering(Compressor):
         self.bits_per_element = 3 + delta_length(self.max_level)
         self.max_stream_bytes = (numel * self.bits_per_element + 7) // 8 + 8
         self.bounds = chunk_bounds(numel)
+        # the narrowest signed levels (int8 ones code by windows and fit the residual table)
+        self.level_dtype = np.int8 if self.max_level < 2**7 else (
+            np.int32 if self.max_level < 2**31 else np.int64)
         self.buffers: dict = {}  # scratch arrays, allocated on first use
 
     def buffer(self, name: str, shape: int | tuple, dtype: type) -> np.ndarray:
@@ -727,7 +730,7 @@ class Dithering(Compressor):
         """
         values = self.check_input(corrected)
         if (values is not corrected or self.dtype not in KERNEL_FLOAT_DTYPES
-                or self.max_level >= 2**7):
+                or self.level_dtype != np.int8):
             payload = self.compress(corrected)
             corrected.sub_(self.decompress(payload))
             return payload
@@ -767,9 +770,7 @@ class Dithering(Compressor):
         and codes its levels on its own, the first chunk straight into ``words``, the
         others into scratch arrays; their streams are then appended with the first gap
         re-coded relative to the last nonzero index before the chunk."""
-        kind = np.int8 if self.max_level < 2**7 else (
-            np.int32 if self.max_level < 2**31 else np.int64)
-        levels = self.buffer("levels", self.numel, kind)
+        levels = self.buffer("levels", self.numel, self.level_dtype)
         top = float(2 ** (self.levels - 1)) if self.natural else float(self.levels)
         table = jump_table()
         a, b = self.rng
