@@ -80,7 +80,10 @@ class Scheduler:
         self.loop_clock = LoopClock(self.env.heartbeat_interval)
 
     def run(self) -> int:
-        ctx = self.ctx or zmq.Context.instance()
+        # Its own context unless given one: terminating it on the way out is what makes
+        # ZeroMQ send the last SHUTDOWN/BYE/PEER_DEAD before the process exits (pyzmq
+        # drops whatever is still queued at interpreter exit, lingering or not).
+        ctx = self.ctx or zmq.Context()
         self.sock = new_socket(ctx, zmq.ROUTER)
         self.sock.bind(self.env.scheduler_address)
         log.info("scheduler listening on %s for %d workers, %d servers",
@@ -90,6 +93,8 @@ class Scheduler:
             return self._loop()
         finally:
             self.sock.close(linger=1000)
+            if self.ctx is None:
+                ctx.term()  # returns once the queued messages are sent, or after the linger
 
     def _send(self, identity: bytes, op: Op, **fields: Any) -> None:
         self.sock.send_multipart([identity, encode(op, **fields)])

@@ -170,3 +170,49 @@ def test_own_stall_is_not_taken_for_a_silent_peer() -> None:
             client.tick()
     finally:
         client.sock.close(linger=0)
+
+
+def test_scheduler_sends_its_last_messages_before_it_returns() -> None:
+    """When every worker has said FINALIZE, the scheduler answers BYE, sends the servers
+    SHUTDOWN and returns 0. By then it has terminated its own ZeroMQ context, which only
+    returns once those last messages are sent: pyzmq drops what is still queued at
+    interpreter exit, and a server that missed SHUTDOWN would fail the job 10 s later."""
+    import socket
+    import threading
+
+    import zmq
+
+    from bps.server.scheduler import Scheduler, SchedulerClient
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = ClusterEnv.from_environ({**BASE, "DMLC_ROLE": "scheduler", "DMLC_NUM_WORKER": "1",
+                                   "DMLC_NUM_SERVER": "1", "DMLC_WORKER_ID": "0",
+                                   "DMLC_PS_ROOT_URI": "127.0.0.1",
+                                   "DMLC_PS_ROOT_PORT": str(port)})
+    scheduler = Scheduler(env)
+    codes: list[int] = []
+    thread = threading.Thread(target=lambda: codes.append(scheduler.run()), daemon=True)
+    thread.start()
+    ctx = zmq.Context()
+    worker = SchedulerClient(ctx, env, "worker")
+    server = SchedulerClient(ctx, env, "server", "tcp://127.0.0.1:1")
+
+    def next_op(client: SchedulerClient) -> Op:
+        assert client.sock.poll(10_000), f"{client.role}: nothing from the scheduler in 10 s"
+        return client.receive()["op"]
+
+    try:
+        worker.send(Op.HELLO, role="worker", worker_id=0, addr="")
+        server.send(Op.HELLO, role="server", worker_id=-1, addr=server.addr)
+        assert (next_op(worker), next_op(server)) == (Op.WELCOME, Op.WELCOME)
+        worker.send(Op.FINALIZE)
+        assert (next_op(worker), next_op(server)) == (Op.BYE, Op.SHUTDOWN)
+        thread.join(timeout=10)
+        assert not thread.is_alive() and codes == [0]
+        assert scheduler.sock.closed and scheduler.sock.context.closed
+    finally:
+        worker.sock.close(linger=0)
+        server.sock.close(linger=0)
+        ctx.term()
