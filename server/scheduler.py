@@ -85,11 +85,16 @@ class Scheduler:
         # drops whatever is still queued at interpreter exit, lingering or not).
         ctx = self.ctx or zmq.Context()
         self.sock = new_socket(ctx, zmq.ROUTER)
-        self.sock.bind(self.env.scheduler_address)
-        log.info("scheduler listening on %s for %d workers, %d servers",
-                 self.env.scheduler_address, self.env.num_workers, self.env.num_servers)
-        self.seed = self.env.job_seed or random.SystemRandom().randrange(1, 2**63)
         try:
+            try:
+                self.sock.bind(self.env.scheduler_address)
+            except zmq.ZMQError as exc:
+                log.error("scheduler cannot listen on %s (DMLC_PS_ROOT_URI, DMLC_PS_ROOT_PORT): "
+                          "%s", self.env.scheduler_address, exc.strerror)
+                return 1
+            log.info("scheduler listening on %s for %d workers, %d servers",
+                     self.env.scheduler_address, self.env.num_workers, self.env.num_servers)
+            self.seed = self.env.job_seed or random.SystemRandom().randrange(1, 2**63)
             return self._loop()
         finally:
             self.sock.close(linger=1000)

@@ -216,3 +216,22 @@ def test_scheduler_sends_its_last_messages_before_it_returns() -> None:
         worker.sock.close(linger=0)
         server.sock.close(linger=0)
         ctx.term()
+
+
+def test_scheduler_port_in_use_is_a_clear_error(caplog) -> None:
+    """A scheduler address that is taken names the address and the variables behind it,
+    and the scheduler returns 1 instead of raising."""
+    import socket
+
+    from bps.server.scheduler import Scheduler
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = ClusterEnv.from_environ({**BASE, "DMLC_ROLE": "scheduler",
+                                       "DMLC_PS_ROOT_URI": "127.0.0.1",
+                                       "DMLC_PS_ROOT_PORT": str(port)})
+        assert Scheduler(env).run() == 1
+    assert (f"scheduler cannot listen on tcp://127.0.0.1:{port} (DMLC_PS_ROOT_URI, "
+            "DMLC_PS_ROOT_PORT): Address already in use") in caplog.text
