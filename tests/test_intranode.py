@@ -3,20 +3,14 @@
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 import time
 
 import numpy as np
 import pytest
 import torch
 
+from bps.launch.role import free_port
 from bps.worker.intranode import IntraNodeError, LocalGroup
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _member(rank: int, size: int, port: int, dtype: str, out) -> None:
@@ -38,7 +32,7 @@ def _member(rank: int, size: int, port: int, dtype: str, out) -> None:
 def _run_group(size: int, dtype: str):
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_member, args=(r, size, port, dtype, out)) for r in range(size)]
     for p in procs:
         p.start()
@@ -79,7 +73,7 @@ def _lonely(port, out):
 def test_missing_peer_times_out_with_clear_error():
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    proc = ctx.Process(target=_lonely, args=(_free_port(), out))
+    proc = ctx.Process(target=_lonely, args=(free_port(), out))
     start = time.monotonic()
     proc.start()
     try:

@@ -177,20 +177,17 @@ def test_scheduler_sends_its_last_messages_before_it_returns() -> None:
     SHUTDOWN and returns 0. By then it has terminated its own ZeroMQ context, which only
     returns once those last messages are sent: pyzmq drops what is still queued at
     interpreter exit, and a server that missed SHUTDOWN would fail the job 10 s later."""
-    import socket
     import threading
 
     import zmq
 
+    from bps.launch.role import free_port
     from bps.server.scheduler import Scheduler, SchedulerClient
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     env = ClusterEnv.from_environ({**BASE, "DMLC_ROLE": "scheduler", "DMLC_NUM_WORKER": "1",
                                    "DMLC_NUM_SERVER": "1", "DMLC_WORKER_ID": "0",
                                    "DMLC_PS_ROOT_URI": "127.0.0.1",
-                                   "DMLC_PS_ROOT_PORT": str(port)})
+                                   "DMLC_PS_ROOT_PORT": str(free_port())})
     scheduler = Scheduler(env)
     codes: list[int] = []
     thread = threading.Thread(target=lambda: codes.append(scheduler.run()), daemon=True)
