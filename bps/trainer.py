@@ -37,7 +37,7 @@ import torch
 
 from bps import runtime as bps_runtime
 from bps.config import resolve_k, validate_compression_params
-from bps.worker.partition import partition
+from bps.worker.partition import partition, plan_servers
 
 log = logging.getLogger("bps")
 
@@ -55,6 +55,20 @@ class _Part:
     raw_key: int | None = None  # travels uncompressed (always, or during warmup)
     compressed_key: int | None = None
     converted: torch.Tensor | None = None  # the piece in its key's dtype, reused every step
+
+
+@dataclass
+class _KeyPlan:
+    """A key to declare once every key's server is planned."""
+
+    part: _Part
+    field: str  # the _Part attribute that receives the key
+    name: str
+    numel: int
+    dtype: torch.dtype
+    params: dict | None
+    wire_bytes: int  # bytes one push carries (at most)
+    warmup_only: bool = False
 
 
 @dataclass
@@ -90,6 +104,37 @@ def payload_bound(params: dict, numel: int, itemsize: int = 4) -> int | None:
         q_bits = n + 2 * (n + 1).bit_length() - 1
         return math.ceil(numel * (3 + q_bits) / 8) + 16
     return None
+
+
+def plan_key_servers(keys: list[_KeyPlan], num_servers: int) -> list[int]:
+    """A server for each key, balancing the bytes a step pushes (payload bounds for
+    compressed keys): by raw bytes, a 2 MB partition that compresses to 40 KB would
+    weigh as much as 50 small tensors that travel uncompressed. Keys that carry traffic
+    only during warmup are balanced among themselves, on top of the raw keys that
+    travel in both phases.
+
+    Example::
+
+        >>> part = _Part(0, 512000)
+        >>> keys = [_KeyPlan(part, "compressed_key", "w[0]", 512000, torch.float32, {}, 40976),
+        ...         _KeyPlan(part, "raw_key", "b", 11000, torch.float16, None, 22000),
+        ...         _KeyPlan(part, "compressed_key", "w[1]", 512000, torch.float32, {}, 40976)]
+        >>> plan_key_servers(keys, 2)
+        [0, 0, 1]
+    """
+    steady = [i for i, k in enumerate(keys) if not k.warmup_only]
+    warmup = [i for i, k in enumerate(keys) if k.warmup_only]
+    servers = [0] * len(keys)
+    plan = plan_servers([keys[i].wire_bytes for i in steady], num_servers)
+    loads = [0] * num_servers
+    for i, server in zip(steady, plan, strict=True):
+        servers[i] = server
+        if keys[i].params is None:
+            loads[server] += keys[i].wire_bytes
+    plan = plan_servers([keys[i].wire_bytes for i in warmup], num_servers, loads)
+    for i, server in zip(warmup, plan, strict=True):
+        servers[i] = server
+    return servers
 
 
 def _signature(model: torch.nn.Module) -> list:
@@ -277,7 +322,7 @@ class DistributedTrainer:
         for gi, group in enumerate(self.optimizer.param_groups):
             for p in group["params"]:
                 group_of[id(p)] = gi
-        slots, seen = [], set()
+        slots, seen, keys = [], set(), []
         wire_dtype = self._wire_dtype
         node_dtype = torch.float16 if self._fp16 and self._rt.local_size > 1 else torch.float32
         for name, p in self.model.named_parameters():
@@ -292,15 +337,17 @@ class DistributedTrainer:
             parts = []
             for offset, length in partition(p.numel(), 4, self._rt.env.partition_bytes):
                 part = _Part(offset, length)
+                raw_bytes = length * wire_dtype.itemsize
                 bound = payload_bound(self.params, length) if compress else None
-                part_compressed = compress and (bound is None or
-                                                bound < length * wire_dtype.itemsize)
+                part_compressed = compress and (bound is None or bound < raw_bytes)
+                label = f"{name}[{len(parts)}]"
                 if not part_compressed or self.params["warmup_steps"] > 0:
-                    part.raw_key = self._declare(f"{name}[{len(parts)}]", length, wire_dtype,
-                                                 None)
+                    # a raw key of a compressed part carries traffic only during warmup
+                    keys.append(_KeyPlan(part, "raw_key", label, length, wire_dtype, None,
+                                         raw_bytes, warmup_only=part_compressed))
                 if part_compressed:
-                    part.compressed_key = self._declare(f"{name}[{len(parts)}]", length,
-                                                        torch.float32, self.params)
+                    keys.append(_KeyPlan(part, "compressed_key", label, length, torch.float32,
+                                         self.params, raw_bytes if bound is None else bound))
                 parts.append(part)
             slot = _Slot(name, p, group_of[id(p)], parts)
             if self._rt.local_size > 1:
@@ -310,13 +357,15 @@ class DistributedTrainer:
                 slot.local_momentum = torch.zeros(p.numel(), dtype=torch.float32,
                                                   device=p.device)
             slots.append(slot)
+        engine = self._rt.engine
+        servers = plan_key_servers(keys, engine.num_servers) if engine else [None] * len(keys)
+        for plan, server in zip(keys, servers, strict=True):
+            key = self._rt.allocate_keys(1)
+            if engine is not None:
+                engine.declare(key, plan.numel, plan.dtype, plan.params, name=plan.name,
+                               server=server)
+            setattr(plan.part, plan.field, key)
         return slots
-
-    def _declare(self, name: str, numel: int, dtype: torch.dtype, params: dict | None) -> int:
-        key = self._rt.allocate_keys(1)
-        if self._rt.engine is not None:
-            self._rt.engine.declare(key, numel, dtype, params, name=name)
-        return key
 
     # -- the step pipeline ------------------------------------------------------------
 

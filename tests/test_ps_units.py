@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 
@@ -13,7 +14,7 @@ from hypothesis import strategies as st
 from bps.env import ClusterEnv, EnvError
 from bps.protocol import PROTOCOL_VERSION, Op, ProtocolError, decode, encode
 from bps.worker.engine import SendQueues, send_order
-from bps.worker.partition import Placement, partition
+from bps.worker.partition import Placement, partition, plan_servers
 
 BASE = {"DMLC_ROLE": "worker", "DMLC_NUM_WORKER": "4", "DMLC_NUM_SERVER": "2",
         "DMLC_PS_ROOT_URI": "10.0.0.1", "DMLC_PS_ROOT_PORT": "9000", "DMLC_WORKER_ID": "3"}
@@ -110,6 +111,99 @@ def test_placement_balance_bound(sizes: list[int], servers: int) -> None:
         placement.place(key, nbytes)
     if len(sizes) >= servers:
         assert max(placement.loads) - min(placement.loads) <= max(sizes)
+
+
+def optimal_max_load(sizes: list[int], servers: int, loads: list[int] | None = None) -> int:
+    """The smallest possible largest load, by trying every assignment."""
+    start = loads or [0] * servers
+    best = math.inf
+    for assignment in itertools.product(range(servers), repeat=len(sizes)):
+        totals = list(start)
+        for server, size in zip(assignment, sizes, strict=True):
+            totals[server] += size
+        best = min(best, max(totals))
+    return best
+
+
+def plan_loads(sizes: list[int], servers: list[int], count: int,
+               loads: list[int] | None = None) -> list[int]:
+    totals = list(loads or [0] * count)
+    for server, size in zip(servers, sizes, strict=True):
+        totals[server] += size
+    return totals
+
+
+def test_plan_servers_places_largest_first() -> None:
+    # in declaration order the two small keys would take both servers and the large
+    # one would land on top of one of them (largest load 30)
+    assert plan_servers([10, 10, 20], 2) == [1, 1, 0]
+    assert plan_servers([10, 10, 20], 2, loads=[0, 25]) == [0, 1, 0]
+    assert plan_servers([], 3) == []
+    with pytest.raises(ValueError, match="2 loads for 3 servers"):
+        plan_servers([1], 3, loads=[0, 0])
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(1, 1000), min_size=1, max_size=7), st.integers(1, 3),
+       st.lists(st.integers(0, 500), min_size=3, max_size=3))
+def test_plan_servers_within_lpt_bound(sizes: list[int], servers: int, start: list[int]) -> None:
+    start = start[:servers]
+    plan = plan_servers(sizes, servers, start)
+    assert plan == plan_servers(list(sizes), servers, list(start))  # deterministic
+    assert all(0 <= s < servers for s in plan)
+    largest = max(plan_loads(sizes, plan, servers, start))
+    # Graham: LPT's largest load is at most 4/3 - 1/(3m) of the optimum (from a common
+    # start, the same argument bounds it by the optimum plus a third of it)
+    assert largest <= optimal_max_load(sizes, servers, start) * 4 / 3 + 1e-9
+
+
+def mlp_keys(compressed_bytes, warmup: bool = False) -> list:
+    """The trainer's key plans for bench/slow_network.py's MLP (784-1100-1100-10, 2 MB
+    partitions, fp16 raw keys, tensors under 64 KB uncompressed)."""
+    import torch
+
+    from bps.trainer import _KeyPlan, _Part
+
+    plans = []
+    for numel in (784 * 1100, 1100, 1100 * 1100, 1100, 1100 * 10, 10):
+        compressed = numel * 4 >= 65536
+        for _, length in partition(numel, 4, 2048000):
+            part = _Part(0, length)
+            if not compressed or warmup:
+                plans.append(_KeyPlan(part, "raw_key", "", length, torch.float16, None,
+                                      2 * length, warmup_only=compressed))
+            if compressed:
+                plans.append(_KeyPlan(part, "compressed_key", "", length, torch.float32, {},
+                                      compressed_bytes(length)))
+    return plans
+
+
+def test_plan_key_servers_balances_bytes_on_the_wire() -> None:
+    from bps.trainer import plan_key_servers
+
+    def topk(numel: int) -> int:  # SPEC §4: k int32 indices and k float32 values
+        return int(numel * 0.01) * 8 + 16
+
+    keys = mlp_keys(topk)
+    wire = [k.wire_bytes for k in keys]
+    planned = max(plan_loads(wire, plan_key_servers(keys, 4), 4))
+    assert planned <= optimal_max_load(wire, 4) * 4 / 3
+    # placed by raw bytes in declaration order, the 11000-weight layer (22 KB per push
+    # in fp16) lands on a server that already holds a 512,000-weight partition
+    by_raw = Placement(4)
+    raw = [by_raw.place(i, k.numel * k.dtype.itemsize) for i, k in enumerate(keys)]
+    assert max(plan_loads(wire, raw, 4)) > 1.1 * planned
+
+    # with warmup, the raw keys of compressed partitions carry the first steps: balanced
+    # on top of the raw keys every step uses
+    keys = mlp_keys(topk, warmup=True)
+    servers = plan_key_servers(keys, 4)
+    steady = [i for i, k in enumerate(keys) if not k.warmup_only]
+    assert [servers[i] for i in steady] == plan_key_servers([keys[i] for i in steady], 4)
+    warm = [i for i, k in enumerate(keys) if k.params is None]  # what warmup steps push
+    warm_sizes = [keys[i].wire_bytes for i in warm]
+    warm_loads = plan_loads(warm_sizes, [servers[i] for i in warm], 4)
+    assert max(warm_loads) <= optimal_max_load(warm_sizes, 4) * 4 / 3
 
 
 def test_waiting_pushes_go_out_by_step_then_priority_within_credit() -> None:

@@ -230,8 +230,10 @@ class WorkerEngine:
             return EngineStats(**self._stats)
 
     def declare(self, key: int, numel: int, dtype: torch.dtype, params: dict | None,
-                name: str = "") -> None:
+                name: str = "", server: int | None = None) -> None:
         """Register ``key`` with its server (blocking). ``params`` None: raw key.
+        ``server``: the server index to hold it (``plan_servers``; every worker must
+        pass the same), else the least-loaded one by raw bytes in declaration order.
 
         Raises ValueError for bad arguments, RemoteError when the server refuses (for
         instance another worker declared the key with a different numel/dtype/params).
@@ -248,7 +250,7 @@ class WorkerEngine:
             from bps.compressors import build
 
             chain = build(params, numel, dtype, role="worker")
-        server = self.placement.place(key, numel * dtype.itemsize)
+        server = self.placement.place(key, numel * dtype.itemsize, server)
         info = _KeyInfo(key, numel, dtype, name, server, chain)
         fields_ = {"key": key, "numel": numel, "dtype": wire_dtype, "name": name,
                    "params": params, "node": self.node_id}
