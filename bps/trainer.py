@@ -25,6 +25,7 @@ Usage (every worker process runs the same script under ``bpslaunch``)::
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import math
@@ -55,14 +56,52 @@ class _Part:
     raw_key: int | None = None  # travels uncompressed (always, or during warmup)
     compressed_key: int | None = None
     converted: torch.Tensor | None = None  # the piece in its key's dtype, reused every step
+    bucket: _Bucket | None = None  # travels fused with other small tensors, at bucket_offset
+    bucket_offset: int = 0
+
+
+@dataclass
+class _Bucket:
+    """Small tensors next to each other in backward order that travel as one raw key
+    (DDP's buckets, Horovod's tensor fusion): one message instead of one per tensor."""
+
+    name: str
+    numel: int
+    members: int
+    key: int | None = None
+    buffer: torch.Tensor | None = None  # in the wire dtype; written by the reduce thread
+    arrived: int = 0  # members copied in this step
+    future: concurrent.futures.Future | None = None  # this step's aggregate
+
+
+class _BucketSlice:
+    """A member's share of its bucket's aggregate, with a future's ``result``."""
+
+    def __init__(self, future: concurrent.futures.Future, offset: int, length: int) -> None:
+        self.future, self.offset, self.length = future, offset, length
+
+    def result(self, timeout: float | None = None) -> torch.Tensor:
+        return self.future.result(timeout)[self.offset:self.offset + self.length]
+
+
+def _forward(source: concurrent.futures.Future, target: concurrent.futures.Future) -> None:
+    """Settle ``target`` as ``source`` settles."""
+    def done(_: concurrent.futures.Future) -> None:
+        if source.cancelled():
+            target.cancel()
+        elif source.exception() is not None:
+            target.set_exception(source.exception())
+        else:
+            target.set_result(source.result())
+    source.add_done_callback(done)
 
 
 @dataclass
 class _KeyPlan:
     """A key to declare once every key's server is planned."""
 
-    part: _Part
-    field: str  # the _Part attribute that receives the key
+    part: _Part | _Bucket
+    field: str  # the attribute of ``part`` that receives the key
     name: str
     numel: int
     dtype: torch.dtype
@@ -322,7 +361,7 @@ class DistributedTrainer:
         for gi, group in enumerate(self.optimizer.param_groups):
             for p in group["params"]:
                 group_of[id(p)] = gi
-        slots, seen, keys = [], set(), []
+        slots, seen, keys, small = [], set(), [], []
         wire_dtype = self._wire_dtype
         node_dtype = torch.float16 if self._fp16 and self._rt.local_size > 1 else torch.float32
         for name, p in self.model.named_parameters():
@@ -335,13 +374,17 @@ class DistributedTrainer:
                 raise TypeError(f"parameter {name!r} is {p.dtype}: bps trains float32 models")
             compress = self._compress and p.numel() * 4 >= self.params["min_compress_bytes"]
             parts = []
-            for offset, length in partition(p.numel(), 4, self._rt.env.partition_bytes):
+            pieces = partition(p.numel(), 4, self._rt.env.partition_bytes)
+            for offset, length in pieces:
                 part = _Part(offset, length)
                 raw_bytes = length * wire_dtype.itemsize
                 bound = payload_bound(self.params, length) if compress else None
                 part_compressed = compress and (bound is None or bound < raw_bytes)
                 label = f"{name}[{len(parts)}]"
-                if not part_compressed or self.params["warmup_steps"] > 0:
+                if (not part_compressed and len(pieces) == 1
+                        and p.numel() * 4 < self.params["min_compress_bytes"]):
+                    small.append((len(slots), part))  # fused below, or a raw key of its own
+                elif not part_compressed or self.params["warmup_steps"] > 0:
                     # a raw key of a compressed part carries traffic only during warmup
                     keys.append(_KeyPlan(part, "raw_key", label, length, wire_dtype, None,
                                          raw_bytes, warmup_only=part_compressed))
@@ -357,6 +400,7 @@ class DistributedTrainer:
                 slot.local_momentum = torch.zeros(p.numel(), dtype=torch.float32,
                                                   device=p.device)
             slots.append(slot)
+        keys += self._plan_buckets(slots, small)
         engine = self._rt.engine
         servers = plan_key_servers(keys, engine.num_servers) if engine else [None] * len(keys)
         for plan, server in zip(keys, servers, strict=True):
@@ -366,6 +410,44 @@ class DistributedTrainer:
                                server=server)
             setattr(plan.part, plan.field, key)
         return slots
+
+    def _plan_buckets(self, slots: list[_Slot], small: list[tuple[int, _Part]]
+                      ) -> list[_KeyPlan]:
+        """Key plans for the small tensors: runs of them next to each other in backward
+        order share a bucket of up to BYTEPS_PARTITION_BYTES on the wire; one alone keeps
+        a raw key of its own."""
+        wire = self._wire_dtype
+        capacity = max(1, self._rt.env.partition_bytes // wire.itemsize)
+        parts = dict(small)
+        runs: list[list[int]] = []
+        previous = None
+        for index in reversed(range(len(slots))):  # backward order
+            if index not in parts:
+                previous = None
+                continue
+            run = runs[-1] if previous is not None else None
+            if run is None or sum(parts[i].length for i in run) + parts[index].length > capacity:
+                runs.append([index])
+            else:
+                run.append(index)
+            previous = index
+        plans = []
+        for run in runs:
+            if len(run) == 1:
+                part = parts[run[0]]
+                plans.append(_KeyPlan(part, "raw_key", f"{slots[run[0]].name}[0]", part.length,
+                                      wire, None, part.length * wire.itemsize))
+                continue
+            numel = sum(parts[i].length for i in run)
+            bucket = _Bucket("fused(" + ", ".join(slots[i].name for i in run) + ")", numel,
+                             len(run), buffer=torch.zeros(numel, dtype=wire))
+            offset = 0
+            for i in run:
+                parts[i].bucket, parts[i].bucket_offset = bucket, offset
+                offset += parts[i].length
+            plans.append(_KeyPlan(bucket, "key", bucket.name, numel, wire, None,
+                                  numel * wire.itemsize))
+        return plans
 
     # -- the step pipeline ------------------------------------------------------------
 
@@ -447,6 +529,9 @@ class DistributedTrainer:
             slot.futures = []
             for part in slot.parts:
                 piece = share[part.offset:part.offset + part.length]
+                if part.bucket is not None:
+                    slot.futures.append(self._fuse(part, piece, lr, -index))
+                    continue
                 # No copy where the dtype already fits: ``share`` is not written again
                 # before step() has waited for these futures.
                 out = None
@@ -460,6 +545,22 @@ class DistributedTrainer:
                 slot.futures.append(engine.push_pull(key, tensor, self._step, lr,
                                                      priority=-index, out=out))
         self._bcast_q.put(index)
+
+    def _fuse(self, part: _Part, piece: torch.Tensor, lr: float, priority: int
+              ) -> _BucketSlice:
+        """Copy ``piece`` into its bucket; the last member of the step pushes the bucket.
+        Returns the member's share of the aggregate. Runs on the reduce thread only."""
+        bucket = part.bucket
+        if bucket.arrived == 0:
+            bucket.future = concurrent.futures.Future()
+        bucket.buffer[part.bucket_offset:part.bucket_offset + part.length].copy_(piece)
+        bucket.arrived += 1
+        share = _BucketSlice(bucket.future, part.bucket_offset, part.length)
+        if bucket.arrived == bucket.members:
+            bucket.arrived = 0
+            _forward(self._rt.engine.push_pull(bucket.key, bucket.buffer, self._step, lr,
+                                               priority=priority), bucket.future)
+        return share
 
     @staticmethod
     def _converted(part: _Part, piece: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

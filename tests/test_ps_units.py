@@ -159,22 +159,25 @@ def test_plan_servers_within_lpt_bound(sizes: list[int], servers: int, start: li
 
 def mlp_keys(compressed_bytes, warmup: bool = False) -> list:
     """The trainer's key plans for bench/slow_network.py's MLP (784-1100-1100-10, 2 MB
-    partitions, fp16 raw keys, tensors under 64 KB uncompressed)."""
+    partitions, fp16 raw keys): the two large weights compressed, the tensors under
+    64 KB raw, with the last layer and the second bias fused (next to each other in
+    backward order) and the first bias alone."""
     import torch
 
     from bps.trainer import _KeyPlan, _Part
 
     plans = []
-    for numel in (784 * 1100, 1100, 1100 * 1100, 1100, 1100 * 10, 10):
-        compressed = numel * 4 >= 65536
+    for numel in (784 * 1100, 1100 * 1100):
         for _, length in partition(numel, 4, 2048000):
             part = _Part(0, length)
-            if not compressed or warmup:
+            if warmup:
                 plans.append(_KeyPlan(part, "raw_key", "", length, torch.float16, None,
-                                      2 * length, warmup_only=compressed))
-            if compressed:
-                plans.append(_KeyPlan(part, "compressed_key", "", length, torch.float32, {},
-                                      compressed_bytes(length)))
+                                      2 * length, warmup_only=True))
+            plans.append(_KeyPlan(part, "compressed_key", "", length, torch.float32, {},
+                                  compressed_bytes(length)))
+    for numel in (1100, 1100 + 1100 * 10 + 10):
+        plans.append(_KeyPlan(_Part(0, numel), "raw_key", "", numel, torch.float16, None,
+                              2 * numel))
     return plans
 
 
@@ -188,8 +191,8 @@ def test_plan_key_servers_balances_bytes_on_the_wire() -> None:
     wire = [k.wire_bytes for k in keys]
     planned = max(plan_loads(wire, plan_key_servers(keys, 4), 4))
     assert planned <= optimal_max_load(wire, 4) * 4 / 3
-    # placed by raw bytes in declaration order, the 11000-weight layer (22 KB per push
-    # in fp16) lands on a server that already holds a 512,000-weight partition
+    # placed by raw bytes in declaration order, the fused key (24 KB per push in fp16)
+    # lands on a server that already holds a 512,000-weight partition
     by_raw = Placement(4)
     raw = [by_raw.place(i, k.numel * k.dtype.itemsize) for i, k in enumerate(keys)]
     assert max(plan_loads(wire, raw, 4)) > 1.1 * planned

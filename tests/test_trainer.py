@@ -20,7 +20,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 BPSLAUNCH = str(Path(sys.executable).parent / "bpslaunch")
-SHAPES = {"big": (30, 10), "small": (7,)}  # big: compressed, 3 partitions; small: raw
+# big: compressed, 3 partitions; small and bias: raw, fused into one key (next to each
+# other in backward order)
+SHAPES = {"big": (30, 10), "small": (7,), "bias": (4,)}
 MOMENTUM = 0.9
 
 
@@ -106,6 +108,8 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
                 time.sleep(0.005)
         trainer.step()
         report["steps"].append(trainer.stats())
+        if engine is not None:
+            report["steps"][-1]["pushes"] = engine.stats.pushes - pushes_before
         if cfg.get("save_at") == step + 1:
             torch.save({"model": model.state_dict(), "trainer": trainer.state_dict()},
                        out / f"ckpt{rank}.pt")
@@ -259,7 +263,8 @@ def test_every_compressor_matches_independent_simulation(tmp_path):
          "compressed_from": None},
     ]
     # 3 nodes: the servers' float32 sums of 3 terms round as the simulation's only
-    # because they add the pushes in node order, whichever arrives first
+    # because they add the pushes in node order, whichever arrives first. 4 pushes per
+    # step: 3 partitions of big, and small and bias fused
     result = launch({"runs": runs, "lrs": SIM_LRS, "stop": len(SIM_LRS),
                      "pushes_per_step": 4}, tmp_path, workers=3, servers=2)
     assert result.returncode == 0, result.stdout[-3000:]
@@ -275,6 +280,7 @@ def test_every_compressor_matches_independent_simulation(tmp_path):
             np.testing.assert_array_equal(finals[0][n], expected[n], err_msg=f"{name}: {n}")
         report = reports[name]
         assert report["optimizer_momentum"] == 0.0 and report["counter"] == 1
+        assert [s["pushes"] for s in report["steps"]] == [4] * len(SIM_LRS), name
         ratios = [s["compression_ratio"] for s in report["steps"]]
         if run["compressed_from"] is None:
             assert max(ratios) < 1.01, (name, ratios)
@@ -284,7 +290,7 @@ def test_every_compressor_matches_independent_simulation(tmp_path):
 
 
 def test_fp16_two_local_ranks_per_node(tmp_path):
-    shapes = {"big": (60, 50), "small": (7,)}
+    shapes = {"big": (60, 50), "small": (7,), "bias": (4,)}  # small and bias: fused
     lrs = [0.1, 0.1, 0.05, 0.05]
     params = {"momentum": "nesterov", "fp16": True}
     result = launch({"runs": [{"params": params}], "lrs": lrs, "stop": len(lrs),
