@@ -85,8 +85,10 @@ class _BucketSlice:
 
 
 def _forward(source: concurrent.futures.Future, target: concurrent.futures.Future) -> None:
-    """Settle ``target`` as ``source`` settles."""
+    """Settle ``target`` as ``source`` settles (unless ``target`` was cancelled)."""
     def done(_: concurrent.futures.Future) -> None:
+        if target.done():
+            return
         if source.cancelled():
             target.cancel()
         elif source.exception() is not None:
@@ -223,6 +225,7 @@ class DistributedTrainer:
         self._engine_before: dict = {}
         self._step_started = False
         self._totals = {"steps": 0, "bytes_pushed": 0, "bytes_pulled": 0, "raw_bytes": 0}
+        self._buckets: list[_Bucket] = []
 
         self._check_same_model()
         self._broadcast_model()
@@ -441,6 +444,7 @@ class DistributedTrainer:
             numel = sum(parts[i].length for i in run)
             bucket = _Bucket("fused(" + ", ".join(slots[i].name for i in run) + ")", numel,
                              len(run), buffer=torch.zeros(numel, dtype=wire))
+            self._buckets.append(bucket)
             offset = 0
             for i in run:
                 parts[i].bucket, parts[i].bucket_offset = bucket, offset
@@ -747,5 +751,8 @@ class DistributedTrainer:
             hook.remove()
         self._reduce_q.put(_STOP)
         self._bcast_q.put(_STOP)
+        for bucket in self._buckets:  # a step left unfinished: members wait on no push
+            if bucket.future is not None:
+                bucket.future.cancel()
         for thread in self._threads:
             thread.join(timeout=5)

@@ -329,3 +329,33 @@ def test_scheduler_port_in_use_is_a_clear_error(caplog) -> None:
         assert Scheduler(env).run() == 1
     assert (f"scheduler cannot listen on tcp://127.0.0.1:{port} (DMLC_PS_ROOT_URI, "
             "DMLC_PS_ROOT_PORT): Address already in use") in caplog.text
+
+
+def test_forward_settles_the_bucket_future_unless_cancelled(caplog) -> None:
+    from concurrent.futures import CancelledError, Future
+
+    import torch
+
+    from bps.trainer import _BucketSlice, _forward
+
+    source, target = Future(), Future()
+    _forward(source, target)
+    source.set_result(torch.arange(6.0))
+    assert _BucketSlice(target, 2, 3).result(timeout=0).tolist() == [2.0, 3.0, 4.0]
+
+    source, target = Future(), Future()
+    _forward(source, target)
+    source.set_exception(ValueError("server 1: refused"))
+    with pytest.raises(ValueError, match="refused"):
+        _BucketSlice(target, 0, 1).result(timeout=0)
+
+    # close() cancels a bucket whose step never completed; a late aggregate is dropped
+    # quietly (set_result on a cancelled future would raise inside the callback)
+    source, target = Future(), Future()
+    _forward(source, target)
+    target.cancel()
+    with caplog.at_level("ERROR", logger="concurrent.futures"):
+        source.set_result(torch.zeros(2))
+    assert not caplog.records
+    with pytest.raises(CancelledError):
+        target.result(timeout=0)
