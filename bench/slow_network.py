@@ -293,10 +293,13 @@ def fmt_seconds(seconds: float) -> str:
     return f"{seconds:.1f} s" if seconds >= 1 else f"{seconds * 1000:.0f} ms"
 
 
-def summarise(runs: list[Run]) -> tuple[float, list[dict]]:
-    """Target accuracy and one row per run (speed-ups against fp32 and DDP + PowerSGD)."""
+def summarise(runs: list[Run], fp32: Run | None = None) -> tuple[float, list[dict]]:
+    """Target accuracy and one row per run (speed-ups against fp32 and DDP + PowerSGD).
+
+    The fp32 run of ``runs`` sets the target, else ``fp32`` (``--baseline``), else the
+    first run (a partial table's target is then not the published one)."""
     by_name = {r.method.name: r for r in runs if r.ok}
-    baseline = by_name.get("fp32") or next(iter(by_name.values()), None)
+    baseline = by_name.get("fp32") or fp32 or next(iter(by_name.values()), None)
     if baseline is None:
         return math.nan, []
     target = baseline.final_accuracy - 0.01
@@ -332,7 +335,7 @@ def write_results(args: argparse.Namespace, runs: list[Run], target: float, rows
         "partition_bytes": args.partition_bytes,
         "compressed_partition_bytes": args.compressed_partition_bytes,
         "parameters": parameter_count(args.hidden, args.layers), "job": job_args(args),
-        "target_accuracy": target, "rows": rows,
+        "target_accuracy": target, "baseline": args.baseline, "rows": rows,
         "runs": [{"method": r.method.name, "label": r.method.label, "args": list(r.method.args),
                   "exit_code": r.exit_code, "run_seconds": r.seconds,
                   "metrics": r.metrics, "netem": r.netem} for r in runs],
@@ -439,6 +442,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "100 Mbit/s 111-116 ms per step against 123-134 ms with 4 MB)")
     p.add_argument("--from-json", metavar="PATH",
                    help="run nothing: rebuild table, CSV and figures from a saved JSON")
+    p.add_argument("--baseline", metavar="PATH",
+                   help="a saved JSON of the same job and network whose fp32 run sets the "
+                        "target and the fp32 speed-ups when --methods leaves fp32 out (a "
+                        "partial rerun then reads like the full table)")
     p.add_argument("--run-timeout", type=float, default=1800.0, help="seconds per run")
     args = p.parse_args(argv)
     if args.quick:
@@ -473,9 +480,16 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     if args.from_json:
         runs, command_line = load_runs(Path(args.from_json), args)
-    else:
+    fp32 = None
+    if args.baseline:  # checked before anything runs
+        try:
+            fp32 = load_baseline(Path(args.baseline), args)
+        except (OSError, ValueError, KeyError) as exc:
+            print(f"slow_network.py: error: --baseline: {exc}", file=sys.stderr)
+            return 2
+    if not args.from_json:
         runs, command_line = measure(args), "python bench/slow_network.py " + " ".join(argv)
-    target, rows = summarise(runs)
+    target, rows = summarise(runs, fp32)
     paths = write_results(args, runs, target, rows, command_line)
     print(f"\n{args.nodes} nodes, {args.rate}; target accuracy {target:.2%} "
           f"(fp32 final - 1 point); total {duration(time.monotonic() - started)}\n")
@@ -506,6 +520,22 @@ def load_runs(path: Path, args: argparse.Namespace) -> tuple[list[Run], str]:
         runs.append(Run(method, saved["metrics"], saved["netem"], saved["run_seconds"],
                         saved["exit_code"]))
     return runs, record["command"]
+
+
+def load_baseline(path: Path, args: argparse.Namespace) -> Run:
+    """The fp32 run of a saved record of the same job on the same network."""
+    record = json.loads(path.read_text())
+    mine = {"rate": args.rate, "nodes": args.nodes, "servers": args.servers,
+            "job": job_args(args)}
+    for name, value in mine.items():
+        if record.get(name) != value:
+            raise ValueError(f"{path}: field {name!r} is {record.get(name)!r}, this run's is "
+                             f"{value!r}")
+    runs, _ = load_runs(path, argparse.Namespace(**vars(args)))
+    fp32 = [r for r in runs if r.method.name == "fp32" and r.ok]
+    if not fp32:
+        raise ValueError(f"{path} has no successful fp32 run")
+    return fp32[0]
 
 
 def measure(args: argparse.Namespace) -> list[Run]:

@@ -411,6 +411,43 @@ def test_slow_network_runner_quick(leftovers, tmp_path):
         assert (tmp_path / f"slow_network_100mbit_quick{suffix}").stat().st_size > 0
 
 
+def test_slow_network_partial_rerun_takes_the_target_of_a_baseline(tmp_path):
+    """--baseline: a table without fp32 (here rebuilt with --from-json from session 11's
+    topk and PowerSGD runs) gets fp32's target and speed-ups from a saved full table; a
+    baseline of another network is refused before anything runs, naming the field."""
+    table = REPO / "docs" / "slow_network_100mbit_session11.json"
+    record = json.loads(table.read_text())
+    fp32 = next(r for r in record["runs"] if r["method"] == "fp32")
+    target = fp32["metrics"]["epochs"][-1]["test_accuracy"] - 0.01
+
+    def reach(run: dict) -> float:
+        return next(e["wall_time"] for e in run["metrics"]["epochs"]
+                    if e["test_accuracy"] >= target)
+
+    partial = dict(record, runs=[r for r in record["runs"] if r["method"] == "topk"])
+    (tmp_path / "partial.json").write_text(json.dumps(partial))
+    base = [sys.executable, "bench/slow_network.py", "--from-json", str(tmp_path / "partial.json"),
+            "--out", str(tmp_path / "out")]
+    done = subprocess.run(base + ["--baseline", str(table)], capture_output=True, text=True,
+                          timeout=120, cwd=REPO)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    rows = json.loads((tmp_path / "out" / "slow_network_100mbit.json").read_text())["rows"]
+    topk = partial["runs"][0]
+    assert [r["method"] for r in rows] == ["topk"]
+    assert rows[0]["time_to_target_s"] == reach(topk)
+    assert rows[0]["speedup_vs_fp32"] == pytest.approx(reach(fp32) / reach(topk))
+    # without it, the only run sets its own target (final - 1 point): not the table's
+    done = subprocess.run(base, capture_output=True, text=True, timeout=120, cwd=REPO)
+    rows = json.loads((tmp_path / "out" / "slow_network_100mbit.json").read_text())["rows"]
+    assert rows[0]["speedup_vs_fp32"] == 1.0
+
+    other = REPO / "docs" / "slow_network_none_session11.json"
+    done = subprocess.run(base + ["--baseline", str(other)], capture_output=True, text=True,
+                          timeout=120, cwd=REPO)
+    assert done.returncode == 2
+    assert "--baseline" in done.stderr and "field 'rate' is 'none'" in done.stderr
+
+
 @pytest.mark.netns
 def test_delay_needs_netem(leftovers):
     """--delay works where the kernel has netem; elsewhere a clear error before anything runs."""
