@@ -512,6 +512,11 @@ def load_runs(path: Path, args: argparse.Namespace) -> tuple[list[Run], str]:
     args.compressed_partition_bytes = record.get("compressed_partition_bytes",
                                                  record.get("partition_bytes"))
     args.rate_bits = parse_rate(args.rate)
+    return record_runs(record, args), record["command"]
+
+
+def record_runs(record: dict, args: argparse.Namespace) -> list[Run]:
+    """The runs of a saved JSON record (methods rebuilt with ``args``' k and levels)."""
     methods = all_methods(args.topk_k, args.randomk_k, args.dithering_levels)
     runs = []
     for saved in record["runs"]:
@@ -519,7 +524,7 @@ def load_runs(path: Path, args: argparse.Namespace) -> tuple[list[Run], str]:
                         tuple(saved["args"]), methods[saved["method"]].wire)
         runs.append(Run(method, saved["metrics"], saved["netem"], saved["run_seconds"],
                         saved["exit_code"]))
-    return runs, record["command"]
+    return runs
 
 
 def load_baseline(path: Path, args: argparse.Namespace) -> Run:
@@ -531,8 +536,7 @@ def load_baseline(path: Path, args: argparse.Namespace) -> Run:
         if record.get(name) != value:
             raise ValueError(f"{path}: field {name!r} is {record.get(name)!r}, this run's is "
                              f"{value!r}")
-    runs, _ = load_runs(path, argparse.Namespace(**vars(args)))
-    fp32 = [r for r in runs if r.method.name == "fp32" and r.ok]
+    fp32 = [r for r in record_runs(record, args) if r.method.name == "fp32" and r.ok]
     if not fp32:
         raise ValueError(f"{path} has no successful fp32 run")
     return fp32[0]

@@ -364,7 +364,8 @@ class DistributedTrainer:
         for gi, group in enumerate(self.optimizer.param_groups):
             for p in group["params"]:
                 group_of[id(p)] = gi
-        slots, seen, keys, small = [], set(), [], []
+        slots, seen, keys = [], set(), []
+        small: dict[int, _Part] = {}  # slot index -> its only part, raw and under the bound
         wire_dtype = self._wire_dtype
         node_dtype = torch.float16 if self._fp16 and self._rt.local_size > 1 else torch.float32
         for name, p in self.model.named_parameters():
@@ -386,7 +387,7 @@ class DistributedTrainer:
                 label = f"{name}[{len(parts)}]"
                 if (not part_compressed and len(pieces) == 1
                         and p.numel() * 4 < self.params["min_compress_bytes"]):
-                    small.append((len(slots), part))  # fused below, or a raw key of its own
+                    small[len(slots)] = part  # fused below, or a raw key of its own
                 elif not part_compressed or self.params["warmup_steps"] > 0:
                     # a raw key of a compressed part carries traffic only during warmup
                     keys.append(_KeyPlan(part, "raw_key", label, length, wire_dtype, None,
@@ -414,26 +415,24 @@ class DistributedTrainer:
             setattr(plan.part, plan.field, key)
         return slots
 
-    def _plan_buckets(self, slots: list[_Slot], small: list[tuple[int, _Part]]
-                      ) -> list[_KeyPlan]:
+    def _plan_buckets(self, slots: list[_Slot], parts: dict[int, _Part]) -> list[_KeyPlan]:
         """Key plans for the small tensors: runs of them next to each other in backward
         order share a bucket of up to BYTEPS_PARTITION_BYTES on the wire; one alone keeps
         a raw key of its own."""
         wire = self._wire_dtype
         capacity = max(1, self._rt.env.partition_bytes // wire.itemsize)
-        parts = dict(small)
         runs: list[list[int]] = []
-        previous = None
+        run: list[int] | None = None  # the open run; a tensor that is not small ends it
+        filled = 0  # elements in the open run
         for index in reversed(range(len(slots))):  # backward order
             if index not in parts:
-                previous = None
+                run = None
                 continue
-            run = runs[-1] if previous is not None else None
-            if run is None or sum(parts[i].length for i in run) + parts[index].length > capacity:
-                runs.append([index])
-            else:
-                run.append(index)
-            previous = index
+            if run is None or filled + parts[index].length > capacity:
+                run, filled = [], 0
+                runs.append(run)
+            run.append(index)
+            filled += parts[index].length
         plans = []
         for run in runs:
             if len(run) == 1:

@@ -33,6 +33,11 @@ def partition(numel: int, itemsize: int, partition_bytes: int) -> list[tuple[int
     return [(start, min(per_part, numel - start)) for start in range(0, numel, per_part)]
 
 
+def least_loaded(loads: list[int]) -> int:
+    """The index of the smallest load (ties: the lowest index)."""
+    return min(range(len(loads)), key=lambda s: (loads[s], s))
+
+
 def plan_servers(sizes: list[int], num_servers: int,
                  loads: list[int] | None = None) -> list[int]:
     """A server index for each of ``sizes``: largest first onto the least-loaded server
@@ -48,7 +53,7 @@ def plan_servers(sizes: list[int], num_servers: int,
         raise ValueError(f"{len(loads)} loads for {num_servers} servers")
     servers = [0] * len(sizes)
     for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        servers[i] = min(range(num_servers), key=lambda s: (loads[s], s))
+        servers[i] = least_loaded(loads)
         loads[servers[i]] += sizes[i]
     return servers
 
@@ -70,7 +75,7 @@ class Placement:
                              f"(there are {len(self.loads)} servers)")
         if key not in self.servers:
             if server is None:
-                server = min(range(len(self.loads)), key=lambda s: (self.loads[s], s))
+                server = least_loaded(self.loads)
             self.loads[server] += nbytes
             self.servers[key] = server
         return self.servers[key]
