@@ -860,20 +860,21 @@ class Dithering(Compressor):
         cuts = [nbits * k // count for k in range(count)] + [nbits]
         room = min(self.numel, 3 * self.numel // count + 4096)
 
-        def work(lo: int, hi: int) -> tuple:
-            if lo == 0:
-                return decode_entries(words, nbits, 0, -1, hi, NO_SYNC, *args, values, NO_MARKS)
-            scratch = self.buffer(f"scratch{lo}", room, values.dtype)
-            marks = self.buffer(f"marks{lo}", (2, MARKS), np.int64)
-            return speculate(words, nbits, lo, hi, *args, scratch, marks)
+        def work(k: int, _: int) -> tuple:
+            if k == 0:
+                return decode_entries(words, nbits, 0, -1, cuts[1], NO_SYNC, *args, values,
+                                      NO_MARKS)
+            # scratch arrays per range, not per bit cut: the cuts move with every payload
+            scratch = self.buffer(f"scratch{k}", room, values.dtype)
+            marks = self.buffer(f"marks{k}", (2, MARKS), np.int64)
+            return speculate(words, nbits, cuts[k], cuts[k + 1], *args, scratch, marks)
 
-        results = run_chunks(work, list(zip(cuts[:-1], cuts[1:], strict=True)))
+        results = run_chunks(work, [(k, k + 1) for k in range(count)])
         error, position, index, _ = results[0]
-        for lo, (guess_error, end, guess_index, marked) in zip(cuts[1:-1], results[1:],
-                                                               strict=True):
+        for k, (guess_error, end, guess_index, marked) in enumerate(results[1:], start=1):
             if error or position >= nbits:
                 break
-            marks = self.buffers[f"marks{lo}"]
+            marks = self.buffers[f"marks{k}"]
             sync = NO_SYNC if guess_error else marks[0, :marked]  # else: decode sequentially
             error, position, index, met = decode_entries(words, nbits, position, index, nbits,
                                                          sync, *args, values, NO_MARKS)
@@ -885,7 +886,7 @@ class Dithering(Compressor):
                 break
             start = marks[1, met - 1] + 1
             copy_chunks(values[index + 1 : guess_index + offset + 1],
-                        self.buffers[f"scratch{lo}"][start : guess_index + 1])
+                        self.buffers[f"scratch{k}"][start : guess_index + 1])
             position, index = end, guess_index + offset
         if error:
             raise self.bad_payload(ERRORS[error])

@@ -239,6 +239,24 @@ def test_failed_speculation_falls_back_to_the_sequential_parse(small_chunks, mon
     assert len(calls) == 6
 
 
+def test_split_decode_keeps_one_scratch_array_per_range(small_chunks):
+    """Streams of different lengths cut at different bits: the speculative ranges'
+    scratch arrays are made once per range and reused, not once per cut (which grew the
+    compressor by a numel-sized array with nearly every payload)."""
+    numel = 1543
+    c = build({"compressor": "dithering", "k": 4, "seed": 5}, numel)
+    lengths = set()
+    for step in range(12):
+        x = gradient(numel, step)
+        x[: 100 * step] = 0.0  # a different stream length each step
+        payload = c.compress(torch.from_numpy(x))
+        lengths.add(payload.numel())
+        assert torch.equal(c.decompress(payload), c.decompress(payload.clone()))
+    assert len(lengths) > 8
+    scratch = sorted(name for name in c.buffers if name.startswith(("scratch", "marks")))
+    assert scratch == ["marks1", "marks2", "marks3", "scratch1", "scratch2", "scratch3"]
+
+
 def test_splice_appends_a_gap_code_and_any_bit_range_at_any_bit():
     """splice_chunk against bit strings: every destination and source alignment, ranges
     shorter and longer than a word, and bits of the destination's word before it kept."""
