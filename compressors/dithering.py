@@ -174,11 +174,22 @@ def subtract_levels(values, levels, dequantised):
 
 
 @njit(nogil=True, cache=True)
-def quantise_chunk(x, scale, top, natural, span, states, dequantised, levels_out):
+def subtract_scaled(values, levels, unit):
+    """``values[i] -= level * unit``, the product rounded to the values' dtype: error
+    feedback's residual where the divisor is a power of two, for then ``q * (scale /
+    divisor)`` in float64 is exactly ``q * scale / divisor``, the decoded value
+    (vectorised arithmetic instead of ``subtract_levels``'s gathers: 4x faster)."""
+    for i in range(values.size):
+        values[i] -= values.dtype.type(np.float64(levels[i]) * unit)
+
+
+@njit(nogil=True, cache=True)
+def quantise_chunk(x, scale, top, natural, span, states, dequantised, unit, levels_out):
     """levels_out[i] = the signed q of x[i] (scale > 0), drawing from LANES generators;
-    with a non-empty ``dequantised`` (the decoded value of each level, level 0 in the
-    middle), x becomes the residual ``x - dequantised[level]``, block by block while
-    the block is in L1 (in ``quantise_block`` itself the loop would not vectorise).
+    with ``unit`` > 0, x becomes the residual ``x - level * unit`` (``subtract_scaled``),
+    else with a non-empty ``dequantised`` (the decoded value of each level, level 0 in
+    the middle) ``x - dequantised[level]``, block by block while the block is in L1 (in
+    ``quantise_block`` itself the loop would not vectorise).
 
     Lane l covers ``x[l * span : (l + 1) * span]`` and ``states[:, l]`` (a, b) is the
     generator state at its start (a jump ahead of the chunk's); with ``span >= x.size``
@@ -205,7 +216,9 @@ def quantise_chunk(x, scale, top, natural, span, states, dequantised, levels_out
             if lo < hi:
                 quantise_block(x[lo:hi], scale, top, natural, draws[lane, : hi - lo],
                                levels_out[lo:hi])
-                if dequantised.size:
+                if unit > 0.0:
+                    subtract_scaled(x[lo:hi], levels_out[lo:hi], unit)
+                elif dequantised.size:
                     subtract_levels(x[lo:hi], levels_out[lo:hi], dequantised)
 
 
@@ -748,12 +761,14 @@ class Dithering(Compressor):
         buffer = payload.numpy()
         words = sub_array(buffer, 0, np.uint32, buffer.size // 4)
         a, b = self.rng
-        dequantised = np.empty(0, dtype=values.dtype)
-        if residual:
+        dequantised, unit = np.empty(0, dtype=values.dtype), 0.0
+        if residual and math.frexp(self.divisor)[0] == 0.5:  # a power of two
+            unit = scale / self.divisor
+        elif residual:
             magnitudes = self.level_magnitudes(scale, self.max_level)
             dequantised = np.concatenate([-magnitudes[:0:-1], magnitudes]).astype(values.dtype)
         # scale 0: every q is 0 and the residual is the input
-        nbits = self.encode(values, scale, words, dequantised) if scale > 0.0 else 0
+        nbits = self.encode(values, scale, words, dequantised, unit) if scale > 0.0 else 0
         self.rng[0], self.rng[1] = jump(a, b, self.numel, jump_table())
         size = (nbits + 7) // 8
         trailer = np.array([nbits], dtype=np.uint64).view(np.uint8)
@@ -762,9 +777,10 @@ class Dithering(Compressor):
         return payload[: size + TRAILER]
 
     def encode(self, values: np.ndarray, scale: float, words: np.ndarray,
-               dequantised: np.ndarray) -> int:
-        """Quantise and code ``values`` into ``words``; returns the bit count. With a
-        non-empty ``dequantised`` (``quantise_chunk``), ``values`` becomes the residual.
+               dequantised: np.ndarray, unit: float = 0.0) -> int:
+        """Quantise and code ``values`` into ``words``; returns the bit count. With
+        ``unit`` > 0 or a non-empty ``dequantised`` (``quantise_chunk``), ``values``
+        becomes the residual.
 
         Each chunk (one per thread) quantises with its generators jumped to its start
         and codes its levels on its own, the first chunk straight into ``words``, the
@@ -781,7 +797,7 @@ class Dithering(Compressor):
             for lane in range(LANES if span < hi - lo else 1):
                 states[:, lane] = jump(a, b, lo + lane * span, table)
             quantise_chunk(values[lo:hi], scale, top, self.natural, span, states, dequantised,
-                           levels[lo:hi])
+                           unit, levels[lo:hi])
             out = words if lo == 0 else self.buffer(
                 f"stream{lo}", (hi - lo) * self.bits_per_element // 32 + 4, np.uint32)
             chunk = levels[lo:hi]

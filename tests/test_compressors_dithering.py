@@ -59,7 +59,7 @@ def test_quantiser_refuses_a_states_array_draw_lanes_would_overrun():
     for states in (np.zeros((LANES, 2), np.uint64), np.zeros((2, 2 * LANES), np.uint64)[:, ::2]):
         with pytest.raises(ValueError, match="states"):
             dithering.quantise_chunk(x, 1.0, 4.0, False, 128, states, np.empty(0, np.float32),
-                                     levels)
+                                     0.0, levels)
 
 
 def reference_stream(levels: np.ndarray) -> tuple[bytes, int]:
@@ -176,6 +176,25 @@ def test_compress_residual_leaves_the_input_minus_the_decoded_payload(small_chun
     payload = fused.compress_residual(zeros)
     assert torch.equal(zeros, torch.zeros(numel, dtype=ref.TORCH_DTYPE[dtype]))
     assert torch.equal(payload, plain.compress(zeros))
+
+
+@pytest.mark.parametrize("s, partition", [(4, "linear"), (2, "natural"), (6, "linear")])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_residual_is_exact_at_any_magnitude(s, partition, dtype):
+    # power-of-two divisors (s = 4; natural) take the residual as level * (scale /
+    # divisor), others from a table of decoded levels: both must equal the decoder's
+    # values bit for bit, also for tiny, huge and subnormal float32 scales
+    numel = 3000
+    c = build({"compressor": "dithering", "k": s, "partition": partition, "seed": 4}, numel,
+              ref.TORCH_DTYPE[dtype])
+    for magnitude in (1e-44, 1e-30, 3e-3, 1.0, 7e12, 1e36):
+        x = (gradient(numel, 5) * magnitude).astype(dtype)
+        residual = torch.from_numpy(x.copy())
+        payload = c.compress_residual(residual)
+        decoded = ref.round_to(ref.dithering_decode(payload.numpy().tobytes(), numel, s,
+                                                    partition), dtype)
+        np.testing.assert_array_equal(residual.numpy(), (x - decoded).astype(dtype),
+                                      err_msg=f"magnitude {magnitude}")
 
 
 def test_compress_residual_refuses_inf_and_loses_nothing(small_chunks):
