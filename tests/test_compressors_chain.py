@@ -219,3 +219,20 @@ MODULES = ["bps.config", "bps.compressors", "bps.compressors.onebit", "bps.compr
 def test_docstring_examples(module):
     result = doctest.testmod(importlib.import_module(module))
     assert result.failed == 0 and result.attempted > 0
+
+
+# bps.trainer's module example needs a running cluster (bps.init()); the examples of
+# its planning functions run on their own
+FUNCTIONS = ["bps.trainer.plan_key_servers"]
+
+
+@pytest.mark.parametrize("name", FUNCTIONS)
+def test_function_docstring_examples(name):
+    module_name, attribute = name.rsplit(".", 1)
+    module = importlib.import_module(module_name)
+    runner = doctest.DocTestRunner()
+    for test in doctest.DocTestFinder().find(getattr(module, attribute), name,
+                                             globs=dict(vars(module))):
+        runner.run(test)
+    result = runner.summarize(verbose=False)
+    assert result.failed == 0 and result.attempted > 0

@@ -206,7 +206,8 @@ def reference_codec(params: dict, numel: int):
             lambda p: ref.round_to(ref.dithering_decode(p, numel, k, "linear"), f32))
 
 
-def simulate(params: dict, nodes: int, lrs: list[float], compressed_from: int | None = 0) -> dict:
+def simulate(params: dict, nodes: int, lrs: list[float], compressed_from: int | None = 0,
+             shapes: dict = SHAPES) -> dict:
     """The pipeline of SPEC §1 in numpy: per node, g = (w - t_node) / nodes ->
     Momentum -> ErrorFeedback -> C; server: sum of the decoded payloads -> ErrorFeedback
     -> C; workers decode and take an SGD step. Tensors that travel raw (the small one
@@ -215,23 +216,23 @@ def simulate(params: dict, nodes: int, lrs: list[float], compressed_from: int | 
     from tests.reference_compressors import RefChain
 
     f32 = np.float32
-    w = initial_params(0, SHAPES)  # rank 0's parameters, broadcast at construction
-    goals = [targets(r, SHAPES) for r in range(nodes)]
-    numel = int(np.prod(SHAPES["big"]))
+    w = initial_params(0, shapes)  # rank 0's parameters, broadcast at construction
+    goals = [targets(r, shapes) for r in range(nodes)]
+    numel = int(np.prod(shapes["big"]))
     parts = [(o, min(PARTITION, numel - o)) for o in range(0, numel, PARTITION)]
     workers = [[RefChain(*reference_codec(params, n), n, "float32", True, MOMENTUM)
                 for _, n in parts] for _ in range(nodes)]
     servers = [RefChain(*reference_codec(params, n), n, "float32", True, None)
                for _, n in parts]
-    local_momentum = {n: np.zeros(shape, f32) for n, shape in SHAPES.items()}
+    local_momentum = {n: np.zeros(shape, f32) for n, shape in shapes.items()}
     for step, lr in enumerate(lrs):
-        shares = [{n: ((w[n] - goals[r][n]) / f32(nodes)).astype(f32) for n in SHAPES}
+        shares = [{n: ((w[n] - goals[r][n]) / f32(nodes)).astype(f32) for n in shapes}
                   for r in range(nodes)]
         grads = {}
-        for n in SHAPES:
+        for n in shapes:
             if n == "big" and compressed_from is not None and step >= compressed_from:
                 continue
-            summed = np.zeros(SHAPES[n], f32)
+            summed = np.zeros(shapes[n], f32)
             for r in range(nodes):
                 summed = (summed + shares[r][n]).astype(f32)
             grads[n], local_momentum[n] = nesterov(f32(MOMENTUM), summed, local_momentum[n])
@@ -246,8 +247,8 @@ def simulate(params: dict, nodes: int, lrs: list[float], compressed_from: int | 
                     summed = (summed + decoded.astype(f32)).astype(f32)
                 servers[i].set_lr(lr)
                 big[offset:offset + n] = servers[i].decode(servers[i].compress(summed))
-            grads["big"] = big.reshape(SHAPES["big"])
-        for n in SHAPES:
+            grads["big"] = big.reshape(shapes["big"])
+        for n in shapes:
             w[n] = (w[n] - f32(lr) * grads[n]).astype(f32)
     return w
 
@@ -287,6 +288,26 @@ def test_every_compressor_matches_independent_simulation(tmp_path):
         else:
             assert max(ratios[:run["compressed_from"]], default=0) < 1.01, (name, ratios)
             assert min(ratios[run["compressed_from"]:]) > 1.5, (name, ratios)
+
+
+def test_small_tensors_beyond_one_bucket_split_at_its_capacity(tmp_path):
+    # 100 float32 elements per bucket (BYTEPS_PARTITION_BYTES=400): in backward order
+    # e, d and c fill one bucket exactly (30 + 30 + 40), b would overflow it and starts
+    # the next with a; so a step pushes big's 3 partitions and 2 buckets. Offsets that
+    # mixed up tensors, or a bucket past its capacity, change the parameters or the count.
+    shapes = {"big": (30, 10), "a": (40,), "b": (40,), "c": (40,), "d": (30,), "e": (30,)}
+    params = {**SIM_CASES["onebit"], "ef": "vanilla", "momentum": "nesterov", "fp16": False,
+              "min_compress_bytes": 1000}
+    result = launch({"runs": [{"params": params}], "lrs": SIM_LRS, "stop": len(SIM_LRS),
+                     "pushes_per_step": 5, "shapes": shapes}, tmp_path, workers=3, servers=2)
+    assert result.returncode == 0, result.stdout[-3000:]
+    finals = load_params(tmp_path, 3)
+    expected = simulate(params, 3, SIM_LRS, shapes=shapes)
+    for n in shapes:
+        np.testing.assert_array_equal(finals[0][n], expected[n], err_msg=n)
+        np.testing.assert_array_equal(finals[2][n], finals[0][n], err_msg=n)
+    steps = load_reports(tmp_path, 3)[0][""]["steps"]
+    assert [s["pushes"] for s in steps] == [5] * len(SIM_LRS)
 
 
 def test_fp16_two_local_ranks_per_node(tmp_path):
