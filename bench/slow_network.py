@@ -542,7 +542,43 @@ def load_baseline(path: Path, args: argparse.Namespace) -> Run:
     return fp32[0]
 
 
+def warm_kernels(args: argparse.Namespace, methods: list[Method]) -> None:
+    """Compile the numba kernels of every compressed method's worker and server chains
+    here, before any run is timed. numba caches them on disk (``cache=True``), so the
+    runs' processes load them instead of each compiling them inside its first training
+    steps: on a cold cache that put about 7 s into dithering's time to target and about
+    1 s into onebit's (2-epoch runs, session 12). A throwaway chain of each role runs
+    every call a step makes, on a partition of the runs' size (the same code paths)."""
+    compressed = [m for m in methods if m.compressed]
+    if not compressed:
+        return
+    import torch
+
+    sys.path.insert(0, str(MNIST.parent))
+    import mnist
+
+    from bps.compressors import build
+
+    numel = args.compressed_partition_bytes // 4
+    started = time.monotonic()
+    for method in compressed:
+        params = {**mnist.compression_params(mnist.parse_args(list(method.args))),
+                  "mu": 0.9, "seed": args.seed + 1}
+        worker, server = build(params, numel), build(params, numel, role="server")
+        out, total = torch.empty(numel), torch.zeros(numel)
+        for lr in (0.05, 0.04):  # the second step rescales error feedback's error
+            worker.set_lr(lr)
+            server.set_lr(lr)
+            payload = worker.compress(torch.randn(numel))
+            server.decompress(payload, total)
+            server.decompress_add(payload, total, out)
+            worker.decompress(server.compress(total), out)
+    print(f"compressors' kernels compiled or loaded from numba's cache in "
+          f"{duration(time.monotonic() - started)}", flush=True)
+
+
 def measure(args: argparse.Namespace) -> list[Run]:
+    warm_kernels(args, args.method_list)
     with tempfile.TemporaryDirectory(prefix="bps-slow-network-") as tmp:
         workdir = Path(tmp)
         runs = run_all(args, args.method_list, workdir)

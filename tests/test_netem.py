@@ -448,6 +448,41 @@ def test_slow_network_partial_rerun_takes_the_target_of_a_baseline(tmp_path):
     assert "--baseline" in done.stderr and "field 'rate' is 'none'" in done.stderr
 
 
+WARM_AND_COUNT = """
+import json, sys
+sys.path.insert(0, "bench")
+import numba.core.registry
+import slow_network
+args = slow_network.parse_args(["--methods", "fp32,onebit,dithering",
+                                "--compressed-partition-bytes", "800000"])
+slow_network.warm_kernels(args, args.method_list)
+from bps.compressors import dithering, error_feedback, momentum, onebit, rng, threads
+counts = {"hits": 0, "misses": 0}
+for module in (dithering, error_feedback, momentum, onebit, rng):
+    for value in vars(module).values():
+        if isinstance(value, numba.core.registry.CPUDispatcher):
+            counts["hits"] += sum(value.stats.cache_hits.values())
+            counts["misses"] += sum(value.stats.cache_misses.values())
+print(json.dumps(counts))
+"""
+
+
+def test_runner_compiles_the_kernels_before_its_runs(tmp_path):
+    """warm_kernels runs each compressed method's worker and server chains once, so numba
+    compiles their kernels into its on-disk cache before any run is timed: a fresh
+    process making the same calls then loads every kernel and compiles none."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba")}
+    counts = []
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", WARM_AND_COUNT], capture_output=True,
+                              text=True, timeout=300, cwd=REPO, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        counts.append(json.loads(done.stdout.splitlines()[-1]))
+    assert counts[0]["misses"] > 10  # the first process compiled them
+    # the second loads what it calls (the kernels called from those come with them)
+    assert counts[1]["misses"] == 0 and counts[1]["hits"] > 10
+
+
 @pytest.mark.netns
 def test_delay_needs_netem(leftovers):
     """--delay works where the kernel has netem; elsewhere a clear error before anything runs."""
