@@ -704,6 +704,8 @@ class Dithering(Compressor):
         self.levels, self.natural, self.l2 = levels, natural, l2
         self.rng = new_state(seed)
         self.divisor = float(2 ** (levels - 1)) if natural else float(levels)
+        # a power of two: q * (scale / divisor) is exactly the decoded q * scale / divisor
+        self.divisor_pow2 = math.frexp(self.divisor)[0] == 0.5
         # q <= divisor, or one level more where float rounding puts |x| / scale above 1
         self.max_level = 2 * int(self.divisor) if natural else levels + 1
         self.table = entry_table(self.max_level)
@@ -762,7 +764,7 @@ class Dithering(Compressor):
         words = sub_array(buffer, 0, np.uint32, buffer.size // 4)
         a, b = self.rng
         dequantised, unit = np.empty(0, dtype=values.dtype), 0.0
-        if residual and math.frexp(self.divisor)[0] == 0.5:  # a power of two
+        if residual and self.divisor_pow2:
             unit = scale / self.divisor
         elif residual:
             magnitudes = self.level_magnitudes(scale, self.max_level)

@@ -456,7 +456,7 @@ import slow_network
 args = slow_network.parse_args(["--methods", "fp32,onebit,dithering",
                                 "--compressed-partition-bytes", "800000"])
 slow_network.warm_kernels(args, args.method_list)
-from bps.compressors import dithering, error_feedback, momentum, onebit, rng, threads
+from bps.compressors import dithering, error_feedback, momentum, onebit, rng
 counts = {"hits": 0, "misses": 0}
 for module in (dithering, error_feedback, momentum, onebit, rng):
     for value in vars(module).values():
