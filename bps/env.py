@@ -24,6 +24,12 @@ bps's own variables:
   allocator as it is (see :mod:`bps.memory`).
 * ``BPS_LOCAL_MASTER_ADDR`` / ``BPS_LOCAL_MASTER_PORT``: the node-local torch.distributed
   rendezvous that ``bpslaunch`` sets for the processes of one worker node.
+
+BytePS's timeline variables (workers and servers; see :mod:`bps.trace`):
+
+* ``BYTEPS_TRACE_ON`` (default 0): ``1`` records each process's steps
+  ``BYTEPS_TRACE_START_STEP`` (default 10) through ``BYTEPS_TRACE_END_STEP`` (default 20)
+  into ``BYTEPS_TRACE_DIR`` (default ``./traces``).
 """
 
 from __future__ import annotations
@@ -99,6 +105,9 @@ class ClusterEnv:
     max_inflight: int = 16
     local_master_addr: str | None = None
     local_master_port: int | None = None
+    trace_dir: str | None = None  # None: tracing off
+    trace_first_step: int = 10
+    trace_last_step: int = 20
 
     @property
     def scheduler_address(self) -> str:
@@ -129,6 +138,12 @@ class ClusterEnv:
                            f"BPS_HEARTBEAT_INTERVAL={interval}")
         seed = env.get("BPS_JOB_SEED")
         master_port = env.get("BPS_LOCAL_MASTER_PORT")
+        trace_on = _int(env, "BYTEPS_TRACE_ON", 0, 0, 1)
+        trace_first = _int(env, "BYTEPS_TRACE_START_STEP", 10, 0)
+        trace_last = _int(env, "BYTEPS_TRACE_END_STEP", max(20, trace_first), 0)
+        if trace_last < trace_first:
+            raise EnvError(f"BYTEPS_TRACE_END_STEP={trace_last} is before "
+                           f"BYTEPS_TRACE_START_STEP={trace_first}")
         return cls(
             role=role,
             num_workers=num_workers,
@@ -152,4 +167,8 @@ class ClusterEnv:
             local_master_addr=env.get("BPS_LOCAL_MASTER_ADDR") or None,
             local_master_port=None if not master_port
             else _int(env, "BPS_LOCAL_MASTER_PORT", None, 1, 65535),
+            trace_dir=os.path.abspath(_get(env, "BYTEPS_TRACE_DIR", "traces"))
+            if trace_on else None,
+            trace_first_step=trace_first,
+            trace_last_step=trace_last,
         )

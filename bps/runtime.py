@@ -11,6 +11,7 @@ import logging
 import struct
 import threading
 
+from bps import trace
 from bps.env import ClusterEnv, EnvError
 from bps.worker.intranode import LocalGroup
 
@@ -32,6 +33,8 @@ class Runtime:
         self.local_size = env.local_size
         self.node_id = env.worker_id
         self.rank = env.worker_id * env.local_size + env.local_rank
+        label = f"worker{env.worker_id}" + (f".{env.local_rank}" if env.local_size > 1 else "")
+        self.tracer = trace.from_env(env, label)
         self.group = LocalGroup.connect(
             env.local_rank, env.local_size, env.local_master_addr or "127.0.0.1",
             env.local_master_port or 0, timeout_s=env.timeout,
@@ -41,7 +44,7 @@ class Runtime:
         if env.local_rank == 0:
             from bps.worker.engine import WorkerEngine
 
-            self.engine = WorkerEngine.connect(env)
+            self.engine = WorkerEngine.connect(env, tracer=self.tracer)
             facts = struct.pack("<QQ", self.engine.num_workers, self.engine.job_seed)
         else:
             facts = None
@@ -80,6 +83,8 @@ class Runtime:
             self.engine.close()
             self.engine = None
         self.group.close()
+        if self.tracer is not None:
+            self.tracer.save()
 
 
 _runtime: Runtime | None = None

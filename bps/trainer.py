@@ -224,6 +224,8 @@ class DistributedTrainer:
         self._stats: dict = {}
         self._engine_before: dict = {}
         self._step_started = False
+        self._tracer = self._rt.tracer  # bps.trace: None unless BYTEPS_TRACE_ON=1
+        self._last_step_end_ns: int | None = None
         self._totals = {"steps": 0, "bytes_pushed": 0, "bytes_pulled": 0, "raw_bytes": 0}
         self._buckets: list[_Bucket] = []
 
@@ -468,6 +470,8 @@ class DistributedTrainer:
                 "backward() per trainer.step()"
             )
         slot.ready = True
+        if self._tracer is not None:
+            self._tracer.instant("ready", slot.name, self._step)
         if not self._step_started:  # stats count this step's traffic only
             self._step_started = True
             self._engine_before = self._engine_stats()
@@ -649,11 +653,19 @@ class DistributedTrainer:
 
     def step(self) -> None:
         """Wait for the averaged gradients, then run ``optimizer.step()``."""
-        start = time.perf_counter()
+        called_ns = time.monotonic_ns()
         self.synchronize()
-        wait = time.perf_counter() - start
+        synced_ns = time.monotonic_ns()
         self.optimizer.step()
-        self._record_stats(self._engine_before, wait)
+        end_ns = time.monotonic_ns()
+        if self._tracer is not None:
+            if self._last_step_end_ns is not None:
+                self._tracer.complete("compute", "", self._step, self._last_step_end_ns,
+                                      called_ns)
+            self._tracer.complete("wait", "", self._step, called_ns, synced_ns)
+            self._tracer.complete("update", "", self._step, synced_ns, end_ns)
+        self._last_step_end_ns = end_ns
+        self._record_stats(self._engine_before, (synced_ns - called_ns) / 1e9)
         self._step_started = False
         for slot in self._slots:
             slot.ready = False

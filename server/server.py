@@ -32,6 +32,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +40,7 @@ import msgpack
 import torch
 import zmq
 
+from bps import trace
 from bps.compressors.base import add_decompressed
 from bps.env import ClusterEnv
 from bps.memory import keep_buffers_in_heap
@@ -76,6 +78,7 @@ class _Step:
     summed: int = 0  # the pushes of nodes 0 .. summed - 1 are in total
     waiters: list[tuple[bytes, int]] = field(default_factory=list)
     lr: float = 0.0
+    first_push_ns: int = 0  # when traced (bps.trace): the first push's arrival
 
     def pushed(self, node: int) -> bool:
         """Whether ``node``'s push of this step arrived (added, or held)."""
@@ -284,6 +287,10 @@ class _KeyEngine(threading.Thread):
                                "larger than any encoding")
         self._check_push(state, state.steps.get(step), node, step)
         pending = state.steps.setdefault(step, _Step())
+        tracer = self.server.tracer
+        if tracer is not None and tracer.at(step):
+            pending.first_push_ns = pending.first_push_ns or time.monotonic_ns()
+            tracer.instant("push", state.name, step, node=node)
         pending.held[node] = (ident, header, payload)
         pending.waiters.append((ident, header["rid"]))
         refused = self._sum_held(state, pending)
@@ -347,12 +354,20 @@ class _KeyEngine(threading.Thread):
             if pending.summed < self.server.num_workers:
                 return
             total = pending.total.to(state.dtype)
+            summed_ns = time.monotonic_ns()
             if state.chain is not None:
                 if pending.lr > 0:
                     state.chain.set_lr(pending.lr)
                 summed, total = total, state.chain.compress(total)
                 if state.sums_in_place() and not _shares_memory(summed, total):
                     state.spare.append(summed)
+            tracer = self.server.tracer
+            if tracer is not None and pending.first_push_ns:
+                tracer.complete("sum", state.name, step, pending.first_push_ns, summed_ns)
+                if state.chain is not None:
+                    tracer.complete("compress", state.name, step, summed_ns,
+                                    time.monotonic_ns(),
+                                    bytes=total.numel() * total.element_size())
             del state.steps[step]
             state.last_step, state.last_payload = step, total
             self._send_data(state, step, pending.waiters)
@@ -388,6 +403,7 @@ class ParameterServer:
         self.env = env
         self.ctx = ctx or zmq.Context.instance()
         self.num_workers = env.num_workers
+        self.tracer: trace.Tracer | None = None  # set at rendezvous where BYTEPS_TRACE_ON=1
         self.replies_address = f"inproc://bps-server-replies-{id(self)}"
 
     def run(self) -> int:
@@ -405,6 +421,7 @@ class ParameterServer:
         try:
             welcome = link.rendezvous()
             self.num_workers = welcome["num_workers"]
+            self.tracer = trace.from_env(self.env, f"server{welcome['node_id']}")
             log.info("server %d serving on %s", welcome["node_id"], address)
             for engine in engines:
                 engine.start()
@@ -421,6 +438,8 @@ class ParameterServer:
             link.close()
             replies.close()
             router.close()
+            if self.tracer is not None:
+                self.tracer.save()
 
     def _loop(self, router: Any, replies: Any, link: SchedulerClient,
               engines: list[_KeyEngine]) -> int:

@@ -62,6 +62,7 @@ from bps.protocol import (
     new_socket,
 )
 from bps.server.scheduler import SchedulerClient
+from bps.trace import Tracer
 from bps.worker.partition import Placement
 
 log = logging.getLogger("bps.engine")
@@ -117,6 +118,10 @@ class _Request:
     info: _KeyInfo | None = field(compare=False, default=None)
     deadline: float = field(compare=False, default=0.0)
     acked: bool = field(compare=False, default=False)
+    # monotonic_ns of its stages, for the timeline (bps.trace)
+    queued_ns: int = field(compare=False, default=0)
+    sent_ns: int = field(compare=False, default=0)
+    acked_ns: int = field(compare=False, default=0)
 
 
 def _new_future() -> concurrent.futures.Future:
@@ -170,8 +175,10 @@ class SendQueues:
 class WorkerEngine:
     """Push/pull engine of one worker node; create it with :meth:`connect`."""
 
-    def __init__(self, env: ClusterEnv, ctx: Any, link: SchedulerClient, welcome: dict) -> None:
+    def __init__(self, env: ClusterEnv, ctx: Any, link: SchedulerClient, welcome: dict,
+                 tracer: Tracer | None = None) -> None:
         self.env = env
+        self.tracer = tracer
         self.node_id: int = welcome["node_id"]
         self.num_workers: int = welcome["num_workers"]
         self.num_servers: int = welcome["num_servers"]
@@ -207,8 +214,10 @@ class WorkerEngine:
         self._io.start()
 
     @classmethod
-    def connect(cls, env: ClusterEnv, ctx: Any = None) -> WorkerEngine:
-        """Rendezvous with the scheduler (blocks up to ``BPS_TIMEOUT``) and start the engine."""
+    def connect(cls, env: ClusterEnv, ctx: Any = None, tracer: Tracer | None = None
+                ) -> WorkerEngine:
+        """Rendezvous with the scheduler (blocks up to ``BPS_TIMEOUT``) and start the engine.
+        ``tracer``: records each partition's stages (:mod:`bps.trace`)."""
         if env.role != "worker":
             raise ValueError(f"WorkerEngine needs DMLC_ROLE=worker, got {env.role!r}")
         ctx = ctx or zmq.Context.instance()
@@ -219,7 +228,7 @@ class WorkerEngine:
         except BaseException:
             link.close()
             raise
-        return cls(env, ctx, link, welcome)
+        return cls(env, ctx, link, welcome, tracer)
 
     # ------------------------------------------------------------------ public API
 
@@ -411,10 +420,14 @@ class WorkerEngine:
     def _compress(self, info: _KeyInfo, tensor: torch.Tensor, step: int, lr: float,
                   order: tuple, future: concurrent.futures.Future) -> None:
         try:
-            start = time.perf_counter()
+            start_ns = time.monotonic_ns()
             info.chain.set_lr(lr)
             payload = info.chain.compress(tensor)
-            self._add_stats(compress_s=time.perf_counter() - start)
+            end_ns = time.monotonic_ns()
+            self._add_stats(compress_s=(end_ns - start_ns) / 1e9)
+            if self.tracer is not None:
+                self.tracer.complete("compress", info.name, step, start_ns, end_ns,
+                                     bytes=payload.numel() * payload.element_size())
             self._enqueue(info, payload, step, lr, order, future)
         except BaseException as exc:
             _settle(info, future, error=exc)
@@ -426,7 +439,8 @@ class WorkerEngine:
                    "dtype": dtype_name(info.dtype), "numel": info.numel, "nbytes": body.nbytes,
                    "lr": float(lr)}
         request = _Request(order, -1, Op.PUSH, info.server, fields_, body, future,
-                           f"push_pull of {info_label(info)} step {step}", info)
+                           f"push_pull of {info_label(info)} step {step}", info,
+                           queued_ns=time.monotonic_ns())
         with self._lock:
             if self._error is not None:
                 _settle(info, future, error=self._error)
@@ -436,14 +450,23 @@ class WorkerEngine:
 
     def _decompress(self, request: _Request, frame: zmq.Frame) -> None:
         try:
-            start = time.perf_counter()
+            start_ns = time.monotonic_ns()
             data = torch.frombuffer(frame.buffer, dtype=torch.uint8) if len(frame) else \
                 torch.zeros(0, dtype=torch.uint8)
             result = request.info.chain.decompress(data, request.info.out)
-            self._add_stats(decompress_s=time.perf_counter() - start, pushes=1)
+            end_ns = time.monotonic_ns()
+            self._add_stats(decompress_s=(end_ns - start_ns) / 1e9, pushes=1)
+            self._trace("decompress", request, start_ns, end_ns)
             _settle(request.info, request.future, result)
         except BaseException as exc:
             _settle(request.info, request.future, error=exc)
+
+    def _trace(self, kind: str, request: _Request, start_ns: int, end_ns: int,
+               **args: object) -> None:
+        """A stage of a push_pull on the timeline (pushes only; no-op without a tracer)."""
+        if self.tracer is not None and request.op == Op.PUSH and start_ns:
+            self.tracer.complete(kind, request.info.name, request.fields["step"], start_ns,
+                                 end_ns, **args)
 
     def _add_stats(self, **deltas: float) -> None:
         with self._stats_lock:
@@ -513,6 +536,8 @@ class WorkerEngine:
         request.rid = next(self._rids)
         header = encode(request.op, rid=request.rid, **request.fields)
         request.deadline = time.monotonic() + self.env.timeout
+        request.sent_ns = time.monotonic_ns()
+        self._trace("queued", request, request.queued_ns, request.sent_ns)
         self._pending[request.rid] = request
         if request.payload is None:
             self._dealers[request.server].send(header)
@@ -561,10 +586,16 @@ class WorkerEngine:
             if request.op == Op.PUSH and not request.acked:
                 # the server has the push: its credit frees, whatever other workers do
                 request.acked = True
+                request.acked_ns = time.monotonic_ns()
+                self._trace("push", request, request.sent_ns, request.acked_ns,
+                            bytes=memoryview(request.payload).nbytes)
                 with self._lock:
                     self._queues.release(server)
             if header["op"] == Op.ACK:
                 continue
+            if request.op == Op.PUSH:
+                self._trace("aggregate", request, request.acked_ns, time.monotonic_ns(),
+                            bytes=sum(len(f) for f in frames[1:]))
             del self._pending[request.rid]
             if request.op == Op.PUSH:
                 self._pushes_pending -= 1
