@@ -20,7 +20,8 @@ Timestamps are CLOCK_MONOTONIC, which every process of one machine shares (netwo
 namespaces included), so the files of one ``bpslaunch local`` or ``bpslaunch netem`` job
 line up. ``python -m bps.trace DIR`` merges them into ``DIR/timeline.json`` (open it in
 ui.perfetto.dev or chrome://tracing) and prints, per process and kind, the milliseconds
-of a step during which at least one such span ran.
+of a step during which at least one such span ran; ``--step N`` also lists step N's
+events of every process in time order.
 
 Usage::
 
@@ -173,11 +174,42 @@ def per_step_ms(events: list[dict]) -> dict[str, dict[str, float]]:
     return dict(table)
 
 
+def step_listing(events: list[dict], step: int) -> list[str]:
+    """One line per event of ``step`` in every process, by start time: start and end in
+    milliseconds from the step's first event, the process and the event.
+
+    >>> events = [{"ph": "X", "name": "push w[0]", "ts": 1500, "dur": 500,
+    ...            "args": {"step": 4, "process": "worker0"}},
+    ...           {"ph": "i", "name": "push w[0]", "ts": 1800,
+    ...            "args": {"step": 4, "process": "server0", "node": 0}},
+    ...           {"ph": "X", "name": "wait", "ts": 1000, "dur": 2000,
+    ...            "args": {"step": 4, "process": "worker0"}}]
+    >>> print("\\n".join(step_listing(events, 4)))
+        0.0     2.0  worker0   wait
+        0.5     1.0  worker0   push w[0]
+        0.8          server0   push w[0] from node 0
+    """
+    chosen = sorted((e for e in events if e.get("ph") in ("X", "i")
+                     and e["args"]["step"] == step), key=lambda e: e["ts"])
+    if not chosen:
+        return []
+    origin = chosen[0]["ts"]
+    lines = []
+    for e in chosen:
+        start = f"{(e['ts'] - origin) / 1000:7.1f}"
+        end = f"{(e['ts'] + e['dur'] - origin) / 1000:7.1f}" if e["ph"] == "X" else " " * 7
+        node = f" from node {e['args']['node']}" if "node" in e["args"] else ""
+        lines.append(f"{start} {end}  {e['args']['process']:9s} {e['name']}{node}")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m bps.trace",
         description="Merge a job's BYTEPS_TRACE_DIR into timeline.json and summarise it.")
     parser.add_argument("directory", help="the job's BYTEPS_TRACE_DIR")
+    parser.add_argument("--step", type=int, default=None,
+                        help="also list every event of this step, all processes, by time")
     args = parser.parse_args(argv)
     try:
         out, events = merge(args.directory)
@@ -193,6 +225,18 @@ def main(argv: list[str] | None = None) -> int:
         cells = [f"{table[process][k]:.1f}" if k in table[process] else "" for k in kinds]
         print(f"| {process} | " + " | ".join(cells) + " |")
     print(f"written: {out} (open in ui.perfetto.dev or chrome://tracing)")
+    if args.step is not None:
+        lines = step_listing(events, args.step)
+        if not lines:
+            traced = sorted({e["args"]["step"] for e in events if "args" in e
+                             and "step" in e["args"]})
+            print(f"bps.trace: step {args.step} is not in the traces (traced steps: "
+                  f"{traced[0]}-{traced[-1]})" if traced else
+                  f"bps.trace: step {args.step} is not in the traces (no steps traced)",
+                  file=sys.stderr)
+            return 1
+        print(f"\nstep {args.step}: start and end in ms from its first event")
+        print("\n".join(lines))
     return 0
 
 

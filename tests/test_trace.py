@@ -153,6 +153,26 @@ def test_cluster_timeline_lines_up_across_processes(tmp_path: Path) -> None:
     timeline = json.loads((traces / "timeline.json").read_text())["traceEvents"]
     assert sum(e["ph"] == "X" for e in timeline) == sum(len(v) for v in spans.values())
 
+    listed = subprocess.run([sys.executable, "-m", "bps.trace", str(traces), "--step", "2"],
+                            capture_output=True, text=True, timeout=60)
+    assert listed.returncode == 0, listed.stderr
+    lines = listed.stdout.split("step 2: start and end in ms from its first event\n")[1]
+    # fixed columns: start, end (blank for instants), process, event
+    rows = [(line[:7].strip(), line[8:15].strip(), line[17:26].strip(), line[27:])
+            for line in lines.splitlines()]
+    starts = [float(row[0]) for row in rows]
+    assert starts[0] == 0.0 and starts == sorted(starts)
+    events_of_step_2 = sum(len(v) for k, v in spans.items() if k[3] == 2) + sum(
+        len(v) for k, v in instants.items() if k[3] == 2)
+    assert len(rows) == events_of_step_2
+    assert ("worker0", "compress big[0]") in [row[2:] for row in rows]
+    assert any(row[2].startswith("server") and row[3] == "push big[1] from node 1"
+               for row in rows)
+    missing = subprocess.run([sys.executable, "-m", "bps.trace", str(traces), "--step", "7"],
+                             capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 1
+    assert "step 7 is not in the traces (traced steps: 1-3)" in missing.stderr
+
 
 def test_merge_of_an_empty_directory_says_what_is_missing(tmp_path: Path) -> None:
     merged = subprocess.run([sys.executable, "-m", "bps.trace", str(tmp_path)],
