@@ -434,12 +434,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="BYTEPS_PARTITION_BYTES for the uncompressed bps runs: 1 MB slices "
                         "spread the model evenly over the servers (with the 4 MB default, "
                         "one server gets a 3.4 MB slice and fp32 steps take twice as long)")
-    p.add_argument("--compressed-partition-bytes", type=int, default=2048000,
-                   help="BYTEPS_PARTITION_BYTES for the compressed bps runs: every partition "
-                        "costs per-message work, but with 4 MB (BytePS's default) the model's "
-                        "3 compressed slices leave the server of the largest one receiving "
-                        "4 of its payloads per step; 2 MB gives 5 slices (measured: onebit at "
-                        "100 Mbit/s 111-116 ms per step against 123-134 ms with 4 MB)")
+    p.add_argument("--compressed-partition-bytes", type=int, default=None,
+                   help="BYTEPS_PARTITION_BYTES for the compressed bps runs; default 2 MB on "
+                        "a limited link, 4 MB (BytePS's default) with --rate none. Every "
+                        "partition costs per-message CPU, which sets the unthrottled step "
+                        "(2-epoch runs: topk 32-33 ms with 4 MB against 35-36 ms with 2 MB, "
+                        "dithering 51-53 against 54-59; fp32 45-48 ms with 1, 2 or 4 MB). "
+                        "On a 100 Mbit/s link 4 MB leaves the model's largest compressed "
+                        "slice with one server, whose link takes 4 payloads of it per step; "
+                        "2 MB gives 5 slices (onebit 111-116 ms per step against 123-134 ms "
+                        "with 4 MB, on the previous host)")
     p.add_argument("--from-json", metavar="PATH",
                    help="run nothing: rebuild table, CSV and figures from a saved JSON")
     p.add_argument("--baseline", metavar="PATH",
@@ -465,6 +469,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.rate_bits = parse_rate(args.rate)
     except NetnsError as exc:
         p.error(str(exc))
+    if args.compressed_partition_bytes is None:
+        args.compressed_partition_bytes = 2048000 if args.rate_bits else 4096000
     return args
 
 

@@ -8,6 +8,7 @@ new link in the root namespace, no process carrying the run's marker.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -446,6 +447,24 @@ def test_slow_network_partial_rerun_takes_the_target_of_a_baseline(tmp_path):
                           timeout=120, cwd=REPO)
     assert done.returncode == 2
     assert "--baseline" in done.stderr and "field 'rate' is 'none'" in done.stderr
+
+
+def test_runner_partition_sizes_follow_the_link(monkeypatch):
+    """Compressed runs get 2 MB partitions on a limited link and BytePS's 4 MB unthrottled,
+    where per-message CPU sets the step; uncompressed runs 1 MB; a given size wins."""
+    spec = importlib.util.spec_from_file_location("slow_network",
+                                                  REPO / "bench" / "slow_network.py")
+    runner = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "slow_network", runner)  # its dataclasses look it up
+    spec.loader.exec_module(runner)
+    cases = [([], 2048000), (["--rate", "20mbit"], 2048000), (["--rate", "none"], 4096000),
+             (["--rate", "none", "--compressed-partition-bytes", "1000000"], 1000000),
+             (["--compressed-partition-bytes", "3000000"], 3000000)]
+    for argv, expected in cases:
+        args = runner.parse_args(argv)
+        sizes = {m.name: m.partition_bytes(args) for m in args.method_list}
+        assert sizes["fp32"] == sizes["fp16"] == 1024000, argv
+        assert {sizes[m] for m in ("onebit", "topk", "randomk", "dithering")} == {expected}, argv
 
 
 WARM_AND_COUNT = """
