@@ -48,6 +48,8 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from bps.env import ClusterEnv
+
 MERGED_NAME = "timeline.json"
 
 
@@ -120,8 +122,8 @@ class Tracer:
         return path
 
 
-def from_env(env, label: str) -> Tracer | None:
-    """The process's tracer where ``BYTEPS_TRACE_ON=1`` (``env``: a ClusterEnv)."""
+def from_env(env: ClusterEnv, label: str) -> Tracer | None:
+    """The process's tracer where ``BYTEPS_TRACE_ON=1``."""
     if env.trace_dir is None:
         return None
     return Tracer(label, env.trace_first_step, env.trace_last_step, env.trace_dir)
