@@ -354,7 +354,7 @@ class _KeyEngine(threading.Thread):
             if pending.summed < self.server.num_workers:
                 return
             total = pending.total.to(state.dtype)
-            summed_ns = time.monotonic_ns()
+            summed_ns = time.monotonic_ns() if pending.first_push_ns else 0  # traced only
             if state.chain is not None:
                 if pending.lr > 0:
                     state.chain.set_lr(pending.lr)

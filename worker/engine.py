@@ -588,14 +588,14 @@ class WorkerEngine:
                 request.acked = True
                 request.acked_ns = time.monotonic_ns()
                 self._trace("push", request, request.sent_ns, request.acked_ns,
-                            bytes=memoryview(request.payload).nbytes)
+                            bytes=request.fields["nbytes"])
                 with self._lock:
                     self._queues.release(server)
             if header["op"] == Op.ACK:
                 continue
             if request.op == Op.PUSH:
                 self._trace("aggregate", request, request.acked_ns, time.monotonic_ns(),
-                            bytes=sum(len(f) for f in frames[1:]))
+                            bytes=header.get("nbytes", 0))
             del self._pending[request.rid]
             if request.op == Op.PUSH:
                 self._pushes_pending -= 1
