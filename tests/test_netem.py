@@ -77,15 +77,24 @@ def test_parse_delay_and_loss():
             parse_loss(bad)
 
 
-def test_tbf_parameters_scale_with_rate():
-    """The bucket holds at least a few frames and the queue about 50 ms of traffic."""
-    for rate in (10**6, 20 * 10**6, 100 * 10**6, 10**9):
-        args = LinkShape(rate_bits=rate).tbf_args()
-        values = dict(zip(args[1::2], args[2::2], strict=True))
-        assert values["rate"] == f"{rate}bit"
-        burst, limit = int(values["burst"]), int(values["limit"])
-        assert burst >= 4 * 1514 and burst >= rate / 8 * 0.002 - 1
-        assert limit - burst >= rate / 8 * 0.05 - 1 and limit - burst >= 32 * 1514
+def _tbf_values(rate: int, host_side: bool) -> tuple[int, int]:
+    args = LinkShape(rate_bits=rate).tbf_args(host_side)
+    values = dict(zip(args[1::2], args[2::2], strict=True))
+    assert args[0] == "tbf" and values["rate"] == f"{rate}bit"
+    return int(values["burst"]), int(values["limit"])
+
+
+@pytest.mark.parametrize("rate", [10**6, 20 * 10**6, 100 * 10**6, 10**9])
+def test_tbf_parameters_scale_with_rate(rate):
+    """The bucket holds at least a few frames; the switch side queues about 50 ms of
+    traffic, the host side at least a NIC's 1000-frame transmit queue as well."""
+    burst, limit = _tbf_values(rate, host_side=False)
+    assert burst >= 4 * 1514 and burst >= rate / 8 * 0.002 - 1
+    assert limit - burst >= rate / 8 * 0.05 - 1 and limit - burst >= 32 * 1514
+    assert limit - burst <= max(rate / 8 * 0.05 + 1, 32 * 1514)
+    host_burst, host_limit = _tbf_values(rate, host_side=True)
+    assert host_burst == burst
+    assert host_limit - burst == max(limit - burst, 1000 * 1514)
 
 
 def _cli(args: list[str], marker: str | None = None, **kwargs) -> subprocess.CompletedProcess:
@@ -270,6 +279,73 @@ def test_unshaped_link_is_much_faster(netns_allowed):
     with EmulatedCluster(["a", "b"], LinkShape(rate_bits=None)) as cluster:
         rate = measure_throughput(cluster.hosts["a"], cluster.hosts["b"], 20_000_000)
     assert rate > 100e6
+
+
+BURST_RECEIVER = textwrap.dedent("""
+    # Accept N connections, read everything, print the byte count.
+    import socket, sys
+    ip, n = sys.argv[1], int(sys.argv[2])
+    server = socket.create_server((ip, 0))
+    server.settimeout(60)
+    print(server.getsockname()[1], flush=True)
+    conns = [server.accept()[0] for _ in range(n)]
+    total = 0
+    for conn in conns:
+        conn.settimeout(60)
+        while chunk := conn.recv(1 << 16):
+            total += len(chunk)
+    print(total, flush=True)
+""")
+
+BURST_SENDER = textwrap.dedent("""
+    # Open N connections, then write NBYTES on each at once (one thread per connection).
+    import socket, sys, threading
+    ip, port, n, nbytes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    conns = [socket.create_connection((ip, port), timeout=60) for _ in range(n)]
+    threads = [threading.Thread(target=c.sendall, args=(bytes(nbytes),)) for c in conns]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for c in conns:
+        c.close()
+""")
+
+
+def _qdisc_drops(netns: str, dev: str) -> int:
+    done = subprocess.run(["tc", "-s", "-j", "-n", netns, "qdisc", "show", "dev", dev],
+                          capture_output=True, text=True, check=True, timeout=30)
+    return sum(q.get("drops", 0) for q in json.loads(done.stdout))
+
+
+@pytest.mark.netns
+def test_a_host_queues_its_own_burst_instead_of_dropping_it(netns_allowed):
+    """8 TCP connections write 64 KB each at once from a 4 Mbit/s host: 512 KB, ten
+    times the 50 ms of queue the switch side keeps. Like a NIC's transmit queue, the
+    host side holds it all: no packet is dropped there (with a 50 ms queue even the
+    first round trip's initial windows, 8 x 10 frames, overflow it)."""
+    connections, nbytes = 8, 64 * 1024
+    with EmulatedCluster(["a", "b"], LinkShape(rate_bits=4_000_000)) as cluster:
+        a, b = cluster.hosts["a"], cluster.hosts["b"]
+        receiver = subprocess.Popen(
+            b.exec_argv([sys.executable, "-c", BURST_RECEIVER, b.ip, str(connections)]),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            port = receiver.stdout.readline().strip()
+            assert port.isdigit(), receiver.stderr.read()
+            sender = subprocess.run(
+                a.exec_argv([sys.executable, "-c", BURST_SENDER, b.ip, port,
+                             str(connections), str(nbytes)]),
+                capture_output=True, text=True, timeout=60)
+            assert sender.returncode == 0, sender.stderr
+            out, err = receiver.communicate(timeout=60)
+        finally:
+            if receiver.poll() is None:
+                receiver.kill()
+                receiver.wait()
+        assert receiver.returncode == 0, err
+        assert int(out.split()[-1]) == connections * nbytes
+        assert _qdisc_drops(a.netns, a.ifname) == 0
 
 
 @pytest.mark.netns
