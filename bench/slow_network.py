@@ -309,6 +309,30 @@ def summarise(runs: list[Run], fp32: Run | None = None) -> tuple[float, list[dic
     return target, [r.row(target, reference) for r in runs]
 
 
+PEER_GOAL = 1.5  # issue 5: bps's best reaches the target this much sooner than PowerSGD
+
+
+def peer_comparison(runs: list[Run], target: float) -> str | None:
+    """The sentence reporting bps's best method against DDP + PowerSGD (time to target),
+    or None where the table has no PowerSGD run or no bps run that finished."""
+    powersgd = next((r for r in runs if r.ok and r.method.name == "ddp-powersgd"), None)
+    bps_runs = [r for r in runs if r.ok and r.method.kind == "bps"]
+    if powersgd is None or not bps_runs:
+        return None
+    best = min(bps_runs, key=lambda r: r.time_to(target))
+    mine, theirs = best.time_to(target), powersgd.time_to(target)
+    if math.isinf(mine):
+        return f"against DDP + PowerSGD: no bps method reached the target ({target:.2%})"
+    if math.isinf(theirs):
+        return (f"against DDP + PowerSGD: {best.method.label} reached the target in "
+                f"{fmt_seconds(mine)}; DDP + PowerSGD never did")
+    ratio = theirs / mine
+    verdict = "met" if ratio >= PEER_GOAL else "not met"
+    return (f"against DDP + PowerSGD: {best.method.label} reaches the target {ratio:.2f}x "
+            f"sooner ({fmt_seconds(mine)} vs {fmt_seconds(theirs)}; goal {PEER_GOAL:g}x, "
+            f"{verdict})")
+
+
 def markdown_table(rows: list[dict]) -> str:
     lines = ["| method | step time | time to target | final accuracy | bytes per step | "
              "speed-up to target vs fp32 |",
@@ -500,6 +524,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{args.nodes} nodes, {args.rate}; target accuracy {target:.2%} "
           f"(fp32 final - 1 point); total {duration(time.monotonic() - started)}\n")
     print(markdown_table(rows))
+    peer = peer_comparison(runs, target)
+    if peer is not None:
+        print(f"\n{peer}")
     print("\nwritten: " + ", ".join(str(p.relative_to(REPO) if p.is_relative_to(REPO) else p)
                                     for p in paths))
     return 0 if all(r.ok for r in runs) else 1
