@@ -49,6 +49,7 @@ HOST_IFNAME = "eth0"
 BRIDGE = "br0"
 _MTU_FRAME = 1514
 HOST_QUEUE_FRAMES = 1000  # Linux's default txqueuelen
+HOST_QUEUE_SECONDS = 1.0  # ... but never more than this much traffic
 _COMMAND_TIMEOUT = 30.0
 
 
@@ -154,14 +155,17 @@ class LinkShape:
         queue of HOST_QUEUE_FRAMES: a host queues what its own sockets send rather than
         drop it. 50 ms alone is 125 KB at 20 Mbit/s, less than one topk step's pushes
         of the slow-network job, and those local drops cost retransmission timeouts
-        (a median step of 395 ms instead of 192 ms).
+        (a median step of 395 ms instead of 192 ms). That queue holds at most 1 s of
+        traffic (HOST_QUEUE_SECONDS), so at very low rates a full queue cannot hold a
+        heartbeat back for longer than the failure detector waits.
         """
         assert self.rate_bits is not None
         rate_bytes = self.rate_bits / 8
         burst = max(4 * _MTU_FRAME, int(rate_bytes * 0.002))
         queue = max(32 * _MTU_FRAME, int(rate_bytes * 0.05))
         if host_side:
-            queue = max(queue, HOST_QUEUE_FRAMES * _MTU_FRAME)
+            nic_queue = min(HOST_QUEUE_FRAMES * _MTU_FRAME, int(rate_bytes * HOST_QUEUE_SECONDS))
+            queue = max(queue, nic_queue)
         limit = burst + queue
         return ["tbf", "rate", f"{self.rate_bits}bit", "burst", str(burst),
                 "limit", str(limit)]
