@@ -510,9 +510,6 @@ def test_slow_network_partial_rerun_takes_the_target_of_a_baseline(tmp_path):
     fp32 = next(r for r in record["runs"] if r["method"] == "fp32")
     target = _saved_target(record)
 
-    def reach(run: dict) -> float:
-        return _saved_time_to(run, target)
-
     partial = dict(record, runs=[r for r in record["runs"] if r["method"] == "topk"])
     (tmp_path / "partial.json").write_text(json.dumps(partial))
     base = [sys.executable, "bench/slow_network.py", "--from-json", str(tmp_path / "partial.json"),
@@ -523,8 +520,9 @@ def test_slow_network_partial_rerun_takes_the_target_of_a_baseline(tmp_path):
     rows = json.loads((tmp_path / "out" / "slow_network_100mbit.json").read_text())["rows"]
     topk = partial["runs"][0]
     assert [r["method"] for r in rows] == ["topk"]
-    assert rows[0]["time_to_target_s"] == reach(topk)
-    assert rows[0]["speedup_vs_fp32"] == pytest.approx(reach(fp32) / reach(topk))
+    assert rows[0]["time_to_target_s"] == _saved_time_to(topk, target)
+    assert rows[0]["speedup_vs_fp32"] == pytest.approx(
+        _saved_time_to(fp32, target) / _saved_time_to(topk, target))
     # without it, the only run sets its own target (final - 1 point): not the table's
     done = subprocess.run(base, capture_output=True, text=True, timeout=120, cwd=REPO)
     rows = json.loads((tmp_path / "out" / "slow_network_100mbit.json").read_text())["rows"]
@@ -546,12 +544,10 @@ def test_runner_reports_the_best_bps_method_against_powersgd(tmp_path, table):
     runs = {r["method"]: r for r in record["runs"]}
     target = _saved_target(record)
 
-    def reach(run: dict) -> float:
-        return _saved_time_to(run, target)
-
     bps_names = {"fp32", "fp16", "onebit", "topk", "randomk", "dithering"}
-    best = min((runs[name] for name in bps_names if name in runs), key=reach)
-    ratio = reach(runs["ddp-powersgd"]) / reach(best)
+    best = min((runs[name] for name in bps_names if name in runs),
+               key=lambda run: _saved_time_to(run, target))
+    ratio = _saved_time_to(runs["ddp-powersgd"], target) / _saved_time_to(best, target)
     done = subprocess.run([sys.executable, "bench/slow_network.py", "--from-json",
                            str(REPO / "docs" / table), "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=120, cwd=REPO)
