@@ -593,11 +593,10 @@ class WorkerEngine:
                     self._queues.release(server)
             if header["op"] == Op.ACK:
                 continue
+            del self._pending[request.rid]
             if request.op == Op.PUSH:
                 self._trace("aggregate", request, request.acked_ns, time.monotonic_ns(),
                             bytes=header.get("nbytes", 0))
-            del self._pending[request.rid]
-            if request.op == Op.PUSH:
                 self._pushes_pending -= 1
                 if self._pushes_pending == 0:
                     self._add_stats(comm_s=time.perf_counter() - self._busy_since)
