@@ -21,9 +21,13 @@ bps's own variables:
 * ``BPS_MAX_INFLIGHT`` (workers, default 16): pushes per server not yet acknowledged;
   further partitions wait in the priority queue.
 * ``BPS_MALLOC_TUNE`` (servers and worker engines, default 1): ``0`` leaves glibc's
-  allocator as it is (see :mod:`bps.memory`).
+  allocator as it is (see :mod:`bps.memory`); read by :func:`malloc_tune`.
 * ``BPS_LOCAL_MASTER_ADDR`` / ``BPS_LOCAL_MASTER_PORT``: the node-local torch.distributed
   rendezvous that ``bpslaunch`` sets for the processes of one worker node.
+
+BytePS's ``BYTEPS_MIN_COMPRESS_BYTES`` (default 65536): tensors smaller than this travel
+uncompressed; :func:`min_compress_bytes` reads it for ``compression_params`` without a
+``min_compress_bytes`` key.
 
 BytePS's timeline variables (workers and servers; see :mod:`bps.trace`):
 
@@ -79,6 +83,26 @@ def _seconds(environ: Mapping[str, str], name: str, default: float) -> float:
     if not math.isfinite(value) or value <= 0:
         raise EnvError(f"{name}={raw!r} must be a positive number of seconds")
     return value
+
+
+def min_compress_bytes(environ: Mapping[str, str] | None = None) -> int:
+    """``BYTEPS_MIN_COMPRESS_BYTES`` (default 65536); raises :class:`EnvError` naming it.
+
+        >>> min_compress_bytes({"BYTEPS_MIN_COMPRESS_BYTES": "1024"})
+        1024
+    """
+    env = os.environ if environ is None else environ
+    return _int(env, "BYTEPS_MIN_COMPRESS_BYTES", DEFAULT_MIN_COMPRESS_BYTES, 0)
+
+
+def malloc_tune(environ: Mapping[str, str] | None = None) -> bool:
+    """``BPS_MALLOC_TUNE`` (0 or 1, default 1): whether to tune glibc's allocator.
+
+        >>> malloc_tune({"BPS_MALLOC_TUNE": "0"})
+        False
+    """
+    env = os.environ if environ is None else environ
+    return bool(_int(env, "BPS_MALLOC_TUNE", 1, 0, 1))
 
 
 @dataclass(frozen=True)
@@ -155,8 +179,7 @@ class ClusterEnv:
             local_rank=_int(env, "BYTEPS_LOCAL_RANK", 0, 0, local_size - 1),
             local_size=local_size,
             partition_bytes=_int(env, "BYTEPS_PARTITION_BYTES", DEFAULT_PARTITION_BYTES, 16),
-            min_compress_bytes=_int(env, "BYTEPS_MIN_COMPRESS_BYTES",
-                                    DEFAULT_MIN_COMPRESS_BYTES, 0),
+            min_compress_bytes=min_compress_bytes(env),
             timeout=timeout,
             heartbeat_interval=interval,
             heartbeat_timeout=hb_timeout,

@@ -18,7 +18,12 @@ from collections.abc import Callable
 
 import torch
 
-from bps.config import resolve_k, validate_compression_params
+from bps.config import (
+    accept_compressor,
+    forget_compressor,
+    resolve_k,
+    validate_compression_params,
+)
 
 from .base import Compressor, check_dtype
 from .dithering import Dithering
@@ -65,6 +70,7 @@ def register(name: str, factory: Factory) -> None:
     if not callable(factory):
         raise TypeError(f"factory for {name!r} must be callable, got {factory!r}")
     _FACTORIES[name] = factory
+    accept_compressor(name)
 
 
 def unregister(name: str) -> None:
@@ -72,6 +78,7 @@ def unregister(name: str) -> None:
     if name in BUILTIN:
         raise ValueError(f"built-in compressor {name!r} cannot be removed")
     _FACTORIES.pop(name, None)
+    forget_compressor(name)
 
 
 def build(params: dict | None, numel: int, dtype: torch.dtype = torch.float32,
