@@ -210,6 +210,7 @@ def test_register_validates():
 
 MODULES = ["bps.config", "bps.compressors", "bps.compressors.onebit", "bps.compressors.topk",
            "bps.compressors.randomk", "bps.compressors.dithering", "bps.compressors.rng",
+           "bps.compressors.dithering_quantiser", "bps.compressors.elias_delta",
            "bps.compressors.error_feedback", "bps.compressors.momentum",
            "bps.compressors.registry", "bps.compressors.wire", "bps.compressors.base",
            "bps.compressors.sparse"]

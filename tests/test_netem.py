@@ -583,9 +583,11 @@ import slow_network
 args = slow_network.parse_args(["--methods", "fp32,onebit,dithering",
                                 "--compressed-partition-bytes", "800000"])
 slow_network.warm_kernels(args, args.method_list)
-from bps.compressors import dithering, error_feedback, momentum, onebit, rng
+from bps.compressors import (dithering, dithering_decoder, dithering_quantiser, elias_delta,
+                             error_feedback, momentum, onebit, rng)
 counts = {"hits": 0, "misses": 0}
-for module in (dithering, error_feedback, momentum, onebit, rng):
+for module in (dithering, dithering_decoder, dithering_quantiser, elias_delta, error_feedback,
+               momentum, onebit, rng):
     for value in vars(module).values():
         if isinstance(value, numba.core.registry.CPUDispatcher):
             counts["hits"] += sum(value.stats.cache_hits.values())
