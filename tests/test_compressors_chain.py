@@ -224,7 +224,7 @@ def test_docstring_examples(module):
 
 # bps.trainer's module example needs a running cluster (bps.init()); the examples of
 # its planning functions run on their own
-FUNCTIONS = ["bps.trainer.plan_key_servers"]
+FUNCTIONS = ["bps.worker.planning.plan_key_servers"]
 
 
 @pytest.mark.parametrize("name", FUNCTIONS)

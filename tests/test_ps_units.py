@@ -164,25 +164,25 @@ def mlp_keys(compressed_bytes, warmup: bool = False) -> list:
     backward order) and the first bias alone."""
     import torch
 
-    from bps.trainer import _KeyPlan, _Part
+    from bps.worker.planning import KeyPlan, Part
 
     plans = []
     for numel in (784 * 1100, 1100 * 1100):
         for _, length in partition(numel, 4, 2048000):
-            part = _Part(0, length)
+            part = Part(0, length)
             if warmup:
-                plans.append(_KeyPlan(part, "raw_key", "", length, torch.float16, None,
+                plans.append(KeyPlan(part, "raw_key", "", length, torch.float16, None,
                                       2 * length, warmup_only=True))
-            plans.append(_KeyPlan(part, "compressed_key", "", length, torch.float32, {},
+            plans.append(KeyPlan(part, "compressed_key", "", length, torch.float32, {},
                                   compressed_bytes(length)))
     for numel in (1100, 1100 + 1100 * 10 + 10):
-        plans.append(_KeyPlan(_Part(0, numel), "raw_key", "", numel, torch.float16, None,
+        plans.append(KeyPlan(Part(0, numel), "raw_key", "", numel, torch.float16, None,
                               2 * numel))
     return plans
 
 
 def test_plan_key_servers_balances_bytes_on_the_wire() -> None:
-    from bps.trainer import plan_key_servers
+    from bps.worker.planning import plan_key_servers
 
     def topk(numel: int) -> int:  # SPEC §4: k int32 indices and k float32 values
         return int(numel * 0.01) * 8 + 16
