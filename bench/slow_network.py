@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bps.launch.netns import NetnsError, parse_rate
+from bps.launch.link_shape import NetnsError, parse_rate
 
 REPO = Path(__file__).resolve().parents[1]
 MNIST = REPO / "examples" / "mnist.py"

@@ -50,7 +50,8 @@ def main(args: Sequence[str]) -> int:
     try:
         env = ClusterEnv.from_environ()
     except EnvError as exc:
-        print(f"bpslaunch: error: {exc}", file=sys.stderr)
+        print(f"bpslaunch: error: {exc} (`bpslaunch --help` shows the three ways to run)",
+              file=sys.stderr)
         return EXIT_BAD_ENV
     setup_process()
     if env.role != "worker":
