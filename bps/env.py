@@ -85,6 +85,22 @@ def _seconds(environ: Mapping[str, str], name: str, default: float) -> float:
     return value
 
 
+def dmlc_role(environ: Mapping[str, str] | None = None) -> str | None:
+    """``DMLC_ROLE``, lower-cased; ``None`` when unset. Raises :class:`EnvError` for a
+    value outside scheduler, server, worker.
+
+        >>> dmlc_role({"DMLC_ROLE": "Server"}), dmlc_role({})
+        ('server', None)
+    """
+    env = os.environ if environ is None else environ
+    if not env.get("DMLC_ROLE", "").strip():
+        return None
+    value = _get(env, "DMLC_ROLE", None).lower()
+    if value not in ROLES:
+        raise EnvError(f"DMLC_ROLE={value!r}: expected one of {', '.join(ROLES)}")
+    return value
+
+
 def min_compress_bytes(environ: Mapping[str, str] | None = None) -> int:
     """``BYTEPS_MIN_COMPRESS_BYTES`` (default 65536); raises :class:`EnvError` naming it.
 
@@ -142,9 +158,9 @@ class ClusterEnv:
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> ClusterEnv:
         """Read and check the variables; raises :class:`EnvError` naming the bad one."""
         env = os.environ if environ is None else environ
-        role = _get(env, "DMLC_ROLE", None).lower()
-        if role not in ROLES:
-            raise EnvError(f"DMLC_ROLE={role!r}: expected one of {', '.join(ROLES)}")
+        role = dmlc_role(env)
+        if role is None:
+            raise EnvError("environment variable DMLC_ROLE is not set")
         num_workers = _int(env, "DMLC_NUM_WORKER", None, 1)
         worker_id = None
         if role == "worker":

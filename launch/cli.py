@@ -12,8 +12,9 @@ Usage::
 
 from __future__ import annotations
 
-import os
 import sys
+
+from bps.env import EnvError, dmlc_role
 
 USAGE = """\
 usage: bpslaunch CMD...                      run the role that DMLC_ROLE names
@@ -48,11 +49,18 @@ def main(argv: list[str] | None = None) -> int:
     if args and args[0] == "netem":
         from bps.launch.netem import main as run
         return run(args[1:])
-    if not args and not os.environ.get("DMLC_ROLE", "").strip():
+    if not args and _role_unset():
         print(USAGE, end="", file=sys.stderr)
         return 2
     from bps.launch.role import main as run
     return run(args)
+
+
+def _role_unset() -> bool:
+    try:
+        return dmlc_role() is None
+    except EnvError:
+        return False  # a bad DMLC_ROLE: the role mode reports it
 
 
 if __name__ == "__main__":
