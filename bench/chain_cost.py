@@ -30,20 +30,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import bps.compressors.threads as threads  # noqa: E402
-from bps.compressors import build  # noqa: E402
-from bps.compressors.dithering import Dithering  # noqa: E402
-from bps.compressors.error_feedback import ErrorFeedback, add_scaled_error  # noqa: E402
-from bps.compressors.momentum import nesterov_step  # noqa: E402
-from bps.worker.partition import partition  # noqa: E402
+import bps.compressors.threads as threads
+from bps.compressors import build
+from bps.compressors.dithering import Dithering
+from bps.compressors.error_feedback import ErrorFeedback, add_scaled_error
+from bps.compressors.momentum import nesterov_step
+from bps.worker.partition import partition
 
 # the compressed weights; the 1100 x 10 layer and the biases are under min_compress_bytes
 # (64 KB) and travel uncompressed

@@ -18,15 +18,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bps.compressors import build  # noqa: E402
+from bps.compressors import build
 
 SHIFTS32 = 31 - torch.arange(32, dtype=torch.int64)
 

@@ -28,9 +28,15 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
-from data import epoch_batches, load_mnist, steps_per_epoch  # noqa: E402
-from mnist import LR_SCHEDULES, accuracy, build_model, lr_schedule  # noqa: E402
+from bps.mnist import (
+    LR_SCHEDULES,
+    accuracy,
+    build_model,
+    epoch_batches,
+    load_mnist,
+    lr_schedule,
+    steps_per_epoch,
+)
 
 SINGLE_BUCKET_MB = 1024
 

@@ -123,7 +123,8 @@ def run_raw_once(mbytes: int, steps: int, tmp: Path) -> float:
 # ---------------------------------------------------------------------- bps
 
 def bps_worker(mbytes: int, steps: int, params_json: str, out: str) -> None:
-    """Runs under bpslaunch: declare the partitions, time push_pull steps."""
+    """Runs under bpslaunch: declare the partitions, time push_pull steps; writes the
+    times to ``out`` with ``{node}`` replaced by this worker node's id."""
     import torch
 
     from bps.env import ClusterEnv
@@ -155,8 +156,8 @@ def bps_worker(mbytes: int, steps: int, params_json: str, out: str) -> None:
         wire.append(delta.bytes_pushed + delta.bytes_pulled)
     engine.barrier()
     engine.close()
-    Path(out).write_text(json.dumps({"times": times[WARMUP_STEPS:],
-                                     "wire": wire[WARMUP_STEPS:]}))
+    Path(out.format(node=engine.node_id)).write_text(json.dumps({"times": times[WARMUP_STEPS:],
+                                                                "wire": wire[WARMUP_STEPS:]}))
 
 
 def run_bps(mbytes: int, steps: int, params: dict | None, tmp: Path, tag: str) -> dict:
@@ -190,7 +191,6 @@ def main() -> None:
         return
     if args.bps_worker:
         mbytes, steps, params, out = args.bps_worker
-        out = out.format(node=os.environ["DMLC_WORKER_ID"])
         bps_worker(int(mbytes), int(steps), params, out)
         return
 

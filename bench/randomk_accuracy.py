@@ -26,9 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from slow_network import EF_NESTEROV, REPO, Method, job_args  # noqa: E402
-from slow_network import parse_args as slow_network_defaults  # noqa: E402
+from slow_network import EF_NESTEROV, REPO, Method, job_args  # bench/ is the script's path
+from slow_network import parse_args as slow_network_defaults
 
 RUNNER = slow_network_defaults([])
 JOB = job_args(RUNNER)  # the slow-network table's job, by construction

@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bps.launch.netns import NetnsError, parse_rate
+from bps.launch.link_shape import NetnsError, parse_rate
 
 REPO = Path(__file__).resolve().parents[1]
 MNIST = REPO / "examples" / "mnist.py"
@@ -587,15 +587,13 @@ def warm_kernels(args: argparse.Namespace, methods: list[Method]) -> None:
         return
     import torch
 
-    sys.path.insert(0, str(MNIST.parent))
-    import mnist
-
     from bps.compressors import build
+    from bps.mnist import compression_params, parse_compression_args
 
     numel = args.compressed_partition_bytes // 4
     started = time.monotonic()
     for method in compressed:
-        params = {**mnist.compression_params(mnist.parse_args(list(method.args))),
+        params = {**compression_params(parse_compression_args(list(method.args))),
                   "mu": 0.9, "seed": args.seed + 1}
         worker, server = build(params, numel), build(params, numel, role="server")
         out, total = torch.empty(numel), torch.zeros(numel)

@@ -11,21 +11,22 @@ before any communication starts::
     10
 
 ``mu`` and ``seed`` stay ``None`` when absent: the trainer fills them in (optimizer
-momentum, job seed) before building chains.
+momentum, job seed) before building chains. The accepted compressor names are the
+built-in ones plus those :func:`bps.compressors.register` adds (it calls
+:func:`accept_compressor`), so this module imports nothing of the compressors.
 """
 
 from __future__ import annotations
 
 import numbers
-import os
 from typing import Any
 
 import numpy as np
 
+from bps.env import min_compress_bytes
+
 BUILTIN_COMPRESSORS = ("onebit", "topk", "randomk", "dithering")
 COUNT_COMPRESSORS = ("topk", "randomk")
-DEFAULT_MIN_COMPRESS_BYTES = 65536
-MIN_COMPRESS_BYTES_ENV = "BYTEPS_MIN_COMPRESS_BYTES"
 # Implementation limits on the dithering levels s, so that every q fits the Elias-delta
 # coder's 32-bit fields (linear: u is a float32, exact up to 2**24).
 MAX_LINEAR_LEVELS = 2**24
@@ -87,20 +88,24 @@ def _check_int(params: dict, key: str, lo: int, hi: int | None = None) -> None:
     params[key] = int(value)
 
 
-def _env_min_compress_bytes() -> int:
-    raw = os.environ.get(MIN_COMPRESS_BYTES_ENV)
-    if raw is None or raw.strip() == "":
-        return DEFAULT_MIN_COMPRESS_BYTES
-    try:
-        value = int(raw.strip())
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ValueError(
-            f"environment variable {MIN_COMPRESS_BYTES_ENV}={raw!r} is invalid: "
-            "expected an int >= 0"
-        )
-    return value
+_accepted: list[str] = list(BUILTIN_COMPRESSORS)
+
+
+def accepted_compressors() -> tuple[str, ...]:
+    """The compressor names ``compression_params['compressor']`` may take, in order."""
+    return tuple(_accepted)
+
+
+def accept_compressor(name: str) -> None:
+    """Accept ``name`` as a compressor (called by :func:`bps.compressors.register`)."""
+    if name not in _accepted:
+        _accepted.append(name)
+
+
+def forget_compressor(name: str) -> None:
+    """Stop accepting a user compressor's name (built-in ones stay)."""
+    if name in _accepted and name not in BUILTIN_COMPRESSORS:
+        _accepted.remove(name)
 
 
 def _check_k(params: dict) -> None:
@@ -163,11 +168,8 @@ def validate_compression_params(params: dict | None) -> dict:
     out = dict(DEFAULTS)
     out.update(params)
 
-    from bps.compressors.registry import registered_names  # lazy: registry imports us
-
-    names = registered_names()
     if out["compressor"] is not None:
-        _check_choice(out, "compressor", names)
+        _check_choice(out, "compressor", accepted_compressors())
     _check_choice(out, "ef", ("vanilla",))
     _check_choice(out, "momentum", ("nesterov",))
     _check_choice(out, "partition", ("linear", "natural"), allow_none=False)
@@ -185,7 +187,7 @@ def validate_compression_params(params: dict | None) -> dict:
     if out["seed"] is not None:
         _check_int(out, "seed", 1, 2**64)
     if out["min_compress_bytes"] is None:
-        out["min_compress_bytes"] = _env_min_compress_bytes()
+        out["min_compress_bytes"] = min_compress_bytes()
     else:
         _check_int(out, "min_compress_bytes", 0)
     _check_int(out, "warmup_steps", 0)

@@ -21,9 +21,13 @@ bps's own variables:
 * ``BPS_MAX_INFLIGHT`` (workers, default 16): pushes per server not yet acknowledged;
   further partitions wait in the priority queue.
 * ``BPS_MALLOC_TUNE`` (servers and worker engines, default 1): ``0`` leaves glibc's
-  allocator as it is (see :mod:`bps.memory`).
+  allocator as it is (see :mod:`bps.memory`); read by :func:`malloc_tune`.
 * ``BPS_LOCAL_MASTER_ADDR`` / ``BPS_LOCAL_MASTER_PORT``: the node-local torch.distributed
   rendezvous that ``bpslaunch`` sets for the processes of one worker node.
+
+BytePS's ``BYTEPS_MIN_COMPRESS_BYTES`` (default 65536): tensors smaller than this travel
+uncompressed; :func:`min_compress_bytes` reads it for ``compression_params`` without a
+``min_compress_bytes`` key.
 
 BytePS's timeline variables (workers and servers; see :mod:`bps.trace`):
 
@@ -81,6 +85,42 @@ def _seconds(environ: Mapping[str, str], name: str, default: float) -> float:
     return value
 
 
+def dmlc_role(environ: Mapping[str, str] | None = None) -> str | None:
+    """``DMLC_ROLE``, lower-cased; ``None`` when unset. Raises :class:`EnvError` for a
+    value outside scheduler, server, worker.
+
+        >>> dmlc_role({"DMLC_ROLE": "Server"}), dmlc_role({})
+        ('server', None)
+    """
+    env = os.environ if environ is None else environ
+    if not env.get("DMLC_ROLE", "").strip():
+        return None
+    value = _get(env, "DMLC_ROLE", None).lower()
+    if value not in ROLES:
+        raise EnvError(f"DMLC_ROLE={value!r}: expected one of {', '.join(ROLES)}")
+    return value
+
+
+def min_compress_bytes(environ: Mapping[str, str] | None = None) -> int:
+    """``BYTEPS_MIN_COMPRESS_BYTES`` (default 65536); raises :class:`EnvError` naming it.
+
+        >>> min_compress_bytes({"BYTEPS_MIN_COMPRESS_BYTES": "1024"})
+        1024
+    """
+    env = os.environ if environ is None else environ
+    return _int(env, "BYTEPS_MIN_COMPRESS_BYTES", DEFAULT_MIN_COMPRESS_BYTES, 0)
+
+
+def malloc_tune(environ: Mapping[str, str] | None = None) -> bool:
+    """``BPS_MALLOC_TUNE`` (0 or 1, default 1): whether to tune glibc's allocator.
+
+        >>> malloc_tune({"BPS_MALLOC_TUNE": "0"})
+        False
+    """
+    env = os.environ if environ is None else environ
+    return bool(_int(env, "BPS_MALLOC_TUNE", 1, 0, 1))
+
+
 @dataclass(frozen=True)
 class ClusterEnv:
     """Everything a bps process learns from its environment."""
@@ -118,9 +158,9 @@ class ClusterEnv:
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> ClusterEnv:
         """Read and check the variables; raises :class:`EnvError` naming the bad one."""
         env = os.environ if environ is None else environ
-        role = _get(env, "DMLC_ROLE", None).lower()
-        if role not in ROLES:
-            raise EnvError(f"DMLC_ROLE={role!r}: expected one of {', '.join(ROLES)}")
+        role = dmlc_role(env)
+        if role is None:
+            raise EnvError("environment variable DMLC_ROLE is not set")
         num_workers = _int(env, "DMLC_NUM_WORKER", None, 1)
         worker_id = None
         if role == "worker":
@@ -155,8 +195,7 @@ class ClusterEnv:
             local_rank=_int(env, "BYTEPS_LOCAL_RANK", 0, 0, local_size - 1),
             local_size=local_size,
             partition_bytes=_int(env, "BYTEPS_PARTITION_BYTES", DEFAULT_PARTITION_BYTES, 16),
-            min_compress_bytes=_int(env, "BYTEPS_MIN_COMPRESS_BYTES",
-                                    DEFAULT_MIN_COMPRESS_BYTES, 0),
+            min_compress_bytes=min_compress_bytes(env),
             timeout=timeout,
             heartbeat_interval=interval,
             heartbeat_timeout=hb_timeout,

@@ -17,7 +17,8 @@ Usage (the server and the worker engine call it before creating their sockets)::
 from __future__ import annotations
 
 import ctypes
-import os
+
+from bps.env import malloc_tune
 
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
@@ -31,7 +32,7 @@ def keep_buffers_in_heap() -> bool:
 
     Threads that already allocated keep their arena, so call it before the ZeroMQ
     context starts its I/O thread (its first socket)."""
-    if os.environ.get("BPS_MALLOC_TUNE", "1") == "0":
+    if not malloc_tune():
         return False
     try:
         mallopt = ctypes.CDLL(None).mallopt

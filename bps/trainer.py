@@ -21,14 +21,16 @@ Usage (every worker process runs the same script under ``bpslaunch``)::
     ...     torch.nn.functional.cross_entropy(model(x), y).backward()
     ...     trainer.step()
     >>> trainer.stats()["compression_ratio"]
+
+What goes where is planned by :mod:`bps.worker.planning`; the model is checked and
+copied from rank 0 by :mod:`bps.model_sync`; the figures come from
+:mod:`bps.trainer_stats`.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import logging
-import math
 import queue
 import threading
 import time
@@ -37,41 +39,16 @@ from dataclasses import dataclass, field
 import torch
 
 from bps import runtime as bps_runtime
-from bps.config import resolve_k, validate_compression_params
-from bps.worker.partition import partition, plan_servers
+from bps.config import validate_compression_params
+from bps.model_sync import ModelMismatchError, broadcast_model, check_same_model
+from bps.trainer_stats import StepStats
+from bps.worker.planning import Bucket, Part, plan_buckets, plan_key_servers, plan_tensor
+
+__all__ = ["DistributedTrainer", "ModelMismatchError"]
 
 log = logging.getLogger("bps")
 
 _STOP = object()
-
-
-class ModelMismatchError(ValueError):
-    """The model's parameters or buffers differ between workers."""
-
-
-@dataclass
-class _Part:
-    offset: int
-    length: int
-    raw_key: int | None = None  # travels uncompressed (always, or during warmup)
-    compressed_key: int | None = None
-    converted: torch.Tensor | None = None  # the piece in its key's dtype, reused every step
-    bucket: _Bucket | None = None  # travels fused with other small tensors, at bucket_offset
-    bucket_offset: int = 0
-
-
-@dataclass
-class _Bucket:
-    """Small tensors next to each other in backward order that travel as one raw key
-    (DDP's buckets, Horovod's tensor fusion): one message instead of one per tensor."""
-
-    name: str
-    numel: int
-    members: int
-    key: int | None = None
-    buffer: torch.Tensor | None = None  # in the wire dtype; written by the reduce thread
-    arrived: int = 0  # members copied in this step
-    future: concurrent.futures.Future | None = None  # this step's aggregate
 
 
 class _BucketSlice:
@@ -99,97 +76,19 @@ def _forward(source: concurrent.futures.Future, target: concurrent.futures.Futur
 
 
 @dataclass
-class _KeyPlan:
-    """A key to declare once every key's server is planned."""
-
-    part: _Part | _Bucket
-    field: str  # the attribute of ``part`` that receives the key
-    name: str
-    numel: int
-    dtype: torch.dtype
-    params: dict | None
-    wire_bytes: int  # bytes one push carries (at most)
-    warmup_only: bool = False
-
-
-@dataclass
 class _Slot:
     """One parameter and its communication state."""
 
     name: str
     param: torch.Tensor
     group: int  # index of its optimizer param group (for the learning rate)
-    parts: list[_Part]
+    parts: list[Part]
     send: torch.Tensor | None = None  # this rank's share, then the node's sum (local rank 0)
     recv: torch.Tensor | None = None  # the averaged gradient, broadcast within the node
     share: torch.Tensor | None = None  # what this step pushes: ``send`` or ``.grad`` itself
     local_momentum: torch.Tensor | None = None
     ready: bool = False
     futures: list = field(default_factory=list)
-
-
-def payload_bound(params: dict, numel: int, itemsize: int = 4) -> int | None:
-    """Most bytes a built-in compressor's payload can take for ``numel`` elements
-    (SPEC §4); ``None`` for registered compressors, which are trusted to compress."""
-    name = params["compressor"]
-    if name == "onebit":
-        return math.ceil(numel / 8) + 16
-    if name == "topk":
-        return resolve_k(params, numel) * (4 + itemsize) + 16
-    if name == "randomk":
-        return resolve_k(params, numel) * itemsize + 32
-    if name == "dithering":
-        # Per element at most 2 bits of gap code, a sign bit and the Elias-delta code of q.
-        levels = params["k"] if params["partition"] == "linear" else 2 ** (params["k"] - 1)
-        n = levels.bit_length() - 1
-        q_bits = n + 2 * (n + 1).bit_length() - 1
-        return math.ceil(numel * (3 + q_bits) / 8) + 16
-    return None
-
-
-def plan_key_servers(keys: list[_KeyPlan], num_servers: int) -> list[int]:
-    """A server for each key, balancing the bytes a step pushes (payload bounds for
-    compressed keys): by raw bytes, a 2 MB partition that compresses to 40 KB would
-    weigh as much as 50 small tensors that travel uncompressed. Keys that carry traffic
-    only during warmup are balanced among themselves, on top of the raw keys that
-    travel in both phases.
-
-    Example::
-
-        >>> part = _Part(0, 512000)
-        >>> keys = [_KeyPlan(part, "compressed_key", "w[0]", 512000, torch.float32, {}, 40976),
-        ...         _KeyPlan(part, "raw_key", "b", 11000, torch.float16, None, 22000),
-        ...         _KeyPlan(part, "compressed_key", "w[1]", 512000, torch.float32, {}, 40976)]
-        >>> plan_key_servers(keys, 2)
-        [0, 0, 1]
-    """
-    steady = [i for i, k in enumerate(keys) if not k.warmup_only]
-    warmup = [i for i, k in enumerate(keys) if k.warmup_only]
-    servers = [0] * len(keys)
-    plan = plan_servers([keys[i].wire_bytes for i in steady], num_servers)
-    loads = [0] * num_servers
-    for i, server in zip(steady, plan, strict=True):
-        servers[i] = server
-        if keys[i].params is None:
-            loads[server] += keys[i].wire_bytes
-    plan = plan_servers([keys[i].wire_bytes for i in warmup], num_servers, loads)
-    for i, server in zip(warmup, plan, strict=True):
-        servers[i] = server
-    return servers
-
-
-def _signature(model: torch.nn.Module) -> list:
-    entries = [["param", n, list(p.shape), str(p.dtype)] for n, p in model.named_parameters()]
-    entries += [["buffer", n, list(b.shape), str(b.dtype)] for n, b in model.named_buffers()]
-    return entries
-
-
-def _first_difference(mine: list, reference: list) -> int:
-    """1 + index of the first entry of ``reference`` that ``mine`` lacks or changes; 0 if equal."""
-    for i, entry in enumerate(reference):
-        if i >= len(mine) or mine[i] != entry:
-            return i + 1
-    return len(reference) + 1 if len(mine) > len(reference) else 0
 
 
 class DistributedTrainer:
@@ -221,16 +120,15 @@ class DistributedTrainer:
         self._error: BaseException | None = None
         self._done = 0
         self._cond = threading.Condition()
-        self._stats: dict = {}
+        self._stats = StepStats()
         self._engine_before: dict = {}
         self._step_started = False
         self._tracer = self._rt.tracer  # bps.trace: None unless BYTEPS_TRACE_ON=1
         self._last_step_end_ns: int | None = None
-        self._totals = {"steps": 0, "bytes_pushed": 0, "bytes_pulled": 0, "raw_bytes": 0}
-        self._buckets: list[_Bucket] = []
+        self._buckets: list[Bucket] = []
 
-        self._check_same_model()
-        self._broadcast_model()
+        check_same_model(self._rt, model)
+        broadcast_model(self._rt, model)
         self._slots = self._build_slots()
         self._order = list(reversed(range(len(self._slots))))  # roughly backward order
         # Own channels: several trainers in one process must not interleave collectives.
@@ -278,97 +176,15 @@ class DistributedTrainer:
             log.warning("bps: the optimizer's momentum is turned off; Nesterov momentum "
                         "(mu=%g) runs in the compression chain instead", params["mu"])
 
-    def _root_push_pull_from_node0(self, flat: torch.Tensor, name: str) -> torch.Tensor:
-        """On local rank 0: node 0's ``flat`` (raw, summed with zeros from other nodes)."""
-        engine = self._rt.engine
-        pieces = partition(flat.numel(), flat.element_size(), self._rt.env.partition_bytes)
-        first = self._rt.allocate_keys(len(pieces))
-        source = flat if self._rt.node_id == 0 else torch.zeros_like(flat)
-        for i, (_, length) in enumerate(pieces):
-            engine.declare(first + i, length, flat.dtype, None, name=f"{name}[{i}]")
-        futures = [
-            engine.push_pull(first + i, source[offset:offset + length].contiguous(), 0, 0.0)
-            for i, (offset, length) in enumerate(pieces)
-        ]
-        out = torch.empty_like(flat)
-        for (offset, length), fut in zip(pieces, futures, strict=True):
-            out[offset:offset + length].copy_(fut.result(timeout=self._rt.env.timeout * 2))
-        return out
-
-    def _node0_to_all(self, flat: torch.Tensor, name: str) -> torch.Tensor:
-        """Every rank gets rank 0's ``flat`` (same shape and dtype on every rank)."""
-        if self._rt.local_rank == 0:
-            flat = self._root_push_pull_from_node0(flat, name)
-        else:
-            pieces = partition(flat.numel(), flat.element_size(), self._rt.env.partition_bytes)
-            self._rt.allocate_keys(len(pieces))
-        self._rt.setup_channel.broadcast(flat)
-        return flat
-
-    def _check_same_model(self) -> None:
-        """Compare every rank's parameter/buffer names, shapes and dtypes with rank 0's."""
-        mine = _signature(self.model)
-        encoded = json.dumps(mine).encode()
-        length = self._node0_to_all(torch.tensor([len(encoded)], dtype=torch.float64), "sig.len")
-        raw = torch.zeros(int(length.item()), dtype=torch.float32)
-        if self._rt.rank == 0:
-            raw.copy_(torch.frombuffer(bytearray(encoded), dtype=torch.uint8))
-        reference = json.loads(bytes(self._node0_to_all(raw, "sig").to(torch.uint8).tolist()))
-        # Every rank reports its first difference; all ranks learn all verdicts.
-        verdict = torch.zeros(self._rt.size, dtype=torch.float64)
-        verdict[self._rt.rank] = _first_difference(mine, reference)
-        self._rt.setup_channel.reduce(verdict)
-        verdict = self._sum_over_nodes(verdict, "sig.verdict")
-        self._rt.setup_channel.broadcast(verdict)
-        bad = [(r, int(v)) for r, v in enumerate(verdict.tolist()) if v]
-        if bad:
-            rank, index = bad[0]
-            if index > len(reference):
-                what = f"rank {rank} has more parameters/buffers than rank 0"
-            else:
-                kind, name, shape, dtype = reference[index - 1]
-                detail = ""
-                if rank == self._rt.rank and len(mine) >= index:
-                    _, my_name, my_shape, my_dtype = mine[index - 1]
-                    detail = (f"; rank {rank} has {my_name!r} with shape {tuple(my_shape)}, "
-                              f"{my_dtype}")
-                what = (f"{kind} {name!r} (shape {tuple(shape)}, {dtype} on rank 0) is missing "
-                        f"or different on rank {rank}{detail}")
-            raise ModelMismatchError(f"the model differs across workers: {what}")
-
-    def _sum_over_nodes(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
-        engine = self._rt.engine
-        key = self._rt.allocate_keys(1)
-        if engine is None:
-            return tensor
-        engine.declare(key, tensor.numel(), tensor.dtype, None, name=name)
-        return engine.push_pull(key, tensor, 0, 0.0).result(timeout=self._rt.env.timeout * 2)
-
-    def _broadcast_model(self) -> None:
-        """Overwrite every rank's parameters and buffers with rank 0's."""
-        tensors = [p.data for p in self.model.parameters()] + list(self.model.buffers())
-        for dtype in (torch.float32, torch.float64):
-            # float64 carries float64 and integer tensors exactly (|x| < 2**53).
-            chosen = [t for t in tensors if (t.dtype == torch.float64 or not t.is_floating_point())
-                      == (dtype == torch.float64)]
-            if not chosen:
-                continue
-            flat = torch.cat([t.detach().reshape(-1).to("cpu", dtype) for t in chosen])
-            flat = self._node0_to_all(flat, f"init.{dtype}")
-            offset = 0
-            with torch.no_grad():
-                for t in chosen:
-                    t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                    offset += t.numel()
-
     def _build_slots(self) -> list[_Slot]:
+        """A slot per trainable parameter; its keys planned (:mod:`bps.worker.planning`)
+        and declared with their servers."""
         group_of = {}
         for gi, group in enumerate(self.optimizer.param_groups):
             for p in group["params"]:
                 group_of[id(p)] = gi
         slots, seen, keys = [], set(), []
-        small: dict[int, _Part] = {}  # slot index -> its only part, raw and under the bound
-        wire_dtype = self._wire_dtype
+        small: dict[int, Part] = {}  # slot index -> its only part, raw and under the bound
         node_dtype = torch.float16 if self._fp16 and self._rt.local_size > 1 else torch.float32
         for name, p in self.model.named_parameters():
             if not p.requires_grad or id(p) in seen:
@@ -378,26 +194,12 @@ class DistributedTrainer:
                 raise ValueError(f"parameter {name!r} is not in the optimizer")
             if p.dtype != torch.float32:
                 raise TypeError(f"parameter {name!r} is {p.dtype}: bps trains float32 models")
-            compress = self._compress and p.numel() * 4 >= self.params["min_compress_bytes"]
-            parts = []
-            pieces = partition(p.numel(), 4, self._rt.env.partition_bytes)
-            for offset, length in pieces:
-                part = _Part(offset, length)
-                raw_bytes = length * wire_dtype.itemsize
-                bound = payload_bound(self.params, length) if compress else None
-                part_compressed = compress and (bound is None or bound < raw_bytes)
-                label = f"{name}[{len(parts)}]"
-                if (not part_compressed and len(pieces) == 1
-                        and p.numel() * 4 < self.params["min_compress_bytes"]):
-                    small[len(slots)] = part  # fused below, or a raw key of its own
-                elif not part_compressed or self.params["warmup_steps"] > 0:
-                    # a raw key of a compressed part carries traffic only during warmup
-                    keys.append(_KeyPlan(part, "raw_key", label, length, wire_dtype, None,
-                                         raw_bytes, warmup_only=part_compressed))
-                if part_compressed:
-                    keys.append(_KeyPlan(part, "compressed_key", label, length, torch.float32,
-                                         self.params, raw_bytes if bound is None else bound))
-                parts.append(part)
+            parts, tensor_keys, alone = plan_tensor(name, p.numel(), self.params,
+                                                    self._wire_dtype,
+                                                    self._rt.env.partition_bytes)
+            keys += tensor_keys
+            if alone is not None:
+                small[len(slots)] = alone
             slot = _Slot(name, p, group_of[id(p)], parts)
             if self._rt.local_size > 1:
                 slot.send = torch.zeros(p.numel(), dtype=node_dtype, device=p.device)
@@ -406,7 +208,10 @@ class DistributedTrainer:
                 slot.local_momentum = torch.zeros(p.numel(), dtype=torch.float32,
                                                   device=p.device)
             slots.append(slot)
-        keys += self._plan_buckets(slots, small)
+        bucket_keys, self._buckets = plan_buckets([s.name for s in slots], small,
+                                                  self._wire_dtype,
+                                                  self._rt.env.partition_bytes)
+        keys += bucket_keys
         engine = self._rt.engine
         servers = plan_key_servers(keys, engine.num_servers) if engine else [None] * len(keys)
         for plan, server in zip(keys, servers, strict=True):
@@ -416,43 +221,6 @@ class DistributedTrainer:
                                server=server)
             setattr(plan.part, plan.field, key)
         return slots
-
-    def _plan_buckets(self, slots: list[_Slot], parts: dict[int, _Part]) -> list[_KeyPlan]:
-        """Key plans for the small tensors: runs of them next to each other in backward
-        order share a bucket of up to BYTEPS_PARTITION_BYTES on the wire; one alone keeps
-        a raw key of its own."""
-        wire = self._wire_dtype
-        capacity = max(1, self._rt.env.partition_bytes // wire.itemsize)
-        runs: list[list[int]] = []
-        run: list[int] | None = None  # the open run; a tensor that is not small ends it
-        filled = 0  # elements in the open run
-        for index in reversed(range(len(slots))):  # backward order
-            if index not in parts:
-                run = None
-                continue
-            if run is None or filled + parts[index].length > capacity:
-                run, filled = [], 0
-                runs.append(run)
-            run.append(index)
-            filled += parts[index].length
-        plans = []
-        for run in runs:
-            if len(run) == 1:
-                part = parts[run[0]]
-                plans.append(_KeyPlan(part, "raw_key", f"{slots[run[0]].name}[0]", part.length,
-                                      wire, None, part.length * wire.itemsize))
-                continue
-            numel = sum(parts[i].length for i in run)
-            bucket = _Bucket("fused(" + ", ".join(slots[i].name for i in run) + ")", numel,
-                             len(run), buffer=torch.zeros(numel, dtype=wire))
-            self._buckets.append(bucket)
-            offset = 0
-            for i in run:
-                parts[i].bucket, parts[i].bucket_offset = bucket, offset
-                offset += parts[i].length
-            plans.append(_KeyPlan(bucket, "key", bucket.name, numel, wire, None,
-                                  numel * wire.itemsize))
-        return plans
 
     # -- the step pipeline ------------------------------------------------------------
 
@@ -474,7 +242,7 @@ class DistributedTrainer:
             self._tracer.instant("ready", slot.name, self._step)
         if not self._step_started:  # stats count this step's traffic only
             self._step_started = True
-            self._engine_before = self._engine_stats()
+            self._engine_before = self._stats.snapshot(self._rt.engine)
         grad = slot.param.grad
         with torch.no_grad():
             if self._rt.local_size == 1 and grad is not None and grad.is_contiguous() \
@@ -553,7 +321,7 @@ class DistributedTrainer:
                                                      priority=-index, out=out))
         self._bcast_q.put(index)
 
-    def _fuse(self, part: _Part, piece: torch.Tensor, lr: float, priority: int
+    def _fuse(self, part: Part, piece: torch.Tensor, lr: float, priority: int
               ) -> _BucketSlice:
         """Copy ``piece`` into its bucket; the last member of the step pushes the bucket.
         Returns the member's share of the aggregate. Runs on the reduce thread only."""
@@ -570,7 +338,7 @@ class DistributedTrainer:
         return share
 
     @staticmethod
-    def _converted(part: _Part, piece: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def _converted(part: Part, piece: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``piece`` in ``dtype``: itself, or a copy in the part's own buffer. The buffer is
         free again, as the last step's push of this part has completed; a fresh tensor
         every step would cost a page fault per 4 KiB."""
@@ -665,7 +433,9 @@ class DistributedTrainer:
             self._tracer.complete("wait", "", self._step, called_ns, synced_ns)
             self._tracer.complete("update", "", self._step, synced_ns, end_ns)
         self._last_step_end_ns = end_ns
-        self._record_stats(self._engine_before, (synced_ns - called_ns) / 1e9)
+        self._stats.record(self._rt.engine, self._engine_before, self._step,
+                           sum(s.param.numel() * 4 for s in self._slots),
+                           (synced_ns - called_ns) / 1e9)
         self._step_started = False
         for slot in self._slots:
             slot.ready = False
@@ -678,38 +448,6 @@ class DistributedTrainer:
 
     # -- statistics -------------------------------------------------------------------
 
-    def _engine_stats(self) -> dict:
-        engine = self._rt.engine
-        if engine is None:
-            return {}
-        snapshot = engine.stats
-        return {"bytes_pushed": snapshot.bytes_pushed, "bytes_pulled": snapshot.bytes_pulled,
-                "compress_time": snapshot.compress_s + snapshot.decompress_s,
-                "comm_time": snapshot.comm_s}
-
-    def _record_stats(self, before: dict, wait: float) -> None:
-        after = self._engine_stats()
-
-        def delta(key: str) -> float:
-            return after.get(key, 0) - before.get(key, 0)
-
-        raw = sum(s.param.numel() * 4 for s in self._slots)
-        pushed, pulled = int(delta("bytes_pushed")), int(delta("bytes_pulled"))
-        self._stats = {
-            "step": self._step,
-            "bytes_pushed": pushed,
-            "bytes_pulled": pulled,
-            "raw_bytes": raw,
-            "compression_ratio": (2 * raw / (pushed + pulled)) if pushed + pulled else 0.0,
-            "compress_time": float(delta("compress_time")),
-            "comm_time": float(delta("comm_time")),
-            "wait_time": wait,
-        }
-        self._totals["steps"] += 1
-        self._totals["bytes_pushed"] += pushed
-        self._totals["bytes_pulled"] += pulled
-        self._totals["raw_bytes"] += raw
-
     def stats(self) -> dict:
         """Figures of the last step, on local rank 0 (other local ranks report zero bytes).
 
@@ -721,7 +459,7 @@ class DistributedTrainer:
         ``wait_time``: seconds ``step()`` blocked. ``totals`` sums the byte counts over
         all steps so far.
         """
-        return dict(self._stats, totals=dict(self._totals))
+        return self._stats.report()
 
     # -- checkpoints ------------------------------------------------------------------
 

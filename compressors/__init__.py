@@ -12,7 +12,7 @@
 from .base import Compressor, payload_tensor
 from .error_feedback import ErrorFeedback
 from .momentum import Momentum
-from .registry import build, register, registered_names, unregister
+from .registry import build, payload_bound, register, registered_names, unregister
 from .wire import state_from_wire, state_to_wire
 
 __all__ = [
@@ -20,6 +20,7 @@ __all__ = [
     "ErrorFeedback",
     "Momentum",
     "build",
+    "payload_bound",
     "payload_tensor",
     "register",
     "registered_names",

@@ -130,6 +130,15 @@ class Compressor:
         self.numel = numel
         self.dtype = check_dtype(dtype)
 
+    @classmethod
+    def max_payload_bytes(cls, numel: int, dtype: torch.dtype = torch.float32,
+                          **options: object) -> int | None:
+        """Most bytes a payload of ``numel`` elements can take, for the constructor's
+        ``options``; ``None``: no bound stated (a user compressor is trusted to compress).
+        The trainer weighs keys by it and sends a partition raw where it would not shrink.
+        """
+        return None
+
     def compress(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 

@@ -86,8 +86,18 @@ class OneBit(Compressor):
         super().__init__(numel, dtype)
         self.scaling = scaling
         self.num_words = (numel + 31) // 32
-        self.payload_size = 4 * self.num_words + 4
+        self.payload_size = self.max_payload_bytes(numel, dtype)
         self.bounds = chunk_bounds(numel)
+
+    @classmethod
+    def max_payload_bytes(cls, numel: int, dtype: torch.dtype = torch.float32,
+                          **options: object) -> int:
+        """Every payload's size: one bit per element in whole uint32 words, the scale.
+
+            >>> OneBit.max_payload_bytes(100)
+            20
+        """
+        return 4 * ((numel + 31) // 32) + 4
 
     def compress(self, x: torch.Tensor) -> torch.Tensor:
         values = float_view(self.check_input(x))

@@ -96,8 +96,18 @@ class RandomK(Compressor):
         self.k = k
         self.rng = new_state(seed)
         self.bits_dtype = bit_view(torch.empty(0, dtype=dtype)).dtype
-        self.payload_size = 16 + k * self.bits_dtype.itemsize
+        self.payload_size = self.max_payload_bytes(numel, dtype, k)
         self.indices: np.ndarray | None = None  # decompress_add's, kept for the next call
+
+    @classmethod
+    def max_payload_bytes(cls, numel: int, dtype: torch.dtype = torch.float32, k: int = 1,
+                          **options: object) -> int:
+        """Every payload's size: the 16-byte generator state, then k values.
+
+            >>> RandomK.max_payload_bytes(1000, torch.float16, k=3)
+            22
+        """
+        return 16 + k * dtype.itemsize
 
     def compress(self, x: torch.Tensor) -> torch.Tensor:
         bits = bit_view(self.check_input(x))

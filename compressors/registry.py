@@ -18,7 +18,12 @@ from collections.abc import Callable
 
 import torch
 
-from bps.config import resolve_k, validate_compression_params
+from bps.config import (
+    accept_compressor,
+    forget_compressor,
+    resolve_k,
+    validate_compression_params,
+)
 
 from .base import Compressor, check_dtype
 from .dithering import Dithering
@@ -30,21 +35,30 @@ from .rng import DEFAULT_SEED
 from .topk import TopK
 
 Factory = Callable[[dict, int, torch.dtype], Compressor]
+Options = Callable[[dict, int], dict]
 
 
 def _seed(params: dict) -> int:
     return DEFAULT_SEED if params["seed"] is None else params["seed"]
 
 
-_FACTORIES: dict[str, Factory] = {
-    "onebit": lambda p, n, dt: OneBit(n, dt, scaling=p["scaling"]),
-    "topk": lambda p, n, dt: TopK(n, dt, k=resolve_k(p, n)),
-    "randomk": lambda p, n, dt: RandomK(n, dt, k=resolve_k(p, n), seed=_seed(p)),
-    "dithering": lambda p, n, dt: Dithering(
-        n, dt, levels=p["k"], natural=p["partition"] == "natural",
-        l2=p["normalize"] == "l2", seed=_seed(p),
-    ),
+# each built-in class and its constructor options from (params, numel)
+_BUILTIN: dict[str, tuple[type[Compressor], Options]] = {
+    "onebit": (OneBit, lambda p, n: {"scaling": p["scaling"]}),
+    "topk": (TopK, lambda p, n: {"k": resolve_k(p, n)}),
+    "randomk": (RandomK, lambda p, n: {"k": resolve_k(p, n), "seed": _seed(p)}),
+    "dithering": (Dithering, lambda p, n: {
+        "levels": p["k"], "natural": p["partition"] == "natural",
+        "l2": p["normalize"] == "l2", "seed": _seed(p)}),
 }
+
+
+def _builtin_factory(cls: type[Compressor], options: Options) -> Factory:
+    return lambda p, n, dt: cls(n, dt, **options(p, n))
+
+
+_FACTORIES: dict[str, Factory] = {name: _builtin_factory(cls, options)
+                                  for name, (cls, options) in _BUILTIN.items()}
 BUILTIN = tuple(_FACTORIES)
 
 
@@ -65,6 +79,7 @@ def register(name: str, factory: Factory) -> None:
     if not callable(factory):
         raise TypeError(f"factory for {name!r} must be callable, got {factory!r}")
     _FACTORIES[name] = factory
+    accept_compressor(name)
 
 
 def unregister(name: str) -> None:
@@ -72,6 +87,23 @@ def unregister(name: str) -> None:
     if name in BUILTIN:
         raise ValueError(f"built-in compressor {name!r} cannot be removed")
     _FACTORIES.pop(name, None)
+    forget_compressor(name)
+
+
+def payload_bound(params: dict, numel: int, dtype: torch.dtype = torch.float32) -> int | None:
+    """Most bytes the payload of ``params``'s compressor can take for ``numel`` elements,
+    as its class states it (:meth:`Compressor.max_payload_bytes`); ``None`` for
+    registered compressors. ``params`` is a validated compression_params dict.
+
+        >>> from bps.config import validate_compression_params
+        >>> payload_bound(validate_compression_params({"compressor": "onebit"}), 64)
+        12
+    """
+    entry = _BUILTIN.get(params["compressor"])
+    if entry is None:
+        return None
+    cls, options = entry
+    return cls.max_payload_bytes(numel, dtype, **options(params, numel))
 
 
 def build(params: dict | None, numel: int, dtype: torch.dtype = torch.float32,

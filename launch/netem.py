@@ -28,13 +28,8 @@ import signal
 import sys
 import time
 
-from bps.launch.netns import (
-    EmulatedCluster,
-    LinkShape,
-    NetnsError,
-    clean_stale,
-    require_privileges,
-)
+from bps.launch.link_shape import LinkShape, NetnsError
+from bps.launch.netns import EmulatedCluster, clean_stale, require_privileges
 from bps.launch.supervisor import Supervisor
 
 SCHEDULER_PORT = 9000  # every namespace is fresh, so fixed ports cannot clash

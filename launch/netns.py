@@ -18,9 +18,11 @@ Nothing is created in the root namespace: deleting the namespaces removes every
 link. Names carry the owning process id, so a cluster whose owner died (crash,
 SIGKILL) is recognised and removed by :func:`clean_stale`.
 
-Usage::
+Usage (link shapes: :mod:`bps.launch.link_shape`; measuring a link:
+:mod:`bps.launch.throughput`)::
 
-    from bps.launch.netns import EmulatedCluster, LinkShape
+    from bps.launch.link_shape import LinkShape
+    from bps.launch.netns import EmulatedCluster
 
     shape = LinkShape.parse(rate="100mbit", delay="0ms", loss="0%")
     with EmulatedCluster(["w0", "w1"], shape) as cluster:
@@ -40,6 +42,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+from bps.launch.link_shape import LinkShape, NetnsError
+
 PREFIX = "bpsn-"
 SUBNET_PREFIX = "10.77.0."  # a private /24 that exists only inside our namespaces
 SUBNET_BITS = 24
@@ -47,150 +51,14 @@ FIRST_HOST_OCTET = 2
 MAX_HOSTS = 250
 HOST_IFNAME = "eth0"
 BRIDGE = "br0"
-_MTU_FRAME = 1514
-HOST_QUEUE_FRAMES = 1000  # Linux's default txqueuelen
-HOST_QUEUE_SECONDS = 1.0  # ... but never more than this much traffic
 _COMMAND_TIMEOUT = 30.0
-
-
-class NetnsError(RuntimeError):
-    """The emulated network cannot be built or used (privileges, tools, kernel, bad spec)."""
-
-
-# --------------------------------------------------------------------------- link shape
-
-_RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9,
-               "kibit": 2**10, "mibit": 2**20, "gibit": 2**30}
-_DELAY_UNITS = {"us": 1, "ms": 1000, "s": 1_000_000}
-_NUMBER = r"(\d+(?:\.\d*)?|\.\d+)"
-
-
-def parse_rate(text: str) -> int | None:
-    """``"100mbit"`` -> 100_000_000 bit/s; ``"none"`` -> None (no rate limit).
-
-    Units are tc's bit units (``bit kbit mbit gbit``, and ``kibit mibit gibit``).
-    tc's byte units (``kbps``, ``mbps``: bytes per second) are refused because they
-    are so often meant as bits.
-    """
-    value = text.strip().lower()
-    if value in ("none", "off", "unlimited"):
-        return None
-    match = re.fullmatch(_NUMBER + r"\s*([a-z]+)", value)
-    if match is None or match.group(2) not in _RATE_UNITS:
-        hint = ""
-        if match is not None and match.group(2).endswith("bps"):
-            hint = (" (tc's 'bps' units mean bytes per second; write bits, "
-                    "e.g. 100mbit for 100 megabits per second)")
-        raise NetnsError(
-            f"--rate: invalid value {text!r}{hint}; expected a number with a unit out of "
-            f"{', '.join(_RATE_UNITS)} (e.g. 100mbit, 20mbit, 1gbit) or 'none'")
-    bits = float(match.group(1)) * _RATE_UNITS[match.group(2)]
-    if bits < 8000:
-        raise NetnsError(f"--rate: {text!r} is below the supported minimum of 8kbit")
-    return int(bits)
-
-
-def parse_delay(text: str) -> int:
-    """``"1ms"`` -> 1000 microseconds; ``"0"`` -> 0. Units: ``us``, ``ms``, ``s``."""
-    value = text.strip().lower()
-    if re.fullmatch(r"0+(\.0*)?", value):
-        return 0
-    match = re.fullmatch(_NUMBER + r"\s*([a-z]+)", value)
-    if match is None or match.group(2) not in _DELAY_UNITS:
-        raise NetnsError(f"--delay: invalid value {text!r}; expected a number with a unit "
-                         "out of us, ms, s (e.g. 1ms, 500us) or 0")
-    micros = float(match.group(1)) * _DELAY_UNITS[match.group(2)]
-    if micros > 10_000_000:
-        raise NetnsError(f"--delay: {text!r} is more than the supported maximum of 10s")
-    return int(round(micros))
-
-
-def parse_loss(text: str) -> float:
-    """``"0.5%"`` -> 0.5 (percent of packets dropped per link direction); ``"0"`` -> 0."""
-    value = text.strip()
-    match = re.fullmatch(_NUMBER + r"\s*(%?)", value)
-    if match is None:
-        raise NetnsError(f"--loss: invalid value {text!r}; expected a percentage in [0, 100) "
-                         "such as 0%, 0.1% or 1%")
-    percent = float(match.group(1))
-    if not percent < 100.0:
-        raise NetnsError(f"--loss: {text!r} must be below 100%")
-    return percent
-
-
-def format_rate(bits_per_second: int | None) -> str:
-    """100_000_000 -> ``"100mbit"``; None -> ``"none"``."""
-    if bits_per_second is None:
-        return "none"
-    for unit, factor in (("gbit", 10**9), ("mbit", 10**6), ("kbit", 10**3)):
-        if bits_per_second % factor == 0:
-            return f"{bits_per_second // factor}{unit}"
-    return f"{bits_per_second}bit"
-
-
-@dataclass(frozen=True)
-class LinkShape:
-    """How every link direction is shaped: rate in bit/s (None: unlimited), delay, loss."""
-
-    rate_bits: int | None
-    delay_us: int = 0
-    loss_percent: float = 0.0
-
-    @classmethod
-    def parse(cls, rate: str, delay: str = "0ms", loss: str = "0%") -> LinkShape:
-        return cls(parse_rate(rate), parse_delay(delay), parse_loss(loss))
-
-    @property
-    def needs_netem(self) -> bool:
-        return self.delay_us > 0 or self.loss_percent > 0
-
-    def tbf_args(self, host_side: bool = False) -> list[str]:
-        """tbf parameters sized so the long-term rate is exact at any rate.
-
-        burst: about 2 ms of traffic but at least a few frames (GSO super-packets
-        larger than the bucket are segmented by tbf, not dropped). limit, on the
-        switch side: about 50 ms of queue, so a few TCP flows meeting on one link
-        (incast) keep the link busy instead of losing packets to a tiny buffer. On
-        the host side (``host_side``, what the host sends) at least a NIC's transmit
-        queue of HOST_QUEUE_FRAMES: a host queues what its own sockets send rather than
-        drop it. 50 ms alone is 125 KB at 20 Mbit/s, less than one topk step's pushes
-        of the slow-network job, and those local drops cost retransmission timeouts
-        (a median step of 395 ms instead of 192 ms). That queue holds at most 1 s of
-        traffic (HOST_QUEUE_SECONDS), so at very low rates a full queue cannot hold a
-        heartbeat back for longer than the failure detector waits.
-        """
-        assert self.rate_bits is not None
-        rate_bytes = self.rate_bits / 8
-        burst = max(4 * _MTU_FRAME, int(rate_bytes * 0.002))
-        queue = max(32 * _MTU_FRAME, int(rate_bytes * 0.05))
-        if host_side:
-            nic_queue = min(HOST_QUEUE_FRAMES * _MTU_FRAME, int(rate_bytes * HOST_QUEUE_SECONDS))
-            queue = max(queue, nic_queue)
-        limit = burst + queue
-        return ["tbf", "rate", f"{self.rate_bits}bit", "burst", str(burst),
-                "limit", str(limit)]
-
-    def netem_args(self) -> list[str]:
-        args = ["netem", "limit", "100000"]
-        if self.delay_us:
-            args += ["delay", f"{self.delay_us}us"]
-        if self.loss_percent:
-            args += ["loss", f"{self.loss_percent}%"]
-        return args
-
-    def describe(self) -> str:
-        parts = [f"rate {format_rate(self.rate_bits)}"]
-        if self.delay_us:
-            parts.append(f"delay {self.delay_us / 1000:g}ms")
-        if self.loss_percent:
-            parts.append(f"loss {self.loss_percent:g}%")
-        return ", ".join(parts) + " per link direction"
 
 
 # --------------------------------------------------------------------------- commands
 
-def _run(argv: list[str], check: bool = True,
+def run_command(argv: list[str], check: bool = True,
          timeout: float = _COMMAND_TIMEOUT) -> subprocess.CompletedProcess:
+    """Run ``argv``; a timeout, or a failure where ``check``, raises :class:`NetnsError`."""
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as exc:
@@ -202,11 +70,11 @@ def _run(argv: list[str], check: bool = True,
 
 
 def _ip(netns: str | None, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return _run(["ip", *(["-n", netns] if netns else []), *args], check=check)
+    return run_command(["ip", *(["-n", netns] if netns else []), *args], check=check)
 
 
 def _tc(netns: str, *args: str) -> subprocess.CompletedProcess:
-    return _run(["tc", "-n", netns, *args])
+    return run_command(["tc", "-n", netns, *args])
 
 
 def require_privileges() -> None:
@@ -305,7 +173,7 @@ def netem_missing_reason() -> str | None:
         probe = f"{PREFIX}{os.getpid()}-probe"
         _ip(None, "netns", "add", probe)
         try:
-            done = _run(["tc", "-n", probe, "qdisc", "add", "dev", "lo", "root", "netem",
+            done = run_command(["tc", "-n", probe, "qdisc", "add", "dev", "lo", "root", "netem",
                          "delay", "1ms"], check=False)
             _netem_probe_result = "" if done.returncode == 0 else (
                 "this kernel has no netem qdisc (CONFIG_NET_SCH_NETEM), so --delay and --loss "
@@ -454,63 +322,6 @@ class EmulatedCluster:
             self._created = []
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
-
-
-_RECEIVER = r"""
-import json, socket, sys, time
-srv = socket.create_server((sys.argv[1], 0))
-print(srv.getsockname()[1], flush=True)
-srv.settimeout(float(sys.argv[2]))
-conn, _ = srv.accept()
-conn.settimeout(float(sys.argv[2]))
-total, first, last = 0, None, None
-while True:
-    chunk = conn.recv(1 << 20)
-    if not chunk:
-        break
-    now = time.perf_counter()
-    if first is None:
-        first, first_len = now, len(chunk)
-    total, last = total + len(chunk), now
-print(json.dumps({"bytes": total - first_len, "seconds": last - first}), flush=True)
-"""
-
-_SENDER = r"""
-import socket, sys
-conn = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=float(sys.argv[4]))
-block = bytes(1 << 16)
-left = int(sys.argv[3])
-while left > 0:
-    conn.sendall(block[:min(left, len(block))])
-    left -= len(block)
-conn.close()
-"""
-
-
-def measure_throughput(src: Host, dst: Host, nbytes: int, timeout: float = 60.0) -> float:
-    """Send ``nbytes`` over one TCP connection from ``src`` to ``dst``; returns bit/s.
-
-    The rate is measured at the receiver, from the first to the last chunk it reads.
-    """
-    receiver = subprocess.Popen(dst.exec_argv([sys.executable, "-c", _RECEIVER, dst.ip,
-                                               str(timeout)]),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        port = receiver.stdout.readline().strip()  # printed once it listens
-        if not port.isdigit():
-            raise NetnsError(f"throughput receiver in {dst.netns} did not start: "
-                             f"{receiver.stderr.read().strip()}")
-        _run(src.exec_argv([sys.executable, "-c", _SENDER, dst.ip, port, str(nbytes),
-                            str(timeout)]), timeout=timeout)
-        out, err = receiver.communicate(timeout=timeout)
-        if receiver.returncode != 0:
-            raise NetnsError(f"throughput receiver in {dst.netns} failed: {err.strip()}")
-        result = json.loads(out)
-        return result["bytes"] * 8 / result["seconds"]
-    finally:
-        if receiver.poll() is None:
-            receiver.kill()
-            receiver.wait()
 
 
 if __name__ == "__main__":  # pragma: no cover - manual probe

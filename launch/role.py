@@ -14,7 +14,6 @@ A missing or malformed variable is reported by name with exit code 2.
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import socket
@@ -22,8 +21,8 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from bps.env import ClusterEnv, EnvError
-
-EXIT_BAD_ENV = 2
+from bps.launch.supervisor import Supervisor
+from bps.server.role import EXIT_BAD_ENV, serve, setup_process
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -46,31 +45,20 @@ def local_rank_envs(base: Mapping[str, str], local_size: int) -> list[dict[str, 
     return envs
 
 
-def setup_logging() -> None:
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(name)s %(levelname)s: %(message)s")
-
-
 def main(args: Sequence[str]) -> int:
     """Run the role of the environment; returns the exit code."""
     try:
         env = ClusterEnv.from_environ()
     except EnvError as exc:
-        print(f"bpslaunch: error: {exc}", file=sys.stderr)
+        print(f"bpslaunch: error: {exc} (`bpslaunch --help` shows the three ways to run)",
+              file=sys.stderr)
         return EXIT_BAD_ENV
-    setup_logging()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    if env.role == "scheduler":
-        from bps.server.scheduler import run_scheduler
-        return run_scheduler(env)
-    if env.role == "server":
-        from bps.server.server import run_server
-        return run_server(env)
+    setup_process()
+    if env.role != "worker":
+        return serve(env)
     if not args:
         print("bpslaunch: error: DMLC_ROLE=worker needs a command to run", file=sys.stderr)
         return EXIT_BAD_ENV
-    from bps.launch.supervisor import Supervisor
-
     with Supervisor() as supervisor:
         for rank, child_env in enumerate(local_rank_envs(os.environ, env.local_size)):
             supervisor.spawn(args, child_env, f"worker{env.worker_id}.{rank}")

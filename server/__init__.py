@@ -1,3 +1,3 @@
 """The scheduler and the parameter server (``python -m bps.server`` runs the role of
-``DMLC_ROLE``, like ``bpslaunch``): ``bps.server.scheduler.run_scheduler(env)``,
-``bps.server.server.run_server(env)``."""
+``DMLC_ROLE``): ``bps.server.scheduler.run_scheduler(env)``,
+``bps.server.server.run_server(env)``, both through ``bps.server.role.serve(env)``."""

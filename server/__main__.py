@@ -2,6 +2,6 @@
 
 import sys
 
-from bps.launch.role import main
+from bps.server.role import main
 
 sys.exit(main(sys.argv[1:]))

@@ -1,4 +1,5 @@
-"""The scheduler (rendezvous, barriers, heartbeats) and the client every node uses.
+"""The scheduler: rendezvous, barriers, heartbeats (nodes reach it through
+:class:`bps.scheduler_client.SchedulerClient`).
 
 Usage::
 
@@ -28,26 +29,10 @@ from typing import Any
 import zmq
 
 from bps.env import ClusterEnv
-from bps.protocol import ClusterError, Op, ProtocolError, RemoteError, decode, encode, new_socket
+from bps.protocol import Op, ProtocolError, decode, encode, new_socket
+from bps.scheduler_client import LoopClock
 
 log = logging.getLogger("bps.scheduler")
-STALL_INTERVALS = 3  # no loop/tick for this many heartbeat intervals: our own stall
-
-
-@dataclass
-class LoopClock:
-    """When a heartbeat loop last ran, to tell a stall of the loop itself (the process
-    or the machine paused) from silent peers: the heartbeats it missed prove nothing."""
-
-    interval: float  # the heartbeat interval
-    last: float = field(default_factory=time.monotonic)
-
-    def resumed_after_stall(self, now: float) -> bool:
-        """Whether the loop did not run for STALL_INTERVALS intervals before ``now``
-        (which becomes its last run)."""
-        stalled = now - self.last > STALL_INTERVALS * self.interval
-        self.last = now
-        return stalled
 
 
 @dataclass
@@ -251,71 +236,3 @@ class Scheduler:
 def run_scheduler(env: ClusterEnv) -> int:
     """Run the scheduler until the job ends; returns the process exit code."""
     return Scheduler(env).run()
-
-
-class SchedulerClient:
-    """A node's link to the scheduler; used only from its owner's I/O thread.
-
-    Usage (inside a node)::
-
-        link = SchedulerClient(ctx, env, role="server", addr="tcp://10.0.0.2:4000")
-        welcome = link.rendezvous()          # blocks up to BPS_TIMEOUT
-        # in the I/O loop: poll link.sock; header = link.receive(); link.tick()
-    """
-
-    def __init__(self, ctx: Any, env: ClusterEnv, role: str, addr: str = "") -> None:
-        self.env = env
-        self.role = role
-        self.addr = addr
-        self.sock = new_socket(ctx, zmq.DEALER)
-        self.sock.connect(env.scheduler_address)
-        self.last_seen = time.monotonic()
-        self.last_sent = 0.0
-        self.tick_clock = LoopClock(env.heartbeat_interval)
-
-    def send(self, op: Op, **fields: Any) -> None:
-        self.sock.send(encode(op, **fields))
-        self.last_sent = time.monotonic()
-
-    def rendezvous(self) -> dict:
-        """Say HELLO and wait for WELCOME; raises ClusterError on error or timeout."""
-        worker_id = self.env.worker_id if self.role == "worker" else self.env.server_id
-        self.send(Op.HELLO, role=self.role, worker_id=worker_id, addr=self.addr)
-        # the scheduler's own rendezvous timeout (which names who is missing) comes first
-        deadline = time.monotonic() + self.env.timeout + self.env.heartbeat_timeout
-        self.last_seen = time.monotonic()
-        while time.monotonic() < deadline:
-            self.tick()
-            if self.sock.poll(int(self.env.heartbeat_interval * 1000)):
-                header = self.receive()
-                if header["op"] == Op.WELCOME:
-                    return header
-        raise ClusterError(f"rendezvous with scheduler at {self.env.scheduler_address} "
-                           f"did not complete within {self.env.timeout:g} s (BPS_TIMEOUT)")
-
-    def receive(self) -> dict:
-        """Read one scheduler message; raises ClusterError for ERROR / PEER_DEAD."""
-        header = decode(self.sock.recv())
-        self.last_seen = time.monotonic()
-        if header["op"] == Op.ERROR:
-            raise RemoteError(f"scheduler: {header['msg']}")
-        if header["op"] == Op.PEER_DEAD:
-            raise ClusterError(header["msg"])
-        return header
-
-    def tick(self) -> None:
-        """Heartbeat if due; raises ClusterError if the scheduler went silent. Silence
-        during a stall of this thread itself (no tick for STALL_INTERVALS heartbeat
-        intervals) is not held against the scheduler."""
-        now = time.monotonic()
-        if self.tick_clock.resumed_after_stall(now):
-            self.last_seen = now
-        if now - self.last_sent >= self.env.heartbeat_interval:
-            self.send(Op.HEARTBEAT)
-        silent = now - self.last_seen
-        if silent > self.env.heartbeat_timeout:
-            raise ClusterError(f"scheduler at {self.env.scheduler_address} unreachable: "
-                               f"no heartbeat for {silent:.1f} s")
-
-    def close(self) -> None:
-        self.sock.close()

@@ -54,7 +54,7 @@ from bps.protocol import (
     new_socket,
     torch_dtype,
 )
-from bps.server.scheduler import SchedulerClient
+from bps.scheduler_client import SchedulerClient
 
 log = logging.getLogger("bps.server")
 

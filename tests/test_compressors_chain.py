@@ -210,6 +210,7 @@ def test_register_validates():
 
 MODULES = ["bps.config", "bps.compressors", "bps.compressors.onebit", "bps.compressors.topk",
            "bps.compressors.randomk", "bps.compressors.dithering", "bps.compressors.rng",
+           "bps.compressors.dithering_quantiser", "bps.compressors.elias_delta",
            "bps.compressors.error_feedback", "bps.compressors.momentum",
            "bps.compressors.registry", "bps.compressors.wire", "bps.compressors.base",
            "bps.compressors.sparse"]
@@ -223,7 +224,7 @@ def test_docstring_examples(module):
 
 # bps.trainer's module example needs a running cluster (bps.init()); the examples of
 # its planning functions run on their own
-FUNCTIONS = ["bps.trainer.plan_key_servers"]
+FUNCTIONS = ["bps.worker.planning.plan_key_servers"]
 
 
 @pytest.mark.parametrize("name", FUNCTIONS)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from numba import njit
 
-from bps.compressors import build, dithering, threads
+from bps.compressors import build, dithering_decoder, dithering_quantiser, elias_delta, threads
 from bps.compressors.rng import LANES, draw_lanes, jump, jump_table
 from tests import reference_compressors as ref
 
@@ -17,8 +17,8 @@ def small_chunks(monkeypatch):
     """4 chunks from 256 elements on, 4 lanes per chunk from 32, decode split from 64 bits."""
     monkeypatch.setattr(threads, "MIN_CHUNK", 256)
     monkeypatch.setattr(threads, "THREADS", 4)
-    monkeypatch.setattr(dithering, "LANE_MIN", 32)
-    monkeypatch.setattr(dithering, "MIN_SPLIT_BITS", 64)
+    monkeypatch.setattr(dithering_quantiser, "LANE_MIN", 32)
+    monkeypatch.setattr(dithering_decoder, "MIN_SPLIT_BITS", 64)
 
 
 def test_jump_matches_sequential_steps():
@@ -58,8 +58,8 @@ def test_quantiser_refuses_a_states_array_draw_lanes_would_overrun():
     levels = np.zeros(1024, np.int8)
     for states in (np.zeros((LANES, 2), np.uint64), np.zeros((2, 2 * LANES), np.uint64)[:, ::2]):
         with pytest.raises(ValueError, match="states"):
-            dithering.quantise_chunk(x, 1.0, 4.0, False, 128, states, np.empty(0, np.float32),
-                                     0.0, levels)
+            dithering_quantiser.quantise_chunk(x, 1.0, 4.0, False, 128, states,
+                                               np.empty(0, np.float32), 0.0, levels)
 
 
 def reference_stream(levels: np.ndarray) -> tuple[bytes, int]:
@@ -97,13 +97,13 @@ def test_window_coder_codes_every_pattern_after_any_gap():
         expected, nbits = reference_stream(chunk)
         words = np.zeros(chunk.size, dtype=np.uint32)
         windows = chunk[: chunk.size // 4 * 4].view(np.uint32)
-        result = dithering.code_windows(chunk, windows, dithering.WINDOW_CODES,
-                                        dithering.GAP_CODES, dithering.SMALL_CODES, words)
+        result = elias_delta.code_windows(chunk, windows, elias_delta.WINDOW_CODES,
+                                        elias_delta.GAP_CODES, elias_delta.SMALL_CODES, words)
         nonzero = np.flatnonzero(chunk)
         assert result == (nbits, nonzero[0], nonzero[-1])
         assert words.view(np.uint8)[: len(expected)].tobytes() == expected
         words_chunk = np.zeros(chunk.size, dtype=np.uint32)
-        assert dithering.code_chunk(chunk, dithering.SMALL_CODES, words_chunk) == result
+        assert elias_delta.code_chunk(chunk, elias_delta.SMALL_CODES, words_chunk) == result
         np.testing.assert_array_equal(words_chunk, words)
 
 
@@ -243,7 +243,7 @@ def test_failed_speculation_falls_back_to_the_sequential_parse(small_chunks, mon
     c = build({"compressor": "dithering", "k": 4, "seed": 5}, numel)
     payload = c.compress(torch.from_numpy(gradient(numel, 1)))
     expected = c.decompress(payload).clone()
-    speculate = dithering.speculate
+    speculate = dithering_decoder.speculate
     calls = []
 
     def failing(*args):  # an error, then parses that never meet the true one
@@ -252,7 +252,7 @@ def test_failed_speculation_falls_back_to_the_sequential_parse(small_chunks, mon
         calls.append(args[2])
         return (1 if len(calls) == 1 else error), position, index, count
 
-    monkeypatch.setattr(dithering, "speculate", failing)
+    monkeypatch.setattr(dithering_decoder, "speculate", failing)
     for _ in range(2):
         assert torch.equal(c.decompress(payload), expected)
     assert len(calls) == 6
@@ -291,7 +291,7 @@ def test_splice_appends_a_gap_code_and_any_bit_range_at_any_bit():
                 dst = gen.integers(0, 2**32, 16, dtype=np.uint32)
                 before = bits_of(dst)[:dst_bit]
                 gap = int(gen.integers(1, 3000))
-                end = dithering.splice_chunk(dst, dst_bit, gap, src, src_bit, nbits)
+                end = elias_delta.splice_chunk(dst, dst_bit, gap, src, src_bit, nbits)
                 expected = before + ref.elias_delta(gap) + bits_of(src)[src_bit:src_bit + nbits]
                 assert end == len(expected)
                 padded = expected + "0" * (-len(expected) % 32)
@@ -306,18 +306,19 @@ def test_speculation_from_every_bit_offset(small_chunks):
     words, nbits, scale = stream_words(payload)
     args = c.decode_args(scale)
     truth = np.zeros(numel, np.float32)
-    error, _, last, _ = dithering.decode_entries(words, nbits, 0, -1, nbits, dithering.NO_SYNC,
-                                                 *args, truth, dithering.NO_MARKS)
+    error, _, last, _ = dithering_decoder.decode_entries(
+        words, nbits, 0, -1, nbits, dithering_decoder.NO_SYNC, *args, truth,
+        dithering_decoder.NO_MARKS)
     assert error == 0
     met = 0
     for start in range(0, nbits, 7):
         scratch = np.full(numel, 5.0, np.float32)
-        marks = np.zeros((2, dithering.MARKS), np.int64)
-        error, end, rel_last, count = dithering.speculate(words, nbits, start, nbits, *args,
+        marks = np.zeros((2, dithering_decoder.MARKS), np.int64)
+        error, end, rel_last, count = dithering_decoder.speculate(words, nbits, start, nbits, *args,
                                                           scratch, marks)
         out = np.full(numel, 5.0, np.float32)
-        error2, position, index, hit = dithering.decode_entries(
-            words, nbits, 0, -1, nbits, marks[0, :count], *args, out, dithering.NO_MARKS)
+        error2, position, index, hit = dithering_decoder.decode_entries(
+            words, nbits, 0, -1, nbits, marks[0, :count], *args, out, dithering_decoder.NO_MARKS)
         assert error2 == 0
         if error or not hit:
             continue
@@ -362,9 +363,9 @@ def test_decode_stops_at_most_one_entry_past_stop():
     starts = entry_starts(payload)
     for stop in range(1, nbits, 97):
         out = np.zeros(numel, np.float32)
-        error, position, _, _ = dithering.decode_entries(
-            words, nbits, 0, -1, stop, dithering.NO_SYNC, *c.decode_args(scale), out,
-            dithering.NO_MARKS)
+        error, position, _, _ = dithering_decoder.decode_entries(
+            words, nbits, 0, -1, stop, dithering_decoder.NO_SYNC, *c.decode_args(scale), out,
+            dithering_decoder.NO_MARKS)
         first = next(k for k, start in enumerate(starts + [nbits]) if start >= stop)
         assert error == 0 and position in (starts + [nbits, nbits])[first : first + 2]
 
@@ -406,12 +407,12 @@ def test_corrupted_payloads_fail_like_the_sequential_decoder(small_chunks, name)
             corrupted[gen.integers(0, len(payload) - 16)] = gen.integers(0, 256)
         results = []
         for split in (64, 1 << 40):  # speculative, then sequential (the single-thread path)
-            dithering.MIN_SPLIT_BITS = split
+            dithering_decoder.MIN_SPLIT_BITS = split
             try:
                 results.append(chunked.decompress(bytes(corrupted)).numpy())
             except ValueError as error:
                 results.append(str(error))
-        dithering.MIN_SPLIT_BITS = 64
+        dithering_decoder.MIN_SPLIT_BITS = 64
         if isinstance(results[0], str) or isinstance(results[1], str):
             assert results[0] == results[1]
             outcomes.add(results[0].split(": ")[-1])
@@ -428,11 +429,11 @@ def test_block_bounds_of_the_coder_and_the_decoder(monkeypatch, chunked, s):
     the input is made large enough): nonzeros on and around the bounds, a gap across
     a whole zero block, and a stretch whose table lookups move 40 elements each (the
     decoder must have zeroed that far ahead)."""
-    numel = 4 * dithering.ZERO_BLOCK + 123
+    numel = 4 * dithering_decoder.ZERO_BLOCK + 123
     gen = np.random.default_rng(s)
     x = gen.standard_normal(numel).astype(np.float32)
     x[gen.random(numel) < 0.5] = 0.0
-    block, zero = dithering.CODE_BLOCK, dithering.ZERO_BLOCK
+    block, zero = elias_delta.CODE_BLOCK, dithering_decoder.ZERO_BLOCK
     x[block - 40 : block + 90] = 0.0  # a gap across a coder bound
     x[zero - 5 : 2 * zero + 300] = 0.0  # a gap over a whole zero block
     x[[block - 1, block, 2 * block - 1, zero - 1, 2 * zero + 300]] = [2.0, -2.0, 1.0, -1.5, 9.0]
@@ -441,7 +442,7 @@ def test_block_bounds_of_the_coder_and_the_decoder(monkeypatch, chunked, s):
     if chunked:
         monkeypatch.setattr(threads, "MIN_CHUNK", 2048)
         monkeypatch.setattr(threads, "THREADS", 4)
-        monkeypatch.setattr(dithering, "MIN_SPLIT_BITS", 64)
+        monkeypatch.setattr(dithering_decoder, "MIN_SPLIT_BITS", 64)
     c = build({"compressor": "dithering", "k": s, "seed": 11}, numel)
     assert (len(c.bounds) > 1) == chunked
     rng = ref.XorShift128Plus(11)

@@ -98,3 +98,17 @@ def test_bad_environment_names_the_variable() -> None:
                               text=True, timeout=60)
         assert proc.returncode == 2, (extra, proc.stderr)
         assert fragment in proc.stderr, (extra, proc.stderr)
+
+
+def test_help_and_a_bare_call_show_the_three_modes() -> None:
+    """``bpslaunch --help``, and ``bpslaunch`` with no DMLC_ROLE and no command, print the
+    usage of every mode with an example of each."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DMLC_", "BPS_"))}
+    helped = subprocess.run(BPSLAUNCH + ["--help"], env=env, capture_output=True, text=True,
+                            timeout=60)
+    bare = subprocess.run(BPSLAUNCH, env=env, capture_output=True, text=True, timeout=60)
+    assert helped.returncode == 0 and bare.returncode == 2, (helped.stderr, bare.stderr)
+    assert bare.stderr == helped.stdout
+    for example in ("DMLC_ROLE=scheduler", "bpslaunch local --workers 2",
+                    "bpslaunch netem --nodes 4"):
+        assert example in helped.stdout, helped.stdout

@@ -20,18 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from bps.launch.netns import (
-    PREFIX,
-    EmulatedCluster,
-    LinkShape,
-    NetnsError,
-    clean_stale,
-    list_namespaces,
-    parse_delay,
-    parse_loss,
-    parse_rate,
-    support_problem,
-)
+from bps.launch.link_shape import LinkShape, NetnsError, parse_delay, parse_loss, parse_rate
+from bps.launch.netns import PREFIX, EmulatedCluster, clean_stale, list_namespaces, support_problem
 from tests.ps_job import default_sigint
 
 REPO = Path(__file__).resolve().parents[1]
@@ -275,7 +265,7 @@ def test_throughput_matches_configured_rate(leftovers, tmp_path):
 @pytest.mark.netns
 def test_unshaped_link_is_much_faster(netns_allowed):
     """Sanity of the measurement itself: without tbf the same transfer is far above 20 Mbit/s."""
-    from bps.launch.netns import measure_throughput
+    from bps.launch.throughput import measure_throughput
 
     with EmulatedCluster(["a", "b"], LinkShape(rate_bits=None)) as cluster:
         rate = measure_throughput(cluster.hosts["a"], cluster.hosts["b"], 20_000_000)
@@ -583,9 +573,11 @@ import slow_network
 args = slow_network.parse_args(["--methods", "fp32,onebit,dithering",
                                 "--compressed-partition-bytes", "800000"])
 slow_network.warm_kernels(args, args.method_list)
-from bps.compressors import dithering, error_feedback, momentum, onebit, rng
+from bps.compressors import (dithering, dithering_decoder, dithering_quantiser, elias_delta,
+                             error_feedback, momentum, onebit, rng)
 counts = {"hits": 0, "misses": 0}
-for module in (dithering, error_feedback, momentum, onebit, rng):
+for module in (dithering, dithering_decoder, dithering_quantiser, elias_delta, error_feedback,
+               momentum, onebit, rng):
     for value in vars(module).values():
         if isinstance(value, numba.core.registry.CPUDispatcher):
             counts["hits"] += sum(value.stats.cache_hits.values())

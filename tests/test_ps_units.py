@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from bps.env import ClusterEnv, EnvError
 from bps.protocol import PROTOCOL_VERSION, Op, ProtocolError, decode, encode
-from bps.worker.engine import SendQueues, send_order
 from bps.worker.partition import Placement, partition, plan_servers
+from bps.worker.send_queues import SendQueues, send_order
 
 BASE = {"DMLC_ROLE": "worker", "DMLC_NUM_WORKER": "4", "DMLC_NUM_SERVER": "2",
         "DMLC_PS_ROOT_URI": "10.0.0.1", "DMLC_PS_ROOT_PORT": "9000", "DMLC_WORKER_ID": "3"}
@@ -164,25 +164,25 @@ def mlp_keys(compressed_bytes, warmup: bool = False) -> list:
     backward order) and the first bias alone."""
     import torch
 
-    from bps.trainer import _KeyPlan, _Part
+    from bps.worker.planning import KeyPlan, Part
 
     plans = []
     for numel in (784 * 1100, 1100 * 1100):
         for _, length in partition(numel, 4, 2048000):
-            part = _Part(0, length)
+            part = Part(0, length)
             if warmup:
-                plans.append(_KeyPlan(part, "raw_key", "", length, torch.float16, None,
+                plans.append(KeyPlan(part, "raw_key", "", length, torch.float16, None,
                                       2 * length, warmup_only=True))
-            plans.append(_KeyPlan(part, "compressed_key", "", length, torch.float32, {},
+            plans.append(KeyPlan(part, "compressed_key", "", length, torch.float32, {},
                                   compressed_bytes(length)))
     for numel in (1100, 1100 + 1100 * 10 + 10):
-        plans.append(_KeyPlan(_Part(0, numel), "raw_key", "", numel, torch.float16, None,
+        plans.append(KeyPlan(Part(0, numel), "raw_key", "", numel, torch.float16, None,
                               2 * numel))
     return plans
 
 
 def test_plan_key_servers_balances_bytes_on_the_wire() -> None:
-    from bps.trainer import plan_key_servers
+    from bps.worker.planning import plan_key_servers
 
     def topk(numel: int) -> int:  # SPEC §4: k int32 indices and k float32 values
         return int(numel * 0.01) * 8 + 16
@@ -243,7 +243,8 @@ def test_own_stall_is_not_taken_for_a_silent_peer() -> None:
     import zmq
 
     from bps.protocol import ClusterError
-    from bps.server.scheduler import STALL_INTERVALS, Scheduler, SchedulerClient, _Node
+    from bps.scheduler_client import STALL_INTERVALS, SchedulerClient
+    from bps.server.scheduler import Scheduler, _Node
 
     env = ClusterEnv.from_environ({**BASE, "DMLC_PS_ROOT_URI": "127.0.0.1"})
     silence = env.heartbeat_timeout + 20
@@ -279,7 +280,8 @@ def test_scheduler_sends_its_last_messages_before_it_returns() -> None:
     import zmq
 
     from bps.launch.role import free_port
-    from bps.server.scheduler import Scheduler, SchedulerClient
+    from bps.scheduler_client import SchedulerClient
+    from bps.server.scheduler import Scheduler
 
     env = ClusterEnv.from_environ({**BASE, "DMLC_ROLE": "scheduler", "DMLC_NUM_WORKER": "1",
                                    "DMLC_NUM_SERVER": "1", "DMLC_WORKER_ID": "0",

@@ -1,0 +1,52 @@
+"""Run the scheduler or a server in this process, as ``DMLC_ROLE`` names it.
+
+``bpslaunch`` calls :func:`serve` for those two roles; ``python -m bps.server`` runs
+:func:`main`::
+
+    DMLC_ROLE=server DMLC_NUM_WORKER=2 DMLC_NUM_SERVER=1 \\
+        DMLC_PS_ROOT_URI=10.0.0.1 DMLC_PS_ROOT_PORT=9000 python -m bps.server
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+
+from bps.env import ClusterEnv, EnvError
+
+EXIT_BAD_ENV = 2
+
+
+def setup_process() -> None:
+    """Log to stderr with timestamps; SIGTERM exits with 128 + SIGTERM."""
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+
+
+def serve(env: ClusterEnv) -> int:
+    """Run the scheduler or the server of ``env`` until the job ends; returns the exit code."""
+    if env.role == "scheduler":
+        from bps.server.scheduler import run_scheduler
+        return run_scheduler(env)
+    if env.role == "server":
+        from bps.server.server import run_server
+        return run_server(env)
+    raise ValueError(f"DMLC_ROLE={env.role!r}: bps.server runs the scheduler or a server")
+
+
+def main(args: Sequence[str] = ()) -> int:
+    """``python -m bps.server``: the role of the environment; returns the exit code."""
+    try:
+        env = ClusterEnv.from_environ()
+    except EnvError as exc:
+        print(f"bps.server: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_ENV
+    if env.role == "worker":
+        print("bps.server: error: DMLC_ROLE=worker: run workers with bpslaunch",
+              file=sys.stderr)
+        return EXIT_BAD_ENV
+    setup_process()
+    return serve(env)

@@ -1,0 +1,77 @@
+"""The worker engine's codec threads: compress pushes, decompress aggregates.
+
+numba kernels release the GIL, so a few threads compress different partitions at once::
+
+    pool = CodecPool(count=engine_counters.add, tracer=None)
+    pool.compress(info, tensor, step, lr, future, then=lambda payload: enqueue(payload))
+    pool.decompress(request, frame)     # settles request.future with the aggregate
+    pool.shutdown()
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import time
+from collections.abc import Callable
+
+import torch
+import zmq
+
+from bps.trace import Tracer
+from bps.worker.send_queues import KeyInfo, Request, settle, trace_stage
+
+CODEC_THREADS = min(4, os.cpu_count() or 1)
+
+
+class CodecPool:
+    """Runs key chains on a thread pool; ``count(**deltas)`` adds to the engine's stats."""
+
+    def __init__(self, count: Callable[..., None], tracer: Tracer | None = None,
+                 threads: int = CODEC_THREADS) -> None:
+        self._count = count
+        self._tracer = tracer
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads, "bps-codec")
+
+    def compress(self, info: KeyInfo, tensor: torch.Tensor, step: int, lr: float,
+                 future: concurrent.futures.Future,
+                 then: Callable[[torch.Tensor], None]) -> None:
+        """On a codec thread: ``then(payload)`` with the compressed ``tensor``; an error
+        settles ``future``."""
+        self._pool.submit(self._compress, info, tensor, step, lr, future, then)
+
+    def decompress(self, request: Request, frame: zmq.Frame) -> None:
+        """On a codec thread: decode the aggregate of ``request`` and settle its future."""
+        self._pool.submit(self._decompress, request, frame)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def _compress(self, info: KeyInfo, tensor: torch.Tensor, step: int, lr: float,
+                  future: concurrent.futures.Future,
+                  then: Callable[[torch.Tensor], None]) -> None:
+        try:
+            start_ns = time.monotonic_ns()
+            info.chain.set_lr(lr)
+            payload = info.chain.compress(tensor)
+            end_ns = time.monotonic_ns()
+            self._count(compress_s=(end_ns - start_ns) / 1e9)
+            if self._tracer is not None:
+                self._tracer.complete("compress", info.name, step, start_ns, end_ns,
+                                      bytes=payload.numel() * payload.element_size())
+            then(payload)
+        except BaseException as exc:
+            settle(info, future, error=exc)
+
+    def _decompress(self, request: Request, frame: zmq.Frame) -> None:
+        try:
+            start_ns = time.monotonic_ns()
+            data = torch.frombuffer(frame.buffer, dtype=torch.uint8) if len(frame) else \
+                torch.zeros(0, dtype=torch.uint8)
+            result = request.info.chain.decompress(data, request.info.out)
+            end_ns = time.monotonic_ns()
+            self._count(decompress_s=(end_ns - start_ns) / 1e9, pushes=1)
+            trace_stage(self._tracer, "decompress", request, start_ns, end_ns)
+            settle(request.info, request.future, result)
+        except BaseException as exc:
+            settle(request.info, request.future, error=exc)

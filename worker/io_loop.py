@@ -1,0 +1,338 @@
+"""The worker engine's I/O thread: the one owner of every socket of a worker node.
+
+It sends control requests (declare, state, barrier) ahead of data, pushes as their
+server's send credit allows (:class:`~bps.worker.send_queues.SendQueues`), matches
+replies to requests, heartbeats the scheduler and fails every pending request with a
+:class:`bps.protocol.ClusterError` on a timeout, a dead peer or a lost scheduler::
+
+    loop = IOLoop(env, ctx, link, servers, node_id, keys, count, tracer, pool.decompress)
+    future = loop.request(Op.REGISTER, server, fields, None, "declare of key 0", info)
+    loop.enqueue(info, payload, step, lr, order, future)      # a push
+    loop.stop(); loop.close()
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import fcntl
+import itertools
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import zmq
+
+from bps.env import ClusterEnv
+from bps.protocol import (
+    ClusterError,
+    Op,
+    ProtocolError,
+    RemoteError,
+    decode,
+    dtype_name,
+    encode,
+    new_socket,
+)
+from bps.scheduler_client import SchedulerClient
+from bps.trace import Tracer
+from bps.worker.send_queues import (
+    KeyInfo,
+    Request,
+    SendQueues,
+    info_label,
+    new_future,
+    settle,
+    trace_stage,
+)
+
+log = logging.getLogger("bps.engine")
+
+
+class IOLoop:
+    """Sockets, pending requests and the thread that serves them; ``lock`` guards the
+    queues and the keys' ``busy`` flags."""
+
+    def __init__(self, env: ClusterEnv, ctx: Any, link: SchedulerClient, servers: list[str],
+                 node_id: int, keys: dict[int, KeyInfo], count: Callable[..., None],
+                 tracer: Tracer | None, decode_reply: Callable[[Request, zmq.Frame], None]
+                 ) -> None:
+        self.env = env
+        self.servers = servers
+        self.node_id = node_id
+        self.lock = threading.Lock()
+        self.error: BaseException | None = None
+        self.closed = False
+        self._keys = keys
+        self._count = count
+        self._tracer = tracer
+        self._decode_reply = decode_reply
+        self._link = link
+        self._dealers = []
+        for address in servers:
+            dealer = new_socket(ctx, zmq.DEALER)
+            dealer.connect(address)
+            self._dealers.append(dealer)
+        self._stopping = False
+        self._rids = itertools.count()
+        self._control: collections.deque = collections.deque()
+        self._queues = SendQueues(len(servers), env.max_inflight)
+        self._pending: dict[int, Request] = {}
+        self._scheduler_waiters: dict[tuple, concurrent.futures.Future] = {}
+        self._busy_since = 0.0
+        self._pushes_pending = 0
+        self._wake_r, self._wake_w = os.pipe()
+        for fd in (self._wake_r, self._wake_w):
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_NONBLOCK)
+        self._thread = threading.Thread(target=self._run, name="bps-engine-io", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ callers' side
+
+    def next_rid(self) -> int:
+        """A fresh sequence number (request ids and arrival order share one counter)."""
+        return next(self._rids)
+
+    def raise_if_failed(self) -> None:
+        if self.error is not None:
+            raise self.error
+        if self.closed:
+            raise ClusterError("engine closed")
+
+    def request(self, op: Op, server: int, fields_: dict, payload: Any, what: str,
+                info: KeyInfo | None) -> concurrent.futures.Future:
+        """Queue a control request to a server (sent ahead of data, no credit limit)."""
+        self.raise_if_failed()
+        future = new_future()
+        self._control.append(Request((), -1, op, server, fields_, payload, future, what, info))
+        return self._wake_or_fail(future)
+
+    def scheduler_request(self, op: Op, reply: tuple, **fields: Any
+                          ) -> concurrent.futures.Future:
+        """Send ``op`` to the scheduler; the future resolves when ``reply`` arrives."""
+        self.raise_if_failed()
+        future = new_future()
+        self._control.append((op, reply, fields, future))
+        return self._wake_or_fail(future)
+
+    def enqueue(self, info: KeyInfo, payload: torch.Tensor, step: int, lr: float,
+                order: tuple, future: concurrent.futures.Future) -> None:
+        """Queue a push of ``payload`` for ``info``'s server, in ``order``."""
+        body = memoryview(payload.view(torch.uint8).numpy())
+        fields_ = {"key": info.key, "step": step, "node": self.node_id,
+                   "dtype": dtype_name(info.dtype), "numel": info.numel, "nbytes": body.nbytes,
+                   "lr": float(lr)}
+        request = Request(order, -1, Op.PUSH, info.server, fields_, body, future,
+                          f"push_pull of {info_label(info)} step {step}", info,
+                          queued_ns=time.monotonic_ns())
+        with self.lock:
+            if self.error is not None:
+                settle(info, future, error=self.error)
+                return
+            self._queues.put(info.server, request)
+        self._wake()
+
+    def stop(self) -> None:
+        """Stop the thread and fail whatever is still pending with "engine closed"."""
+        self.closed = True
+        self._stopping = True
+        self._wake()
+        self._thread.join(timeout=max(5.0, 2 * self.env.heartbeat_interval))
+        self.fail(ClusterError("engine closed"))
+
+    def close(self) -> None:
+        """Close the sockets and the wake-up pipe (after :meth:`stop`)."""
+        for sock in self._dealers:
+            sock.close()
+        self._link.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    def fail(self, error: ClusterError) -> None:
+        """Fail every pending and queued request with ``error`` (the first error sticks)."""
+        with self.lock:
+            if self.error is None and not (self.closed and str(error) == "engine closed"):
+                self.error = error
+            error = self.error or error
+            requests = list(self._pending.values()) + self._queues.clear()
+            self._pending.clear()
+            control = list(self._control)
+            self._control.clear()
+            waiters = list(self._scheduler_waiters.values())
+            self._scheduler_waiters.clear()
+        requests += [c for c in control if isinstance(c, Request)]
+        waiters += [c[3] for c in control if not isinstance(c, Request)]
+        for request in requests:
+            settle(request.info, request.future, error=error)
+        for future in waiters:
+            settle(None, future, error=error)
+        for info in list(self._keys.values()):
+            info.busy = False
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):
+            pass  # pipe full (already woken) or closed
+
+    def _wake_or_fail(self, future: concurrent.futures.Future) -> concurrent.futures.Future:
+        self._wake()
+        if self.error is not None:  # the I/O thread may have stopped before our append
+            settle(None, future, error=self.error)
+        return future
+
+    # ------------------------------------------------------------------ I/O thread
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._wake_r, zmq.POLLIN)
+        poller.register(self._link.sock, zmq.POLLIN)
+        for dealer in self._dealers:
+            poller.register(dealer, zmq.POLLIN)
+        timeout_ms = max(1, int(self.env.heartbeat_interval * 1000))
+        next_check = 0.0
+        try:
+            while not self._stopping:
+                ready = dict(poller.poll(timeout_ms))
+                if self._wake_r in ready:
+                    try:
+                        while os.read(self._wake_r, 4096):
+                            pass
+                    except BlockingIOError:
+                        pass
+                self._send_control()
+                for server, dealer in enumerate(self._dealers):
+                    if dealer in ready:
+                        self._receive_replies(server, dealer)
+                self._send_queued()
+                if self._link.sock in ready:
+                    while self._link.sock.poll(0):
+                        self._on_scheduler(self._link.receive())
+                self._link.tick()
+                now = time.monotonic()
+                if now >= next_check:
+                    next_check = now + min(1.0, self.env.heartbeat_interval)
+                    self._check_deadlines(now)
+        except ClusterError as exc:
+            log.error("node %d: %s", self.node_id, exc)
+            self.fail(exc)
+        except Exception as exc:
+            log.exception("engine I/O thread failed")
+            self.fail(ClusterError(f"engine I/O thread failed: {type(exc).__name__}: {exc}"))
+
+    def _send(self, request: Request) -> None:
+        request.rid = self.next_rid()
+        header = encode(request.op, rid=request.rid, **request.fields)
+        request.deadline = time.monotonic() + self.env.timeout
+        request.sent_ns = time.monotonic_ns()
+        trace_stage(self._tracer, "queued", request, request.queued_ns, request.sent_ns)
+        self._pending[request.rid] = request
+        if request.payload is None:
+            self._dealers[request.server].send(header)
+            size = 0
+        else:
+            self._dealers[request.server].send_multipart([header, request.payload], copy=False)
+            size = memoryview(request.payload).nbytes
+        self._count(bytes_pushed=len(header) + size)
+
+    def _send_control(self) -> None:
+        while self._control:
+            item = self._control.popleft()
+            if isinstance(item, Request):
+                self._send(item)
+            else:
+                op, reply, fields_, future = item
+                self._scheduler_waiters[reply] = future
+                self._link.send(op, **fields_)
+
+    def _send_queued(self) -> None:
+        with self.lock:
+            ready = self._queues.take()
+        for request in ready:
+            if self._pushes_pending == 0:
+                self._busy_since = time.perf_counter()
+            self._pushes_pending += 1
+            self._send(request)
+
+    def _receive_replies(self, server: int, dealer: Any) -> None:
+        while True:
+            try:
+                frames = dealer.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._count(bytes_pulled=sum(len(f) for f in frames))
+            try:
+                header = decode(frames[0].bytes)
+            except ProtocolError as exc:
+                log.warning("server %d sent a malformed reply: %s", server, exc)
+                continue
+            request = self._pending.get(header.get("rid"))
+            if request is None:
+                log.warning("server %d: unmatched %s: %s", server, header["op"].name,
+                            header.get("msg", ""))
+                continue
+            if request.op == Op.PUSH and not request.acked:
+                # the server has the push: its credit frees, whatever other workers do
+                request.acked = True
+                request.acked_ns = time.monotonic_ns()
+                trace_stage(self._tracer, "push", request, request.sent_ns, request.acked_ns,
+                            bytes=request.fields["nbytes"])
+                with self.lock:
+                    self._queues.release(server)
+            if header["op"] == Op.ACK:
+                continue
+            del self._pending[request.rid]
+            if request.op == Op.PUSH:
+                trace_stage(self._tracer, "aggregate", request, request.acked_ns,
+                            time.monotonic_ns(), bytes=header.get("nbytes", 0))
+                self._pushes_pending -= 1
+                if self._pushes_pending == 0:
+                    self._count(comm_s=time.perf_counter() - self._busy_since)
+            self._on_reply(request, header, frames[1:])
+
+    def _on_reply(self, request: Request, header: dict, payloads: list) -> None:
+        where = f"server {request.server} ({self.servers[request.server]})"
+        op = header["op"]
+        info, future = request.info, request.future
+        if op == Op.ERROR:
+            settle(info, future, error=RemoteError(f"{where}: {header['msg']}"))
+        elif op == Op.OK:
+            settle(info, future, None)
+        elif op != Op.DATA or len(payloads) != 1 or len(payloads[0]) != header["nbytes"]:
+            settle(info, future, error=ClusterError(f"{request.what}: malformed reply "
+                                                    f"{op.name} from {where}"))
+        elif request.op == Op.GET_STATE:
+            settle(info, future, payloads[0].bytes)
+        elif info.chain is not None:
+            self._decode_reply(request, payloads[0])
+        elif header["nbytes"] != info.numel * info.dtype.itemsize:
+            settle(info, future, error=ClusterError(
+                f"{request.what}: {where} answered {header['nbytes']} bytes"))
+        else:
+            result = torch.frombuffer(payloads[0].buffer, dtype=info.dtype) if info.numel \
+                else torch.zeros(0, dtype=info.dtype)
+            self._count(pushes=1)
+            settle(info, future, result)
+
+    def _on_scheduler(self, header: dict) -> None:
+        op = header["op"]
+        reply = (op, header["seq"]) if op == Op.RELEASE else (op,)
+        future = self._scheduler_waiters.pop(reply, None)
+        if future is not None:
+            future.set_result(None)
+        elif op == Op.BYE:
+            pass
+        elif op != Op.HEARTBEAT:
+            log.warning("unexpected scheduler message %s", op.name)
+
+    def _check_deadlines(self, now: float) -> None:
+        for request in self._pending.values():
+            if now > request.deadline:
+                raise ClusterError(
+                    f"{request.what}: no reply from server {request.server} "
+                    f"({self.servers[request.server]}) within {self.env.timeout:g} s "
+                    f"(BPS_TIMEOUT)")

@@ -1,0 +1,166 @@
+"""What a trainer sends where: parameters cut into parts, parts into keys, keys onto servers.
+
+Each float32 parameter is cut into partitions of ``BYTEPS_PARTITION_BYTES``; a partition
+travels on a compressed key where its compressor's payload is smaller than the raw
+bytes, else on a raw key (also during warmup). Small tensors next to each other in
+backward order share a bucket (one raw key), and every key goes to a server so that
+the bytes a step pushes are balanced::
+
+    >>> import torch
+    >>> params = {"compressor": "onebit", "scaling": False, "k": None, "seed": 1,
+    ...           "min_compress_bytes": 1024, "warmup_steps": 0}
+    >>> parts, keys, small = plan_tensor("w", 4096, params, torch.float16, 4096000)
+    >>> [(k.field, k.wire_bytes) for k in keys], small
+    ([('compressed_key', 516)], None)
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from dataclasses import dataclass
+
+import torch
+
+from bps.compressors import payload_bound
+from bps.worker.partition import partition, plan_servers
+
+
+@dataclass
+class Part:
+    """A partition of a parameter and the keys it travels on."""
+
+    offset: int
+    length: int
+    raw_key: int | None = None  # travels uncompressed (always, or during warmup)
+    compressed_key: int | None = None
+    converted: torch.Tensor | None = None  # the piece in its key's dtype, reused every step
+    bucket: Bucket | None = None  # travels fused with other small tensors, at bucket_offset
+    bucket_offset: int = 0
+
+
+@dataclass
+class Bucket:
+    """Small tensors next to each other in backward order that travel as one raw key
+    (DDP's buckets, Horovod's tensor fusion): one message instead of one per tensor."""
+
+    name: str
+    numel: int
+    members: int
+    key: int | None = None
+    buffer: torch.Tensor | None = None  # in the wire dtype; written by the reduce thread
+    arrived: int = 0  # members copied in this step
+    future: concurrent.futures.Future | None = None  # this step's aggregate
+
+
+@dataclass
+class KeyPlan:
+    """A key to declare once every key's server is planned."""
+
+    part: Part | Bucket
+    field: str  # the attribute of ``part`` that receives the key
+    name: str
+    numel: int
+    dtype: torch.dtype
+    params: dict | None
+    wire_bytes: int  # bytes one push carries (at most)
+    warmup_only: bool = False
+
+
+def plan_tensor(name: str, numel: int, params: dict, wire_dtype: torch.dtype,
+                partition_bytes: int) -> tuple[list[Part], list[KeyPlan], Part | None]:
+    """The parts of a float32 tensor and the keys they need (``params``: validated
+    compression_params). The third value is the tensor's only part where it is small
+    and raw: it goes to :func:`plan_buckets` instead of getting a key here."""
+    compress = params["compressor"] is not None and numel * 4 >= params["min_compress_bytes"]
+    parts: list[Part] = []
+    keys: list[KeyPlan] = []
+    small = None
+    pieces = partition(numel, 4, partition_bytes)
+    for offset, length in pieces:
+        part = Part(offset, length)
+        raw_bytes = length * wire_dtype.itemsize
+        bound = payload_bound(params, length) if compress else None
+        part_compressed = compress and (bound is None or bound < raw_bytes)
+        label = f"{name}[{len(parts)}]"
+        if (not part_compressed and len(pieces) == 1
+                and numel * 4 < params["min_compress_bytes"]):
+            small = part  # fused, or a raw key of its own
+        elif not part_compressed or params["warmup_steps"] > 0:
+            # a raw key of a compressed part carries traffic only during warmup
+            keys.append(KeyPlan(part, "raw_key", label, length, wire_dtype, None,
+                                raw_bytes, warmup_only=part_compressed))
+        if part_compressed:
+            keys.append(KeyPlan(part, "compressed_key", label, length, torch.float32,
+                                params, raw_bytes if bound is None else bound))
+        parts.append(part)
+    return parts, keys, small
+
+
+def plan_buckets(names: list[str], small: dict[int, Part], wire_dtype: torch.dtype,
+                 partition_bytes: int) -> tuple[list[KeyPlan], list[Bucket]]:
+    """Key plans for the small tensors (``small``: tensor index -> its only part; ``names``
+    of all tensors in model order): runs of them next to each other in backward order
+    share a bucket of up to ``partition_bytes`` on the wire; one alone keeps a raw key
+    of its own. Returns the plans and the buckets."""
+    capacity = max(1, partition_bytes // wire_dtype.itemsize)
+    runs: list[list[int]] = []
+    run: list[int] | None = None  # the open run; a tensor that is not small ends it
+    filled = 0  # elements in the open run
+    for index in reversed(range(len(names))):  # backward order
+        if index not in small:
+            run = None
+            continue
+        if run is None or filled + small[index].length > capacity:
+            run, filled = [], 0
+            runs.append(run)
+        run.append(index)
+        filled += small[index].length
+    plans, buckets = [], []
+    for run in runs:
+        if len(run) == 1:
+            part = small[run[0]]
+            plans.append(KeyPlan(part, "raw_key", f"{names[run[0]]}[0]", part.length,
+                                 wire_dtype, None, part.length * wire_dtype.itemsize))
+            continue
+        numel = sum(small[i].length for i in run)
+        bucket = Bucket("fused(" + ", ".join(names[i] for i in run) + ")", numel,
+                        len(run), buffer=torch.zeros(numel, dtype=wire_dtype))
+        buckets.append(bucket)
+        offset = 0
+        for i in run:
+            small[i].bucket, small[i].bucket_offset = bucket, offset
+            offset += small[i].length
+        plans.append(KeyPlan(bucket, "key", bucket.name, numel, wire_dtype, None,
+                             numel * wire_dtype.itemsize))
+    return plans, buckets
+
+
+def plan_key_servers(keys: list[KeyPlan], num_servers: int) -> list[int]:
+    """A server for each key, balancing the bytes a step pushes (payload bounds for
+    compressed keys): by raw bytes, a 2 MB partition that compresses to 40 KB would
+    weigh as much as 50 small tensors that travel uncompressed. Keys that carry traffic
+    only during warmup are balanced among themselves, on top of the raw keys that
+    travel in both phases.
+
+    Example::
+
+        >>> part = Part(0, 512000)
+        >>> keys = [KeyPlan(part, "compressed_key", "w[0]", 512000, torch.float32, {}, 40976),
+        ...         KeyPlan(part, "raw_key", "b", 11000, torch.float16, None, 22000),
+        ...         KeyPlan(part, "compressed_key", "w[1]", 512000, torch.float32, {}, 40976)]
+        >>> plan_key_servers(keys, 2)
+        [0, 0, 1]
+    """
+    steady = [i for i, k in enumerate(keys) if not k.warmup_only]
+    warmup = [i for i, k in enumerate(keys) if k.warmup_only]
+    servers = [0] * len(keys)
+    plan = plan_servers([keys[i].wire_bytes for i in steady], num_servers)
+    loads = [0] * num_servers
+    for i, server in zip(steady, plan, strict=True):
+        servers[i] = server
+        if keys[i].params is None:
+            loads[server] += keys[i].wire_bytes
+    plan = plan_servers([keys[i].wire_bytes for i in warmup], num_servers, loads)
+    for i, server in zip(warmup, plan, strict=True):
+        servers[i] = server
+    return servers
