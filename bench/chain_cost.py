@@ -14,12 +14,12 @@ timed next to each other, each against the other in alternating steps:
 
 * worker compress, new: Nesterov writes g' over the error buffer in its own pass
   (``ErrorFeedback.compress_corrected``); old: Nesterov into a lookahead buffer, then
-  error feedback's own pass (the chain before session 5).
+  error feedback's own pass (the chain before commit f3bd63c).
 * server sum, new: the first push decoded into a reused buffer, the others added with
   ``decompress_add``; old: each push decoded into a fresh or scratch tensor, then added
-  (the server before session 5).
+  (the server before commit f3bd63c).
 * dithering's error feedback (worker and server compress), new: ``e = g' - D(c)`` in
-  the quantiser's pass (``Dithering.compress_residual``, session 9); old: the payload
+  the quantiser's pass (``Dithering.compress_residual``, commit 33a09ab); old: the payload
   decoded and subtracted.
 
 Prints the median milliseconds per step of each part (kernels on ``--threads`` threads;

@@ -87,7 +87,7 @@ def raw_worker(port: int, mbytes: int, steps: int, out: str) -> None:
 
 def run_raw(mbytes: int, steps: int, tmp: Path, attempts: int = 2) -> float:
     """Median step time of the echo baseline. A run where an echo never arrives (seen
-    rarely before session 10, when the echo server did not yet terminate its context
+    rarely before commit ba64ae7, when the echo server did not yet terminate its context
     before exiting, which may have been the cause; not reproduced) fails after
     RAW_TIMEOUT_S and is retried once."""
     for _ in range(attempts - 1):

@@ -12,7 +12,7 @@ Usage::
     .venv/bin/python bench/randomk_accuracy.py                 # 11 runs, about 16 minutes
     .venv/bin/python bench/randomk_accuracy.py --only fp32,topk-1,rk-1,rk-3
     .venv/bin/python bench/randomk_accuracy.py --only rk-1 --job-seed 2   # other draws
-    .venv/bin/python bench/randomk_accuracy.py --lr-schedule constant     # sessions 1-9
+    .venv/bin/python bench/randomk_accuracy.py --lr-schedule constant     # before cd0376b
 """
 
 from __future__ import annotations

