@@ -1,4 +1,4 @@
-"""Validation of ``compression_params`` (SPEC §3), in one place.
+"""Validation of ``compression_params`` (docs/compression.md), in one place.
 
 Used by :func:`bps.compressors.build` and by the trainer, so a bad dict is rejected
 before any communication starts::
@@ -144,9 +144,9 @@ def _check_k(params: dict) -> None:
 
 
 def validate_compression_params(params: dict | None) -> dict:
-    """Check a ``compression_params`` dict (SPEC §3) and return a new, complete one.
+    """Check a ``compression_params`` dict (docs/compression.md) and return a new, complete one.
 
-    Every key of SPEC §3 is present in the result; absent keys get their defaults
+    Every key of docs/compression.md is present in the result; absent keys get their defaults
     (``mu``/``seed`` stay ``None`` for the trainer to fill, ``min_compress_bytes``
     comes from ``BYTEPS_MIN_COMPRESS_BYTES``, else 65536).
 

@@ -1,4 +1,4 @@
-"""The cluster environment: the DMLC_* / BYTEPS_* variables of SPEC §5 plus bps's own.
+"""The cluster environment: the DMLC_* / BYTEPS_* variables of docs/runtime.md plus bps's own.
 
 Usage::
 

@@ -94,7 +94,7 @@ def parse_compression_args(argv: list[str]) -> argparse.Namespace:
 
 
 def compression_params(args: argparse.Namespace) -> dict | None:
-    """The SPEC §3 dict that the flags describe (``None``: uncompressed)."""
+    """The docs/compression.md dict that the flags describe (``None``: uncompressed)."""
     params: dict = {"fp16": not args.no_fp16, "warmup_steps": args.warmup_steps}
     if args.min_compress_bytes is not None:
         params["min_compress_bytes"] = args.min_compress_bytes

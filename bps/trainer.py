@@ -1,6 +1,6 @@
 """DistributedTrainer: data-parallel training through the bps parameter servers.
 
-One training step (SPEC §1): as soon as a parameter's gradient is ready during
+One training step (docs/architecture.md): as soon as a parameter's gradient is ready during
 backward, its hook divides it by the total number of workers and hands it to a
 background thread that reduces it to local rank 0 (fp16 where on), where it is cut
 into partitions and pushed (compressed where configured) to the servers; a second
@@ -97,7 +97,7 @@ class DistributedTrainer:
     Args:
         model: the module; rank 0's parameters and buffers are copied to every rank.
         optimizer: a ``torch.optim`` optimizer over the model's parameters.
-        compression_params: SPEC §3 dict (``None``: uncompressed). Validated here, on
+        compression_params: docs/compression.md dict (``None``: uncompressed). Validated here, on
             every rank, before any communication: a bad dict raises ``ValueError`` /
             ``TypeError`` naming the key.
 

@@ -1,4 +1,4 @@
-"""dithering: stochastic quantisation to s levels, Elias-delta coded, SPEC §4.
+"""dithering: stochastic quantisation to s levels, Elias-delta coded, docs/compression.md.
 
 Payload (little-endian), ``ceil(bits / 8) + 16`` bytes::
 

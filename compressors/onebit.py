@@ -1,4 +1,4 @@
-"""onebit (signSGD with optional scaling), SPEC §4.
+"""onebit (signSGD with optional scaling), docs/compression.md.
 
 Payload (little-endian), ``W = ceil(numel / 32)``, ``4 * W + 4`` bytes::
 
@@ -109,7 +109,7 @@ class OneBit(Compressor):
         total = sum(sums)
         if self.scaling:
             scale = total / self.numel
-        else:  # SPEC: an all-zero input decodes to zeros, so its unscaled scale is 0
+        else:  # docs/compression.md: an all-zero input decodes to zeros, so its unscaled scale is 0
             scale = 0.0 if total == 0.0 else 1.0
         sub_array(buffer, 4 * self.num_words, np.float32, 1)[0] = scale
         return payload

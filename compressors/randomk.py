@@ -1,4 +1,4 @@
-"""randomk: k entries drawn uniformly with replacement, SPEC §4.
+"""randomk: k entries drawn uniformly with replacement, docs/compression.md.
 
 Payload (little-endian), ``16 + k * itemsize`` bytes::
 

@@ -1,4 +1,4 @@
-"""build() and register(): compression_params -> the compressor chain (SPEC §4).
+"""build() and register(): compression_params -> the compressor chain (docs/compression.md).
 
 Example::
 

@@ -1,4 +1,4 @@
-"""xorshift128+ (SPEC §4), the RNG of randomk and dithering.
+"""xorshift128+ (docs/compression.md), the RNG of randomk and dithering.
 
 The state is a numpy ``uint64`` array ``[a, b]``, updated in place by the kernels;
 every compressor instance starts from ``(seed, seed)``::

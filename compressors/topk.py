@@ -1,4 +1,4 @@
-"""topk: the k entries of largest magnitude, SPEC §4.
+"""topk: the k entries of largest magnitude, docs/compression.md.
 
 Payload (little-endian), ``k * (4 + itemsize) + pad`` bytes::
 

@@ -1,4 +1,4 @@
-"""Independent reference implementations of SPEC §4, in plain Python/numpy loops.
+"""Independent reference implementations of docs/compression.md, in plain Python/numpy loops.
 
 Slow but obviously right: written from the spec text and bps's documented payload
 layouts (docs/compressors.md), never calling bps.compressors. Values are handled as
@@ -24,7 +24,7 @@ TORCH_DTYPE = {"float32": torch.float32, "float16": torch.float16,
 
 
 class XorShift128Plus:
-    """xorshift128+ exactly as SPEC §4, on Python ints."""
+    """xorshift128+ exactly as docs/compression.md, on Python ints."""
 
     def __init__(self, seed: int = 1, state: tuple[int, int] | None = None):
         self.a, self.b = (seed, seed) if state is None else state

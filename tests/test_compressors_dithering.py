@@ -63,7 +63,7 @@ def test_quantiser_refuses_a_states_array_draw_lanes_would_overrun():
 
 
 def reference_stream(levels: np.ndarray) -> tuple[bytes, int]:
-    """The stream bytes and bit count of signed levels, written from SPEC §4."""
+    """The stream bytes and bit count of signed levels, written from docs/compression.md."""
     bits, previous = [], -1
     for i, level in enumerate(levels.tolist()):
         if level:
@@ -337,7 +337,7 @@ def stream_words(payload: np.ndarray) -> tuple[np.ndarray, int, float]:
 
 
 def entry_starts(payload: np.ndarray) -> list[int]:
-    """The bit position of every entry, parsed in Python from SPEC §4."""
+    """The bit position of every entry, parsed in Python from docs/compression.md."""
     nbits = int(payload[-16:-8].view("<u8")[0])
     stream = "".join(format(byte, "08b") for byte in payload[:-16].tolist())[:nbits]
     starts, pos = [], 0

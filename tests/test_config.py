@@ -1,18 +1,18 @@
-"""compression_params validation (SPEC §3): defaults, and a clear error for each bad value."""
+"""compression_params validation (docs/compression.md): defaults, a clear error per bad value."""
 
 import numpy as np
 import pytest
 
 from bps.config import resolve_k, validate_compression_params
 
-SPEC_KEYS = {"compressor", "k", "scaling", "ef", "momentum", "mu", "seed", "partition",
+DOCUMENTED_KEYS = {"compressor", "k", "scaling", "ef", "momentum", "mu", "seed", "partition",
              "normalize", "fp16", "min_compress_bytes", "warmup_steps"}
 
 
 def test_defaults_fill_every_key(monkeypatch):
     monkeypatch.delenv("BYTEPS_MIN_COMPRESS_BYTES", raising=False)
     out = validate_compression_params(None)
-    assert set(out) == SPEC_KEYS
+    assert set(out) == DOCUMENTED_KEYS
     assert out == {"compressor": None, "k": None, "scaling": False, "ef": None,
                    "momentum": None, "mu": None, "seed": None, "partition": "linear",
                    "normalize": "max", "fp16": True, "min_compress_bytes": 65536,

@@ -43,7 +43,7 @@ def raw_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 
 
 def numpy_sum(pushes: list[torch.Tensor]) -> np.ndarray:
-    """Reference: sum in float32 (float64 for float64 data), like SPEC §1's servers,
+    """Reference: sum in float32 (float64 for float64 data), like docs/architecture.md's servers,
     one push after the other in node order."""
     acc = np.float64 if pushes[0].dtype == torch.float64 else np.float32
     total = pushes[0].to(torch.float64).numpy().astype(acc)

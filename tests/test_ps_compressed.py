@@ -1,5 +1,5 @@
 """Compressed keys through a real cluster: what every worker pulls equals the
-independent reference of SPEC §1, "worker chain -> decompress each push -> sum ->
+independent reference of docs/architecture.md, "worker chain -> decompress each push -> sum ->
 server chain (error feedback + compressor) -> decompress", for every compressor with
 and without error feedback (tests/reference_compressors.py, plain Python)."""
 
@@ -24,7 +24,7 @@ def resolve_k(k: int | float, numel: int) -> int:
 
 
 def reference_chain(params: dict, numel: int, dtype: str) -> ref.RefChain:
-    """SPEC §4's chain from the reference encoders (each instance owns its RNG)."""
+    """docs/compression.md's chain from the reference encoders (each instance owns its RNG)."""
     name = params["compressor"]
     rng = ref.XorShift128Plus(params.get("seed") or 1)
     if name == "onebit":

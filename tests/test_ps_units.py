@@ -184,7 +184,7 @@ def mlp_keys(compressed_bytes, warmup: bool = False) -> list:
 def test_plan_key_servers_balances_bytes_on_the_wire() -> None:
     from bps.worker.planning import plan_key_servers
 
-    def topk(numel: int) -> int:  # SPEC §4: k int32 indices and k float32 values
+    def topk(numel: int) -> int:  # docs/compression.md: k int32 indices and k float32 values
         return int(numel * 0.01) * 8 + 16
 
     keys = mlp_keys(topk)

@@ -169,7 +169,7 @@ def load_reports(tmp: Path, ranks: int) -> list[dict]:
 
 
 def nesterov(mu: np.float32, g: np.ndarray, m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """SPEC §4 momentum: m = g + mu*m; g' = g + mu*m (float32, two roundings each)."""
+    """docs/compression.md momentum: m = g + mu*m; g' = g + mu*m (float32, two roundings each)."""
     m = (g + mu * m).astype(np.float32)
     return (g + mu * m).astype(np.float32), m
 
@@ -208,7 +208,7 @@ def reference_codec(params: dict, numel: int):
 
 def simulate(params: dict, nodes: int, lrs: list[float], compressed_from: int | None = 0,
              shapes: dict = SHAPES) -> dict:
-    """The pipeline of SPEC §1 in numpy: per node, g = (w - t_node) / nodes ->
+    """The pipeline of docs/architecture.md in numpy: per node, g = (w - t_node) / nodes ->
     Momentum -> ErrorFeedback -> C; server: sum of the decoded payloads -> ErrorFeedback
     -> C; workers decode and take an SGD step. Tensors that travel raw (the small one
     always; the big one before step ``compressed_from``, or always if None) are summed
