@@ -26,7 +26,7 @@ Worker <-> server ops (the reply echoes ``rid``):
 Node <-> scheduler ops: ``HELLO`` role worker_id addr token -> ``WELCOME`` (after
 everyone arrived: node_id, servers, num_workers, num_servers, seed, members: the
 servers get the workers' tokens in node order); ``HEARTBEAT`` both ways (a worker's
-carries ``step``, the highest step it pushed); ``BARRIER`` -> ``RELEASE``;
+carries ``step``, the highest step it pushed); ``BARRIER`` seq step -> ``RELEASE``;
 ``FINALIZE`` step -> ``BYE``; ``FAILED`` msg (a node gives up: an exception, a signal,
 an exit without ``bps.shutdown()``); scheduler -> servers ``SHUTDOWN``; scheduler ->
 everyone ``PEER_DEAD`` (msg names the dead or failed process) and ``ERROR``.
@@ -100,7 +100,7 @@ FIELDS: dict[Op, dict[str, tuple[type, ...]]] = {
     Op.WELCOME: {"node_id": _INT, "servers": (list,), "num_workers": _INT,
                  "num_servers": _INT, "seed": _INT, "members": (list,)},
     Op.HEARTBEAT: {},
-    Op.BARRIER: {"seq": _INT},
+    Op.BARRIER: {"seq": _INT, "step": _INT},
     Op.RELEASE: {"seq": _INT},
     Op.FINALIZE: {"step": _INT},
     Op.BYE: {},
@@ -128,6 +128,15 @@ def dtype_name(dtype: Any) -> str:
         raise ValueError(f"dtype {dtype} not supported: expected one of "
                          f"{', '.join(DTYPE_NAMES)}")
     return name
+
+
+MAX_ERROR_CHARS = 1000
+
+
+def error_text(msg: str) -> str:
+    """An ERROR's message as sent and logged: at most MAX_ERROR_CHARS characters (it may
+    quote a peer's field values, and a peer must not make the replies it gets large)."""
+    return msg if len(msg) <= MAX_ERROR_CHARS else msg[:MAX_ERROR_CHARS] + "..."
 
 
 def encode(op: Op, **fields: Any) -> bytes:

@@ -46,6 +46,7 @@ from bps.protocol import (
     ProtocolError,
     decode,
     encode,
+    error_text,
     new_socket,
 )
 from bps.ratelimit import RateLimitedLog
@@ -69,6 +70,7 @@ class _Node:
     peer: str = "?"  # the connection's IP address
     finalized: bool = False
     step: int = -1  # a worker's highest pushed step (heartbeats, FINALIZE)
+    step_since: float = 0.0  # when that step was first reported
 
     @property
     def label(self) -> str:
@@ -168,10 +170,33 @@ class Scheduler:
                 log.error(msg)
                 self._broadcast(Op.PEER_DEAD, exclude=node.identity, msg=msg)
                 return 1
+            if welcomed:
+                self._check_stalls(now)
+                if self.verdict is not None:
+                    return 1
             if welcomed and all(n.finalized for n in self.nodes.values() if n.role == "worker"):
                 self._broadcast(Op.SHUTDOWN)
                 log.info("all workers finished; servers shut down")
                 return 0
+
+    def _check_stalls(self, now: float) -> None:
+        """A worker that has pushed before but stays behind another worker's step for
+        BPS_HEARTBEAT_TIMEOUT has stopped stepping (its main thread hangs, while its I/O
+        thread still heartbeats): the others wait for a push that does not come."""
+        workers = [n for n in self.nodes.values() if n.role == "worker" and not n.finalized]
+        if len(workers) < 2:
+            return
+        leader = max(workers, key=lambda n: (n.step, -n.step_since))
+        waited = now - leader.step_since
+        if waited <= self.env.heartbeat_timeout:
+            return
+        for node in workers:
+            if 0 <= node.step < leader.step and now - node.step_since > waited - 1e-9:
+                self._fail(f"{node.label} stopped stepping: its last push was of step "
+                           f"{node.step}, {now - node.step_since:.1f} s ago, while "
+                           f"{leader.label} has waited {waited:.1f} s with step {leader.step} "
+                           f"(BPS_HEARTBEAT_TIMEOUT={self.env.heartbeat_timeout:g})")
+                return
 
     def _silent_node(self, now: float) -> _Node | None:
         """A node not finished and silent for more than BPS_HEARTBEAT_TIMEOUT, or None.
@@ -181,7 +206,7 @@ class Scheduler:
         nodes: their silence is counted afresh from now."""
         if self.loop_clock.resumed_after_stall(now):
             for node in self.nodes.values():
-                node.last_seen = now
+                node.last_seen = node.step_since = now
         for node in self.nodes.values():
             if not node.finalized and now - node.last_seen > self.env.heartbeat_timeout:
                 return node
@@ -204,6 +229,7 @@ class Scheduler:
         log.info("rendezvous complete: servers %s, job seed %d", addresses, self.seed)
 
     def _refuse(self, ident: bytes, peer: str, msg: str) -> None:
+        msg = error_text(msg)
         refusals.warning("refused a message from %s: %s", peer, msg)
         self._send(ident, Op.ERROR, rid=-1, msg=msg)
 
@@ -228,6 +254,8 @@ class Scheduler:
             self._send(ident, Op.HEARTBEAT)
             self._progress(node, header.get("step"))
         elif op == Op.BARRIER:
+            if header["step"] > node.step:
+                node.step, node.step_since = header["step"], time.monotonic()
             self._barrier(node, header["seq"])
         elif op == Op.FINALIZE:
             self._finalize(node, header["step"])
@@ -248,13 +276,31 @@ class Scheduler:
         job cannot complete."""
         if node.role != "worker" or isinstance(step, bool) or not isinstance(step, int):
             return
-        node.step = max(node.step, step)
+        if step > node.step:
+            node.step, node.step_since = step, time.monotonic()
+        self._check_barriers()
+        if self.verdict is not None:
+            return
         for other in self.nodes.values():
             if other.role == "worker" and other.finalized and other.step < node.step:
                 self._fail(f"{node.label} pushed step {node.step}, but {other.label} "
                            f"finished after step {other.step}: the workers ran different "
                            f"numbers of steps")
                 return
+
+    def _check_barriers(self) -> None:
+        """A worker waiting in a barrier while another pushes a later step: they will
+        never meet (a barrier is collective; the workers ran different numbers of steps)."""
+        for seq, waiting in self.barrier_waiting.items():
+            inside = [self.nodes[i] for i in waiting if i in self.nodes]
+            for node in inside:
+                ahead = [n for n in self.nodes.values() if n.role == "worker"
+                         and n.identity not in waiting and n.step > node.step]
+                if ahead:
+                    self._fail(f"{node.label} waits in barrier {seq} after step {node.step}, "
+                               f"but {ahead[0].label} pushed step {ahead[0].step}: the "
+                               f"workers ran different numbers of steps")
+                    return
 
     def _finalize(self, node: _Node, step: int) -> None:
         node.finalized = True
@@ -319,6 +365,9 @@ class Scheduler:
             return
         waiting = self.barrier_waiting.setdefault(seq, set())
         waiting.add(node.identity)
+        self._check_barriers()
+        if self.verdict is not None:
+            return
         workers = {n.identity for n in self.nodes.values() if n.role == "worker"}
         if workers <= waiting:
             for identity in workers:

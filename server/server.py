@@ -64,6 +64,7 @@ from bps.protocol import (
     decode,
     dtype_name,
     encode,
+    error_text,
     new_socket,
     torch_dtype,
 )
@@ -188,6 +189,7 @@ class _KeyEngine(threading.Thread):
             self.out.close()
 
     def _error(self, ident: bytes, header: dict, msg: str) -> None:
+        msg = error_text(msg)
         refusals.warning("refused %s from %s: %s", header["op"].name, header.get("peer", "?"),
                          msg)
         self.out.send_multipart([ident, encode(Op.ERROR, rid=header["rid"], msg=msg)])
@@ -535,6 +537,8 @@ class ParameterServer:
                 elif sock is router:
                     for frames in _drain(router):
                         self._dispatch(router, frames, owner, next_engine)
+                        if self._queued > INBOX_BYTES:
+                            break
                 elif link.receive()["op"] == Op.SHUTDOWN:
                     log.info("shutdown requested by the scheduler")
                     return 0
@@ -570,9 +574,10 @@ class ParameterServer:
                     raise ProtocolError(f"key {header['key']}: unknown key (not declared)")
                 engine = owner[header["key"]] = next(next_engine)
         except ProtocolError as exc:
-            refusals.warning("refused a message from %s: %s", peer, exc)
+            msg = error_text(str(exc))
+            refusals.warning("refused a message from %s: %s", peer, msg)
             rid = rid if isinstance(rid, int) and not isinstance(rid, bool) else -1
-            router.send_multipart([ident, encode(Op.ERROR, rid=rid, msg=str(exc))])
+            router.send_multipart([ident, encode(Op.ERROR, rid=rid, msg=msg)])
             return
         if payloads:
             with self._queued_lock:

@@ -337,10 +337,46 @@ def loop(kill_pid: int, kill_at: int) -> None:
         engine.push_pull(7, torch.ones(1000), step, 0.1).result()
 
 
+def train(fail_node: int, how: str, at: int) -> None:
+    """A small DistributedTrainer job (bps.init) that runs until something fails; worker
+    ``fail_node`` ends at step ``at`` as ``how`` says: ``raise`` (an exception), ``exit``
+    (sys.exit(3)), ``interrupt`` (SIGINT, as Ctrl-C), ``stop`` (SIGSTOP), ``hang`` (the
+    main thread stops, the process lives on), ``finish`` (bps.shutdown() after fewer
+    steps than the others)."""
+    import signal
+    import sys
+
+    import bps
+
+    bps.init()
+    model = torch.nn.Linear(8, 1)
+    trainer = bps.DistributedTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    steps = at if how == "finish" and bps.rank() == fail_node else 10**6
+    for step in range(steps):
+        if bps.rank() == fail_node and step == at:
+            print(f"worker {fail_node}: {how} at step {step}", flush=True)
+            if how == "raise":
+                raise RuntimeError(f"boom at step {step}")
+            if how == "exit":
+                sys.exit(3)
+            if how in ("interrupt", "stop"):
+                os.kill(os.getpid(), signal.SIGINT if how == "interrupt" else signal.SIGSTOP)
+            if how == "hang":
+                threading.Event().wait()
+        trainer.zero_grad()
+        model(torch.ones(4, 8)).sum().backward()
+        trainer.step()
+    trainer.close()
+    bps.shutdown()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--case", choices=sorted(KEY_TABLES) + ["loop"], default="raw")
+    parser.add_argument("--case", choices=sorted(KEY_TABLES) + ["loop", "train"],
+                        default="raw")
+    parser.add_argument("--fail", nargs=3, metavar=("NODE", "HOW", "STEP"),
+                        help="train: worker NODE ends at STEP as HOW says (see train())")
     parser.add_argument("--kill-pid", type=int, default=0,
                         help="loop: SIGKILL this pid (0: ourselves) once --kill-at is reached")
     parser.add_argument("--kill-at", type=int, default=-1, help="loop: step of the kill")
@@ -349,6 +385,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.case == "loop":
         loop(args.kill_pid, args.kill_at)
+        return
+    if args.case == "train":
+        train(int(args.fail[0]), args.fail[1], int(args.fail[2]))
         return
 
     from bps.env import ClusterEnv

@@ -214,7 +214,7 @@ def test_outsiders_get_nothing_and_the_job_is_unchanged(processes, tmp_path: Pat
         assert refusal["op"] == Op.ERROR, refusal
         assert ("registered twice" in refusal["msg"]
                 or "rendezvous already complete" in refusal["msg"]), refusal
-        for frames in ([encode(Op.BARRIER, seq=0)], [encode(Op.FINALIZE, step=0)],
+        for frames in ([encode(Op.BARRIER, seq=0, step=0)], [encode(Op.FINALIZE, step=0)],
                        [encode(Op.FAILED, msg="outsider")], [encode(Op.HEARTBEAT)]):
             at_scheduler.send(frames)
         at_server.send([encode(Op.PULL, rid=5, key=0, step=1)])

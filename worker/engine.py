@@ -214,7 +214,8 @@ class WorkerEngine:
     def barrier(self) -> None:
         """Block until every worker node called barrier (up to ``BPS_TIMEOUT``)."""
         seq = next(self._barrier_seq)
-        self._wait(self._io.scheduler_request(Op.BARRIER, (Op.RELEASE, seq), seq=seq),
+        self._wait(self._io.scheduler_request(Op.BARRIER, (Op.RELEASE, seq), seq=seq,
+                                              step=self._last_step),
                    f"barrier {seq} (waiting for all {self.num_workers} worker nodes)")
 
     def state_dict(self) -> dict:
