@@ -153,7 +153,12 @@ class Outsider:
 
     def send(self, frames: list[bytes]) -> None:
         for sock in self.socks.values():
-            sock.send_multipart(frames, zmq.NOBLOCK)
+            # between its refused handshakes ZeroMQ may have no connection to queue on
+            sock.sndtimeo = 1000
+            try:
+                sock.send_multipart(frames)
+            except zmq.Again:
+                pass
 
     def received(self) -> dict[str, int]:
         """Messages each socket got (none is the whole point)."""
