@@ -81,6 +81,7 @@ STEP_WINDOW = 1  # a push's step may differ by at most this from the pending pus
 PEER_QUEUE = 1024  # replies queued for one connection that does not read (then dropped)
 PEER_INBOUND = 64  # requests ZeroMQ queues per connection before it stops reading it
 INBOX_BYTES = 256 << 20  # payload bytes waiting for the engine threads: read no more
+IO_THREADS = 2  # ZeroMQ I/O threads of the server's context
 OPS_WITH_PAYLOAD = (Op.PUSH, Op.SET_STATE)
 KEY_OPS = (Op.REGISTER, Op.PUSH, Op.PULL, Op.GET_STATE, Op.SET_STATE)
 
@@ -454,7 +455,9 @@ class ParameterServer:
 
     def __init__(self, env: ClusterEnv, ctx: Any = None) -> None:
         self.env = env
-        self.ctx = ctx or zmq.Context.instance()
+        # CURVE encrypts and decrypts in ZeroMQ's I/O threads, per connection: two let
+        # the workers' connections run in parallel
+        self.ctx = ctx or zmq.Context.instance(io_threads=IO_THREADS)
         self.num_workers = env.num_workers
         self.tracer: trace.Tracer | None = None  # set at rendezvous where BYTEPS_TRACE_ON=1
         self.replies_address = f"inproc://bps-server-replies-{id(self)}"
