@@ -274,7 +274,9 @@ class WorkerEngine:
         elif failure is not None and not self._io.told_by_scheduler():
             # the scheduler answers BYE once it has it: the report is out before we exit
             try:
-                self._io.report_failure(f"{failure}"[:2000], self.env.heartbeat_timeout)
+                # a scheduler that is there answers in milliseconds; one being stopped
+                # with everything else must not hold the exit up
+                self._io.report_failure(failure[:2000], min(2.0, self.env.heartbeat_timeout))
             except Exception as exc:  # noqa: BLE001 - best effort: the heartbeat rule remains
                 log.warning("could not report the failure to the scheduler: %s", exc)
         self._io.stop()
