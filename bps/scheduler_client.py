@@ -132,9 +132,5 @@ class SchedulerClient:
             raise ClusterError(f"scheduler at {self.env.scheduler_address} unreachable: "
                                f"no heartbeat for {silent:.1f} s")
 
-    def fail(self, reason: str) -> None:
-        """Tell the scheduler this node gives up (it tells everyone, naming this node)."""
-        self.send(Op.FAILED, msg=reason[:2000])
-
-    def close(self, linger_ms: int | None = None) -> None:
-        self.sock.close(linger=linger_ms)
+    def close(self) -> None:
+        self.sock.close()
