@@ -10,6 +10,9 @@ amount back. The baseline moves exactly the same messages between the same kind 
 sockets (DEALER workers, a ROUTER server) with no processing: the server echoes every
 message at once. The ratio is baseline step time / bps step time (target >= 0.7), best
 of ``--rounds`` alternating rounds of each.
+bps runs twice in every round: authenticated and encrypted (CURVE, the default) and with
+``BPS_INSECURE=1``; the baseline echo runs both ways too. Targets: bps with CURVE >= 0.5
+of the plain-TCP baseline; compressed jobs with CURVE within 5% of without.
 Then the same job with onebit and with topk 1%: step time and wire bytes per step.
 Results go to stdout (a markdown table) and bench/out/ps_throughput.json.
 """
@@ -39,14 +42,19 @@ def partitions(mbytes: int) -> list[int]:
 
 # ---------------------------------------------------------------------- raw ZeroMQ
 
-def raw_server(messages: int) -> None:
+def raw_server(messages: int, key_file: str) -> None:
     """ROUTER echo: every message goes straight back to its sender, zero-copy. Binds a
-    free port itself and prints it, so no other socket can take the port in between."""
+    free port itself and prints it, so no other socket can take the port in between.
+    ``key_file``: a CURVE server with that cluster key ("" for plain TCP)."""
     import zmq
 
+    from bps.auth import Guard, read_key_file
+
+    guard = Guard(zmq.Context.instance(), read_key_file(key_file) if key_file else None)
     sock = zmq.Context.instance().socket(zmq.ROUTER)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
+    guard.serve(sock)
     port = sock.bind_to_random_port("tcp://127.0.0.1")
     print(port, flush=True)
     for _ in range(messages):
@@ -54,19 +62,23 @@ def raw_server(messages: int) -> None:
             raise SystemExit(f"raw server: no message from any worker for {RAW_TIMEOUT_S} s")
         sock.send_multipart(sock.recv_multipart(copy=False), copy=False)
     sock.close(linger=RAW_TIMEOUT_S * 1000)
+    guard.close()
     # pyzmq drops what is still queued at interpreter exit: the last echoes go out only
     # if the context is terminated first (the cause of the scheduler's lost SHUTDOWNs)
     zmq.Context.instance().term()
 
 
-def raw_worker(port: int, mbytes: int, steps: int, out: str) -> None:
+def raw_worker(port: int, mbytes: int, steps: int, out: str, key_file: str) -> None:
     """DEALER: per step send every partition (header + payload frames), receive all back."""
     import numpy as np
     import zmq
 
+    from bps.auth import connect_as_client, read_key_file
+
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
+    connect_as_client(sock, read_key_file(key_file) if key_file else None)
     sock.connect(f"tcp://127.0.0.1:{port}")
     buffers = [np.random.default_rng(i).standard_normal(n, dtype=np.float32)
                for i, n in enumerate(partitions(mbytes))]
@@ -85,29 +97,30 @@ def raw_worker(port: int, mbytes: int, steps: int, out: str) -> None:
     Path(out).write_text(json.dumps({"times": times[WARMUP_STEPS:]}))
 
 
-def run_raw(mbytes: int, steps: int, tmp: Path, attempts: int = 2) -> float:
+def run_raw(mbytes: int, steps: int, tmp: Path, key_file: str = "", attempts: int = 2
+            ) -> float:
     """Median step time of the echo baseline. A run where an echo never arrives (seen
     rarely before commit ba64ae7, when the echo server did not yet terminate its context
     before exiting, which may have been the cause; not reproduced) fails after
     RAW_TIMEOUT_S and is retried once."""
     for _ in range(attempts - 1):
         try:
-            return run_raw_once(mbytes, steps, tmp)
+            return run_raw_once(mbytes, steps, tmp, key_file)
         except RuntimeError as exc:
             print(f"warning: {exc}; retrying", file=sys.stderr)
-    return run_raw_once(mbytes, steps, tmp)
+    return run_raw_once(mbytes, steps, tmp, key_file)
 
 
-def run_raw_once(mbytes: int, steps: int, tmp: Path) -> float:
+def run_raw_once(mbytes: int, steps: int, tmp: Path, key_file: str) -> float:
     count = len(partitions(mbytes)) * (steps + WARMUP_STEPS) * 2
     me = [sys.executable, __file__]
-    procs = [subprocess.Popen(me + ["--raw-server", str(count)], stdout=subprocess.PIPE,
-                              text=True)]
+    procs = [subprocess.Popen(me + ["--raw-server", str(count), key_file],
+                              stdout=subprocess.PIPE, text=True)]
     port = procs[0].stdout.readline().strip()
     if not port:
         raise RuntimeError("raw ZeroMQ baseline: the echo server did not start")
     procs += [subprocess.Popen(me + ["--raw-worker", str(port), str(mbytes), str(steps),
-                                     str(tmp / f"raw{w}.json")]) for w in range(2)]
+                                     str(tmp / f"raw{w}.json"), key_file]) for w in range(2)]
     try:
         for proc in procs:
             if proc.wait(timeout=4 * RAW_TIMEOUT_S) != 0:
@@ -160,11 +173,13 @@ def bps_worker(mbytes: int, steps: int, params_json: str, out: str) -> None:
                                                                 "wire": wire[WARMUP_STEPS:]}))
 
 
-def run_bps(mbytes: int, steps: int, params: dict | None, tmp: Path, tag: str) -> dict:
+def run_bps(mbytes: int, steps: int, params: dict | None, tmp: Path, tag: str,
+            secure: bool = True) -> dict:
     cmd = [sys.executable, "-m", "bps.launch.cli", "local", "--workers", "2", "--servers", "1",
            "--", sys.executable, __file__, "--bps-worker", str(mbytes), str(steps),
            json.dumps(params), str(tmp / f"{tag}{{node}}.json")]
-    env = {**os.environ, "BYTEPS_PARTITION_BYTES": str(PARTITION_BYTES)}
+    env = {**os.environ, "BYTEPS_PARTITION_BYTES": str(PARTITION_BYTES),
+           "BPS_INSECURE": "0" if secure else "1"}  # bpslaunch local makes a key if 0
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
         raise RuntimeError(f"bps run {tag} failed:\n{proc.stdout[-4000:]}")
@@ -178,58 +193,93 @@ def main() -> None:
     parser.add_argument("--mbytes", type=int, default=100)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--raw-server", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--raw-worker", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--raw-server", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--raw-worker", nargs=5, help=argparse.SUPPRESS)
     parser.add_argument("--bps-worker", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.raw_server:
-        raw_server(args.raw_server)
+        raw_server(int(args.raw_server[0]), args.raw_server[1])
         return
     if args.raw_worker:
-        port, mbytes, steps, out = args.raw_worker
-        raw_worker(int(port), int(mbytes), int(steps), out)
+        port, mbytes, steps, out, key_file = args.raw_worker
+        raw_worker(int(port), int(mbytes), int(steps), out, key_file)
         return
     if args.bps_worker:
         mbytes, steps, params, out = args.bps_worker
+        out = out.format(node=os.environ["DMLC_WORKER_ID"])
         bps_worker(int(mbytes), int(steps), params, out)
         return
 
+    import tempfile
+
+    from bps.auth import write_key_file
+
     tmp = Path(__file__).parent / "out"
     tmp.mkdir(exist_ok=True)
+    key_dir = tempfile.mkdtemp(prefix="bps-bench-key-")
+    key_file = os.path.join(key_dir, "cluster.key")
+    write_key_file(key_file)
     # alternate baseline and bps runs and keep each one's best round: robust to other
     # load on the machine, and both sides see the same conditions
-    raws, plains = [], []
+    rounds: dict[str, list] = {"raw": [], "raw_curve": [], "plain": [], "plain_insecure": []}
     for _ in range(args.rounds):
-        raws.append(run_raw(args.mbytes, args.steps, tmp))
-        plains.append(run_bps(args.mbytes, args.steps, None, tmp, "plain"))
-    raw = min(raws)
-    plain_times = [r["step_s"] for r in plains]
-    plain = min(plains, key=lambda r: r["step_s"])
-    onebit = run_bps(args.mbytes, args.steps, {"compressor": "onebit", "scaling": True,
-                                               "ef": "vanilla"}, tmp, "onebit")
-    topk = run_bps(args.mbytes, args.steps, {"compressor": "topk", "k": 0.01, "ef": "vanilla"},
-                   tmp, "topk")
+        rounds["raw"].append(run_raw(args.mbytes, args.steps, tmp))
+        rounds["raw_curve"].append(run_raw(args.mbytes, args.steps, tmp, key_file))
+        rounds["plain"].append(run_bps(args.mbytes, args.steps, None, tmp, "plain"))
+        rounds["plain_insecure"].append(run_bps(args.mbytes, args.steps, None, tmp, "plainx",
+                                                secure=False))
+    raw, raw_curve = min(rounds["raw"]), min(rounds["raw_curve"])
+    plain = min(rounds["plain"], key=lambda r: r["step_s"])
+    plain_insecure = min(rounds["plain_insecure"], key=lambda r: r["step_s"])
+    compressed = {}
+    for name, params in (("onebit", {"compressor": "onebit", "scaling": True, "ef": "vanilla"}),
+                         ("topk", {"compressor": "topk", "k": 0.01, "ef": "vanilla"})):
+        runs = {True: [], False: []}
+        for _ in range(max(1, args.rounds - 1)):  # alternating, best of each
+            for secure in (True, False):
+                runs[secure].append(run_bps(args.mbytes, args.steps, params, tmp,
+                                            f"{name}{int(secure)}", secure=secure))
+        compressed[name] = {secure: min(r, key=lambda x: x["step_s"])
+                            for secure, r in runs.items()}
     moved = 2 * 2 * args.mbytes  # two workers, push + pull
-    rows = [("raw ZeroMQ (echo, no processing)", raw, 2 * args.mbytes * 1e6),
-            ("bps uncompressed float32", plain["step_s"], plain["wire_bytes_per_worker"]),
-            ("bps onebit + EF", onebit["step_s"], onebit["wire_bytes_per_worker"]),
-            ("bps topk 1% + EF", topk["step_s"], topk["wire_bytes_per_worker"])]
+    rows = [("raw ZeroMQ (echo, no processing), plain TCP", raw, 2 * args.mbytes * 1e6),
+            ("raw ZeroMQ (echo, no processing), CURVE", raw_curve, 2 * args.mbytes * 1e6),
+            ("bps uncompressed float32, CURVE", plain["step_s"],
+             plain["wire_bytes_per_worker"]),
+            ("bps uncompressed float32, BPS_INSECURE=1", plain_insecure["step_s"],
+             plain_insecure["wire_bytes_per_worker"])]
+    for name, label in (("onebit", "bps onebit + EF"), ("topk", "bps topk 1% + EF")):
+        for secure, how in ((True, "CURVE"), (False, "BPS_INSECURE=1")):
+            run = compressed[name][secure]
+            rows.append((f"{label}, {how}", run["step_s"], run["wire_bytes_per_worker"]))
     print(f"2 workers x 1 server, loopback, {args.mbytes} MB float32 per worker per step, "
           f"{len(partitions(args.mbytes))} partitions, median of {args.steps} steps, best of "
-          f"{args.rounds} alternating rounds (baseline rounds: "
-          f"{', '.join(f'{t:.3f}' for t in raws)} s; bps rounds: "
-          f"{', '.join(f'{t:.3f}' for t in plain_times)} s)\n")
+          f"{args.rounds} alternating rounds (rounds: " + "; ".join(
+              f"{name} " + ", ".join(f"{t if isinstance(t, float) else t['step_s']:.3f}"
+                                     for t in times) for name, times in rounds.items())
+          + " s)\n")
     print("| configuration | step time (s) | push+pull throughput (MB/s) | wire bytes per "
           "worker per step |")
     print("|---|---|---|---|")
     for name, step, wire in rows:
         print(f"| {name} | {step:.3f} | {moved / step:.0f} | {wire / 1e6:.2f} MB |")
     ratio = raw / plain["step_s"]
-    print(f"\nbps / raw ZeroMQ throughput ratio (uncompressed): {ratio:.2f} (target >= 0.7)")
-    result = {"mbytes": args.mbytes, "steps": args.steps, "raw_step_s": raw, "raw_rounds": raws,
-              "plain_rounds": plains,
-              "plain": plain, "onebit": onebit, "topk": topk, "ratio": ratio}
+    ratio_insecure = raw / plain_insecure["step_s"]
+    print(f"\nbps with CURVE / raw ZeroMQ on plain TCP (uncompressed): {ratio:.2f} "
+          f"(target >= 0.5); without CURVE: {ratio_insecure:.2f} (target >= 0.7)")
+    for name in compressed:
+        cost = compressed[name][True]["step_s"] / compressed[name][False]["step_s"] - 1
+        print(f"{name}: CURVE costs {cost:+.1%} of the step time (target within 5%)")
+    result = {"mbytes": args.mbytes, "steps": args.steps, "raw_step_s": raw,
+              "raw_curve_step_s": raw_curve, "rounds": rounds, "plain": plain,
+              "plain_insecure": plain_insecure,
+              "compressed": {n: {"curve": c[True], "insecure": c[False]}
+                             for n, c in compressed.items()},
+              "ratio": ratio, "ratio_insecure": ratio_insecure}
     (tmp / "ps_throughput.json").write_text(json.dumps(result, indent=2))
+    import shutil
+
+    shutil.rmtree(key_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

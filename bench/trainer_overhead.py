@@ -12,6 +12,9 @@ bps with onebit + error feedback, on a ~25M-parameter MLP (one copy per
 configuration, all alive at once). Rank 0 prints a table of
 median step times and their ratio to DDP. The configurations take turns in
 interleaved rounds (a barrier before every step), so background load hits all alike.
+The whole cluster runs twice, with CURVE (the default) and with ``BPS_INSECURE=1``,
+alternating ``--auth-rounds`` times; the table gives both and what CURVE costs (target:
+compressed within 5%).
 """
 
 from __future__ import annotations
@@ -116,7 +119,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def parent(args: argparse.Namespace) -> int:
+def run_cluster(args: argparse.Namespace, secure: bool) -> dict | None:
+    """One loopback cluster running every configuration; its rank 0's results."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         launcher = str(Path(sys.executable).parent / "bpslaunch")
@@ -126,30 +130,50 @@ def parent(args: argparse.Namespace) -> int:
                "--warmup", str(args.warmup), "--rounds", str(args.rounds),
                "--batch", str(args.batch),
                "--width", str(args.width)]
-        env = {**os.environ, "BPS_TIMEOUT": os.environ.get("BPS_TIMEOUT", "120")}
+        env = {**os.environ, "BPS_TIMEOUT": os.environ.get("BPS_TIMEOUT", "120"),
+               "BPS_INSECURE": "0" if secure else "1"}  # bpslaunch local makes a key if 0
         code = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL if args.quiet else None,
                               timeout=1800).returncode
         if code:
             print(f"cluster failed with exit code {code}", file=sys.stderr)
-            return code
-        data = json.loads(Path(out).read_text())
-    results = data["results"]
-    base = statistics.median(results["torch DDP (gloo)"])
+            return None
+        return json.loads(Path(out).read_text())
+
+
+def parent(args: argparse.Namespace) -> int:
+    runs: dict[bool, list[dict]] = {True: [], False: []}
+    for _ in range(args.auth_rounds):
+        for secure in (True, False):
+            data = run_cluster(args, secure)
+            if data is None:
+                return 1
+            runs[secure].append(data)
+    data = runs[True][0]
+    times = {secure: {} for secure in runs}
+    for secure, datas in runs.items():
+        for one in datas:
+            for name, values in one["results"].items():
+                if not name.endswith(" stats"):
+                    times[secure].setdefault(name, []).extend(values)
+    base = statistics.median(times[True]["torch DDP (gloo)"])
     print(f"\n{data['parameters'] / 1e6:.1f}M parameters, batch {data['batch']} per worker, "
-          f"2 worker nodes x 1 local rank, 1 server, loopback; "
-          f"median of {args.steps * args.rounds} steps "
-          f"in {args.rounds} interleaved rounds\n")
-    print("| configuration | step time (s) | ratio to DDP | bytes pushed / step / node |")
-    print("|---|---|---|---|")
-    for name, times in results.items():
-        if name.endswith(" stats"):
-            continue
-        med = statistics.median(times)
-        pushed = results.get(name + " stats", {}).get("bytes_pushed")
+          f"2 worker nodes x 1 local rank, 1 server, loopback; median of "
+          f"{args.steps * args.rounds * args.auth_rounds} steps in {args.rounds} interleaved "
+          f"rounds per cluster, {args.auth_rounds} clusters with CURVE and as many with "
+          f"BPS_INSECURE=1, alternating\n")
+    print("| configuration | step time, CURVE (s) | step time, BPS_INSECURE=1 (s) | CURVE "
+          "cost | ratio to DDP (CURVE) | bytes pushed / step / node |")
+    print("|---|---|---|---|---|---|")
+    for name in times[True]:
+        secure, plain = (statistics.median(times[s][name]) for s in (True, False))
+        pushed = data["results"].get(name + " stats", {}).get("bytes_pushed")
         pushed_text = f"{pushed / 1e6:.1f} MB" if pushed else "(allreduce)"
-        print(f"| {name} | {med:.3f} | {med / base:.2f}x | {pushed_text} |")
+        cost = "" if name.startswith("torch") else f"{secure / plain - 1:+.1%}"
+        print(f"| {name} | {secure:.3f} | {plain:.3f} | {cost} | {secure / base:.2f}x | "
+              f"{pushed_text} |")
     if args.json:
-        Path(args.json).write_text(json.dumps(data, indent=1))
+        Path(args.json).write_text(json.dumps({"curve": runs[True], "insecure": runs[False]},
+                                              indent=1))
     return 0
 
 
@@ -161,6 +185,8 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--width", type=int, default=4096)
     p.add_argument("--json", default=None, help="also write the raw timings here")
+    p.add_argument("--auth-rounds", type=int, default=1,
+                   help="clusters with CURVE and as many without, alternating")
     p.add_argument("--quiet", action="store_true", help="hide the cluster's log")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)

@@ -24,6 +24,12 @@ bps's own variables:
   allocator as it is (see :mod:`bps.memory`); read by :func:`malloc_tune`.
 * ``BPS_LOCAL_MASTER_ADDR`` / ``BPS_LOCAL_MASTER_PORT``: the node-local torch.distributed
   rendezvous that ``bpslaunch`` sets for the processes of one worker node.
+* ``BPS_SECRET_FILE``: the cluster's key file (``bpslaunch keygen PATH``); every
+  connection is authenticated and encrypted with it (see :mod:`bps.auth`).
+* ``BPS_INSECURE`` (default 0): ``1`` runs without credentials, in plain TCP (a warning
+  at every role's start).
+* ``BPS_MAX_MESSAGE_BYTES`` (default ``2 * BYTEPS_PARTITION_BYTES + 65536``, at least
+  1 MiB): the largest frame a server accepts; a key's raw size must fit in half of it.
 
 BytePS's ``BYTEPS_MIN_COMPRESS_BYTES`` (default 65536): tensors smaller than this travel
 uncompressed; :func:`min_compress_bytes` reads it for ``compression_params`` without a
@@ -148,6 +154,9 @@ class ClusterEnv:
     trace_dir: str | None = None  # None: tracing off
     trace_first_step: int = 10
     trace_last_step: int = 20
+    secret_file: str | None = None
+    insecure: bool = False
+    max_message_bytes: int = 2 * DEFAULT_PARTITION_BYTES + 65536
 
     @property
     def scheduler_address(self) -> str:
@@ -184,6 +193,8 @@ class ClusterEnv:
         if trace_last < trace_first:
             raise EnvError(f"BYTEPS_TRACE_END_STEP={trace_last} is before "
                            f"BYTEPS_TRACE_START_STEP={trace_first}")
+        partition_bytes = _int(env, "BYTEPS_PARTITION_BYTES", DEFAULT_PARTITION_BYTES, 16)
+        secret_file = env.get("BPS_SECRET_FILE", "").strip()
         return cls(
             role=role,
             num_workers=num_workers,
@@ -194,7 +205,7 @@ class ClusterEnv:
             server_id=server_id,
             local_rank=_int(env, "BYTEPS_LOCAL_RANK", 0, 0, local_size - 1),
             local_size=local_size,
-            partition_bytes=_int(env, "BYTEPS_PARTITION_BYTES", DEFAULT_PARTITION_BYTES, 16),
+            partition_bytes=partition_bytes,
             min_compress_bytes=min_compress_bytes(env),
             timeout=timeout,
             heartbeat_interval=interval,
@@ -210,4 +221,9 @@ class ClusterEnv:
             if trace_on else None,
             trace_first_step=trace_first,
             trace_last_step=trace_last,
+            secret_file=os.path.abspath(os.path.expanduser(secret_file)) if secret_file
+            else None,
+            insecure=bool(_int(env, "BPS_INSECURE", 0, 0, 1)),
+            max_message_bytes=_int(env, "BPS_MAX_MESSAGE_BYTES",
+                                   max(1 << 20, 2 * partition_bytes + 65536), 1 << 16),
         )

@@ -23,10 +23,18 @@ Worker <-> server ops (the reply echoes ``rid``):
 * ``GET_STATE`` key -> ``DATA`` (msgpack of the server chain's state) ; ``SET_STATE``
   key + payload -> ``OK``
 
-Node <-> scheduler ops: ``HELLO`` role worker_id addr -> ``WELCOME`` (after everyone
-arrived: node_id, servers, num_workers, num_servers, seed); ``HEARTBEAT`` both ways;
-``BARRIER`` -> ``RELEASE``; ``FINALIZE`` -> ``BYE``; scheduler -> servers ``SHUTDOWN``;
-scheduler -> everyone ``PEER_DEAD`` (msg names the dead process) and ``ERROR``.
+Node <-> scheduler ops: ``HELLO`` role worker_id addr token -> ``WELCOME`` (after
+everyone arrived: node_id, servers, num_workers, num_servers, seed, members: the
+servers get the workers' tokens in node order); ``HEARTBEAT`` both ways (a worker's
+carries ``step``, the highest step it pushed); ``BARRIER`` seq step -> ``RELEASE``;
+``FINALIZE`` step -> ``BYE``; ``FAILED`` msg (a node gives up: an exception, a signal,
+an exit without ``bps.shutdown()``); scheduler -> servers ``SHUTDOWN``; scheduler ->
+everyone ``PEER_DEAD`` (msg names the dead or failed process) and ``ERROR``.
+
+A worker's token (16 random bytes, first byte non-zero) is the prefix of the ZeroMQ
+routing id of every connection it opens to a server: a server takes a request from a
+connection as that worker's only when the prefix is the token the scheduler handed out
+for it (:data:`TOKEN_BYTES`).
 """
 
 from __future__ import annotations
@@ -37,7 +45,8 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+TOKEN_BYTES = 16
 MAX_HEADER_BYTES = 1 << 20
 _MISSING = object()
 
@@ -65,11 +74,13 @@ class Op(IntEnum):
     BYE = 26
     SHUTDOWN = 27
     PEER_DEAD = 28
+    FAILED = 29
 
 
 _INT = (int,)
 _NUM = (int, float)
 _STR = (str,)
+_BYTES = (bytes,)
 _OPT_DICT = (dict, type(None))
 
 # field -> accepted types, per op; a missing or mistyped field is a ProtocolError
@@ -85,16 +96,17 @@ FIELDS: dict[Op, dict[str, tuple[type, ...]]] = {
     Op.PULL: {"rid": _INT, "key": _INT, "step": _INT},
     Op.GET_STATE: {"rid": _INT, "key": _INT},
     Op.SET_STATE: {"rid": _INT, "key": _INT, "nbytes": _INT},
-    Op.HELLO: {"role": _STR, "worker_id": _INT, "addr": _STR},
+    Op.HELLO: {"role": _STR, "worker_id": _INT, "addr": _STR, "token": _BYTES},
     Op.WELCOME: {"node_id": _INT, "servers": (list,), "num_workers": _INT,
-                 "num_servers": _INT, "seed": _INT},
+                 "num_servers": _INT, "seed": _INT, "members": (list,)},
     Op.HEARTBEAT: {},
-    Op.BARRIER: {"seq": _INT},
+    Op.BARRIER: {"seq": _INT, "step": _INT},
     Op.RELEASE: {"seq": _INT},
-    Op.FINALIZE: {},
+    Op.FINALIZE: {"step": _INT},
     Op.BYE: {},
     Op.SHUTDOWN: {},
     Op.PEER_DEAD: {"msg": _STR},
+    Op.FAILED: {"msg": _STR},
 }
 
 DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64")
@@ -116,6 +128,15 @@ def dtype_name(dtype: Any) -> str:
         raise ValueError(f"dtype {dtype} not supported: expected one of "
                          f"{', '.join(DTYPE_NAMES)}")
     return name
+
+
+MAX_ERROR_CHARS = 1000
+
+
+def error_text(msg: str) -> str:
+    """An ERROR's message as sent and logged: at most MAX_ERROR_CHARS characters (it may
+    quote a peer's field values, and a peer must not make the replies it gets large)."""
+    return msg if len(msg) <= MAX_ERROR_CHARS else msg[:MAX_ERROR_CHARS] + "..."
 
 
 def encode(op: Op, **fields: Any) -> bytes:
@@ -160,13 +181,27 @@ class ClusterError(RuntimeError):
     """The cluster cannot go on: a peer died, timed out, or refused a request."""
 
 
+class PeerFailure(ClusterError):
+    """The scheduler reports that another process died or failed (its message names it)."""
+
+
 class RemoteError(ClusterError):
     """A server or the scheduler answered a request with an error (its message)."""
 
 
+def new_token() -> bytes:
+    """A fresh worker token: :data:`TOKEN_BYTES` random bytes, the first non-zero (ZeroMQ
+    reserves routing ids that start with a zero byte)."""
+    import secrets
+
+    token = secrets.token_bytes(TOKEN_BYTES)
+    return bytes([token[0] | 1]) + token[1:]
+
+
 def new_socket(ctx: Any, kind: int) -> Any:
-    """A ZeroMQ socket with unlimited queues (a ROUTER drops at its high-water mark)
-    and a short linger so closing never blocks."""
+    """A ZeroMQ socket with unlimited queues (a ROUTER drops at its high-water mark; the
+    ROUTERs that face peers set their own bounds) and a short linger so closing never
+    blocks."""
     import zmq
 
     sock = ctx.socket(kind)

@@ -2,13 +2,20 @@
 
 One :class:`Runtime` per process: the cluster environment, the node-local group of
 local ranks and, on local rank 0 only, the push/pull engine that talks to the servers.
+
+A process that ends without ``bps.shutdown()`` (an uncaught exception, Ctrl-C, SIGTERM,
+``sys.exit``, or the end of the script) reports FAILED to the scheduler with the reason,
+so every other process stops at once with an error naming this node, instead of waiting
+for a step that will never come.
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
+import signal
 import struct
+import sys
 import threading
 
 from bps import trace
@@ -74,13 +81,14 @@ class Runtime:
             self._names += 1
             return f"{prefix}{self._names}"
 
-    def close(self, barrier: bool = True) -> None:
-        if barrier:
+    def close(self, barrier: bool = True, failure: str | None = None) -> None:
+        """Leave the cluster; ``failure``: this process gives up, and why (no barrier)."""
+        if barrier and failure is None:
             self.setup_channel.barrier()
         if self.engine is not None:
-            if barrier:
+            if barrier and failure is None:
                 self.engine.barrier()
-            self.engine.close()
+            self.engine.close(failure=failure)
             self.engine = None
         self.group.close()
         if self.tracer is not None:
@@ -88,6 +96,7 @@ class Runtime:
 
 
 _runtime: Runtime | None = None
+_exit_reason: str | None = None  # why the process is ending, where known
 
 
 def init() -> Runtime:
@@ -108,6 +117,7 @@ def init() -> Runtime:
         )
     _runtime = Runtime(env)
     atexit.register(_close_at_exit)
+    _watch_exits()
     return _runtime
 
 
@@ -130,7 +140,32 @@ def _close_at_exit() -> None:
     global _runtime
     if _runtime is not None:
         runtime, _runtime = _runtime, None
+        reason = _exit_reason or ("the process exited without calling bps.shutdown() "
+                                  "(sys.exit, or the end of the script)")
         try:
-            runtime.close(barrier=False)
+            runtime.close(barrier=False, failure=reason)
         except Exception as exc:  # noqa: BLE001 - best effort at interpreter exit
             log.debug("closing bps at exit: %s", exc)
+
+
+def _watch_exits() -> None:
+    """Remember why the process ends: an uncaught exception (Ctrl-C included) through
+    ``sys.excepthook``; SIGTERM, where nobody handles it, becomes ``SystemExit(143)``
+    so that the exit report still goes out."""
+    previous = sys.excepthook
+
+    def hook(kind, value, traceback) -> None:  # noqa: ANN001 - sys.excepthook's signature
+        global _exit_reason
+        _exit_reason = f"{kind.__name__}: {value}" if str(value) else kind.__name__
+        previous(kind, value, traceback)
+
+    sys.excepthook = hook
+    if threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    global _exit_reason
+    _exit_reason = "terminated by SIGTERM"
+    raise SystemExit(128 + signal.SIGTERM)

@@ -6,8 +6,10 @@ Servers and worker engines each hold one, used only from their I/O thread::
     from bps.scheduler_client import SchedulerClient
 
     env = ClusterEnv.from_environ()
-    link = SchedulerClient(zmq.Context.instance(), env, role="server", addr="tcp://10.0.0.2:4000")
-    welcome = link.rendezvous()          # blocks up to BPS_TIMEOUT
+    key = bps.auth.load_key(env)         # the cluster's CURVE key (None: BPS_INSECURE=1)
+    link = SchedulerClient(zmq.Context.instance(), env, role="server", addr="tcp://10.0.0.2:4000",
+                           key=key)
+    welcome = link.rendezvous()          # waits up to BPS_TIMEOUT, also for a late scheduler
     # in the I/O loop: poll link.sock; header = link.receive(); link.tick()
 
 :class:`LoopClock` tells a stall of a heartbeat loop itself from silent peers (the
@@ -22,8 +24,18 @@ from typing import Any
 
 import zmq
 
+from bps.auth import ClusterKey, connect_as_client
 from bps.env import ClusterEnv
-from bps.protocol import ClusterError, Op, RemoteError, decode, encode, new_socket
+from bps.protocol import (
+    ClusterError,
+    Op,
+    PeerFailure,
+    RemoteError,
+    decode,
+    encode,
+    new_socket,
+    new_token,
+)
 
 STALL_INTERVALS = 3  # no loop/tick for this many heartbeat intervals: our own stall
 
@@ -54,14 +66,19 @@ class SchedulerClient:
         # in the I/O loop: poll link.sock; header = link.receive(); link.tick()
     """
 
-    def __init__(self, ctx: Any, env: ClusterEnv, role: str, addr: str = "") -> None:
+    def __init__(self, ctx: Any, env: ClusterEnv, role: str, addr: str = "",
+                 key: ClusterKey | None = None) -> None:
         self.env = env
         self.role = role
         self.addr = addr
+        self.token = new_token()  # this node's connections to servers carry it
         self.sock = new_socket(ctx, zmq.DEALER)
+        connect_as_client(self.sock, key)
         self.sock.connect(env.scheduler_address)
         self.last_seen = time.monotonic()
         self.last_sent = 0.0
+        self.heard = False  # whether the scheduler ever answered
+        self.step = -1  # a worker's highest pushed step, in its heartbeats
         self.tick_clock = LoopClock(env.heartbeat_interval)
 
     def send(self, op: Op, **fields: Any) -> None:
@@ -69,9 +86,12 @@ class SchedulerClient:
         self.last_sent = time.monotonic()
 
     def rendezvous(self) -> dict:
-        """Say HELLO and wait for WELCOME; raises ClusterError on error or timeout."""
+        """Say HELLO and wait for WELCOME; raises ClusterError on error or timeout. A
+        scheduler that starts late is waited for up to ``BPS_TIMEOUT``; the heartbeat
+        rule applies once it has answered."""
         worker_id = self.env.worker_id if self.role == "worker" else self.env.server_id
-        self.send(Op.HELLO, role=self.role, worker_id=worker_id, addr=self.addr)
+        self.send(Op.HELLO, role=self.role, worker_id=worker_id, addr=self.addr,
+                  token=self.token)
         # the scheduler's own rendezvous timeout (which names who is missing) comes first
         deadline = time.monotonic() + self.env.timeout + self.env.heartbeat_timeout
         self.last_seen = time.monotonic()
@@ -81,17 +101,21 @@ class SchedulerClient:
                 header = self.receive()
                 if header["op"] == Op.WELCOME:
                     return header
+        never = "" if self.heard else (" (it never answered: is it running, and does "
+                                       "BPS_SECRET_FILE hold this cluster's key?)")
         raise ClusterError(f"rendezvous with scheduler at {self.env.scheduler_address} "
-                           f"did not complete within {self.env.timeout:g} s (BPS_TIMEOUT)")
+                           f"did not complete within {self.env.timeout:g} s (BPS_TIMEOUT)"
+                           f"{never}")
 
     def receive(self) -> dict:
         """Read one scheduler message; raises ClusterError for ERROR / PEER_DEAD."""
         header = decode(self.sock.recv())
         self.last_seen = time.monotonic()
+        self.heard = True
         if header["op"] == Op.ERROR:
             raise RemoteError(f"scheduler: {header['msg']}")
         if header["op"] == Op.PEER_DEAD:
-            raise ClusterError(header["msg"])
+            raise PeerFailure(header["msg"])
         return header
 
     def tick(self) -> None:
@@ -102,9 +126,9 @@ class SchedulerClient:
         if self.tick_clock.resumed_after_stall(now):
             self.last_seen = now
         if now - self.last_sent >= self.env.heartbeat_interval:
-            self.send(Op.HEARTBEAT)
+            self.send(Op.HEARTBEAT, step=self.step)
         silent = now - self.last_seen
-        if silent > self.env.heartbeat_timeout:
+        if self.heard and silent > self.env.heartbeat_timeout:
             raise ClusterError(f"scheduler at {self.env.scheduler_address} unreachable: "
                                f"no heartbeat for {silent:.1f} s")
 

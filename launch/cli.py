@@ -5,6 +5,7 @@ Usage::
     bpslaunch CMD...                                   # run the role DMLC_ROLE names
     bpslaunch local --workers 2 --servers 1 -- CMD...  # whole cluster on loopback
     bpslaunch netem --nodes 4 --servers 1 --rate 100mbit -- CMD...  # emulated slow network
+    bpslaunch keygen PATH                              # the cluster's key file
 
 ``bpslaunch --help`` (or ``bpslaunch`` alone with no ``DMLC_ROLE`` set) prints
 :data:`USAGE`.
@@ -20,14 +21,16 @@ USAGE = """\
 usage: bpslaunch CMD...                      run the role that DMLC_ROLE names
        bpslaunch local [OPTIONS] -- CMD...  a whole cluster on this machine (loopback)
        bpslaunch netem [OPTIONS] -- CMD...  a whole cluster on emulated hosts (root)
+       bpslaunch keygen PATH                write a cluster key file (BPS_SECRET_FILE)
 
 role from the environment (one process per machine, ps-lite's variables):
+  export BPS_SECRET_FILE=~/.bps/cluster.key   # from `bpslaunch keygen`, on every host
   DMLC_ROLE=scheduler DMLC_NUM_WORKER=2 DMLC_NUM_SERVER=1 \\
       DMLC_PS_ROOT_URI=10.0.0.1 DMLC_PS_ROOT_PORT=9000 bpslaunch
   DMLC_ROLE=worker DMLC_WORKER_ID=0 DMLC_NUM_WORKER=2 DMLC_NUM_SERVER=1 \\
       DMLC_PS_ROOT_URI=10.0.0.1 DMLC_PS_ROOT_PORT=9000 bpslaunch python train.py
 
-local: scheduler, servers and workers on loopback ports
+local: scheduler, servers and workers on loopback ports (a fresh key per job)
   bpslaunch local --workers 2 --servers 1 -- python examples/mnist.py --compressor onebit
 
 netem: one network namespace per host, links shaped with tc
@@ -48,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
         return run(args[1:])
     if args and args[0] == "netem":
         from bps.launch.netem import main as run
+        return run(args[1:])
+    if args and args[0] == "keygen":
+        from bps.launch.keygen import main as run
         return run(args[1:])
     if not args and _role_unset():
         print(USAGE, end="", file=sys.stderr)

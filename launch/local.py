@@ -7,7 +7,9 @@ Usage::
 Starts one scheduler, M servers and N worker nodes of L processes each, on free
 loopback ports; every output line is prefixed with the role and rank (``[server0]``,
 ``[worker1.0]``: node 1, local rank 0). When any process fails all others are stopped
-and bpslaunch exits with its code; Ctrl-C tears everything down. Extra variables
+and bpslaunch exits with its code; Ctrl-C tears everything down. Every process gets
+a fresh cluster key (``BPS_SECRET_FILE``) in a private temporary directory, removed
+when the job ends (none with ``BPS_INSECURE=1``). Extra variables
 (``BPS_TIMEOUT``, ``BYTEPS_PARTITION_BYTES``, ...) are passed through from the
 environment.
 """
@@ -20,6 +22,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
+from bps.auth import job_credentials
 from bps.launch.role import free_port, local_rank_envs
 from bps.launch.supervisor import Supervisor
 
@@ -52,7 +55,8 @@ def main(args: Sequence[str]) -> int:
                 DMLC_NODE_HOST="127.0.0.1", PYTHONUNBUFFERED="1")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     role_cmd = [sys.executable, "-m", "bps.launch.cli"]
-    with Supervisor() as supervisor:
+    with job_credentials(os.environ) as credentials, Supervisor() as supervisor:
+        base.update(credentials)
         supervisor.spawn(role_cmd, {**base, "DMLC_ROLE": "scheduler"}, "scheduler",
                          service=True)
         for server in range(ns.servers):

@@ -28,6 +28,7 @@ import signal
 import sys
 import time
 
+from bps.auth import job_credentials
 from bps.launch.link_shape import LinkShape, NetnsError
 from bps.launch.netns import EmulatedCluster, clean_stale, require_privileges
 from bps.launch.supervisor import Supervisor
@@ -194,7 +195,10 @@ def main(argv: list[str]) -> int:
             _log(f"host {host.name:>5}: {host.ip} (namespace {host.netns})")
         processes = torchrun_processes if args.torchrun else bps_processes
         start = time.monotonic()
-        exit_code = run_processes(list(processes(args, cluster)))
+        with job_credentials(os.environ) as credentials:
+            exit_code = run_processes([(name, argv, {**env, **credentials}, service)
+                                       for name, argv, env, service
+                                       in processes(args, cluster)])
         if args.stats_json:
             write_stats(args.stats_json, args, cluster, time.monotonic() - start, exit_code)
     except NetnsError as exc:

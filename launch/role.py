@@ -20,6 +20,7 @@ import socket
 import sys
 from collections.abc import Mapping, Sequence
 
+from bps.auth import AuthError, load_key
 from bps.env import ClusterEnv, EnvError
 from bps.launch.supervisor import Supervisor
 from bps.server.role import EXIT_BAD_ENV, serve, setup_process
@@ -53,6 +54,12 @@ def main(args: Sequence[str]) -> int:
         print(f"bpslaunch: error: {exc} (`bpslaunch --help` shows the three ways to run)",
               file=sys.stderr)
         return EXIT_BAD_ENV
+    if not env.insecure:  # BPS_INSECURE=1 is announced by the role itself
+        try:
+            load_key(env)
+        except AuthError as exc:
+            print(f"bpslaunch: error: {exc}", file=sys.stderr)
+            return EXIT_BAD_ENV
     setup_process()
     if env.role != "worker":
         return serve(env)

@@ -14,6 +14,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
+from bps.auth import AuthError
 from bps.env import ClusterEnv, EnvError
 
 EXIT_BAD_ENV = 2
@@ -49,4 +50,8 @@ def main(args: Sequence[str] = ()) -> int:
               file=sys.stderr)
         return EXIT_BAD_ENV
     setup_process()
-    return serve(env)
+    try:
+        return serve(env)
+    except AuthError as exc:
+        print(f"bps.server: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_ENV

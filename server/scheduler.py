@@ -14,8 +14,17 @@ worker nodes (local rank 0 only) say HELLO; once ``DMLC_NUM_WORKER`` workers and
 ``BPS_TIMEOUT`` of the first HELLO, everyone registered gets an error naming who is
 missing. Afterwards every
 node heartbeats; a node silent for ``BPS_HEARTBEAT_TIMEOUT`` is declared dead, everyone
-else gets PEER_DEAD naming it, and the scheduler exits non-zero. When every worker has
-said FINALIZE the servers get SHUTDOWN and the scheduler exits 0.
+else gets PEER_DEAD naming it, and the scheduler exits non-zero; so does a node that
+reports FAILED (an exception, a signal, an exit without ``bps.shutdown()``). When every
+worker has said FINALIZE the servers get SHUTDOWN and the scheduler exits 0; workers
+that finish after different numbers of steps, or a worker that pushes a step past the
+last step of one that finished, end the job with an error naming both.
+
+Membership: the ROUTER is a CURVE server (:mod:`bps.auth`), so only holders of the
+cluster key reach it. A node id is bound to the connection that said HELLO first: a
+second HELLO for a taken worker id or server rank, or with a taken token, is refused
+and logged with the peer's address; messages from a connection that did not say HELLO
+are refused the same way.
 """
 
 from __future__ import annotations
@@ -28,11 +37,26 @@ from typing import Any
 
 import zmq
 
+from bps.auth import Guard, load_key
 from bps.env import ClusterEnv
-from bps.protocol import Op, ProtocolError, decode, encode, new_socket
+from bps.protocol import (
+    MAX_HEADER_BYTES,
+    TOKEN_BYTES,
+    Op,
+    ProtocolError,
+    decode,
+    encode,
+    error_text,
+    new_socket,
+)
+from bps.ratelimit import RateLimitedLog
 from bps.scheduler_client import LoopClock
 
 log = logging.getLogger("bps.scheduler")
+refusals = RateLimitedLog(log)
+# replies queued for one connection that does not read them: beyond this the ROUTER
+# drops them (a node has at most a few requests out: HELLO, heartbeat, barrier, finalize)
+PEER_QUEUE = 1000
 
 
 @dataclass
@@ -42,7 +66,11 @@ class _Node:
     rank: int
     addr: str
     last_seen: float
+    token: bytes = b""
+    peer: str = "?"  # the connection's IP address
     finalized: bool = False
+    step: int = -1  # a worker's highest pushed step (heartbeats, FINALIZE)
+    step_since: float = 0.0  # when that step was first reported
 
     @property
     def label(self) -> str:
@@ -60,6 +88,7 @@ class Scheduler:
     nodes: dict[bytes, _Node] = field(default_factory=dict)
     barrier_waiting: dict[int, set[bytes]] = field(default_factory=dict)
     loop_clock: LoopClock = field(init=False)
+    verdict: str | None = None  # why the job must end now (a failed node, mismatched steps)
 
     def __post_init__(self) -> None:
         self.loop_clock = LoopClock(self.env.heartbeat_interval)
@@ -68,8 +97,14 @@ class Scheduler:
         # Its own context unless given one: terminating it on the way out is what makes
         # ZeroMQ send the last SHUTDOWN/BYE/PEER_DEAD before the process exits (pyzmq
         # drops whatever is still queued at interpreter exit, lingering or not).
+        key = load_key(self.env)
         ctx = self.ctx or zmq.Context()
+        guard = Guard(ctx, key)
         self.sock = new_socket(ctx, zmq.ROUTER)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_HEADER_BYTES)
+        self.sock.setsockopt(zmq.SNDHWM, PEER_QUEUE)
+        self.sock.setsockopt(zmq.RCVHWM, PEER_QUEUE)
+        guard.serve(self.sock)
         try:
             try:
                 self.sock.bind(self.env.scheduler_address)
@@ -83,6 +118,7 @@ class Scheduler:
             return self._loop()
         finally:
             self.sock.close(linger=1000)
+            guard.close()
             if self.ctx is None:
                 ctx.term()  # returns once the queued messages are sent, or after the linger
 
@@ -110,10 +146,12 @@ class Scheduler:
         welcomed = False
         while True:
             if self.sock.poll(int(env.heartbeat_interval * 1000)):
-                ident, *frames = self.sock.recv_multipart()
+                ident, *frames = self.sock.recv_multipart(copy=False)
                 if not self.nodes:
                     start = time.monotonic()
-                self._handle(ident, frames, welcomed)
+                self._handle(ident.bytes, frames, welcomed)
+            if self.verdict is not None:
+                return 1
             now = time.monotonic()
             if not welcomed:
                 if self._complete():
@@ -132,10 +170,33 @@ class Scheduler:
                 log.error(msg)
                 self._broadcast(Op.PEER_DEAD, exclude=node.identity, msg=msg)
                 return 1
+            if welcomed:
+                self._check_stalls(now)
+                if self.verdict is not None:
+                    return 1
             if welcomed and all(n.finalized for n in self.nodes.values() if n.role == "worker"):
                 self._broadcast(Op.SHUTDOWN)
                 log.info("all workers finished; servers shut down")
                 return 0
+
+    def _check_stalls(self, now: float) -> None:
+        """A worker that has pushed before but stays behind another worker's step for
+        BPS_HEARTBEAT_TIMEOUT has stopped stepping (its main thread hangs, while its I/O
+        thread still heartbeats): the others wait for a push that does not come."""
+        workers = [n for n in self.nodes.values() if n.role == "worker" and not n.finalized]
+        if len(workers) < 2:
+            return
+        leader = max(workers, key=lambda n: (n.step, -n.step_since))
+        waited = now - leader.step_since
+        if waited <= self.env.heartbeat_timeout:
+            return
+        for node in workers:
+            if 0 <= node.step < leader.step and now - node.step_since > waited - 1e-9:
+                self._fail(f"{node.label} stopped stepping: its last push was of step "
+                           f"{node.step}, {now - node.step_since:.1f} s ago, while "
+                           f"{leader.label} has waited {waited:.1f} s with step {leader.step} "
+                           f"(BPS_HEARTBEAT_TIMEOUT={self.env.heartbeat_timeout:g})")
+                return
 
     def _silent_node(self, now: float) -> _Node | None:
         """A node not finished and silent for more than BPS_HEARTBEAT_TIMEOUT, or None.
@@ -145,7 +206,7 @@ class Scheduler:
         nodes: their silence is counted afresh from now."""
         if self.loop_clock.resumed_after_stall(now):
             for node in self.nodes.values():
-                node.last_seen = now
+                node.last_seen = node.step_since = now
         for node in self.nodes.values():
             if not node.finalized and now - node.last_seen > self.env.heartbeat_timeout:
                 return node
@@ -159,45 +220,118 @@ class Scheduler:
                 node.rank = next(free)
         servers.sort(key=lambda n: n.rank)
         addresses = [n.addr for n in servers]
+        tokens = [n.token for n in sorted((n for n in self.nodes.values() if n.role == "worker"),
+                                          key=lambda n: n.rank)]
         for node in self.nodes.values():
             self._send(node.identity, Op.WELCOME, node_id=node.rank, servers=addresses,
                        num_workers=self.env.num_workers, num_servers=self.env.num_servers,
-                       seed=self.seed)
+                       seed=self.seed, members=tokens if node.role == "server" else [])
         log.info("rendezvous complete: servers %s, job seed %d", addresses, self.seed)
 
-    def _handle(self, ident: bytes, frames: list[bytes], welcomed: bool) -> None:
+    def _refuse(self, ident: bytes, peer: str, msg: str) -> None:
+        msg = error_text(msg)
+        refusals.warning("refused a message from %s: %s", peer, msg)
+        self._send(ident, Op.ERROR, rid=-1, msg=msg)
+
+    def _handle(self, ident: bytes, frames: list[zmq.Frame], welcomed: bool) -> None:
+        peer = _peer(frames[0]) if frames else "?"
         try:
             if len(frames) != 1:
                 raise ProtocolError(f"expected 1 frame, got {len(frames)}")
-            header = decode(frames[0])
+            header = decode(frames[0].bytes)
         except ProtocolError as exc:
-            log.warning("dropping malformed message: %s", exc)
-            self._send(ident, Op.ERROR, rid=-1, msg=f"malformed message: {exc}")
+            self._refuse(ident, peer, f"malformed message: {exc}")
             return
         op = header["op"]
         node = self.nodes.get(ident)
         if node is not None:
             node.last_seen = time.monotonic()
         if op == Op.HELLO:
-            self._hello(ident, header, welcomed)
+            self._hello(ident, peer, header, welcomed)
         elif node is None:
-            self._send(ident, Op.ERROR, rid=-1, msg=f"{op.name} before HELLO")
+            self._refuse(ident, peer, f"{op.name} before HELLO")
         elif op == Op.HEARTBEAT:
             self._send(ident, Op.HEARTBEAT)
+            self._progress(node, header.get("step"))
         elif op == Op.BARRIER:
+            if header["step"] > node.step:
+                node.step, node.step_since = header["step"], time.monotonic()
             self._barrier(node, header["seq"])
         elif op == Op.FINALIZE:
-            node.finalized = True
-            self._send(ident, Op.BYE)
-            log.info("%s finished", node.label)
+            self._finalize(node, header["step"])
+        elif op == Op.FAILED:
+            self._send(ident, Op.BYE)  # the node may exit now: its report arrived
+            self._fail(f"{node.label} failed: {header['msg']}", exclude=node.identity)
         else:
-            self._send(ident, Op.ERROR, rid=-1, msg=f"unexpected op {op.name}")
+            self._refuse(ident, peer, f"unexpected op {op.name}")
 
-    def _hello(self, ident: bytes, header: dict, welcomed: bool) -> None:
+    def _fail(self, msg: str, exclude: bytes | None = None) -> None:
+        """End the job: everyone still running gets PEER_DEAD with ``msg``."""
+        log.error(msg)
+        self._broadcast(Op.PEER_DEAD, exclude=exclude, msg=msg)
+        self.verdict = msg
+
+    def _progress(self, node: _Node, step: object) -> None:
+        """A worker's heartbeat step: past the last step of a worker that finished, the
+        job cannot complete."""
+        if node.role != "worker" or isinstance(step, bool) or not isinstance(step, int):
+            return
+        if step > node.step:
+            node.step, node.step_since = step, time.monotonic()
+        self._check_barriers()
+        if self.verdict is not None:
+            return
+        for other in self.nodes.values():
+            if other.role == "worker" and other.finalized and other.step < node.step:
+                self._fail(f"{node.label} pushed step {node.step}, but {other.label} "
+                           f"finished after step {other.step}: the workers ran different "
+                           f"numbers of steps")
+                return
+
+    def _check_barriers(self) -> None:
+        """A worker waiting in a barrier while another pushes a later step: they will
+        never meet (a barrier is collective; the workers ran different numbers of steps)."""
+        for seq, waiting in self.barrier_waiting.items():
+            inside = [self.nodes[i] for i in waiting if i in self.nodes]
+            for node in inside:
+                ahead = [n for n in self.nodes.values() if n.role == "worker"
+                         and n.identity not in waiting and n.step > node.step]
+                if ahead:
+                    self._fail(f"{node.label} waits in barrier {seq} after step {node.step}, "
+                               f"but {ahead[0].label} pushed step {ahead[0].step}: the "
+                               f"workers ran different numbers of steps")
+                    return
+
+    def _finalize(self, node: _Node, step: int) -> None:
+        node.finalized = True
+        node.step = step
+        self._send(node.identity, Op.BYE)
+        log.info("%s finished (last step %d)", node.label, step)
+        workers = [n for n in self.nodes.values() if n.role == "worker"]
+        done = {n.step for n in workers if n.finalized}
+        ahead = [n for n in workers if n.step > step]
+        if len(done) > 1 or ahead:
+            steps = ", ".join(f"{n.label} {'finished after' if n.finalized else 'is at'} "
+                              f"step {n.step}" for n in workers)
+            self._fail(f"the workers ran different numbers of steps: {steps}")
+            return
+        for seq, waiting in list(self.barrier_waiting.items()):
+            if waiting:  # a barrier that now can never complete
+                labels = [self.nodes[i].label for i in waiting if i in self.nodes]
+                self._fail(f"{node.label} finished while {', '.join(labels)} waited in "
+                           f"barrier {seq}")
+                return
+
+    def _hello(self, ident: bytes, peer: str, header: dict, welcomed: bool) -> None:
         role, worker_id, addr = header["role"], header["worker_id"], header["addr"]
+        token = header["token"]
         error = None
         if welcomed or ident in self.nodes:
             error = "rendezvous already complete" if welcomed else "duplicate HELLO"
+        elif role == "worker" and len(token) != TOKEN_BYTES:
+            error = f"field 'token' has {len(token)} bytes, expected {TOKEN_BYTES}"
+        elif role == "worker" and any(n.token == token for n in self.nodes.values()):
+            error = "token already taken"
         elif role == "worker":
             if not 0 <= worker_id < self.env.num_workers:
                 error = (f"DMLC_WORKER_ID={worker_id} out of range for "
@@ -217,20 +351,36 @@ class Scheduler:
         else:
             error = f"unknown role {role!r}"
         if error:
-            log.error("refusing %s: %s", role, error)
-            self._send(ident, Op.ERROR, rid=-1, msg=error)
+            self._refuse(ident, peer, f"HELLO as {role} {worker_id}: {error}")
             return
-        self.nodes[ident] = _Node(ident, role, rank, addr, time.monotonic())
-        log.info("registered %s", self.nodes[ident].label)
+        self.nodes[ident] = _Node(ident, role, rank, addr, time.monotonic(),
+                                  token=token if role == "worker" else b"", peer=peer)
+        log.info("registered %s (connection from %s)", self.nodes[ident].label, peer)
 
     def _barrier(self, node: _Node, seq: int) -> None:
+        gone = [n.label for n in self.nodes.values() if n.role == "worker" and n.finalized]
+        if gone:
+            self._fail(f"{node.label} entered barrier {seq}, but {', '.join(gone)} already "
+                       f"finished")
+            return
         waiting = self.barrier_waiting.setdefault(seq, set())
         waiting.add(node.identity)
+        self._check_barriers()
+        if self.verdict is not None:
+            return
         workers = {n.identity for n in self.nodes.values() if n.role == "worker"}
         if workers <= waiting:
             for identity in workers:
                 self._send(identity, Op.RELEASE, seq=seq)
             del self.barrier_waiting[seq]
+
+
+def _peer(frame: zmq.Frame) -> str:
+    """The IP address a message came from (ZeroMQ's Peer-Address property)."""
+    try:
+        return frame.get("Peer-Address") or "?"
+    except zmq.ZMQError:
+        return "?"
 
 
 def run_scheduler(env: ClusterEnv) -> int:

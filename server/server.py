@@ -24,6 +24,17 @@ have pushed step s (and every earlier step is done), the server chain gets
 step s is answered with those same bytes. Pushes for later steps accumulate separately,
 so a fast worker's step s+1 never mixes into s. A bad request gets an ERROR reply naming
 the key and field; the server keeps serving everyone else.
+
+Who may ask (see docs/runtime.md, "Security"): the ROUTER is a CURVE server
+(:mod:`bps.auth`), so only holders of the cluster key connect at all. A request counts
+as worker n's only on a connection whose routing id starts with the token the scheduler
+gave worker n at rendezvous; REGISTER and PUSH must name that node, SET_STATE comes
+from worker 0 only. A worker has at most one push per key waiting for its step, and a
+step more than one away from the step in progress is refused. Every bound is checked
+before anything is allocated: frame sizes (``BPS_MAX_MESSAGE_BYTES``, enforced by
+ZeroMQ while it reads), a key's size (half of that), replies queued for one connection
+(:data:`PEER_QUEUE`), requests queued for the engine threads (:data:`INBOX_BYTES`: the
+server stops reading until they catch up), and warnings (rate-limited).
 """
 
 from __future__ import annotations
@@ -41,26 +52,36 @@ import torch
 import zmq
 
 from bps import trace
+from bps.auth import Guard, load_key
 from bps.compressors.base import add_decompressed
 from bps.env import ClusterEnv
 from bps.memory import keep_buffers_in_heap
 from bps.protocol import (
+    TOKEN_BYTES,
     ClusterError,
     Op,
     ProtocolError,
     decode,
     dtype_name,
     encode,
+    error_text,
     new_socket,
     torch_dtype,
 )
+from bps.ratelimit import RateLimitedLog
 from bps.scheduler_client import SchedulerClient
 
 log = logging.getLogger("bps.server")
+refusals = RateLimitedLog(log)
 
 MAX_KEY = 2**63
 MAX_NUMEL = 2**31 - 1
 MAX_PENDING_STEPS = 16
+STEP_WINDOW = 1  # a push's step may differ by at most this from the pending pushes' steps
+PEER_QUEUE = 1024  # replies queued for one connection that does not read (then dropped)
+PEER_INBOUND = 64  # requests ZeroMQ queues per connection before it stops reading it
+INBOX_BYTES = 256 << 20  # payload bytes waiting for the engine threads: read no more
+IO_THREADS = 2  # ZeroMQ I/O threads of the server's context
 OPS_WITH_PAYLOAD = (Op.PUSH, Op.SET_STATE)
 KEY_OPS = (Op.REGISTER, Op.PUSH, Op.PULL, Op.GET_STATE, Op.SET_STATE)
 
@@ -78,6 +99,7 @@ class _Step:
     summed: int = 0  # the pushes of nodes 0 .. summed - 1 are in total
     waiters: list[tuple[bytes, int]] = field(default_factory=list)
     lr: float = 0.0
+    first_lr: tuple[int, float] | None = None  # (node, lr) of the first push to arrive
     first_push_ns: int = 0  # when traced (bps.trace): the first push's arrival
 
     def pushed(self, node: int) -> bool:
@@ -104,6 +126,7 @@ class _Key:
     scratch: torch.Tensor | None = None  # a push widened for the sum, reused every step
     decoded: torch.Tensor | None = None  # a compressed push decoded for the sum, reused
     spare: list[torch.Tensor] = field(default_factory=list)  # sums of finished steps
+    state_blob: bytes | None = None  # GET_STATE's answer until the state changes
 
     def sums_in_place(self) -> bool:
         """Compressed pushes are summed in the key's own dtype (decoded into a reused
@@ -154,6 +177,7 @@ class _KeyEngine(threading.Thread):
         try:
             while (item := self.inbox.get()) is not None:
                 ident, header, payload = item
+                self.server.dequeued(payload)
                 try:
                     self._handle(ident, header, payload)
                 except RequestError as exc:
@@ -166,7 +190,9 @@ class _KeyEngine(threading.Thread):
             self.out.close()
 
     def _error(self, ident: bytes, header: dict, msg: str) -> None:
-        log.warning("refused %s from %r: %s", header["op"].name, ident, msg)
+        msg = error_text(msg)
+        refusals.warning("refused %s from %s: %s", header["op"].name, header.get("peer", "?"),
+                         msg)
         self.out.send_multipart([ident, encode(Op.ERROR, rid=header["rid"], msg=msg)])
 
     def _reply(self, ident: bytes, header: bytes, payload: Any = None) -> None:
@@ -187,10 +213,12 @@ class _KeyEngine(threading.Thread):
         elif op == Op.PULL:
             self._pull(state, ident, header)
         elif op == Op.GET_STATE:
-            sd = {} if state.chain is None else state.chain.state_dict()
-            from bps.compressors import state_to_wire
+            if state.state_blob is None:  # every GET_STATE until the next step shares it
+                sd = {} if state.chain is None else state.chain.state_dict()
+                from bps.compressors import state_to_wire
 
-            blob = msgpack.packb(state_to_wire(sd), use_bin_type=True)
+                state.state_blob = msgpack.packb(state_to_wire(sd), use_bin_type=True)
+            blob = state.state_blob
             self._reply(ident, encode(Op.DATA, rid=header["rid"], key=key, step=state.last_step,
                                       nbytes=len(blob)), blob)
         elif op == Op.SET_STATE:
@@ -207,6 +235,11 @@ class _KeyEngine(threading.Thread):
             dtype = torch_dtype(header["dtype"])
         except ValueError as exc:
             raise RequestError(f"key {key} ({name!r}): {exc}") from None
+        largest = (self.server.env.max_message_bytes - 64) // 2
+        if numel * dtype.itemsize > largest:
+            raise RequestError(f"key {key} ({name!r}): numel={numel} ({numel * dtype.itemsize} "
+                               f"bytes) is larger than a key may be ({largest} bytes: half of "
+                               f"BPS_MAX_MESSAGE_BYTES={self.server.env.max_message_bytes})")
         params = header["params"]
         existing = self.keys.get(key)
         if existing is not None:
@@ -258,12 +291,29 @@ class _KeyEngine(threading.Thread):
             raise RequestError(f"key {state.key} ({state.name!r}): step {step} is too far "
                                f"ahead: {MAX_PENDING_STEPS} steps already pending")
 
-    def _check_push(self, state: _Key, pending: _Step | None, node: int, step: int) -> None:
-        """A push of ``step`` by worker ``node`` is neither stale nor a repeat."""
+    def _check_push(self, state: _Key, pending: _Step | None, node: int, step: int,
+                    lr: float) -> None:
+        """A push of ``step`` by worker ``node`` is neither stale nor a repeat, the node
+        has no other push of this key waiting, the step is within STEP_WINDOW of the
+        other pending pushes' steps, and its learning rate is that of the step's first."""
+        where = f"key {state.key} ({state.name!r})"
         self._check_step(state, step)
         if pending is not None and pending.pushed(node):
-            raise RequestError(f"key {state.key} ({state.name!r}): worker {node} pushed "
-                               f"step {step} twice")
+            raise RequestError(f"{where}: worker {node} pushed step {step} twice")
+        for other, waiting in state.steps.items():
+            if other == step or not waiting.started():
+                continue
+            if waiting.pushed(node):
+                raise RequestError(f"{where}: worker {node} pushed step {step} while its "
+                                   f"push of step {other} still waits for the other workers")
+            if abs(step - other) > STEP_WINDOW:
+                raise RequestError(f"{where}: step {step} is more than {STEP_WINDOW} step "
+                                   f"away from step {other}, which other workers pushed")
+        if pending is not None and pending.first_lr is not None and pending.first_lr[1] != lr:
+            first_node, first_lr = pending.first_lr
+            raise RequestError(f"{where} step {step}: worker {node} pushed learning rate "
+                               f"{lr!r}, but worker {first_node} pushed {first_lr!r} for the "
+                               f"same step (the workers' learning rates differ)")
 
     def _push(self, state: _Key, ident: bytes, header: dict, payload: zmq.Frame) -> None:
         node, step = header["node"], header["step"]
@@ -285,8 +335,10 @@ class _KeyEngine(threading.Thread):
         if state.chain is not None and header["nbytes"] > 2 * raw_bytes + 64:
             raise RequestError(f"{where}: compressed payload of {header['nbytes']} bytes is "
                                "larger than any encoding")
-        self._check_push(state, state.steps.get(step), node, step)
+        self._check_push(state, state.steps.get(step), node, step, float(header["lr"]))
         pending = state.steps.setdefault(step, _Step())
+        if pending.first_lr is None:
+            pending.first_lr = (node, float(header["lr"]))
         tracer = self.server.tracer
         if tracer is not None and tracer.at(step):
             pending.first_push_ns = pending.first_push_ns or time.monotonic_ns()
@@ -370,6 +422,7 @@ class _KeyEngine(threading.Thread):
                                     bytes=total.numel() * total.element_size())
             del state.steps[step]
             state.last_step, state.last_payload = step, total
+            state.state_blob = None
             self._send_data(state, step, pending.waiters)
 
     def _send_data(self, state: _Key, step: int, waiters: list[tuple[bytes, int]]) -> None:
@@ -394,6 +447,7 @@ class _KeyEngine(threading.Thread):
                                    f"{type(exc).__name__}: {exc}") from None
         state.steps.clear()
         state.last_step, state.last_payload = -1, None
+        state.state_blob = None
 
 
 class ParameterServer:
@@ -401,26 +455,46 @@ class ParameterServer:
 
     def __init__(self, env: ClusterEnv, ctx: Any = None) -> None:
         self.env = env
-        self.ctx = ctx or zmq.Context.instance()
+        # CURVE encrypts and decrypts in ZeroMQ's I/O threads, per connection: two let
+        # the workers' connections run in parallel
+        self.ctx = ctx or zmq.Context.instance(io_threads=IO_THREADS)
         self.num_workers = env.num_workers
         self.tracer: trace.Tracer | None = None  # set at rendezvous where BYTEPS_TRACE_ON=1
         self.replies_address = f"inproc://bps-server-replies-{id(self)}"
+        self.members: dict[bytes, int] = {}  # worker token -> node id (from WELCOME)
+        self._queued = 0  # payload bytes in the engines' inboxes
+        self._queued_lock = threading.Lock()
+
+    def dequeued(self, payload: zmq.Frame | None) -> None:
+        """An engine took a request off its inbox (called from engine threads)."""
+        if payload is not None:
+            with self._queued_lock:
+                self._queued -= len(payload)
 
     def run(self) -> int:
         # parallelism comes from the engine threads; torch's own thread pool would only
         # add spinning OpenMP workers competing for the same cores
         torch.set_num_threads(1)
         keep_buffers_in_heap()
+        key = load_key(self.env)
+        guard = Guard(self.ctx, key)
         router = new_socket(self.ctx, zmq.ROUTER)
+        router.setsockopt(zmq.MAXMSGSIZE, self.env.max_message_bytes)
+        router.setsockopt(zmq.SNDHWM, PEER_QUEUE)
+        router.setsockopt(zmq.RCVHWM, PEER_INBOUND)
+        guard.serve(router)
         port = router.bind_to_random_port(f"tcp://{self.env.node_host}")
         address = f"tcp://{self.env.node_host}:{port}"
         replies = new_socket(self.ctx, zmq.PULL)
         replies.bind(self.replies_address)
-        link = SchedulerClient(self.ctx, self.env, "server", address)
+        link = SchedulerClient(self.ctx, self.env, "server", address, key=key)
+        log.info("server listening on %s (%s), waiting for the rendezvous", address,
+                 "CURVE" if key is not None else "INSECURE: plain TCP")
         engines = [_KeyEngine(self, i) for i in range(self.env.server_threads)]
         try:
             welcome = link.rendezvous()
             self.num_workers = welcome["num_workers"]
+            self.members = {bytes(token): node for node, token in enumerate(welcome["members"])}
             self.tracer = trace.from_env(self.env, f"server{welcome['node_id']}")
             log.info("server %d serving on %s", welcome["node_id"], address)
             for engine in engines:
@@ -438,8 +512,10 @@ class ParameterServer:
             link.close()
             replies.close()
             router.close()
+            guard.close()
             if self.tracer is not None:
                 self.tracer.save()
+            log.info("server at %s: peak resident memory %.0f MB", address, peak_rss_mb())
 
     def _loop(self, router: Any, replies: Any, link: SchedulerClient,
               engines: list[_KeyEngine]) -> int:
@@ -449,14 +525,23 @@ class ParameterServer:
         for sock in (router, replies, link.sock):
             poller.register(sock, zmq.POLLIN)
         timeout_ms = int(self.env.heartbeat_interval * 1000)
+        reading = True
         while True:
-            for sock, _ in poller.poll(timeout_ms):
+            # the engines are INBOX_BYTES behind: stop reading (ZeroMQ then stops reading
+            # the connections) until they catch up; replies and heartbeats go on
+            behind = self._queued > INBOX_BYTES
+            if behind == reading:
+                reading = not behind
+                poller.modify(router, zmq.POLLIN if reading else 0)
+            for sock, _ in poller.poll(timeout_ms if reading else 10):
                 if sock is replies:
                     for frames in _drain(replies):
                         router.send_multipart(frames, copy=False)
                 elif sock is router:
                     for frames in _drain(router):
                         self._dispatch(router, frames, owner, next_engine)
+                        if self._queued > INBOX_BYTES:
+                            break
                 elif link.receive()["op"] == Op.SHUTDOWN:
                     log.info("shutdown requested by the scheduler")
                     return 0
@@ -465,14 +550,18 @@ class ParameterServer:
     def _dispatch(self, router: Any, frames: list[zmq.Frame], owner: dict,
                   next_engine: Any) -> None:
         ident = frames[0].bytes
+        peer = _peer(frames[-1])
         rid = -1
         try:
             if len(frames) < 2:
                 raise ProtocolError("message without header frame")
             header = decode(frames[1].bytes)
             rid = header.get("rid", -1)
-            if header["op"] not in KEY_OPS:
-                raise ProtocolError(f"op {header['op'].name} is not a server request")
+            op = header["op"]
+            if op not in KEY_OPS:
+                raise ProtocolError(f"op {op.name} is not a server request")
+            self._check_member(ident, header)
+            header["peer"] = peer
             payloads = frames[2:]
             expected = 1 if header["op"] in OPS_WITH_PAYLOAD else 0
             if len(payloads) != expected:
@@ -488,11 +577,30 @@ class ParameterServer:
                     raise ProtocolError(f"key {header['key']}: unknown key (not declared)")
                 engine = owner[header["key"]] = next(next_engine)
         except ProtocolError as exc:
-            log.warning("refused message from %r: %s", ident, exc)
+            msg = error_text(str(exc))
+            refusals.warning("refused a message from %s: %s", peer, msg)
             rid = rid if isinstance(rid, int) and not isinstance(rid, bool) else -1
-            router.send_multipart([ident, encode(Op.ERROR, rid=rid, msg=str(exc))])
+            router.send_multipart([ident, encode(Op.ERROR, rid=rid, msg=msg)])
             return
+        if payloads:
+            with self._queued_lock:
+                self._queued += len(payloads[0])
         engine.inbox.put((ident, header, payloads[0] if payloads else None))
+
+    def _check_member(self, ident: bytes, header: dict) -> None:
+        """The request comes from a connection of the worker it speaks for."""
+        op, key = header["op"], header["key"]
+        node = self.members.get(ident[:TOKEN_BYTES])
+        if node is None:
+            raise ProtocolError(f"{op.name} key {key}: this connection belongs to no worker "
+                                f"of this job")
+        claimed = header.get("node", node)
+        if op in (Op.REGISTER, Op.PUSH) and claimed != node:
+            raise ProtocolError(f"{op.name} key {key} as worker {claimed!r} on a connection "
+                                f"of worker {node}")
+        if op == Op.SET_STATE and node != 0:
+            raise ProtocolError(f"SET_STATE key {key} from worker {node}: only worker 0 "
+                                f"restores the servers' state (load_state_dict)")
 
 
 def _drain(sock: Any, limit: int = 256) -> Any:
@@ -502,6 +610,21 @@ def _drain(sock: Any, limit: int = 256) -> Any:
             yield sock.recv_multipart(zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return
+
+
+def _peer(frame: zmq.Frame) -> str:
+    """The IP address a message came from (ZeroMQ's Peer-Address property)."""
+    try:
+        return frame.get("Peer-Address") or "?"
+    except zmq.ZMQError:
+        return "?"
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory in MB (Linux reports kilobytes)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def run_server(env: ClusterEnv) -> int:

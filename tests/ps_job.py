@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import threading
 
 import msgpack
@@ -69,14 +70,27 @@ def compressed_keys(seed: int = 12345) -> list[tuple[int, int, str, dict | None]
 KEY_TABLES = {"raw": raw_keys, "compressed": compressed_keys}
 
 
-def probe_server(address: str, known_key: int, node: int) -> dict[str, str]:
+def member_socket(engine, address: str, suffix: bytes | None) -> zmq.Socket:
+    """A DEALER to ``address`` holding the cluster key; with ``suffix``, its routing id
+    carries ``engine``'s token, so the server takes it as that worker's connection."""
+    from bps.auth import connect_as_client
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    if suffix is not None:  # unique: a ROUTER ignores a second peer with a routing id in use
+        sock.setsockopt(zmq.ROUTING_ID, engine.token + suffix + os.urandom(4))
+    connect_as_client(sock, engine.key)
+    sock.connect(address)
+    return sock
+
+
+def probe_server(engine, address: str, known_key: int, node: int) -> dict[str, str]:
     """Send malformed messages to one server; returns name -> error text of the reply."""
     from bps.protocol import PROTOCOL_VERSION, Op, decode, encode
 
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(address)
+    sock = member_socket(engine, address, b"probe")
+    stranger = member_socket(engine, address, None)  # holds the key, is no worker
     push = {"rid": 1, "key": known_key, "step": 0, "node": node, "dtype": "float32",
             "numel": 16384, "nbytes": 8, "lr": 0.1}
     bad_version = msgpack.packb({"v": PROTOCOL_VERSION + 1, "op": int(Op.PULL), "rid": 1,
@@ -100,6 +114,11 @@ def probe_server(address: str, known_key: int, node: int) -> dict[str, str]:
                        b"\0" * 65536],
         "bad_dtype_register": [encode(Op.REGISTER, rid=1, key=424242, numel=4, dtype="int8",
                                       name="junk", params=None, node=0)],
+        "huge_register": [encode(Op.REGISTER, rid=1, key=424243, numel=2**28, dtype="float32",
+                                 name="huge", params={"compressor": "onebit", "ef": "vanilla"},
+                                 node=0)],
+        "as_other_node": [encode(Op.PUSH, **{**push, "node": 1, "nbytes": 65536}),
+                          b"\0" * 65536],
     }
     replies = {}
     for name, frames in probes.items():
@@ -109,7 +128,19 @@ def probe_server(address: str, known_key: int, node: int) -> dict[str, str]:
             continue
         header = decode(sock.recv_multipart()[0])
         replies[name] = f"{header['op'].name}: {header.get('msg', '')}"
+    # a connection that holds the key but belongs to no worker is refused every request
+    for name, frames in {"stranger_push": probes["wrong_raw_size"][:1] + [b"\0" * 65536],
+                         "stranger_pull": [encode(Op.PULL, rid=1, key=known_key, step=0)],
+                         "stranger_get_state": [encode(Op.GET_STATE, rid=1, key=known_key)],
+                         "stranger_register": probes["bad_dtype_register"]}.items():
+        stranger.send_multipart(frames)
+        if not stranger.poll(10_000):
+            replies[name] = "<no reply>"
+            continue
+        header = decode(stranger.recv_multipart()[0])
+        replies[name] = f"{header['op'].name}: {header.get('msg', '')}"
     sock.close()
+    stranger.close()
     return replies
 
 
@@ -124,24 +155,23 @@ def order_values(node: int) -> torch.Tensor:
     return torch.full((ORDER_NUMEL,), [1.0, 1e8, -1e8][node % 3])
 
 
-def order_probe(address: str, workers: int) -> dict:
-    """Push one step of two fresh keys as every node, highest node first, through one
-    socket (so the server receives them in that order); returns what came back.
+def order_probe(engine, address: str, workers: int) -> dict:
+    """Every node pushes one step of two fresh keys from its own connection, highest node
+    first (each waits for its ACK, then a barrier lets the next go, so the server receives
+    them in that order); returns what came back to this node.
 
-    ``raw``: the raw key's aggregate. ``refused``: for the topk key, where node 1's
-    first push is garbage: the replies to it (ACK, as it waits for node 0, then ERROR
-    once it is decoded) and the aggregate after node 1 pushes again."""
+    ``raw``: the raw key's aggregate. For the topk key node 1's first push is garbage:
+    ``refused`` (node 1) holds the replies to it (ACK, as it waits for node 0, then ERROR
+    once it is decoded); ``topk`` is the aggregate after node 1 pushed again."""
     from bps.compressors import build
     from bps.config import validate_compression_params
     from bps.protocol import Op, decode, encode
 
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(address)
+    node = engine.node_id
+    sock = member_socket(engine, address, b"order")
     rid = iter(range(100, 10**6))
 
-    def request(frames: list, until: set) -> list[tuple[dict, list]]:
-        sock.send_multipart(frames)
+    def receive(until: set) -> list[tuple[dict, list]]:
         replies = []
         while not replies or replies[-1][0]["op"].name not in until:
             if not sock.poll(10_000):
@@ -150,45 +180,59 @@ def order_probe(address: str, workers: int) -> dict:
             replies.append((decode(header), payload))
         return replies
 
-    def push(key: int, node: int, body: bytes, until: set) -> list[tuple[dict, list]]:
-        return request([encode(Op.PUSH, rid=next(rid), key=key, step=0, node=node,
-                               dtype="float32", numel=ORDER_NUMEL, nbytes=len(body), lr=0.1),
-                        body], until)
+    def push(key: int, body: bytes, until: set) -> list[tuple[dict, list]]:
+        sock.send_multipart([encode(Op.PUSH, rid=next(rid), key=key, step=0, node=node,
+                                    dtype="float32", numel=ORDER_NUMEL, nbytes=len(body),
+                                    lr=0.1), body])
+        return receive(until)
+
+    def turns(order: list[int], action) -> None:
+        """``action()`` on node ``order[0]``, then a barrier, then the next node..."""
+        for turn in order:
+            if turn == node:
+                action()
+            engine.barrier()
 
     params = validate_compression_params({"compressor": "topk", "k": ORDER_NUMEL})
     topk = build(params, ORDER_NUMEL, torch.float32, role="worker")
     for key, key_params in ((ORDER_KEY, None), (ORDER_KEY + 1, params)):
-        request([encode(Op.REGISTER, rid=next(rid), key=key, numel=ORDER_NUMEL,
-                        dtype="float32", name=f"order{key}", params=key_params, node=0)],
-                {"OK"})
-    result: dict = {}
-    for node in reversed(range(workers)):
-        body = order_values(node).numpy().tobytes()
-        replies = push(ORDER_KEY, node, body, {"DATA"} if node == 0 else {"ACK"})
-    result["raw"] = torch.frombuffer(bytearray(replies[-1][1][0]), dtype=torch.float32)
-    encoded = {node: topk.compress(order_values(node)).numpy().tobytes()
-               for node in range(workers)}
-    refused = push(ORDER_KEY + 1, 1, os.urandom(7), {"ACK"})
-    garbage = refused[-1][0]["rid"]
-    for node in reversed(range(2, workers)):
-        push(ORDER_KEY + 1, node, encoded[node], {"ACK"})
-    refused += push(ORDER_KEY + 1, 0, encoded[0], {"ERROR"})
-    replies = push(ORDER_KEY + 1, 1, encoded[1], {"DATA"})
+        sock.send(encode(Op.REGISTER, rid=next(rid), key=key, numel=ORDER_NUMEL,
+                         dtype="float32", name=f"order{key}", params=key_params, node=node))
+        receive({"OK"})
+    engine.barrier()
+    mine = order_values(node).numpy().tobytes()
+    turns(list(reversed(range(workers))), lambda: push(ORDER_KEY, mine, {"ACK"}))
+    result: dict = {"raw": torch.frombuffer(bytearray(receive({"DATA"})[-1][1][0]),
+                                            dtype=torch.float32)}
+    encoded = topk.compress(order_values(node)).numpy().tobytes()
+    refused: list = []
+    turns([1], lambda: refused.extend(push(ORDER_KEY + 1, os.urandom(7), {"ACK"})))
+    turns([n for n in reversed(range(workers)) if n != 1],
+          lambda: push(ORDER_KEY + 1, encoded, {"ACK"}))
+    if node == 1:  # decoded once node 0 is in: refused after its ACK
+        refused += receive({"ERROR"})
+        replies = push(ORDER_KEY + 1, encoded, {"DATA"})
+    else:
+        replies = receive({"DATA"})
+    if node == 1:  # only worker 0 restores the servers' state
+        sock.send_multipart([encode(Op.SET_STATE, rid=next(rid), key=ORDER_KEY + 1, nbytes=1),
+                             b"\0"])
+        result["set_state"] = receive({"ERROR"})[-1][0]["msg"]
+    garbage = refused[0][0]["rid"] if refused else None
     result["refused"] = [(h["op"].name, h.get("msg", "")) for h, _ in refused
                          if h["rid"] == garbage]
     result["topk"] = topk.decompress(torch.frombuffer(bytearray(replies[-1][1][0]),
                                                       dtype=torch.uint8))
+    engine.barrier()
     sock.close()
     return result
 
 
-def garbage_push(address: str, key: int, numel: int) -> str:
+def garbage_push(engine, address: str, key: int, numel: int) -> str:
     """PUSH 7 random bytes as a compressed payload; returns the reply's text."""
     from bps.protocol import Op, decode, encode
 
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(address)
+    sock = member_socket(engine, address, b"garbage")
     sock.send_multipart([encode(Op.PUSH, rid=9, key=key, step=0, node=0, dtype="float32",
                                 numel=numel, nbytes=7, lr=0.1), os.urandom(7)])
     reply = decode(sock.recv_multipart()[0]) if sock.poll(10_000) else {"msg": "<no reply>"}
@@ -196,13 +240,11 @@ def garbage_push(address: str, key: int, numel: int) -> str:
     return reply["msg"]
 
 
-def pull_bytes(address: str, key: int, step: int) -> bytes:
-    """A raw PULL of a finished step, from a fresh connection."""
+def pull_bytes(engine, address: str, key: int, step: int) -> bytes:
+    """A raw PULL of a finished step, from a fresh connection of this worker."""
     from bps.protocol import Op, decode, encode
 
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(address)
+    sock = member_socket(engine, address, b"pull")
     sock.send(encode(Op.PULL, rid=5, key=key, step=step))
     if not sock.poll(10_000):
         raise RuntimeError(f"no reply to PULL of key {key}")
@@ -210,6 +252,73 @@ def pull_bytes(address: str, key: int, step: int) -> bytes:
     sock.close()
     assert decode(header)["op"].name == "DATA", decode(header)
     return payload[0]
+
+
+def fuzz_frames(rng: random.Random, keys: list[int]) -> list[bytes]:
+    """One fuzzed message: garbage, a real op with random or hostile field values, wrong
+    frame counts, huge declared sizes, far-future steps, REGISTERs of huge keys."""
+    from bps.protocol import FIELDS, PROTOCOL_VERSION, Op
+
+    def value() -> object:
+        return rng.choice([0, -1, 1, 2**31, 2**63 - 1, -(2**63), 2**64 - 1, 1.5, float("nan"),
+                           "", "x" * rng.randrange(300), b"\0" * rng.randrange(64), None,
+                           True, [], {}, {"compressor": "onebit", "ef": "vanilla"},
+                           rng.choice(keys), rng.randrange(-5, 50), "float32", 10**9])
+    kind = rng.randrange(8)
+    if kind == 0:
+        return [os.urandom(rng.randrange(0, 128))]
+    if kind == 1:
+        return [os.urandom(rng.randrange(1, 64)) for _ in range(rng.randrange(2, 5))]
+    op = rng.choice(list(Op))
+    header = {"v": PROTOCOL_VERSION if rng.random() < 0.9 else rng.randrange(5), "op": int(op)}
+    for name in FIELDS[op]:
+        if rng.random() < 0.9:
+            header[name] = value()
+    if kind in (2, 3) and op in FIELDS:  # a plausible request with one field off
+        header.update(rid=rng.randrange(10**6), key=rng.choice(keys), step=rng.randrange(-2, 10**6),
+                      node=rng.randrange(-1, 3), dtype="float32", numel=rng.choice([16384, 2**28]),
+                      nbytes=rng.choice([65536, 2**33, 0]), lr=0.1, name="f", params=None)
+    try:
+        frame = msgpack.packb(header, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError):
+        frame = os.urandom(16)
+    payloads = [os.urandom(rng.choice([0, 1, 7, 65536]))] if rng.random() < 0.5 else []
+    return [frame, *payloads]
+
+
+def fuzz(engine, count: int, seed: int) -> dict:
+    """``count`` fuzzed messages from a connection that holds the cluster key but belongs
+    to no worker, spread over every server and the scheduler and never read (their replies
+    pile up on the other side); plus floods of GET_STATE and PULL of real keys from this
+    worker's own connection, also never read, and a frame over the size limit."""
+    from bps.env import ClusterEnv
+    from bps.protocol import Op, encode
+
+    rng = random.Random(seed)
+    env = ClusterEnv.from_environ()
+    targets = [member_socket(engine, address, None) for address in engine.servers]
+    targets.append(member_socket(engine, env.scheduler_address, None))
+    keys = list(engine.placement.servers) + [987654321]
+    sent = 0
+    for i in range(count):
+        sock = targets[i % len(targets)]
+        try:
+            sock.send_multipart(fuzz_frames(rng, keys), zmq.NOBLOCK)
+            sent += 1
+        except zmq.Again:
+            pass
+    own = [member_socket(engine, address, b"flood") for address in engine.servers]
+    for server, sock in enumerate(own):
+        known = next(k for k in engine.placement.servers if engine.placement.servers[k] == server)
+        for rid in range(1000):
+            sock.send(encode(Op.GET_STATE, rid=rid, key=known), zmq.NOBLOCK)
+            sock.send(encode(Op.PULL, rid=rid, key=known, step=0), zmq.NOBLOCK)
+    oversized = b"\0" * (env.max_message_bytes + 1)
+    for sock in targets[:-1]:
+        sock.send_multipart([encode(Op.PULL, rid=1, key=keys[0], step=0), oversized])
+    for sock in targets + own:
+        sock.close(linger=60_000)  # returns once all of it went out
+    return {"sent": sent}
 
 
 def loop(kill_pid: int, kill_at: int) -> None:
@@ -228,16 +337,57 @@ def loop(kill_pid: int, kill_at: int) -> None:
         engine.push_pull(7, torch.ones(1000), step, 0.1).result()
 
 
+def train(fail_node: int, how: str, at: int) -> None:
+    """A small DistributedTrainer job (bps.init) that runs until something fails; worker
+    ``fail_node`` ends at step ``at`` as ``how`` says: ``raise`` (an exception), ``exit``
+    (sys.exit(3)), ``interrupt`` (SIGINT, as Ctrl-C), ``stop`` (SIGSTOP), ``hang`` (the
+    main thread stops, the process lives on), ``finish`` (bps.shutdown() after fewer
+    steps than the others)."""
+    import signal
+    import sys
+
+    import bps
+
+    bps.init()
+    model = torch.nn.Linear(8, 1)
+    trainer = bps.DistributedTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    steps = at if how == "finish" and bps.rank() == fail_node else 10**6
+    for step in range(steps):
+        if bps.rank() == fail_node and step == at:
+            print(f"worker {fail_node}: {how} at step {step}", flush=True)
+            if how == "raise":
+                raise RuntimeError(f"boom at step {step}")
+            if how == "exit":
+                sys.exit(3)
+            if how in ("interrupt", "stop"):
+                os.kill(os.getpid(), signal.SIGINT if how == "interrupt" else signal.SIGSTOP)
+            if how == "hang":
+                threading.Event().wait()
+        trainer.zero_grad()
+        model(torch.ones(4, 8)).sum().backward()
+        trainer.step()
+    trainer.close()
+    bps.shutdown()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--case", choices=sorted(KEY_TABLES) + ["loop"], default="raw")
+    parser.add_argument("--case", choices=sorted(KEY_TABLES) + ["loop", "train"],
+                        default="raw")
+    parser.add_argument("--fail", nargs=3, metavar=("NODE", "HOW", "STEP"),
+                        help="train: worker NODE ends at STEP as HOW says (see train())")
     parser.add_argument("--kill-pid", type=int, default=0,
                         help="loop: SIGKILL this pid (0: ourselves) once --kill-at is reached")
     parser.add_argument("--kill-at", type=int, default=-1, help="loop: step of the kill")
+    parser.add_argument("--fuzz", type=int, default=0,
+                        help="node 0: send this many fuzzed messages while the job runs")
     args = parser.parse_args()
     if args.case == "loop":
         loop(args.kill_pid, args.kill_at)
+        return
+    if args.case == "train":
+        train(int(args.fail[0]), args.fail[1], int(args.fail[2]))
         return
 
     from bps.env import ClusterEnv
@@ -259,12 +409,19 @@ def main() -> None:
         def probe_all() -> None:
             for server, address in enumerate(engine.servers):
                 known = next(k for k, *_ in keys if engine.placement.servers[k] == server)
-                probes[server] = probe_server(address, known, node)
+                probes[server] = probe_server(engine, address, known, node)
         prober = threading.Thread(target=probe_all)
         prober.start()
-        order = order_probe(engine.servers[0], env.num_workers)
+    fuzzed: dict = {}
+    fuzzer = None
+    if node == 0 and args.fuzz:
+        fuzzer = threading.Thread(target=lambda: fuzzed.update(fuzz(engine, args.fuzz, 7)))
+        fuzzer.start()
+    if args.case == "raw":
+        order = order_probe(engine, engine.servers[0], env.num_workers)
     if node == 0 and args.case == "compressed":
-        probes = {key: garbage_push(engine.servers[engine.placement.servers[key]], key, numel)
+        probes = {key: garbage_push(engine, engine.servers[engine.placement.servers[key]], key,
+                                    numel)
                   for key, numel, *_ in keys}
     results, in_place, bad_out = {}, {}, ""
     if args.case == "compressed":
@@ -291,6 +448,8 @@ def main() -> None:
     stats = engine.stats
     if prober is not None:
         prober.join()
+    if fuzzer is not None:
+        fuzzer.join()
     if args.case == "compressed":
         # a step that is then undone: state_dict, a garbage step, load_state_dict, the
         # real step STEPS must come out as if the garbage never happened
@@ -309,7 +468,8 @@ def main() -> None:
         for key, *_ in keys:
             address = engine.servers[engine.placement.servers[key]]
             final = max(step for k, step in results if k == key)
-            last[key] = (pull_bytes(address, key, final), pull_bytes(address, key, final))
+            last[key] = (pull_bytes(engine, address, key, final),
+                         pull_bytes(engine, address, key, final))
     engine.barrier()
     mismatch = ""
     if node == 0:
@@ -326,7 +486,7 @@ def main() -> None:
                 "placement": dict(engine.placement.servers),
                 "loads": list(engine.placement.loads), "probes": probes, "last": last,
                 "mismatch": mismatch, "stats": stats.__dict__, "servers": engine.servers,
-                "order": order},
+                "order": order, "fuzzed": fuzzed},
                os.path.join(args.out, f"node{node}.pt"))
 
 

@@ -94,7 +94,7 @@ def test_a_held_push_that_cannot_be_decoded_is_refused_after_its_ack(
         raw_run: list[dict]) -> None:
     # node 1's garbage waited (ACK) for node 0; decoded then, it got an ERROR, and the
     # step was summed once node 1 pushed again (test above)
-    (first, _), (second, message) = raw_run[0]["order"]["refused"]
+    (first, _), (second, message) = raw_run[1]["order"]["refused"]
     assert (first, second) == ("ACK", "ERROR")
     assert f"key {ORDER_KEY + 1}" in message and "cannot decode payload" in message
 
@@ -104,6 +104,11 @@ def test_pulls_of_a_step_get_the_same_bytes(raw_run: list[dict]) -> None:
     for key, (first, second) in node0["last"].items():
         assert first == second
         assert first == node0["results"][(key, STEPS - 1)].view(torch.uint8).numpy().tobytes()
+
+
+def test_only_worker_0_restores_server_state(raw_run: list[dict]) -> None:
+    message = raw_run[1]["order"]["set_state"]
+    assert "SET_STATE" in message and "only worker 0 restores" in message, message
 
 
 def test_placement_identical_and_balanced(raw_run: list[dict]) -> None:
@@ -128,10 +133,16 @@ def test_malformed_messages_get_errors_and_server_keeps_serving(raw_run: list[di
         "wrong_raw_size": "raw payload of 8 bytes, expected 65536",
         "wrong_numel": "push numel 5 differs",
         "wrong_dtype": "push dtype 'float64' differs",
-        "bad_node": "field 'node'=77 out of range",
+        "bad_node": "as worker 77 on a connection of worker 0",
         "no_payload": "0 payload frames, expected 1",
         "stale_step": "step -5 already completed",
         "bad_dtype_register": "dtype 'int8' not one of",
+        "huge_register": "numel=268435456 (1073741824 bytes) is larger than a key may be",
+        "as_other_node": "as worker 1 on a connection of worker 0",
+        "stranger_push": "belongs to no worker of this job",
+        "stranger_pull": "belongs to no worker of this job",
+        "stranger_get_state": "belongs to no worker of this job",
+        "stranger_register": "belongs to no worker of this job",
     }
     probes = raw_run[0]["probes"]
     assert sorted(probes) == [0, 1]

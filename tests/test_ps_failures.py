@@ -107,3 +107,82 @@ def test_missing_worker_times_out_naming_it(cluster) -> None:
         code, out = c.wait(name, EXIT_WITHIN)
         assert code != 0, (name, out)
         assert "rendezvous timed out" in out and "workers missing: [1]" in out, (name, out)
+
+
+def train_job(c, failing: int, how: str, at: int = 3) -> None:
+    c.start("scheduler", ROLE, DMLC_ROLE="scheduler")
+    c.start("server0", ROLE, DMLC_ROLE="server")
+    for node in range(2):
+        c.start(f"worker{node}", [sys.executable, JOB, "--out", str(c.tmp_path), "--case",
+                                  "train", "--fail", str(failing), how, str(at)],
+                DMLC_ROLE="worker", DMLC_WORKER_ID=str(node))
+
+
+@pytest.mark.parametrize(("how", "named"), [
+    ("raise", "worker 1 at 127.0.0.1 failed: RuntimeError: boom at step 3"),
+    ("exit", "worker 1 at 127.0.0.1 failed: the process exited without calling bps.shutdown()"),
+    ("interrupt", "worker 1 at 127.0.0.1 failed: KeyboardInterrupt"),
+])
+def test_a_worker_that_fails_is_named_by_everyone(cluster, how: str, named: str) -> None:
+    """An exception, sys.exit(3) or Ctrl-C in worker 1 outside bpslaunch local: it tells
+    the scheduler it failed (not that it finished), and every other process stops at once
+    with an error naming it, instead of waiting for its next push."""
+    c = cluster(workers=2, servers=1)
+    train_job(c, 1, how)
+    code, out = c.wait("worker1", EXIT_WITHIN)
+    assert code != 0, out
+    for name in ("scheduler", "server0", "worker0"):
+        code, out = c.wait(name, HEARTBEAT_TIMEOUT + 30)
+        assert code != 0, (name, out)
+        assert named in out, (name, out)
+    scheduler_log = c.wait("scheduler", 1)[1]
+    assert "worker 0 at 127.0.0.1 died" not in scheduler_log  # never the healthy one
+    assert "worker 0 at 127.0.0.1 failed" not in scheduler_log
+
+
+def test_a_stopped_worker_is_named_by_everyone(cluster) -> None:
+    """SIGSTOP: the process stays but sends nothing; the heartbeat rule names it."""
+    c = cluster(workers=2, servers=1)
+    train_job(c, 1, "stop")
+    for name in ("scheduler", "server0", "worker0"):
+        code, out = c.wait(name, EXIT_WITHIN)
+        assert code != 0, (name, out)
+        assert "worker 1 at 127.0.0.1 died: no heartbeat" in out, (name, out)
+
+
+def test_a_worker_whose_main_thread_hangs_is_named(cluster) -> None:
+    """Its I/O thread heartbeats on, but its steps stop while worker 0 waits."""
+    c = cluster(workers=2, servers=1)
+    train_job(c, 1, "hang")
+    for name in ("scheduler", "server0", "worker0"):
+        code, out = c.wait(name, EXIT_WITHIN)
+        assert code != 0, (name, out)
+        assert "worker 1 at 127.0.0.1 stopped stepping: its last push was of step 2" in out, \
+            (name, out)
+
+
+def test_workers_that_run_different_numbers_of_steps_get_a_clear_error(cluster) -> None:
+    c = cluster(workers=2, servers=1)
+    train_job(c, 1, "finish")
+    for name in ("scheduler", "worker0", "worker1"):
+        code, out = c.wait(name, EXIT_WITHIN)
+        assert code != 0, (name, out)
+        assert "the workers ran different numbers of steps" in out, (name, out)
+
+
+def test_a_late_scheduler_is_waited_for(cluster) -> None:
+    """Servers and workers started well before the scheduler (longer than the heartbeat
+    timeout) wait for it up to BPS_TIMEOUT, as documented, and the job completes."""
+    import subprocess
+
+    c = cluster(workers=2, servers=1)
+    c.start("server0", ROLE, DMLC_ROLE="server")
+    for node in range(2):
+        c.start(f"worker{node}", [sys.executable, JOB, "--out", str(c.tmp_path), "--case",
+                                  "raw"], DMLC_ROLE="worker", DMLC_WORKER_ID=str(node))
+    with pytest.raises(subprocess.TimeoutExpired):  # alive after the heartbeat timeout
+        c.procs["worker1"].wait(timeout=HEARTBEAT_TIMEOUT + 2)
+    c.start("scheduler", ROLE, DMLC_ROLE="scheduler")
+    for name in ("scheduler", "server0", "worker0", "worker1"):
+        code, out = c.wait(name, EXIT_WITHIN)
+        assert code == 0, (name, out)

@@ -261,6 +261,8 @@ def test_own_stall_is_not_taken_for_a_silent_peer() -> None:
 
     client = SchedulerClient(zmq.Context.instance(), env, role="worker")
     try:
+        client.tick()  # the scheduler never answered: its silence counts only from then
+        client.heard = True
         client.last_seen = client.tick_clock.last = time.monotonic() - silence  # paused
         client.tick()
         client.last_seen = time.monotonic() - silence  # ticking, but the scheduler is silent
@@ -270,7 +272,7 @@ def test_own_stall_is_not_taken_for_a_silent_peer() -> None:
         client.sock.close(linger=0)
 
 
-def test_scheduler_sends_its_last_messages_before_it_returns() -> None:
+def test_scheduler_sends_its_last_messages_before_it_returns(cluster_key: str) -> None:
     """When every worker has said FINALIZE, the scheduler answers BYE, sends the servers
     SHUTDOWN and returns 0. By then it has terminated its own ZeroMQ context, which only
     returns once those last messages are sent: pyzmq drops what is still queued at
@@ -279,6 +281,7 @@ def test_scheduler_sends_its_last_messages_before_it_returns() -> None:
 
     import zmq
 
+    from bps.auth import load_key
     from bps.launch.role import free_port
     from bps.scheduler_client import SchedulerClient
     from bps.server.scheduler import Scheduler
@@ -286,24 +289,25 @@ def test_scheduler_sends_its_last_messages_before_it_returns() -> None:
     env = ClusterEnv.from_environ({**BASE, "DMLC_ROLE": "scheduler", "DMLC_NUM_WORKER": "1",
                                    "DMLC_NUM_SERVER": "1", "DMLC_WORKER_ID": "0",
                                    "DMLC_PS_ROOT_URI": "127.0.0.1",
-                                   "DMLC_PS_ROOT_PORT": str(free_port())})
+                                   "DMLC_PS_ROOT_PORT": str(free_port()),
+                                   "BPS_SECRET_FILE": cluster_key})
     scheduler = Scheduler(env)
     codes: list[int] = []
     thread = threading.Thread(target=lambda: codes.append(scheduler.run()), daemon=True)
     thread.start()
     ctx = zmq.Context()
-    worker = SchedulerClient(ctx, env, "worker")
-    server = SchedulerClient(ctx, env, "server", "tcp://127.0.0.1:1")
+    worker = SchedulerClient(ctx, env, "worker", key=load_key(env))
+    server = SchedulerClient(ctx, env, "server", "tcp://127.0.0.1:1", key=load_key(env))
 
     def next_op(client: SchedulerClient) -> Op:
         assert client.sock.poll(10_000), f"{client.role}: nothing from the scheduler in 10 s"
         return client.receive()["op"]
 
     try:
-        worker.send(Op.HELLO, role="worker", worker_id=0, addr="")
-        server.send(Op.HELLO, role="server", worker_id=-1, addr=server.addr)
+        worker.send(Op.HELLO, role="worker", worker_id=0, addr="", token=worker.token)
+        server.send(Op.HELLO, role="server", worker_id=-1, addr=server.addr, token=b"")
         assert (next_op(worker), next_op(server)) == (Op.WELCOME, Op.WELCOME)
-        worker.send(Op.FINALIZE)
+        worker.send(Op.FINALIZE, step=-1)
         assert (next_op(worker), next_op(server)) == (Op.BYE, Op.SHUTDOWN)
         thread.join(timeout=10)
         assert not thread.is_alive() and codes == [0]
@@ -314,7 +318,7 @@ def test_scheduler_sends_its_last_messages_before_it_returns() -> None:
         ctx.term()
 
 
-def test_scheduler_port_in_use_is_a_clear_error(caplog) -> None:
+def test_scheduler_port_in_use_is_a_clear_error(caplog, cluster_key: str) -> None:
     """A scheduler address that is taken names the address and the variables behind it,
     and the scheduler returns 1 instead of raising."""
     import socket
@@ -327,7 +331,8 @@ def test_scheduler_port_in_use_is_a_clear_error(caplog) -> None:
         port = taken.getsockname()[1]
         env = ClusterEnv.from_environ({**BASE, "DMLC_ROLE": "scheduler",
                                        "DMLC_PS_ROOT_URI": "127.0.0.1",
-                                       "DMLC_PS_ROOT_PORT": str(port)})
+                                       "DMLC_PS_ROOT_PORT": str(port),
+                                       "BPS_SECRET_FILE": cluster_key})
         assert Scheduler(env).run() == 1
     assert (f"scheduler cannot listen on tcp://127.0.0.1:{port} (DMLC_PS_ROOT_URI, "
             "DMLC_PS_ROOT_PORT): Address already in use") in caplog.text

@@ -44,6 +44,7 @@ import msgpack
 import torch
 import zmq
 
+from bps.auth import ClusterKey, load_key
 from bps.env import ClusterEnv
 from bps.memory import keep_buffers_in_heap
 from bps.protocol import ClusterError, Op, dtype_name
@@ -55,6 +56,7 @@ from bps.worker.partition import Placement
 from bps.worker.send_queues import KeyInfo, info_label, new_future, send_order
 
 MAX_KEY = 2**63
+STATE_WINDOW = 16  # GET_STATE / SET_STATE requests out at a time
 
 
 @dataclass(frozen=True)
@@ -83,9 +85,13 @@ class WorkerEngine:
     """Push/pull engine of one worker node; create it with :meth:`connect`."""
 
     def __init__(self, env: ClusterEnv, ctx: Any, link: SchedulerClient, welcome: dict,
-                 tracer: Tracer | None = None) -> None:
+                 tracer: Tracer | None = None, key: ClusterKey | None = None) -> None:
         self.env = env
         self.tracer = tracer
+        self.key = key  # the cluster key (None: BPS_INSECURE=1)
+        self.token = link.token  # the prefix of this node's connections to the servers
+        self._link = link
+        self._last_step = -1
         self.node_id: int = welcome["node_id"]
         self.num_workers: int = welcome["num_workers"]
         self.num_servers: int = welcome["num_servers"]
@@ -98,7 +104,7 @@ class WorkerEngine:
         self._stats = {f.name: f.default for f in fields(EngineStats)}
         self._codec = CodecPool(self._add_stats, tracer)
         self._io = IOLoop(env, ctx, link, self.servers, self.node_id, self._keys,
-                          self._add_stats, tracer, self._codec.decompress)
+                          self._add_stats, tracer, self._codec.decompress, key)
 
     @classmethod
     def connect(cls, env: ClusterEnv, ctx: Any = None, tracer: Tracer | None = None
@@ -107,15 +113,16 @@ class WorkerEngine:
         ``tracer``: records each partition's stages (:mod:`bps.trace`)."""
         if env.role != "worker":
             raise ValueError(f"WorkerEngine needs DMLC_ROLE=worker, got {env.role!r}")
+        key = load_key(env)
         ctx = ctx or zmq.Context.instance()
         keep_buffers_in_heap()
-        link = SchedulerClient(ctx, env, "worker", env.node_host)
+        link = SchedulerClient(ctx, env, "worker", env.node_host, key=key)
         try:
             welcome = link.rendezvous()
         except BaseException:
             link.close()
             raise
-        return cls(env, ctx, link, welcome, tracer)
+        return cls(env, ctx, link, welcome, tracer, key)
 
     # ------------------------------------------------------------------ public API
 
@@ -139,6 +146,11 @@ class WorkerEngine:
         if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
             raise ValueError(f"key {key} ({name!r}): numel={numel!r} must be an int >= 0")
         wire_dtype = dtype_name(dtype)
+        largest = (self.env.max_message_bytes - 64) // 2
+        if numel * dtype.itemsize > largest:
+            raise ValueError(f"key {key} ({name!r}): {numel * dtype.itemsize} bytes is larger "
+                             f"than a key may be ({largest} bytes: half of "
+                             f"BPS_MAX_MESSAGE_BYTES, which follows BYTEPS_PARTITION_BYTES)")
         if key in self._keys:
             raise ValueError(f"key {key} ({name!r}) declared twice")
         chain = None
@@ -182,6 +194,8 @@ class WorkerEngine:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"{info_label(info)}: step={step!r} must be an int >= 0")
         self._io.raise_if_failed()
+        if step > self._last_step:  # heartbeats carry it (the scheduler compares workers)
+            self._last_step = self._link.step = step
         with self._io.lock:
             if info.busy:
                 raise RuntimeError(f"{info_label(info)}: a push_pull is already in flight")
@@ -200,7 +214,8 @@ class WorkerEngine:
     def barrier(self) -> None:
         """Block until every worker node called barrier (up to ``BPS_TIMEOUT``)."""
         seq = next(self._barrier_seq)
-        self._wait(self._io.scheduler_request(Op.BARRIER, (Op.RELEASE, seq), seq=seq),
+        self._wait(self._io.scheduler_request(Op.BARRIER, (Op.RELEASE, seq), seq=seq,
+                                              step=self._last_step),
                    f"barrier {seq} (waiting for all {self.num_workers} worker nodes)")
 
     def state_dict(self) -> dict:
@@ -208,14 +223,18 @@ class WorkerEngine:
         from bps.compressors import state_from_wire
 
         compressed = [info for info in self._keys.values() if info.chain is not None]
-        futures = [self._io.request(Op.GET_STATE, info.server, {"key": info.key}, None,
-                                 f"GET_STATE of {info_label(info)}", info)
-                   for info in compressed]
         server = {}
-        for info, future in zip(compressed, futures, strict=True):
-            blob = self._wait(future, f"GET_STATE of {info_label(info)}")
-            server[info.key] = state_from_wire(msgpack.unpackb(blob, raw=False,
-                                                               strict_map_key=False))
+        # STATE_WINDOW requests out at a time: the server queues a bounded number of
+        # replies for a connection (bps.server.server.PEER_QUEUE)
+        for first in range(0, len(compressed), STATE_WINDOW):
+            window = compressed[first:first + STATE_WINDOW]
+            futures = [self._io.request(Op.GET_STATE, info.server, {"key": info.key}, None,
+                                        f"GET_STATE of {info_label(info)}", info)
+                       for info in window]
+            for info, future in zip(window, futures, strict=True):
+                blob = self._wait(future, f"GET_STATE of {info_label(info)}")
+                server[info.key] = state_from_wire(msgpack.unpackb(blob, raw=False,
+                                                                   strict_map_key=False))
         worker = {info.key: copy.deepcopy(info.chain.state_dict()) for info in compressed}
         return {"worker": worker, "server": server}
 
@@ -227,26 +246,39 @@ class WorkerEngine:
         for key, sd in state.get("worker", {}).items():
             self._compressed_key(key).chain.load_state_dict(sd)
         if self.node_id == 0:
-            futures = []
-            for key, sd in state.get("server", {}).items():
-                info = self._compressed_key(key)
-                blob = msgpack.packb(state_to_wire(sd), use_bin_type=True)
-                fields_ = {"key": key, "nbytes": len(blob)}
-                futures.append(self._io.request(Op.SET_STATE, info.server, fields_, blob,
-                                             f"SET_STATE of {info_label(info)}", info))
-            for future in futures:
-                self._wait(future, "SET_STATE")
+            items = list(state.get("server", {}).items())
+            for first in range(0, len(items), STATE_WINDOW):
+                futures = []
+                for key, sd in items[first:first + STATE_WINDOW]:
+                    info = self._compressed_key(key)
+                    blob = msgpack.packb(state_to_wire(sd), use_bin_type=True)
+                    fields_ = {"key": key, "nbytes": len(blob)}
+                    futures.append(self._io.request(Op.SET_STATE, info.server, fields_, blob,
+                                                    f"SET_STATE of {info_label(info)}", info))
+                for future in futures:
+                    self._wait(future, "SET_STATE")
         self.barrier()
 
-    def close(self) -> None:
-        """Tell the scheduler this node is done, stop the threads, close the sockets."""
+    def close(self, failure: str | None = None) -> None:
+        """Tell the scheduler this node is done (``failure``: that it gives up, and why;
+        the scheduler then fails the job naming this node), stop the threads, close the
+        sockets."""
         if self._io.closed:
             return
-        if self._io.error is None:
+        if self._io.error is None and failure is None:
             try:
-                self._wait(self._io.scheduler_request(Op.FINALIZE, (Op.BYE,)), "finalize")
+                self._wait(self._io.scheduler_request(Op.FINALIZE, (Op.BYE,),
+                                                      step=self._last_step), "finalize")
             except ClusterError as exc:
                 log.warning("close: %s", exc)
+        elif failure is not None and not self._io.told_by_scheduler():
+            # the scheduler answers BYE once it has it: the report is out before we exit
+            try:
+                # a scheduler that is there answers in milliseconds; one being stopped
+                # with everything else must not hold the exit up
+                self._io.report_failure(failure[:2000], min(2.0, self.env.heartbeat_timeout))
+            except Exception as exc:  # noqa: BLE001 - best effort: the heartbeat rule remains
+                log.warning("could not report the failure to the scheduler: %s", exc)
         self._io.stop()
         self._codec.shutdown()
         self._io.close()

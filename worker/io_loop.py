@@ -27,10 +27,12 @@ from typing import Any
 import torch
 import zmq
 
+from bps.auth import ClusterKey, connect_as_client
 from bps.env import ClusterEnv
 from bps.protocol import (
     ClusterError,
     Op,
+    PeerFailure,
     ProtocolError,
     RemoteError,
     decode,
@@ -59,8 +61,8 @@ class IOLoop:
 
     def __init__(self, env: ClusterEnv, ctx: Any, link: SchedulerClient, servers: list[str],
                  node_id: int, keys: dict[int, KeyInfo], count: Callable[..., None],
-                 tracer: Tracer | None, decode_reply: Callable[[Request, zmq.Frame], None]
-                 ) -> None:
+                 tracer: Tracer | None, decode_reply: Callable[[Request, zmq.Frame], None],
+                 key: ClusterKey | None = None) -> None:
         self.env = env
         self.servers = servers
         self.node_id = node_id
@@ -75,6 +77,9 @@ class IOLoop:
         self._dealers = []
         for address in servers:
             dealer = new_socket(ctx, zmq.DEALER)
+            # the token prefix makes this connection this node's on the server
+            dealer.setsockopt(zmq.ROUTING_ID, link.token + b"engine")
+            connect_as_client(dealer, key)
             dealer.connect(address)
             self._dealers.append(dealer)
         self._stopping = False
@@ -96,6 +101,28 @@ class IOLoop:
     def next_rid(self) -> int:
         """A fresh sequence number (request ids and arrival order share one counter)."""
         return next(self._rids)
+
+    def told_by_scheduler(self) -> bool:
+        """Whether the failure that stopped this loop came from the scheduler (a peer
+        died or failed), which then needs no report from this node."""
+        return isinstance(self.error, PeerFailure)
+
+    def report_failure(self, reason: str, timeout: float) -> None:
+        """Send FAILED to the scheduler and wait (up to ``timeout``) for its BYE, which
+        says the report arrived; through the I/O thread while it runs, else directly."""
+        if self._thread.is_alive():
+            future = new_future()
+            self._control.append((Op.FAILED, (Op.BYE,), {"msg": reason}, future))
+            self._wake()
+            future.result(timeout=timeout)
+            return
+        self._link.send(Op.FAILED, msg=reason)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._link.sock.poll(int(max(1, (deadline - time.monotonic()) * 1000))):
+                if decode(self._link.sock.recv())["op"] == Op.BYE:
+                    return
+        raise ClusterError(f"no answer from the scheduler within {timeout:g} s")
 
     def raise_if_failed(self) -> None:
         if self.error is not None:

@@ -1,0 +1,218 @@
+"""Cluster credentials and ZeroMQ CURVE: every connection between the scheduler, the
+servers and the workers is authenticated and encrypted with the cluster's key.
+
+One keypair per cluster, in a key file that every process reads from
+``BPS_SECRET_FILE`` (``bpslaunch keygen PATH`` writes one, mode 0600). Every ROUTER
+(scheduler, servers) is a CURVE server with the cluster's secret key and a ZAP
+authenticator that admits only clients proving they hold that same key; every DEALER
+is a CURVE client with the cluster keypair that checks the server's key. A peer
+without the file cannot complete the handshake: none of its messages reaches bps and
+it gets no reply. libzmq's CURVE (libsodium) does all the cryptography.
+
+Usage::
+
+    bpslaunch keygen ~/.bps/cluster.key            # once; copy it to every host
+    export BPS_SECRET_FILE=~/.bps/cluster.key
+
+    from bps import auth
+    key = auth.load_key(env)        # None with BPS_INSECURE=1 (loud warning)
+    guard = auth.Guard(ctx, key)    # where the process binds a ROUTER
+    guard.serve(router)             # before bind
+    auth.connect_as_client(dealer, key)   # before connect
+    guard.close()                   # before ctx.term()
+
+``BPS_INSECURE=1`` turns all of this off (plain TCP: anyone who reaches a port can read
+and corrupt the job); every role logs a warning when it starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import os
+import shutil
+import stat
+import tempfile
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+import zmq.auth
+import zmq.auth.thread
+import zmq.utils.z85
+
+from bps.env import ClusterEnv, EnvError
+from bps.ratelimit import RateLimitedLog
+
+log = logging.getLogger("bps.auth")
+
+ZAP_DOMAIN = "bps"
+_HEADER = """\
+#   bps cluster key. Every scheduler, server and worker of one cluster reads this file
+#   (BPS_SECRET_FILE); whoever holds it can join the cluster. Keep it private (mode 0600).
+"""
+
+HOW_TO = ("make a key file with `bpslaunch keygen PATH` and start every scheduler, server "
+          "and worker with BPS_SECRET_FILE=PATH (`bpslaunch local` and `bpslaunch netem` "
+          "make one per job themselves), or set BPS_INSECURE=1 to run without "
+          "authentication and encryption")
+
+
+class AuthError(EnvError):
+    """Missing, unreadable or malformed cluster credentials; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class ClusterKey:
+    """The cluster's CURVE keypair, Z85-encoded (40 characters each)."""
+
+    public: bytes
+    secret: bytes
+
+    def __repr__(self) -> str:  # never print the secret
+        return f"ClusterKey(public={self.public.decode()!r})"
+
+
+def write_key_file(path: str) -> ClusterKey:
+    """Write a fresh cluster key to ``path`` (mode 0600); refuses to overwrite anything.
+
+        >>> key = write_key_file("/tmp/cluster.key")      # doctest: +SKIP
+    """
+    public, secret = zmq.curve_keypair()
+    text = (f"{_HEADER}metadata\ncurve\n    public-key = \"{public.decode()}\"\n"
+            f"    secret-key = \"{secret.decode()}\"\n")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        raise AuthError(f"{path} already exists: bpslaunch keygen never overwrites a key "
+                        "file (remove it first if you mean to replace the cluster's key)"
+                        ) from None
+    with os.fdopen(fd, "w") as handle:
+        os.fchmod(handle.fileno(), 0o600)  # whatever the umask
+        handle.write(text)
+    return ClusterKey(public, secret)
+
+
+def read_key_file(path: str) -> ClusterKey:
+    """The key in ``path``; raises :class:`AuthError` if it is missing, readable by others
+    or malformed."""
+    where = f"BPS_SECRET_FILE={path}"
+    try:
+        info = os.stat(path)
+    except OSError as exc:
+        raise AuthError(f"{where}: {exc.strerror}; {HOW_TO}") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise AuthError(f"{where} is not a regular file")
+    if info.st_mode & 0o077:
+        raise AuthError(f"{where} is accessible by other users (mode "
+                        f"{stat.S_IMODE(info.st_mode):04o}): run `chmod 600 {path}`")
+    try:
+        public, secret = zmq.auth.load_certificate(path)
+    except (OSError, ValueError) as exc:
+        raise AuthError(f"{where}: not a bps key file ({exc}); {HOW_TO}") from None
+    if not public or not secret or len(public) != 40 or len(secret) != 40:
+        raise AuthError(f"{where}: no public-key and secret-key in it; {HOW_TO}")
+    try:
+        matches = zmq.curve_public(secret) == public
+    except zmq.ZMQError:
+        matches = False
+    if not matches:
+        raise AuthError(f"{where}: its public-key does not belong to its secret-key "
+                        "(a damaged file?)")
+    return ClusterKey(public, secret)
+
+
+def load_key(env: ClusterEnv) -> ClusterKey | None:
+    """The cluster key of this process; None (after a warning) with ``BPS_INSECURE=1``.
+    Raises :class:`AuthError` saying how to make one when neither is set."""
+    if env.insecure:
+        log.warning("BPS_INSECURE=1: this %s runs WITHOUT authentication or encryption; "
+                    "anyone who can reach its ports can join the job, read every gradient "
+                    "and corrupt the model", env.role)
+        return None
+    if env.secret_file is None:
+        raise AuthError(f"no cluster credentials: BPS_SECRET_FILE is not set; {HOW_TO}")
+    return read_key_file(env.secret_file)
+
+
+def connect_as_client(sock: Any, key: ClusterKey | None) -> None:
+    """Make ``sock`` (before ``connect``) a CURVE client of the cluster (no-op if None)."""
+    if key is None:
+        return
+    sock.curve_serverkey = key.public
+    sock.curve_publickey = key.public
+    sock.curve_secretkey = key.secret
+
+
+class Guard:
+    """The ZAP authenticator of one ZeroMQ context: admits only CURVE clients holding the
+    cluster key, logging (rate-limited) the address of every peer it refuses."""
+
+    def __init__(self, ctx: Any, key: ClusterKey | None) -> None:
+        self.key = key
+        self._auth = None
+        if key is None:
+            return
+        self._auth = _Authenticator(ctx, key.public, RateLimitedLog(log))
+        self._auth.start()
+
+    def serve(self, sock: Any) -> None:
+        """Make ``sock`` (before ``bind``) a CURVE server of the cluster (no-op if None)."""
+        if self.key is None:
+            return
+        sock.zap_domain = ZAP_DOMAIN.encode()
+        sock.curve_secretkey = self.key.secret
+        sock.curve_publickey = self.key.public
+        sock.curve_server = True
+
+    def close(self) -> None:
+        """Stop the authenticator (before the context is terminated)."""
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+
+
+
+
+class _Authenticator(zmq.auth.thread.ThreadAuthenticator):
+    """pyzmq's ZAP thread, admitting exactly the cluster's public key."""
+
+    def __init__(self, ctx: Any, public: bytes, refusals: RateLimitedLog) -> None:
+        super().__init__(ctx, log=logging.getLogger("bps.auth.zap"))
+        self.public = public
+        self.refusals = refusals
+        self.address = "?"
+
+    async def handle_zap_message(self, msg: list[bytes]) -> None:
+        self.address = msg[3].decode("utf-8", "replace") if len(msg) > 3 else "?"
+        await super().handle_zap_message(msg)
+
+    async def _authenticate_curve(self, domain: str, client_key: bytes) -> tuple[bool, bytes]:
+        if hmac.compare_digest(zmq.utils.z85.encode(client_key), self.public):
+            return True, b"OK"
+        self.refusals.warning("refused a connection from %s: it does not hold the cluster "
+                              "key (BPS_SECRET_FILE)", self.address)
+        return False, b"not a member of this cluster"
+
+
+@contextlib.contextmanager
+def job_credentials(environ: Mapping[str, str]) -> Iterator[dict[str, str]]:
+    """For a launcher that starts a whole job here (``bpslaunch local`` / ``netem``): the
+    variables to add to every process's environment, a fresh key in a private temporary
+    directory (removed afterwards); nothing with ``BPS_INSECURE=1``.
+
+        with job_credentials(os.environ) as extra:
+            env.update(extra)       # {"BPS_SECRET_FILE": "/tmp/bps-key-.../cluster.key"}
+    """
+    if environ.get("BPS_INSECURE", "").strip() == "1":
+        yield {}
+        return
+    folder = tempfile.mkdtemp(prefix="bps-key-")  # mode 0700
+    try:
+        path = os.path.join(folder, "cluster.key")
+        write_key_file(path)
+        yield {"BPS_SECRET_FILE": path}
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
