@@ -1,0 +1,71 @@
+"""Finiteness checks fused into passes that already read a tensor.
+
+``divide_finite`` is the trainer's divide of a gradient by the number of workers with
+the check in the same pass; ``all_finite`` is the check alone (servers, raw pushes).
+Both keep the flag as an integer OR, so the loop still vectorises (a float reduction
+would not, without reassociating the arithmetic). ``limit`` is the magnitude the
+values must stay under: ``inf``, or 65520 where they travel as float16 (the smallest
+magnitude that rounds to inf there).
+
+Example::
+
+    >>> import numpy as np
+    >>> x = np.array([3.0, -6.0, np.inf], dtype=np.float32)
+    >>> out = np.empty_like(x)
+    >>> divide_finite(x[:2], np.float32(3.0), np.float32(np.inf), out[:2]), out[:2]
+    (True, array([ 1., -2.], dtype=float32))
+    >>> all_finite(x, np.float32(np.inf))
+    False
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from numba import njit
+
+FLOAT16_LIMIT = 65520.0  # |x| >= this rounds to inf in float16
+
+
+@njit(nogil=True, cache=True)
+def divide_finite(x, divisor, limit, out):
+    """``out = x / divisor`` (rounded as torch rounds); whether every |out| < limit."""
+    bad = 0
+    for i in range(x.size):
+        value = x[i] / divisor
+        out[i] = value
+        bad |= not abs(value) < limit
+    return bad == 0
+
+
+@njit(nogil=True, cache=True)
+def divide_finite_inplace(x, divisor, limit):
+    """``x /= divisor`` in place (a kernel of its own: with ``out`` aliasing ``x`` the
+    loop above does not vectorise); whether every |x| < limit afterwards."""
+    bad = 0
+    for i in range(x.size):
+        value = x[i] / divisor
+        x[i] = value
+        bad |= not abs(value) < limit
+    return bad == 0
+
+
+@njit(nogil=True, cache=True)
+def all_finite(x, limit):
+    """Whether every |x| < limit (NaN never is)."""
+    bad = 0
+    for i in range(x.size):
+        bad |= not abs(x[i]) < limit
+    return bad == 0
+
+
+def tensor_finite(tensor: torch.Tensor, limit: float = np.inf) -> bool:
+    """Whether every |value| of a tensor is < ``limit``: the numba pass for contiguous
+    float32/float64 CPU tensors, torch otherwise (float16, bfloat16, CUDA)."""
+    if tensor.device.type == "cpu" and tensor.dtype in (torch.float32, torch.float64) \
+            and tensor.is_contiguous():
+        array = tensor.reshape(-1).numpy()
+        return bool(all_finite(array, array.dtype.type(limit)))
+    if limit == np.inf:
+        return bool(torch.isfinite(tensor).all())
+    return bool((tensor.abs() < limit).all())
