@@ -675,9 +675,11 @@ class DistributedTrainer:
             self._step += 1
         self._synced, self._skip = None, None
         if nonfinite and scaler is None:
+            beyond = " (or values beyond float16's range, which fp16 sends)" if self._fp16 \
+                else ""
             message = (f"step {step}: the gradient of {skip.what!r} on worker node "
-                       f"{skip.node} has inf or NaN entries; the step was applied on no "
-                       "worker")
+                       f"{skip.node} has inf or NaN entries{beyond}; the step was applied on "
+                       "no worker")
             if self.params["nonfinite"] == "raise":
                 raise NonFiniteGradientError(
                     f"{message} (compression_params['nonfinite'] = 'skip' skips such steps)")

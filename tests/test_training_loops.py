@@ -67,8 +67,16 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
             self.toy = toy
 
         def forward(self, goal: dict) -> torch.Tensor:
+            if run.get("autocast"):  # a matmul, which autocast runs in bfloat16
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    out = torch.nn.functional.linear(probe, params["big"])
+                assert out.dtype == torch.bfloat16
+                return 0.5 * ((out.float() - probe_goal) ** 2).sum() / probe.square().sum()
             return sum(0.5 * ((params[n] - goal[n]) ** 2).sum() for n in shapes)
 
+    gen = torch.Generator().manual_seed(rank)
+    probe = torch.randn(8, shapes["big"][1], generator=gen)
+    probe_goal = probe @ torch.randn(shapes["big"], generator=gen).T
     model = Loss()
     if run.get("compile"):  # the trainer gets the compiled module (OptimizedModule)
         model = torch.compile(model, backend="aot_eager")
@@ -80,7 +88,7 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
              for j in range(passes)]
     inject = run.get("inject", False) and rank == INJECT_RANK
     steps = run.get("steps_per_rank", [cfg["stop"]] * 64)[rank]
-    report = {"errors": [], "steps": []}
+    report = {"errors": [], "steps": [], "losses": []}
     with trainer.join() if run.get("join") else contextlib.nullcontext():
         for step in range(steps):
             if step in run.get("skip_steps", ()):
@@ -97,6 +105,7 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
                     poison.view(-1)[INJECT_INDEX] = float("inf")
                     loss = loss + (params["big"] * poison).sum()
                 (loss if scaler is None else scaler.scale(loss)).backward()
+                report["losses"].append(loss.item())
             try:
                 trainer.step(scaler=scaler)
             except bps.NonFiniteGradientError as exc:
@@ -302,6 +311,46 @@ def test_second_backward_without_accumulation_keeps_its_error(tmp_path):
     assert "REFUSED" in result.stdout and "backward_passes_per_step" in result.stdout
 
 
+SERVER_REFUSAL = """
+import numpy as np, torch, zmq
+import bps
+from bps.compressors import build
+from bps.config import validate_compression_params
+from bps.protocol import Op, RemoteError, decode, encode
+bps.init()
+engine = bps.runtime.get().engine
+engine.declare(0, 4, torch.float32, None, name="raw")
+try:
+    engine.push_pull(0, torch.tensor([1.0, float("nan"), 2.0, 3.0]), 0, 0.1).result(20)
+except RemoteError as exc:
+    print("RAW", exc)
+params = validate_compression_params({"compressor": "randomk", "k": 2, "seed": 3})
+engine.declare(1, 64, torch.float32, params, name="sparse")
+payload = build(params, 64).compress(torch.ones(64)).numpy().copy()
+payload[16:20] = np.array([np.inf], dtype=np.float32).view(np.uint8)
+sock = zmq.Context.instance().socket(zmq.DEALER)
+sock.connect(engine.servers[0])
+sock.send_multipart([encode(Op.PUSH, rid=1, key=1, step=0, node=0, dtype="float32", numel=64,
+                            nbytes=payload.size, lr=0.1), payload.tobytes()])
+if sock.poll(20000):
+    print("SPARSE", decode(sock.recv_multipart()[0]).get("msg"))
+sock.close(linger=0)
+bps.shutdown()
+"""
+
+
+def test_servers_refuse_nonfinite_pushes_naming_the_node():
+    result = subprocess.run([BPSLAUNCH, "local", "--workers", "1", "--servers", "1", "--",
+                             sys.executable, "-c", SERVER_REFUSAL], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "BPS_TIMEOUT": "20"})
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    raw = next(line for line in result.stdout.splitlines() if "RAW" in line)
+    assert "key 0 ('raw')" in raw and "worker 0" in raw and "inf or NaN" in raw, raw
+    sparse = next(line for line in result.stdout.splitlines() if "SPARSE" in line)
+    assert "key 1 ('sparse')" in sparse and "worker 0" in sparse and "inf or NaN" in sparse
+
+
 NONFINITE_CASES = {"none": {"fp16": False}, **{n: {**c, **COMMON} for n, c in SIM_CASES.items()}}
 
 
@@ -369,13 +418,14 @@ def test_join_with_unequal_shards(tmp_path):
             assert final["trainer"]["step"] == max(lengths)
 
 
-def test_low_precision_parameters_and_compile(tmp_path):
-    # bfloat16 and float16 parameters train (float32 chains); a compiled model trains
-    # exactly as the same model uncompiled
+def test_low_precision_autocast_and_compile(tmp_path):
+    # bfloat16 and float16 parameters train (float32 chains); a bfloat16 autocast forward
+    # trains; a compiled model trains exactly as the same model uncompiled
     lrs = [0.25, 0.25, 0.25, 0.125, 0.125, 0.125]
     params = {"compressor": "topk", "k": 0.1, "ef": "vanilla", "min_compress_bytes": 1000}
     runs = [{"tag": "bf16", "params": params, "dtype": "bfloat16"},
             {"tag": "fp16", "params": {**params, "compressor": "randomk"}, "dtype": "float16"},
+            {"tag": "autocast", "params": params, "autocast": True},
             {"tag": "eager", "params": params},
             {"tag": "compiled", "params": params, "compile": True}]
     result = launch({"runs": runs, "lrs": lrs, "stop": len(lrs)}, tmp_path, timeout=300)
@@ -392,6 +442,10 @@ def test_low_precision_parameters_and_compile(tmp_path):
         chains = states[0]["trainer"]["engine"]["worker"]
         assert chains and all(c["error"].dtype.is_floating_point and
                               str(c["error"].dtype) == "torch.float32" for c in chains.values())
+    autocast = [load_state(tmp_path, "autocast", r)["params"] for r in range(2)]
+    assert_identical(autocast[0], autocast[1])
+    losses = load_reports(tmp_path, 2)[0]["autocast"]["losses"]
+    assert np.isfinite(losses).all() and losses[-1] < 0.85 * losses[0], losses
     for rank in range(2):
         assert_identical(load_state(tmp_path, "compiled", rank)["params"],
                          load_state(tmp_path, "eager", rank)["params"])
