@@ -351,7 +351,7 @@ class DistributedTrainer:
                     slot.nonfinite = not divide_finite(
                         grad.detach().view(-1).numpy(), np.float32(self._rt.size),
                         self._limit(slot), slot.send.numpy())
-                else:  # float16/bfloat16: widen, then divide in float32
+                else:  # float16/bfloat16 (or strided): widen, then divide in float32
                     slot.send.copy_(grad.detach().reshape(-1))
                     slot.nonfinite = not divide_finite_inplace(
                         slot.send.numpy(), np.float32(self._rt.size), self._limit(slot))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -79,7 +80,9 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
     probe_goal = probe @ torch.randn(shapes["big"], generator=gen).T
     model = Loss()
     if run.get("compile"):  # the trainer gets the compiled module (OptimizedModule)
-        model = torch.compile(model, backend="aot_eager")
+        # inductor (the default) generates C++ here: without a compiler, AOTAutograd's
+        # graphs run eagerly (the part that produces the gradients the hooks see)
+        model = torch.compile(model, backend="inductor" if shutil.which("g++") else "aot_eager")
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg["lrs"][0], momentum=MOMENTUM)
     trainer = bps.DistributedTrainer(model, optimizer, run["params"],
                                      backward_passes_per_step=passes)
