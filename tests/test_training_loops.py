@@ -89,7 +89,7 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) if run.get("scaler") else None
     goals = [{n: torch.from_numpy(t).to(dtype) for n, t in micro_targets(rank, j, shapes).items()}
              for j in range(passes)]
-    inject = run.get("inject", False) and rank == INJECT_RANK
+    inject = run.get("inject", False) and rank == run.get("inject_rank", INJECT_RANK)
     steps = run.get("steps_per_rank", [cfg["stop"]] * 64)[rank]
     report = {"errors": [], "steps": [], "losses": []}
     with trainer.join() if run.get("join") else contextlib.nullcontext():
@@ -150,11 +150,11 @@ def worker_main(cfg: dict) -> int:
 # ----------------------------------------------------------------------------- test side
 
 
-def launch(cfg: dict, tmp: Path, workers: int = 2, servers: int = 1,
+def launch(cfg: dict, tmp: Path, workers: int = 2, servers: int = 1, local_size: int = 1,
            timeout: float = 240) -> subprocess.CompletedProcess:
     cfg = {"shapes": SHAPES, **cfg, "out": str(tmp)}
-    cmd = [BPSLAUNCH, "local", "--workers", str(workers), "--servers", str(servers), "--",
-           sys.executable, __file__, json.dumps(cfg)]
+    cmd = [BPSLAUNCH, "local", "--workers", str(workers), "--servers", str(servers),
+           "--local-size", str(local_size), "--", sys.executable, __file__, json.dumps(cfg)]
     env = {**os.environ, "BPS_TIMEOUT": "20", "BYTEPS_PARTITION_BYTES": "400",
            "BPS_JOB_SEED": "4242"}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
@@ -398,6 +398,27 @@ def test_nonfinite_step_leaves_no_trace_anywhere(tmp_path):
             else:
                 assert report["errors"] == [], (tag, report["errors"])
     assert "skipped" in result.stdout  # the skip policy's warning
+
+
+def test_nonfinite_on_one_local_rank_skips_the_step_on_every_rank(tmp_path):
+    # 2 nodes x 2 local ranks: an inf on rank 3 (node 1's second local rank) reaches the
+    # node's sum; its root marks it, and all 4 ranks skip the step and end as a run
+    # without it
+    runs = []
+    for name in ("none", "onebit"):
+        params = {**NONFINITE_CASES[name], "nonfinite": "skip"}
+        runs += [{"tag": f"{name}-ref", "params": params, "skip_steps": [INJECT_STEP]},
+                 {"tag": name, "params": params, "inject": True, "inject_rank": 3}]
+    result = launch({"runs": runs, "lrs": SIM_LRS, "stop": len(SIM_LRS)}, tmp_path,
+                    workers=2, servers=2, local_size=2)
+    assert result.returncode == 0, result.stdout[-3000:]
+    reports = load_reports(tmp_path, 4)
+    for name in ("none", "onebit"):
+        for rank in range(4):
+            assert_identical(load_state(tmp_path, name, rank),
+                             load_state(tmp_path, f"{name}-ref", rank), f"{name} rank {rank}")
+            skipped = [s["skipped"] for s in reports[rank][name]["steps"]]
+            assert skipped == [i == INJECT_STEP for i in range(len(SIM_LRS))], (name, skipped)
 
 
 def test_join_with_unequal_shards(tmp_path):
