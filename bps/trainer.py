@@ -677,9 +677,12 @@ class DistributedTrainer:
         if nonfinite and scaler is None:
             beyond = " (or values beyond float16's range, which fp16 sends)" if self._fp16 \
                 else ""
-            message = (f"step {step}: the gradient of {skip.what!r} on worker node "
-                       f"{skip.node} has inf or NaN entries{beyond}; the step was applied on "
-                       "no worker")
+            if skip.node < 0:  # the server's float16 sum of finite pushes
+                what = f"the sum over the workers of {skip.what!r} overflows float16"
+            else:
+                what = (f"the gradient of {skip.what!r} on worker node {skip.node} has inf "
+                        f"or NaN entries{beyond}")
+            message = f"step {step}: {what}; the step was applied on no worker"
             if self.params["nonfinite"] == "raise":
                 raise NonFiniteGradientError(
                     f"{message} (compression_params['nonfinite'] = 'skip' skips such steps)")

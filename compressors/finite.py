@@ -59,13 +59,30 @@ def all_finite(x, limit):
     return bad == 0
 
 
+@njit(nogil=True, cache=True)
+def no_max_exponent(bits, mask):
+    """Whether no value's exponent bits (``mask``) are all set: float16/bfloat16 values
+    given as raw uint16 bits are then all finite (numba has no 16-bit floats)."""
+    bad = 0
+    for i in range(bits.size):
+        bad |= (bits[i] & mask) == mask
+    return bad == 0
+
+
+_HALF_EXPONENT = {torch.float16: 0x7C00, torch.bfloat16: 0x7F80}
+
+
 def tensor_finite(tensor: torch.Tensor, limit: float = np.inf) -> bool:
-    """Whether every |value| of a tensor is < ``limit``: the numba pass for contiguous
-    float32/float64 CPU tensors, torch otherwise (float16, bfloat16, CUDA)."""
-    if tensor.device.type == "cpu" and tensor.dtype in (torch.float32, torch.float64) \
-            and tensor.is_contiguous():
-        array = tensor.reshape(-1).numpy()
-        return bool(all_finite(array, array.dtype.type(limit)))
+    """Whether every |value| of a tensor is < ``limit``: numba passes for contiguous CPU
+    tensors (float16/bfloat16 on their bits, where ``limit`` must be inf), torch
+    otherwise (CUDA, strided)."""
+    if tensor.device.type == "cpu" and tensor.is_contiguous():
+        if tensor.dtype in (torch.float32, torch.float64):
+            array = tensor.reshape(-1).numpy()
+            return bool(all_finite(array, array.dtype.type(limit)))
+        if tensor.dtype in _HALF_EXPONENT and limit == np.inf:
+            bits = tensor.reshape(-1).view(torch.int16).numpy().view(np.uint16)
+            return bool(no_max_exponent(bits, np.uint16(_HALF_EXPONENT[tensor.dtype])))
     if limit == np.inf:
         return bool(torch.isfinite(tensor).all())
     return bool((tensor.abs() < limit).all())

@@ -28,7 +28,8 @@ the key and field; the server keeps serving everyone else.
 Non-finite gradients: a push whose values are inf or NaN is refused, naming the node
 (workers never send one: they mark it, see ``bps.protocol``). A step of a key with a
 ``nonfinite`` mark is answered with a skip and nothing summed; the server chain then
-stays as it was. Where a worker learns that the whole step is skipped (another key's
+stays as it was. So is a float16 raw key whose finite pushes sum beyond float16's
+range (``skip_node`` -1). Where a worker learns that the whole step is skipped (another key's
 mark), node 0 sends ``ABORT`` for its keys: a chain that compressed that step returns
 to its state before it (error feedback keeps the previous error buffer for this, see
 ``Compressor.rollback``). The ABORT travels on node 0's connection ahead of its next
@@ -395,6 +396,11 @@ class _KeyEngine(threading.Thread):
                 self._skip(state, step, pending)
                 continue
             total = pending.total.to(state.dtype)
+            if state.chain is None and state.dtype == torch.float16 and not tensor_finite(total):
+                # finite pushes whose sum overflows float16: skipped like an inf pushed
+                pending.nonfinite = (-1, state.name)
+                self._skip(state, step, pending)
+                continue
             summed_ns = time.monotonic_ns() if pending.first_push_ns else 0  # traced only
             if state.chain is not None:
                 if pending.lr > 0:
