@@ -603,7 +603,9 @@ class DistributedTrainer:
                                                                slot.local_momentum)
         elif skip.reason == "nonfinite":
             if self._rt.engine is not None:
-                self._rt.engine.rollback(self._wire_step)
+                self._rt.engine.rollback(self._wire_step, [
+                    part.compressed_key for slot in self._slots for part in slot.parts
+                    if part.compressed_key is not None])
             with torch.no_grad():
                 for slot in self._slots:
                     if slot.param.grad is not None:

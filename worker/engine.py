@@ -213,14 +213,14 @@ class WorkerEngine:
                                      info, payload, step, lr, order, future, extra))
         return future
 
-    def rollback(self, step: int) -> None:
-        """Undo ``step`` on every compressed key: each worker chain that compressed it
-        returns to its state before; node 0 has each server do the same (``ABORT``,
-        blocking). Call it once every push_pull of ``step`` has resolved and before any
-        of the next step; every worker node calls it for the same steps. Node 0's ABORTs
-        leave on its connections ahead of its next pushes, so a server always undoes a
-        step before it can complete that key's next one."""
-        compressed = [info for info in self._keys.values() if info.chain is not None]
+    def rollback(self, step: int, keys: list[int]) -> None:
+        """Undo ``step`` on the compressed ``keys`` (one trainer's): each worker chain
+        that compressed it returns to its state before; node 0 has each server do the
+        same (``ABORT``, blocking). Call it once every push_pull of ``step`` has resolved
+        and before any of the next step; every worker node calls it for the same steps.
+        Node 0's ABORTs leave on its connections ahead of its next pushes, so a server
+        always undoes a step before it can complete that key's next one."""
+        compressed = [self._compressed_key(key) for key in keys]
         for info in compressed:
             if info.compressed_step == step:
                 info.chain.rollback()
