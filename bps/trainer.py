@@ -42,12 +42,7 @@ import torch
 
 from bps import runtime as bps_runtime
 from bps.compressors.base import NonFiniteError
-from bps.compressors.finite import (
-    FLOAT16_LIMIT,
-    divide_finite,
-    divide_finite_inplace,
-    tensor_finite,
-)
+from bps.compressors.finite import FLOAT16_LIMIT, divide_checked, tensor_finite
 from bps.config import validate_compression_params
 from bps.model_sync import ModelMismatchError, broadcast_model, check_same_model
 from bps.trainer_stats import StepStats
@@ -329,8 +324,8 @@ class DistributedTrainer:
                 # A lone local rank pushes straight from .grad: each partition's result
                 # arrives (and overwrites it) only after that partition was sent.
                 flat = grad.detach().view(-1)
-                slot.nonfinite = not divide_finite_inplace(
-                    flat.numpy(), np.float32(self._rt.size), self._limit(slot))
+                slot.nonfinite = not divide_checked(flat.numpy(), self._rt.size,
+                                                    self._limit(slot))
                 slot.share = flat
             else:
                 if slot.send is None:
@@ -348,13 +343,13 @@ class DistributedTrainer:
                     slot.send.copy_(grad.detach().reshape(-1)).div_(self._rt.size)
                     slot.nonfinite = not tensor_finite(slot.send, self._limit(slot))
                 elif grad.dtype == torch.float32 and grad.is_contiguous():
-                    slot.nonfinite = not divide_finite(
-                        grad.detach().view(-1).numpy(), np.float32(self._rt.size),
-                        self._limit(slot), slot.send.numpy())
+                    slot.nonfinite = not divide_checked(
+                        grad.detach().view(-1).numpy(), self._rt.size, self._limit(slot),
+                        slot.send.numpy())
                 else:  # float16/bfloat16 (or strided): widen, then divide in float32
                     slot.send.copy_(grad.detach().reshape(-1))
-                    slot.nonfinite = not divide_finite_inplace(
-                        slot.send.numpy(), np.float32(self._rt.size), self._limit(slot))
+                    slot.nonfinite = not divide_checked(slot.send.numpy(), self._rt.size,
+                                                        self._limit(slot))
                 slot.share = slot.send
         self._reduce_q.put(index)
 

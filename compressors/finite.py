@@ -1,7 +1,9 @@
 """Finiteness checks fused into passes that already read a tensor.
 
 ``divide_finite`` is the trainer's divide of a gradient by the number of workers with
-the check in the same pass; ``all_finite`` is the check alone (servers, raw pushes).
+the check in the same pass (``divide_checked`` runs it on threads for large tensors);
+``all_finite`` is the check alone (servers, raw pushes), ``no_max_exponent`` the same
+on the bits of float16/bfloat16 values, and ``tensor_finite`` picks one for a tensor.
 Both keep the flag as an integer OR, so the loop still vectorises (a float reduction
 would not, without reassociating the arithmetic). ``limit`` is the magnitude the
 values must stay under: ``inf``, or 65520 where they travel as float16 (the smallest
@@ -23,6 +25,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 from numba import njit
+
+from .threads import chunk_bounds, run_chunks
 
 FLOAT16_LIMIT = 65520.0  # |x| >= this rounds to inf in float16
 
@@ -67,6 +71,18 @@ def no_max_exponent(bits, mask):
     for i in range(bits.size):
         bad |= (bits[i] & mask) == mask
     return bad == 0
+
+
+def divide_checked(x: np.ndarray, divisor: float, limit: float,
+                   out: np.ndarray | None = None) -> bool:
+    """``out = x / divisor`` (in place without ``out``) on threads for large arrays
+    (``threads.chunk_bounds``); whether every result is below ``limit`` in magnitude."""
+    divisor, limit = x.dtype.type(divisor), x.dtype.type(limit)
+    if out is None:
+        kernel = lambda lo, hi: divide_finite_inplace(x[lo:hi], divisor, limit)  # noqa: E731
+    else:
+        kernel = lambda lo, hi: divide_finite(x[lo:hi], divisor, limit, out[lo:hi])  # noqa: E731
+    return all(run_chunks(kernel, chunk_bounds(x.size)))
 
 
 _HALF_EXPONENT = {torch.float16: 0x7C00, torch.bfloat16: 0x7F80}
