@@ -96,8 +96,9 @@ class Cluster:
         if new:
             return chain.compress(grad)
         array = grad.numpy()
-        nesterov_step(array, chain.momentum.numpy(), array.dtype.type(chain.mu),
-                      self.lookahead[p].numpy())
+        momentum = chain.momentum.numpy()  # updated in place, as the old chain did
+        nesterov_step(array, momentum, array.dtype.type(chain.mu), self.lookahead[p].numpy(),
+                      momentum)
         return chain.inner.compress(self.lookahead[p])
 
     def _sum(self, server, pushes: list, p: int, new: bool) -> torch.Tensor:
@@ -117,7 +118,7 @@ def error_feedback(chain: ErrorFeedback, x: torch.Tensor, new: bool) -> torch.Te
     if new or not isinstance(chain.inner, Dithering):
         return chain.compress(x)
     corrected = chain.error
-    add_scaled_error(x.numpy(), np.float32(chain.ratio), corrected.numpy())
+    add_scaled_error(x.numpy(), np.float32(chain.ratio), corrected.numpy(), corrected.numpy())
     payload = chain.inner.compress(corrected)
     corrected.sub_(chain.inner.decompress(payload))
     return payload

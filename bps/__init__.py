@@ -57,11 +57,12 @@ def local_size() -> int:
 
 
 def __getattr__(name: str):
-    if name == "DistributedTrainer":
-        from bps.trainer import DistributedTrainer
+    if name in ("DistributedTrainer", "NonFiniteGradientError"):
+        from bps import trainer
 
-        return DistributedTrainer
+        return getattr(trainer, name)
     raise AttributeError(f"module 'bps' has no attribute {name!r}")
 
 
-__all__ = ["init", "shutdown", "rank", "size", "local_rank", "local_size", "DistributedTrainer"]
+__all__ = ["init", "shutdown", "rank", "size", "local_rank", "local_size", "DistributedTrainer",
+           "NonFiniteGradientError"]

@@ -45,6 +45,7 @@ DEFAULTS: dict[str, Any] = {
     "fp16": True,
     "min_compress_bytes": None,  # filled from the environment at validation time
     "warmup_steps": 0,
+    "nonfinite": "raise",
 }
 
 
@@ -174,6 +175,7 @@ def validate_compression_params(params: dict | None) -> dict:
     _check_choice(out, "momentum", ("nesterov",))
     _check_choice(out, "partition", ("linear", "natural"), allow_none=False)
     _check_choice(out, "normalize", ("max", "l2"), allow_none=False)
+    _check_choice(out, "nonfinite", ("raise", "skip"), allow_none=False)
     _check_bool(out, "scaling")
     _check_bool(out, "fp16")
     _check_k(out)

@@ -43,16 +43,18 @@ def first_difference(mine: list, reference: list) -> int:
     return len(reference) + 1 if len(mine) > len(reference) else 0
 
 
-def _root_push_pull_from_node0(rt, flat: torch.Tensor, name: str) -> torch.Tensor:
-    """On local rank 0: node 0's ``flat`` (raw, summed with zeros from other nodes)."""
+def _root_push_pull_from_node0(rt, flat: torch.Tensor, name: str, source: int = 0
+                               ) -> torch.Tensor:
+    """On local rank 0: node ``source``'s ``flat`` (raw, summed with zeros from the other
+    nodes)."""
     engine = rt.engine
     pieces = partition(flat.numel(), flat.element_size(), rt.env.partition_bytes)
     first = rt.allocate_keys(len(pieces))
-    source = flat if rt.node_id == 0 else torch.zeros_like(flat)
+    mine = flat if rt.node_id == source else torch.zeros_like(flat)
     for i, (_, length) in enumerate(pieces):
         engine.declare(first + i, length, flat.dtype, None, name=f"{name}[{i}]")
     futures = [
-        engine.push_pull(first + i, source[offset:offset + length].contiguous(), 0, 0.0)
+        engine.push_pull(first + i, mine[offset:offset + length].contiguous(), 0, 0.0)
         for i, (offset, length) in enumerate(pieces)
     ]
     out = torch.empty_like(flat)
@@ -61,10 +63,11 @@ def _root_push_pull_from_node0(rt, flat: torch.Tensor, name: str) -> torch.Tenso
     return out
 
 
-def node0_to_all(rt, flat: torch.Tensor, name: str) -> torch.Tensor:
-    """Every rank gets rank 0's ``flat`` (same shape and dtype on every rank)."""
+def node0_to_all(rt, flat: torch.Tensor, name: str, source: int = 0) -> torch.Tensor:
+    """Every rank gets local rank 0 of node ``source``'s ``flat`` (node 0 by default;
+    same shape and dtype on every rank)."""
     if rt.local_rank == 0:
-        flat = _root_push_pull_from_node0(rt, flat, name)
+        flat = _root_push_pull_from_node0(rt, flat, name, source)
     else:
         pieces = partition(flat.numel(), flat.element_size(), rt.env.partition_bytes)
         rt.allocate_keys(len(pieces))
@@ -114,8 +117,10 @@ def check_same_model(rt, model: torch.nn.Module) -> None:
         raise ModelMismatchError(f"the model differs across workers: {what}")
 
 
-def broadcast_model(rt, model: torch.nn.Module) -> None:
-    """Overwrite every rank's parameters and buffers with rank 0's."""
+def broadcast_model(rt, model: torch.nn.Module, source: int = 0) -> None:
+    """Overwrite every rank's parameters and buffers with those of node ``source``'s
+    local rank 0 (rank 0 by default; ``DistributedTrainer.join`` passes the node that
+    stepped last)."""
     tensors = [p.data for p in model.parameters()] + list(model.buffers())
     for dtype in (torch.float32, torch.float64):
         # float64 carries float64 and integer tensors exactly (|x| < 2**53).
@@ -124,7 +129,7 @@ def broadcast_model(rt, model: torch.nn.Module) -> None:
         if not chosen:
             continue
         flat = torch.cat([t.detach().reshape(-1).to("cpu", dtype) for t in chosen])
-        flat = node0_to_all(rt, flat, f"init.{dtype}")
+        flat = node0_to_all(rt, flat, f"init.{dtype}", source)
         offset = 0
         with torch.no_grad():
             for t in chosen:

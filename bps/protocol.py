@@ -20,6 +20,13 @@ Worker <-> server ops (the reply echoes ``rid``):
   summed (frees the worker's send credit), then ``DATA`` (the step's aggregate, sent
   once every worker node pushed that step); or ``ERROR``
 * ``PULL`` key step -> ``DATA`` of that step (the last completed one or a pending one)
+* A ``PUSH`` may carry ``mark``: ``"nonfinite"`` (the worker's gradient has inf or NaN
+  entries; ``what`` names it) or ``"zero"`` (a worker that joined contributes nothing),
+  with an empty payload. A step of a key with a non-finite mark, or with nothing but
+  zero marks, is not summed: its ``DATA`` has ``nbytes`` 0 and ``skip`` (the mark),
+  ``skip_node`` and ``skip_what``, and the server chain's state does not change.
+* ``ABORT`` key step -> ``OK``: the step is skipped after all (another key had a
+  non-finite mark); the server chain returns to its state before that step.
 * ``GET_STATE`` key -> ``DATA`` (msgpack of the server chain's state) ; ``SET_STATE``
   key + payload -> ``OK``
 
@@ -65,6 +72,7 @@ class Op(IntEnum):
     PULL = 12
     GET_STATE = 13
     SET_STATE = 14
+    ABORT = 15
     HELLO = 20
     WELCOME = 21
     HEARTBEAT = 22
@@ -96,6 +104,7 @@ FIELDS: dict[Op, dict[str, tuple[type, ...]]] = {
     Op.PULL: {"rid": _INT, "key": _INT, "step": _INT},
     Op.GET_STATE: {"rid": _INT, "key": _INT},
     Op.SET_STATE: {"rid": _INT, "key": _INT, "nbytes": _INT},
+    Op.ABORT: {"rid": _INT, "key": _INT, "step": _INT},
     Op.HELLO: {"role": _STR, "worker_id": _INT, "addr": _STR, "token": _BYTES},
     Op.WELCOME: {"node_id": _INT, "servers": (list,), "num_workers": _INT,
                  "num_servers": _INT, "seed": _INT, "members": (list,)},
@@ -108,6 +117,8 @@ FIELDS: dict[Op, dict[str, tuple[type, ...]]] = {
     Op.PEER_DEAD: {"msg": _STR},
     Op.FAILED: {"msg": _STR},
 }
+
+MARKS = ("nonfinite", "zero")  # a PUSH's optional ``mark``
 
 DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64")
 
@@ -173,6 +184,13 @@ def decode(frame: bytes | memoryview) -> dict[str, Any]:
             raise ProtocolError(f"{op.name}: field {name!r} has type {type(value).__name__}")
     if "lr" in FIELDS[op] and not math.isfinite(header["lr"]):
         raise ProtocolError(f"{op.name}: field 'lr' is {header['lr']!r}, expected finite")
+    if op == Op.PUSH and "mark" in header:
+        if header["mark"] not in MARKS or not isinstance(header.get("what", ""), str):
+            raise ProtocolError(f"PUSH: field 'mark' is {header['mark']!r}, expected one of "
+                                f"{', '.join(MARKS)} (with a str 'what')")
+        if header["nbytes"] != 0:
+            raise ProtocolError("PUSH: a marked push has no payload, but field 'nbytes' is "
+                                f"{header['nbytes']}")
     return header
 
 

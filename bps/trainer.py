@@ -30,25 +30,40 @@ copied from rank 0 by :mod:`bps.model_sync`; the figures come from
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from bps import runtime as bps_runtime
+from bps.compressors.base import NonFiniteError
+from bps.compressors.finite import FLOAT16_LIMIT, divide_checked, tensor_finite
 from bps.config import validate_compression_params
 from bps.model_sync import ModelMismatchError, broadcast_model, check_same_model
 from bps.trainer_stats import StepStats
+from bps.worker.engine import Skipped
 from bps.worker.planning import Bucket, Part, plan_buckets, plan_key_servers, plan_tensor
 
-__all__ = ["DistributedTrainer", "ModelMismatchError"]
+__all__ = ["DistributedTrainer", "ModelMismatchError", "NonFiniteGradientError"]
 
 log = logging.getLogger("bps")
 
 _STOP = object()
+PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class NonFiniteGradientError(NonFiniteError):
+    """A worker's gradient had inf or NaN entries: the step was applied on no worker.
+
+    ``step()`` raises it on every worker at that step (``compression_params['nonfinite']
+    = 'raise'``, the default), naming the parameter, the worker node and the step.
+    Parameters, optimizer, error-feedback and momentum buffers, RNG streams and the
+    servers' state are as before the step, so training may go on after catching it."""
 
 
 class _BucketSlice:
@@ -57,8 +72,11 @@ class _BucketSlice:
     def __init__(self, future: concurrent.futures.Future, offset: int, length: int) -> None:
         self.future, self.offset, self.length = future, offset, length
 
-    def result(self, timeout: float | None = None) -> torch.Tensor:
-        return self.future.result(timeout)[self.offset:self.offset + self.length]
+    def result(self, timeout: float | None = None) -> torch.Tensor | Skipped:
+        result = self.future.result(timeout)
+        if isinstance(result, Skipped):
+            return result
+        return result[self.offset:self.offset + self.length]
 
 
 def _forward(source: concurrent.futures.Future, target: concurrent.futures.Future) -> None:
@@ -86,8 +104,13 @@ class _Slot:
     send: torch.Tensor | None = None  # this rank's share, then the node's sum (local rank 0)
     recv: torch.Tensor | None = None  # the averaged gradient, broadcast within the node
     share: torch.Tensor | None = None  # what this step pushes: ``send`` or ``.grad`` itself
+    wire: torch.dtype = torch.float32  # dtype of its raw keys
     local_momentum: torch.Tensor | None = None
-    ready: bool = False
+    momentum_next: torch.Tensor | None = None  # this step's local momentum, until applied
+    passes: int = 0  # backward passes that made its gradient ready this step
+    ready: bool = False  # pushed this step
+    nonfinite: bool = False  # this step's gradient has inf or NaN entries
+    skipped: Skipped | None = None  # the servers did not sum this step
     futures: list = field(default_factory=list)
 
 
@@ -100,13 +123,24 @@ class DistributedTrainer:
         compression_params: docs/compression.md dict (``None``: uncompressed). Validated here, on
             every rank, before any communication: a bad dict raises ``ValueError`` /
             ``TypeError`` naming the key.
+        backward_passes_per_step: ``backward()`` calls per ``step()`` (gradient
+            accumulation, Horovod's option of that name): gradients add up in ``.grad``
+            as in plain PyTorch, and each partition is pushed once, during the last pass.
 
-    One ``backward()`` per ``step()``: each gradient is pushed once per step. Every
-    rank saves its own ``state_dict()`` (error-feedback state is per node).
+    Each gradient is pushed once per step. Every rank saves its own ``state_dict()``
+    (error-feedback state is per node). docs/trainer.md shows the training loops:
+    accumulation, mixed precision with a GradScaler, non-finite gradients, ``join()``.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 compression_params: dict | None = None) -> None:
+                 compression_params: dict | None = None,
+                 backward_passes_per_step: int = 1) -> None:
+        if (isinstance(backward_passes_per_step, bool)
+                or not isinstance(backward_passes_per_step, int)
+                or backward_passes_per_step < 1):
+            raise ValueError(f"backward_passes_per_step={backward_passes_per_step!r} is "
+                             "invalid: expected an int >= 1")
+        self._passes = backward_passes_per_step
         params = validate_compression_params(compression_params)
         self._rt = bps_runtime.get()
         self.model = model
@@ -116,7 +150,18 @@ class DistributedTrainer:
         self._compress = params["compressor"] is not None
         self._fp16 = params["fp16"]
         self._wire_dtype = torch.float16 if self._fp16 else torch.float32
-        self._step = 0
+        self._step = 0  # steps applied
+        self._wire_step = 0  # steps attempted: the step number the pushes carry
+        self._synced: bool | None = None  # this step's outcome, once synchronize() ran
+        self._skip: Skipped | None = None  # why this step is skipped (None: applied)
+        self._scaler = None  # the GradScaler that step() was given
+        self._scale_ref: float | None = None  # its scale at the first step
+        self._last_scale: float | None = None  # its scale at the step before
+        self._joining = False  # inside join(): each step counts the nodes with data
+        self._joined = False  # this worker ran out of data: it pushes zero markers
+        self._join_future: concurrent.futures.Future | None = None
+        self._active: list[int] = []  # the nodes with data this step (in join())
+        self._last_active = 0  # the lowest of them in the last step any node had data
         self._error: BaseException | None = None
         self._done = 0
         self._cond = threading.Condition()
@@ -130,10 +175,12 @@ class DistributedTrainer:
         check_same_model(self._rt, model)
         broadcast_model(self._rt, model)
         self._slots = self._build_slots()
+        self._join_key = self._declare_join_key()
         self._order = list(reversed(range(len(self._slots))))  # roughly backward order
         # Own channels: several trainers in one process must not interleave collectives.
         self._reduce_ch = self._rt.group.channel(self._rt.unique_name("reduce"))
         self._bcast_ch = self._rt.group.channel(self._rt.unique_name("broadcast"))
+        self._flag_ch = self._rt.group.channel(self._rt.unique_name("flags"))
         self._reduce_q: queue.Queue = queue.Queue()
         self._bcast_q: queue.Queue = queue.Queue()
         self._threads = [
@@ -192,26 +239,34 @@ class DistributedTrainer:
             seen.add(id(p))
             if id(p) not in group_of:
                 raise ValueError(f"parameter {name!r} is not in the optimizer")
-            if p.dtype != torch.float32:
-                raise TypeError(f"parameter {name!r} is {p.dtype}: bps trains float32 models")
-            parts, tensor_keys, alone = plan_tensor(name, p.numel(), self.params,
-                                                    self._wire_dtype,
+            if p.dtype not in PARAM_DTYPES:
+                raise TypeError(f"parameter {name!r} is {p.dtype}: bps trains float32, "
+                                "float16 and bfloat16 parameters")
+            # raw keys travel in 16 bits with fp16 on (bfloat16 parameters in their own
+            # dtype, for its range), else in float32; compressed keys, and their chains'
+            # error and momentum buffers, are float32 whatever the parameter's dtype
+            wire = p.dtype if p.dtype == torch.bfloat16 and self._fp16 else self._wire_dtype
+            parts, tensor_keys, alone = plan_tensor(name, p.numel(), self.params, wire,
                                                     self._rt.env.partition_bytes)
             keys += tensor_keys
             if alone is not None:
                 small[len(slots)] = alone
-            slot = _Slot(name, p, group_of[id(p)], parts)
+            slot = _Slot(name, p, group_of[id(p)], parts, wire=wire)
             if self._rt.local_size > 1:
-                slot.send = torch.zeros(p.numel(), dtype=node_dtype, device=p.device)
-                slot.recv = torch.zeros(p.numel(), dtype=node_dtype, device=p.device)
+                node = wire if node_dtype != torch.float32 else node_dtype
+                slot.send = torch.zeros(p.numel(), dtype=node, device=p.device)
+                slot.recv = torch.zeros(p.numel(), dtype=node, device=p.device)
             if self.params["momentum"] is not None:
                 slot.local_momentum = torch.zeros(p.numel(), dtype=torch.float32,
                                                   device=p.device)
+                slot.momentum_next = torch.zeros_like(slot.local_momentum)
             slots.append(slot)
-        bucket_keys, self._buckets = plan_buckets([s.name for s in slots], small,
-                                                  self._wire_dtype,
-                                                  self._rt.env.partition_bytes)
-        keys += bucket_keys
+        for wire in dict.fromkeys(s.wire for s in slots):  # buckets hold one dtype each
+            mine = {i: part for i, part in small.items() if slots[i].wire == wire}
+            bucket_keys, buckets = plan_buckets([s.name for s in slots], mine, wire,
+                                                self._rt.env.partition_bytes)
+            keys += bucket_keys
+            self._buckets += buckets
         engine = self._rt.engine
         servers = plan_key_servers(keys, engine.num_servers) if engine else [None] * len(keys)
         for plan, server in zip(keys, servers, strict=True):
@@ -222,6 +277,15 @@ class DistributedTrainer:
             setattr(plan.part, plan.field, key)
         return slots
 
+    def _declare_join_key(self) -> int:
+        """A raw key of one float32 per worker node: in ``join()`` each step sums which
+        nodes still have data (declared always: every worker declares the same keys)."""
+        key = self._rt.allocate_keys(1)
+        engine = self._rt.engine
+        if engine is not None:
+            engine.declare(key, engine.num_workers, torch.float32, None, name="join")
+        return key
+
     # -- the step pipeline ------------------------------------------------------------
 
     def _make_hook(self, index: int):
@@ -230,38 +294,73 @@ class DistributedTrainer:
         return hook
 
     def _ready(self, index: int) -> None:
-        """A gradient is final: take this rank's share and queue it for reduction."""
+        """A backward pass finished this gradient; the last pass of the step pushes it."""
         slot = self._slots[index]
-        if slot.ready:
+        slot.passes += 1
+        if slot.passes > self._passes or slot.ready:
             raise RuntimeError(
-                f"gradient of {slot.name!r} became ready twice in one step: bps supports one "
-                "backward() per trainer.step()"
-            )
+                f"gradient of {slot.name!r} became ready {slot.passes} times in one step: "
+                f"this trainer takes backward_passes_per_step={self._passes} backward() "
+                "per trainer.step() (set it to accumulate gradients over several passes)")
+        if slot.passes == self._passes:
+            self._push(index)
+
+    def _push(self, index: int) -> None:
+        """A gradient is final: take this rank's share, check it, queue it for reduction."""
+        slot = self._slots[index]
         slot.ready = True
         if self._tracer is not None:
             self._tracer.instant("ready", slot.name, self._step)
         if not self._step_started:  # stats count this step's traffic only
             self._step_started = True
             self._engine_before = self._stats.snapshot(self._rt.engine)
-        grad = slot.param.grad
+        grad = None if self._joined else slot.param.grad
+        slot.nonfinite = False
         with torch.no_grad():
-            if self._rt.local_size == 1 and grad is not None and grad.is_contiguous() \
-                    and not grad.is_cuda:
+            if self._joined:
+                slot.share = None  # pushes zero markers
+            elif self._rt.local_size == 1 and grad is not None and grad.is_contiguous() \
+                    and grad.dtype == torch.float32 and not grad.is_cuda:
                 # A lone local rank pushes straight from .grad: each partition's result
                 # arrives (and overwrites it) only after that partition was sent.
-                slot.share = grad.detach().view(-1).div_(self._rt.size)
+                flat = grad.detach().view(-1)
+                slot.nonfinite = not divide_checked(flat.numpy(), self._rt.size,
+                                                    self._limit(slot))
+                slot.share = flat
             else:
                 if slot.send is None:
                     slot.send = torch.empty(slot.param.numel(), dtype=torch.float32,
                                             device=slot.param.device)
                 if grad is None:
                     slot.send.zero_()
-                elif slot.send.dtype == grad.dtype:
-                    torch.div(grad.detach().reshape(-1), self._rt.size, out=slot.send)
-                else:  # divide in float32 first, so the fp16 copy cannot overflow
-                    slot.send.copy_(grad.detach().reshape(-1).div(self._rt.size))
+                elif self._rt.local_size > 1:
+                    # the node's root checks the node's sum, which any inf or NaN reaches
+                    if slot.send.dtype == grad.dtype:
+                        torch.div(grad.detach().reshape(-1), self._rt.size, out=slot.send)
+                    else:  # divide in float32 first, so the fp16 copy cannot overflow
+                        slot.send.copy_(grad.detach().reshape(-1).float().div(self._rt.size))
+                elif grad.is_cuda:
+                    slot.send.copy_(grad.detach().reshape(-1)).div_(self._rt.size)
+                    slot.nonfinite = not tensor_finite(slot.send, self._limit(slot))
+                elif grad.dtype == torch.float32 and grad.is_contiguous():
+                    slot.nonfinite = not divide_checked(
+                        grad.detach().view(-1).numpy(), self._rt.size, self._limit(slot),
+                        slot.send.numpy())
+                else:  # float16/bfloat16 (or strided): widen, then divide in float32
+                    slot.send.copy_(grad.detach().reshape(-1))
+                    slot.nonfinite = not divide_checked(slot.send.numpy(), self._rt.size,
+                                                        self._limit(slot))
                 slot.share = slot.send
         self._reduce_q.put(index)
+
+    def _limit(self, slot: _Slot) -> np.float32:
+        """The magnitude this step's gradient must stay under: float16's range where a
+        part travels raw in float16 (beyond it the wire would carry inf), else inf."""
+        if slot.wire == torch.float16:
+            warm = self._step < self.params["warmup_steps"]
+            if any(p.compressed_key is None or warm for p in slot.parts):
+                return np.float32(FLOAT16_LIMIT)
+        return np.float32(np.inf)
 
     def _guarded(self, loop) -> None:
         try:
@@ -295,46 +394,81 @@ class DistributedTrainer:
 
     def _reduce_and_push(self, index: int) -> None:
         slot = self._slots[index]
-        self._reduce_ch.reduce(slot.share)
+        if slot.share is not None:
+            self._reduce_ch.reduce(slot.share)
         engine = self._rt.engine
         if engine is not None:
-            lr = float(self.optimizer.param_groups[slot.group]["lr"])
+            lr = self._chain_lr(slot.group)
             warm = self._step < self.params["warmup_steps"]
-            share = slot.share.cpu() if slot.share.is_cuda else slot.share
+            if slot.share is None:
+                mark = "zero"
+            else:
+                share = slot.share.cpu() if slot.share.is_cuda else slot.share
+                if self._rt.local_size > 1:  # the node's sum: every local rank's inf is in it
+                    slot.nonfinite = not tensor_finite(share, self._limit(slot))
+                mark = "nonfinite" if slot.nonfinite else None
             slot.futures = []
             for part in slot.parts:
-                piece = share[part.offset:part.offset + part.length]
+                piece = None if mark else share[part.offset:part.offset + part.length]
                 if part.bucket is not None:
-                    slot.futures.append(self._fuse(part, piece, lr, -index))
+                    slot.futures.append(self._fuse(part, piece, lr, -index, mark, slot.name))
+                    continue
+                compressed = part.compressed_key is not None and not warm
+                key = part.compressed_key if compressed else part.raw_key
+                if mark:
+                    slot.futures.append(engine.push_pull(key, None, self._wire_step, lr,
+                                                         priority=-index, mark=mark,
+                                                         what=slot.name))
                     continue
                 # No copy where the dtype already fits: ``share`` is not written again
                 # before step() has waited for these futures.
                 out = None
-                if part.compressed_key is not None and not warm:
-                    key, tensor = part.compressed_key, self._converted(part, piece,
-                                                                       torch.float32)
+                if compressed:
+                    tensor = self._converted(part, piece, torch.float32)
                     if self._rt.local_size == 1:  # decoded straight into .grad (or its copy)
                         out = tensor
                 else:
-                    key, tensor = part.raw_key, self._converted(part, piece, self._wire_dtype)
-                slot.futures.append(engine.push_pull(key, tensor, self._step, lr,
+                    tensor = self._converted(part, piece, slot.wire)
+                slot.futures.append(engine.push_pull(key, tensor, self._wire_step, lr,
                                                      priority=-index, out=out))
         self._bcast_q.put(index)
 
-    def _fuse(self, part: Part, piece: torch.Tensor, lr: float, priority: int
-              ) -> _BucketSlice:
-        """Copy ``piece`` into its bucket; the last member of the step pushes the bucket.
-        Returns the member's share of the aggregate. Runs on the reduce thread only."""
+    def _chain_lr(self, group: int) -> float:
+        """The group's learning rate, over the GradScaler's scale relative to its first
+        one: the chains see scaled gradients, so error feedback's ``lr_prev / lr_now``
+        then also rescales its residual when the scale changes."""
+        lr = float(self.optimizer.param_groups[group]["lr"])
+        if self._scaler is not None and self._scale_ref is not None:
+            lr *= self._scale_ref / self._scaler.get_scale()
+        return lr
+
+    def _fuse(self, part: Part, piece: torch.Tensor | None, lr: float, priority: int,
+              mark: str | None, name: str) -> _BucketSlice:
+        """Copy ``piece`` into its bucket; the last member of the step pushes the bucket
+        (a marker instead where a member has one: non-finite first, zero only where
+        every member is zero). Returns the member's share of the aggregate. Runs on the
+        reduce thread only."""
         bucket = part.bucket
         if bucket.arrived == 0:
             bucket.future = concurrent.futures.Future()
-        bucket.buffer[part.bucket_offset:part.bucket_offset + part.length].copy_(piece)
+            bucket.mark = None
+        if mark is None:
+            bucket.buffer[part.bucket_offset:part.bucket_offset + part.length].copy_(piece)
+        if mark is not None and (bucket.mark is None or bucket.mark[0] != "nonfinite"):
+            bucket.mark = (mark, name)  # a joined worker marks every member zero
         bucket.arrived += 1
         share = _BucketSlice(bucket.future, part.bucket_offset, part.length)
         if bucket.arrived == bucket.members:
             bucket.arrived = 0
-            _forward(self._rt.engine.push_pull(bucket.key, bucket.buffer, self._step, lr,
-                                               priority=priority), bucket.future)
+            engine = self._rt.engine
+            if bucket.mark is not None:
+                future = engine.push_pull(bucket.key, None, self._wire_step, lr,
+                                          priority=priority, mark=bucket.mark[0],
+                                          what=bucket.mark[1])
+            else:
+                future = engine.push_pull(bucket.key, bucket.buffer, self._wire_step, lr,
+                                          priority=priority)
+            _forward(future, bucket.future)
         return share
 
     @staticmethod
@@ -355,6 +489,7 @@ class DistributedTrainer:
             if index is _STOP:
                 return
             slot = self._slots[index]
+            slot.skipped = None
             # A lone local rank writes the aggregates straight into .grad (one copy less).
             dest = self._grad_view(slot) if self._rt.local_size == 1 else slot.recv
             if self._rt.engine is not None:
@@ -364,6 +499,9 @@ class DistributedTrainer:
                     except TimeoutError:
                         raise TimeoutError(f"no aggregate for {slot.name!r} (offset "
                                            f"{part.offset}) within {timeout:g}s") from None
+                    if isinstance(result, Skipped):  # this step is applied nowhere
+                        slot.skipped = slot.skipped or result
+                        continue
                     target = dest[part.offset:part.offset + part.length]
                     if result.data_ptr() != target.data_ptr():
                         target.copy_(result)
@@ -379,35 +517,59 @@ class DistributedTrainer:
 
     @staticmethod
     def _grad_view(slot: _Slot) -> torch.Tensor:
-        """``param.grad`` as a flat float32 view (allocated where missing or strided)."""
+        """``param.grad`` as a flat view (allocated where missing or strided)."""
         p = slot.param
         if p.grad is None or not p.grad.is_contiguous():
             p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
         return p.grad.view(-1)
 
     def _apply_local_momentum(self, slot: _Slot, grad: torch.Tensor) -> None:
-        """Tensors that travel uncompressed get the chain's Nesterov rule here."""
-        if slot.local_momentum is None:
+        """Tensors that travel uncompressed get the chain's Nesterov rule here, into the
+        second buffer: it becomes the momentum when the step is applied."""
+        if slot.local_momentum is None or slot.skipped is not None:
             return
         mu = self.params["mu"]
         warm = self._step < self.params["warmup_steps"]
+        rescale = self._scale_change()
         for part in slot.parts:
             if part.compressed_key is not None and not warm:
                 continue
             g = grad[part.offset:part.offset + part.length]
             m = slot.local_momentum[part.offset:part.offset + part.length]
-            m.mul_(mu).add_(g)
-            g.add_(m * mu)
+            m_next = slot.momentum_next[part.offset:part.offset + part.length]
+            torch.mul(m, mu, out=m_next)
+            if rescale != 1.0:  # a GradScaler's new scale: the momentum follows it
+                m_next.mul_(rescale)
+            m_next.add_(g)
+            g.add_(m_next * mu)
+
+    def _scale_change(self) -> float:
+        """The GradScaler's scale over its scale at the step before (1 without one)."""
+        if self._scaler is None or self._last_scale is None:
+            return 1.0
+        return self._scaler.get_scale() / self._last_scale
 
     def _raise_pending_error(self) -> None:
         if self._error is not None:
             raise RuntimeError(f"bps communication failed: {self._error}") from self._error
 
-    def synchronize(self) -> None:
-        """Wait until every gradient of this step is averaged and written into ``.grad``."""
+    def synchronize(self) -> bool:
+        """Wait until every gradient of this step is averaged and written into ``.grad``.
+
+        Returns whether the step is applied: False where a worker's gradient had inf or
+        NaN entries (every worker returns False for the same step), and then ``.grad``
+        holds NaN and every chain, on workers and servers, is back to its state before
+        the step. ``step()`` calls it; call it yourself to clip gradients before."""
+        if self._synced is not None:
+            return self._synced
         for index, slot in enumerate(self._slots):
             if not slot.ready:  # no gradient this step (unused parameter): push zeros
-                self._ready(index)
+                self._push(index)
+        if self._joining and self._rt.engine is not None:
+            flag = torch.zeros(self._rt.engine.num_workers, dtype=torch.float32)
+            flag[self._rt.node_id] = 0.0 if self._joined else 1.0
+            self._join_future = self._rt.engine.push_pull(self._join_key, flag,
+                                                          self._wire_step, 0.0)
         deadline = time.monotonic() + self._rt.env.timeout * 2
         with self._cond:
             while self._done < len(self._slots) and self._error is None:
@@ -418,13 +580,76 @@ class DistributedTrainer:
                                        f"{self._rt.env.timeout * 2:g}s: {missing[:5]}")
                 self._cond.wait(left)
         self._raise_pending_error()
+        skips = [s.skipped for s in self._slots if s.skipped is not None]
+        skip = next((s for s in skips if s.reason == "nonfinite"), skips[0] if skips else None)
+        if self._rt.local_size > 1:
+            skip = self._share_skip(skip)
+        if self._join_future is not None:
+            counts = self._join_future.result(timeout=self._rt.env.timeout * 2)
+            self._join_future = None
+            self._active = [node for node, c in enumerate(counts.tolist()) if c]
+            if self._active:
+                self._last_active = self._active[0]
+        self._skip = skip
+        if skip is None:
+            for slot in self._slots:  # the local momentum of this step becomes current
+                if slot.local_momentum is not None:
+                    slot.local_momentum, slot.momentum_next = (slot.momentum_next,
+                                                               slot.local_momentum)
+        elif skip.reason == "nonfinite":
+            if self._rt.engine is not None:
+                self._rt.engine.rollback(self._wire_step, [
+                    part.compressed_key for slot in self._slots for part in slot.parts
+                    if part.compressed_key is not None])
+            with torch.no_grad():
+                for slot in self._slots:
+                    if slot.param.grad is not None:
+                        slot.param.grad.fill_(float("nan"))
+        self._synced = skip is None
+        return self._synced
 
-    def step(self) -> None:
-        """Wait for the averaged gradients, then run ``optimizer.step()``."""
+    def _share_skip(self, skip: Skipped | None) -> Skipped | None:
+        """The node root's verdict on this step, for every local rank."""
+        names = [s.name for s in self._slots]
+        flag = torch.zeros(3, dtype=torch.float64)
+        if self._rt.local_rank == 0 and skip is not None:
+            flag[0] = 1 if skip.reason == "nonfinite" else 2
+            flag[1] = skip.node
+            flag[2] = names.index(skip.what) if skip.what in names else -1
+        self._flag_ch.broadcast(flag)
+        if flag[0] == 0:
+            return None
+        if self._rt.local_rank == 0:
+            return skip
+        what = names[int(flag[2])] if flag[2] >= 0 else ""
+        return Skipped("nonfinite" if flag[0] == 1 else "zero", int(flag[1]), what, "")
+
+    def step(self, scaler: torch.amp.GradScaler | None = None) -> bool:
+        """Wait for the averaged gradients, then run ``optimizer.step()``; returns whether
+        the step was applied.
+
+        ``scaler``: a ``torch.amp.GradScaler`` whose ``scale(loss)`` the backward passes
+        used; ``scaler.step`` unscales the aggregated gradient and skips the update where
+        it is not finite (on every rank alike), then ``scaler.update()``. A step with a
+        non-finite gradient on any worker is skipped everywhere; without a scaler,
+        ``compression_params['nonfinite']`` says whether that raises
+        :class:`NonFiniteGradientError` (``"raise"``, the default) or logs a warning."""
         called_ns = time.monotonic_ns()
-        self.synchronize()
+        if scaler is not None:
+            self._scaler = scaler
+            if self._scale_ref is None:
+                self._scale_ref = scaler.get_scale()
+        applied = self.synchronize()
         synced_ns = time.monotonic_ns()
-        self.optimizer.step()
+        skip = self._skip
+        if scaler is not None and not self._joined:
+            scale = scaler.get_scale()
+            if skip is None or skip.reason == "nonfinite":  # NaN .grad: the scaler skips
+                scaler.step(self.optimizer)
+                scaler.update()
+            self._last_scale = scale
+        elif applied and not self._joined:
+            self.optimizer.step()
         end_ns = time.monotonic_ns()
         if self._tracer is not None:
             if self._last_step_end_ns is not None:
@@ -433,14 +658,70 @@ class DistributedTrainer:
             self._tracer.complete("wait", "", self._step, called_ns, synced_ns)
             self._tracer.complete("update", "", self._step, synced_ns, end_ns)
         self._last_step_end_ns = end_ns
+        nonfinite = skip is not None and skip.reason == "nonfinite"
         self._stats.record(self._rt.engine, self._engine_before, self._step,
                            sum(s.param.numel() * 4 for s in self._slots),
-                           (synced_ns - called_ns) / 1e9)
+                           (synced_ns - called_ns) / 1e9, self._passes, nonfinite)
+        step = self._step
         self._step_started = False
         for slot in self._slots:
-            slot.ready = False
+            slot.ready, slot.passes, slot.skipped = False, 0, None
         self._done = 0
-        self._step += 1
+        self._wire_step += 1
+        if skip is None:
+            self._step += 1
+        self._synced, self._skip = None, None
+        if nonfinite and scaler is None:
+            beyond = " (or values beyond float16's range, which fp16 sends)" if self._fp16 \
+                else ""
+            if skip.node < 0:  # the server's float16 sum of finite pushes
+                what = f"the sum over the workers of {skip.what!r} overflows float16"
+            else:
+                what = (f"the gradient of {skip.what!r} on worker node {skip.node} has inf "
+                        f"or NaN entries{beyond}")
+            message = f"step {step}: {what}; the step was applied on no worker"
+            if self.params["nonfinite"] == "raise":
+                raise NonFiniteGradientError(
+                    f"{message} (compression_params['nonfinite'] = 'skip' skips such steps)")
+            log.warning("bps: %s: skipped (compression_params['nonfinite'] = 'skip')", message)
+        return applied
+
+    @contextlib.contextmanager
+    def join(self):
+        """Train on uneven inputs (DDP's ``Join``): a worker whose loop inside the block
+        ends joins, and takes part in the steps the others still run with a zero
+        contribution, until every worker has joined. The divisor stays the number of
+        workers (``bps.size()``), as DDP's ``divide_by_initial_world_size``. Then every
+        worker takes the parameters and buffers of the one that stepped last (the
+        lowest node among them), so all leave with the same model.
+
+        Example::
+
+            >>> with trainer.join():
+            ...     for x, y in my_shard:           # shards of different lengths
+            ...         trainer.zero_grad()
+            ...         loss_fn(model(x), y).backward()
+            ...         trainer.step()
+        """
+        if self._rt.local_size > 1:
+            raise NotImplementedError("trainer.join() needs one process per worker node "
+                                      "(BYTEPS_LOCAL_SIZE=1)")
+        if self._step_started or any(s.passes for s in self._slots):
+            raise RuntimeError("trainer.join() must be entered between steps")
+        self._joining, self._active = True, []
+        try:
+            yield self
+            self._joined = True
+            while True:
+                try:
+                    self.step()
+                except NonFiniteGradientError as exc:  # every worker raised it: go on
+                    log.warning("bps: while joined: %s", exc)
+                if not self._active:
+                    break
+            broadcast_model(self._rt, self.model, source=self._last_active)
+        finally:
+            self._joining = self._joined = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``optimizer.zero_grad``."""
@@ -456,8 +737,11 @@ class DistributedTrainer:
         float32; ``compression_ratio``: ``2 * raw_bytes / (pushed + pulled)``;
         ``compress_time``: seconds spent compressing and decompressing on this node;
         ``comm_time``: wall seconds during which at least one push was in flight;
-        ``wait_time``: seconds ``step()`` blocked. ``totals`` sums the byte counts over
-        all steps so far.
+        ``wait_time``: seconds ``step()`` blocked; ``backward_passes``: backward passes
+        per step (bytes are per step: each partition travels once per step however many
+        passes; per sample, divide by passes times the micro-batch size); ``skipped``:
+        a non-finite gradient made every worker skip the step. ``totals`` sums the byte
+        counts, the steps and the skipped steps so far.
         """
         return self._stats.report()
 
@@ -470,6 +754,8 @@ class DistributedTrainer:
         engine = self._rt.engine
         return {
             "step": self._step,
+            "wire_step": self._wire_step,
+            "scale": (self._scale_ref, self._last_scale),
             "rank": self._rt.rank,
             "optimizer": self.optimizer.state_dict(),
             "local_momentum": {s.name: s.local_momentum.clone() for s in self._slots
@@ -493,6 +779,8 @@ class DistributedTrainer:
                 raise ValueError("state_dict has no engine state (saved on another local rank?)")
             self._rt.engine.load_state_dict(state["engine"])
         self._step = int(state["step"])
+        self._wire_step = int(state.get("wire_step", self._step))
+        self._scale_ref, self._last_scale = state.get("scale", (None, None))
 
     def close(self) -> None:
         """Stop the background threads and remove the gradient hooks."""

@@ -19,7 +19,8 @@ class StepStats:
 
     def __init__(self) -> None:
         self._last: dict = {}
-        self._totals = {"steps": 0, "bytes_pushed": 0, "bytes_pulled": 0, "raw_bytes": 0}
+        self._totals = {"steps": 0, "bytes_pushed": 0, "bytes_pulled": 0, "raw_bytes": 0,
+                        "skipped_steps": 0}
 
     @staticmethod
     def snapshot(engine: Any) -> dict:
@@ -32,9 +33,11 @@ class StepStats:
                 "comm_time": counters.comm_s}
 
     def record(self, engine: Any, before: dict, step: int, raw_bytes: int,
-               wait: float) -> None:
+               wait: float, passes: int = 1, skipped: bool = False) -> None:
         """Close a step: the counters' growth since ``before``; ``raw_bytes``: what one
-        direction would carry uncompressed in float32; ``wait``: seconds step() blocked."""
+        direction would carry uncompressed in float32; ``wait``: seconds step() blocked;
+        ``passes``: backward passes per step; ``skipped``: a non-finite gradient made
+        every worker skip the step."""
         after = self.snapshot(engine)
 
         def delta(key: str) -> float:
@@ -51,8 +54,11 @@ class StepStats:
             "compress_time": float(delta("compress_time")),
             "comm_time": float(delta("comm_time")),
             "wait_time": wait,
+            "backward_passes": passes,
+            "skipped": skipped,
         }
         self._totals["steps"] += 1
+        self._totals["skipped_steps"] += int(skipped)
         self._totals["bytes_pushed"] += pushed
         self._totals["bytes_pulled"] += pulled
         self._totals["raw_bytes"] += raw_bytes

@@ -25,6 +25,15 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 KERNEL_FLOAT_DTYPES = (torch.float32, torch.float64)
 _BITS_DTYPE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 _UNSIGNED = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+# the exponent bits of each dtype: all set means inf or NaN
+_EXPONENT_MASK = {torch.float16: 0x7C00, torch.bfloat16: 0x7F80, torch.float32: 0x7F800000,
+                  torch.float64: 0x7FF0000000000000}
+
+
+class NonFiniteError(ValueError):
+    """A tensor with inf or NaN entries: what every compressor's ``compress`` raises for
+    such an input, before it changes any state (its RNG included). The trainer raises
+    its subclass ``bps.NonFiniteGradientError``, naming the parameter, node and step."""
 
 
 def check_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -45,6 +54,13 @@ def magnitude_bits(values: np.ndarray) -> tuple[np.ndarray, np.unsignedinteger]:
     with NaN above inf."""
     bits = values.view(_UNSIGNED[values.itemsize])
     return bits, bits.dtype.type(np.iinfo(bits.dtype).max >> 1)
+
+
+def nonfinite_bits(bits: np.ndarray, dtype: torch.dtype) -> bool:
+    """Whether the raw ``bits`` of ``dtype`` values (a few, e.g. a sparse payload's k
+    values) hold an inf or NaN."""
+    mask = bits.dtype.type(_EXPONENT_MASK[dtype])
+    return bool(np.any((bits & mask) == mask))
 
 
 def float_view(tensor: torch.Tensor) -> np.ndarray:
@@ -165,6 +181,17 @@ class Compressor:
     def set_lr(self, lr: float) -> None:
         """Learning rate of the current step (used by error feedback)."""
 
+    def cancel(self) -> None:
+        """Undo a ``set_lr`` whose ``compress`` is not coming (a decorator refused the
+        input before its inner compressor saw it)."""
+
+    def rollback(self) -> None:
+        """Undo the last ``set_lr`` and ``compress``: the state (error, momentum, RNG,
+        learning rates) is again what it was before them. One step back only; a
+        ``compress`` that raised changed nothing to undo. Stateless compressors keep
+        this no-op; a registered compressor with state implements it, else a skipped
+        step (``bps.NonFiniteGradientError``) cannot restore it."""
+
     def state_dict(self) -> dict:
         return {}
 
@@ -221,6 +248,16 @@ class Compressor:
         target = float_view(self.output(total, "total"))
         add_last_values(indices, raw_values.view(target.dtype), self.staging(), target)
         return total
+
+    def nonfinite_input(self) -> NonFiniteError:
+        """The error ``compress`` raises for an input with inf or NaN entries."""
+        return NonFiniteError(f"{type(self).__name__}: compress input (numel={self.numel}, "
+                              f"{self.dtype}) has inf or NaN entries")
+
+    def check_finite_values(self, bits: np.ndarray) -> None:
+        """Refuse a payload whose values (raw bits of the dtype) hold an inf or NaN."""
+        if nonfinite_bits(bits, self.dtype):
+            raise self.bad_payload("a value is inf or NaN")
 
     def bad_payload(self, what: str) -> ValueError:
         return ValueError(f"{type(self).__name__} payload for numel={self.numel}, "

@@ -94,6 +94,9 @@ class Dithering(Compressor):
         self.level_dtype = np.int8 if self.max_level < 2**7 else (
             np.int32 if self.max_level < 2**31 else np.int64)
         self.buffers: dict = {}  # scratch arrays, allocated on first use
+        self.undo: np.ndarray | None = None  # the RNG state before the last compress
+        # a larger scale decodes its top level to inf in the dtype
+        self.max_scale = float(torch.finfo(dtype).max) * self.divisor / self.max_level
 
     @classmethod
     def max_payload_bytes(cls, numel: int, dtype: torch.dtype = torch.float32, levels: int = 2,
@@ -146,7 +149,8 @@ class Dithering(Compressor):
         else:
             scale = max_abs(values, self.bounds)
         if not math.isfinite(scale):
-            raise ValueError("dithering cannot encode a tensor with inf or NaN entries")
+            raise self.nonfinite_input()
+        self.undo = self.rng.copy()
         payload = torch.empty(self.max_stream_bytes + TRAILER, dtype=torch.uint8)
         buffer = payload.numpy()
         words = sub_array(buffer, 0, np.uint32, buffer.size // 4)
@@ -212,8 +216,9 @@ class Dithering(Compressor):
         scale = float(buffer[size + 8 :].copy().view(np.float64)[0])
         if (nbits + 7) // 8 != size:
             raise self.bad_payload(f"bit count {nbits} does not match {size} stream bytes")
-        if not (math.isfinite(scale) and scale >= 0.0):
-            raise self.bad_payload(f"scale {scale} is not finite and >= 0")
+        if not (0.0 <= scale <= self.max_scale):  # also inf and NaN
+            raise self.bad_payload(f"scale {scale} is not finite and >= 0, or decodes to "
+                                   f"values beyond {self.dtype}")
         if nbits % 8 and int(buffer[size - 1]) & ((1 << (8 - nbits % 8)) - 1):
             raise self.bad_payload("padding bits of the last stream byte are not zero")
         out = self.output(out)
@@ -256,4 +261,11 @@ class Dithering(Compressor):
         if not isinstance(state, dict) or set(state) != {"rng"}:
             raise ValueError(f"Dithering state must be a dict with key 'rng', got {state!r}")
         load_state_list(self, self.rng, state["rng"])
+        self.undo = None
+
+    def rollback(self) -> None:
+        """The RNG state before the last ``compress``."""
+        if self.undo is not None:
+            self.rng[:] = self.undo
+            self.undo = None
 

@@ -4,6 +4,11 @@
 until ``set_lr`` has been called twice with different values; call ``set_lr`` once
 per step, before ``compress``.
 
+Two error buffers take turns: ``g'`` is built in the one not holding ``e``, so the
+error of the step before stays intact until the next ``compress`` and ``rollback``
+returns to it (a step that a non-finite gradient elsewhere skips). A ``g'`` with inf
+or NaN entries raises NonFiniteError with nothing changed.
+
 Example::
 
     >>> import torch
@@ -27,6 +32,7 @@ from numba import njit
 from .base import (
     KERNEL_FLOAT_DTYPES,
     Compressor,
+    NonFiniteError,
     Payload,
     add_decompressed,
     check_state_keys,
@@ -35,10 +41,15 @@ from .base import (
 
 
 @njit(nogil=True, cache=True)
-def add_scaled_error(x, ratio, error):
-    """``error = x + ratio * error`` in place, rounded as torch rounds (ratio 1 is exact)."""
+def add_scaled_error(x, ratio, error, out):
+    """``out = x + ratio * error``, rounded as torch rounds (ratio 1 is exact); returns
+    whether every value is finite (an integer flag in the same pass: it vectorises)."""
+    bad = 0
     for i in range(x.size):
-        error[i] = x[i] + ratio * error[i]
+        value = x[i] + ratio * error[i]
+        out[i] = value
+        bad |= not abs(value) < np.inf
+    return bad == 0
 
 
 class ErrorFeedback(Compressor):
@@ -48,14 +59,18 @@ class ErrorFeedback(Compressor):
         super().__init__(inner.numel, inner.dtype)
         self.inner = inner
         self.error = torch.zeros(inner.numel, dtype=inner.dtype)
+        self.spare: torch.Tensor | None = None  # the other buffer (made on first use)
         self.lr_prev: float | None = None
         self.lr_now: float | None = None
+        self.lr_before: tuple | None = None  # (lr_prev, lr_now) before this step's set_lr
+        self.undo: tuple | None = None  # (learning rates, error) before the last compress
 
     def set_lr(self, lr: float) -> None:
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (
             math.isfinite(lr) and lr > 0
         ):
             raise ValueError(f"learning rate must be a finite number > 0, got {lr!r}")
+        self.lr_before = (self.lr_prev, self.lr_now)
         self.lr_prev = float(lr) if self.lr_now is None else self.lr_now
         self.lr_now = float(lr)
         self.inner.set_lr(lr)
@@ -66,18 +81,25 @@ class ErrorFeedback(Compressor):
 
     def compress(self, x: torch.Tensor) -> torch.Tensor:
         x = self.check_input(x)
+        self.undo = None
         if self.dtype in KERNEL_FLOAT_DTYPES:
             array = x.numpy()
             return self.compress_corrected(
-                lambda error, ratio: add_scaled_error(array, array.dtype.type(ratio), error))
+                lambda error, ratio, out: add_scaled_error(array, array.dtype.type(ratio),
+                                                           error, out))
         # float16/bfloat16: torch rounds each op
         ratio = self.ratio
-        return self._send(x + self.error if ratio == 1.0 else x + ratio * self.error)
+        corrected = x + self.error if ratio == 1.0 else x + ratio * self.error
+        if not bool(torch.isfinite(corrected).all()):
+            self._refuse()
+        return self._send(corrected)
 
-    def compress_corrected(self, build: Callable[[np.ndarray, float], None]) -> torch.Tensor:
-        """Compress ``g'`` that ``build(error, ratio)`` writes over the error buffer
-        (a float32/float64 array holding ``e``), as ``g + ratio * e``. The decorator
-        before this one (Nesterov momentum) builds ``g'`` in its own pass this way.
+    def compress_corrected(self, build: Callable[[np.ndarray, float, np.ndarray], bool]
+                           ) -> torch.Tensor:
+        """Compress ``g'`` that ``build(error, ratio, out)`` writes into ``out`` as
+        ``g + ratio * e`` (float32/float64 arrays; ``error`` holds ``e`` and must not
+        change), returning whether every value of ``g'`` is finite. The decorator before
+        this one (Nesterov momentum) builds ``g'`` in its own pass this way.
 
         Example::
 
@@ -85,29 +107,71 @@ class ErrorFeedback(Compressor):
             >>> from bps.compressors.topk import TopK
             >>> chain = ErrorFeedback(TopK(numel=2, k=1))
             >>> g = np.array([1.0, 0.5], dtype=np.float32)
-            >>> payload = chain.compress_corrected(lambda e, ratio: np.add(g, ratio * e, out=e))
+            >>> build = lambda e, ratio, out: np.isfinite(np.add(g, ratio * e, out=out)).all()
+            >>> payload = chain.compress_corrected(build)
             >>> chain.error
             tensor([0.0000, 0.5000])
         """
         if self.dtype not in KERNEL_FLOAT_DTYPES:
             raise TypeError(f"compress_corrected needs a float32/float64 chain, not {self.dtype}")
-        build(self.error.numpy(), self.ratio)
-        return self._send(self.error)
+        self.undo = None
+        if self.spare is None:
+            self.spare = torch.empty_like(self.error)
+        if not build(self.error.numpy(), self.ratio, self.spare.numpy()):
+            self._refuse()
+        return self._send(self.spare)
+
+    def _refuse(self) -> None:
+        """Raise NonFiniteError for an inf or NaN in ``g'``, this step's set_lr undone."""
+        self._restore_lr()
+        raise NonFiniteError(f"error feedback: the corrected gradient (numel={self.numel}) "
+                             "has inf or NaN entries")
+
+    def cancel(self) -> None:
+        """Undo this step's ``set_lr`` (no ``compress`` follows it)."""
+        self._restore_lr()
+        self.inner.cancel()
+
+    def _restore_lr(self) -> None:
+        if self.lr_before is not None:
+            self.lr_prev, self.lr_now = self.lr_before
+            self.lr_before = None
 
     def _send(self, corrected: torch.Tensor) -> torch.Tensor:
-        """Compress ``corrected`` and keep what it did not send as the next error."""
-        fused = getattr(self.inner, "compress_residual", None)
-        if fused is not None:
-            payload = fused(corrected)
-        else:
-            payload = self.inner.compress(corrected)
-            update = getattr(self.inner, "fast_update_error", None)
-            if update is not None:
-                update(corrected, payload)
+        """Compress ``corrected`` (not the error buffer) and keep what it did not send as
+        the next error; the error before stays in the other buffer for ``rollback``."""
+        try:
+            fused = getattr(self.inner, "compress_residual", None)
+            if fused is not None:
+                payload = fused(corrected)
             else:
-                corrected.sub_(self.inner.decompress(payload))
+                payload = self.inner.compress(corrected)
+                update = getattr(self.inner, "fast_update_error", None)
+                if update is not None:
+                    update(corrected, payload)
+                else:
+                    corrected.sub_(self.inner.decompress(payload))
+        except NonFiniteError:
+            self._restore_lr()
+            raise
+        lrs = self.lr_before if self.lr_before is not None else (self.lr_prev, self.lr_now)
+        self.undo = (lrs, self.error)
+        self.lr_before = None
+        if corrected is self.spare:
+            self.spare = self.error
         self.error = corrected
         return payload
+
+    def rollback(self) -> None:
+        """Back to the error and learning rates before the last ``compress`` (and the
+        inner compressor's state before it)."""
+        if self.undo is None:
+            return
+        (self.lr_prev, self.lr_now), error = self.undo
+        if self.spare is not None:
+            self.spare = self.error
+        self.error, self.undo = error, None
+        self.inner.rollback()
 
     def decompress(self, payload: Payload, out: torch.Tensor | None = None) -> torch.Tensor:
         return self.inner.decompress(payload, out)
@@ -134,3 +198,4 @@ class ErrorFeedback(Compressor):
         self.inner.load_state_dict(state["inner"])
         load_buffer(self, "error", self.error, state["error"])
         self.lr_prev, self.lr_now = state["lr_prev"], state["lr_now"]
+        self.lr_before = self.undo = None

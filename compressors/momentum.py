@@ -1,6 +1,9 @@
 """Nesterov momentum inside the compression chain (workers only), BytePS design.
 
 ``m = g + mu * m``; ``g' = g + mu * m``; then the rest of the chain compresses ``g'``.
+Two momentum buffers take turns, as error feedback's do, so ``rollback`` returns to the
+momentum before the last ``compress``; an inf or NaN in ``g'`` raises NonFiniteError
+with nothing changed.
 
 Example::
 
@@ -14,12 +17,14 @@ Example::
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from numba import njit
 
 from .base import (
     KERNEL_FLOAT_DTYPES,
     Compressor,
+    NonFiniteError,
     Payload,
     add_decompressed,
     check_state_keys,
@@ -28,24 +33,33 @@ from .base import (
 
 
 @njit(nogil=True, cache=True)
-def nesterov_step(grad, momentum, mu, lookahead):
-    """``momentum = mu * momentum + grad``; ``lookahead = grad + mu * momentum``, one pass,
-    each operation rounded to the arrays' dtype as torch's element-wise ops round."""
+def nesterov_step(grad, momentum, mu, lookahead, momentum_out):
+    """``momentum_out = mu * momentum + grad``; ``lookahead = grad + mu * momentum_out``,
+    one pass, each operation rounded to the arrays' dtype as torch's element-wise ops
+    round; returns whether every lookahead value is finite."""
+    bad = 0
     for i in range(grad.size):
         m = momentum[i] * mu + grad[i]
-        momentum[i] = m
-        lookahead[i] = grad[i] + mu * m
+        momentum_out[i] = m
+        value = grad[i] + mu * m
+        lookahead[i] = value
+        bad |= not abs(value) < np.inf
+    return bad == 0
 
 
 @njit(nogil=True, cache=True)
-def nesterov_step_corrected(grad, momentum, mu, ratio, error):
-    """nesterov_step with error feedback's ``g' = lookahead + ratio * error`` written over
-    ``error`` in the same pass (one pass less, no lookahead array); rounded as the two
-    separate kernels round."""
+def nesterov_step_corrected(grad, momentum, mu, ratio, error, momentum_out, out):
+    """nesterov_step with error feedback's ``g' = lookahead + ratio * error`` written into
+    ``out`` in the same pass (one pass less, no lookahead array); rounded as the two
+    separate kernels round; returns whether every value of ``g'`` is finite."""
+    bad = 0
     for i in range(grad.size):
         m = momentum[i] * mu + grad[i]
-        momentum[i] = m
-        error[i] = (grad[i] + mu * m) + ratio * error[i]
+        momentum_out[i] = m
+        value = (grad[i] + mu * m) + ratio * error[i]
+        out[i] = value
+        bad |= not abs(value) < np.inf
+    return bad == 0
 
 
 class Momentum(Compressor):
@@ -58,25 +72,62 @@ class Momentum(Compressor):
         self.inner = inner
         self.mu = float(mu)
         self.momentum = torch.zeros(inner.numel, dtype=inner.dtype)
+        self.spare: torch.Tensor | None = None  # the other momentum buffer (first use)
         self.lookahead: torch.Tensor | None = None  # g' when the inner chain takes a tensor
+        self.undo: torch.Tensor | None = None  # the momentum before the last compress
 
     def set_lr(self, lr: float) -> None:
         self.inner.set_lr(lr)
 
     def compress(self, x: torch.Tensor) -> torch.Tensor:
         x = self.check_input(x)
+        self.undo = None
         if self.dtype not in KERNEL_FLOAT_DTYPES:  # float16/bfloat16: torch rounds each op
-            self.momentum.mul_(self.mu).add_(x)
-            return self.inner.compress(x + self.mu * self.momentum)
-        grad, momentum = x.numpy(), self.momentum.numpy()
+            momentum = self.momentum * self.mu + x
+            lookahead = x + self.mu * momentum
+            if not bool(torch.isfinite(lookahead).all()):
+                raise self._nonfinite()
+            return self._commit(momentum, self.inner.compress(lookahead))
+        if self.spare is None:
+            self.spare = torch.empty_like(self.momentum)
+        grad, momentum, out = x.numpy(), self.momentum.numpy(), self.spare.numpy()
         mu = grad.dtype.type(self.mu)
         if hasattr(self.inner, "compress_corrected"):  # error feedback: one pass for both
-            return self.inner.compress_corrected(lambda error, ratio: nesterov_step_corrected(
-                grad, momentum, mu, grad.dtype.type(ratio), error))
+            payload = self.inner.compress_corrected(
+                lambda error, ratio, corrected: nesterov_step_corrected(
+                    grad, momentum, mu, grad.dtype.type(ratio), error, out, corrected))
+            return self._commit(self.spare, payload)
         if self.lookahead is None:
             self.lookahead = torch.empty(self.numel, dtype=self.dtype)
-        nesterov_step(grad, momentum, mu, self.lookahead.numpy())
-        return self.inner.compress(self.lookahead)
+        if not nesterov_step(grad, momentum, mu, self.lookahead.numpy(), out):
+            raise self._nonfinite()
+        return self._commit(self.spare, self.inner.compress(self.lookahead))
+
+    def cancel(self) -> None:
+        self.inner.cancel()
+
+    def _nonfinite(self) -> NonFiniteError:
+        self.inner.cancel()
+        return NonFiniteError(f"momentum: the gradient (numel={self.numel}) has inf or NaN "
+                              "entries")
+
+    def _commit(self, momentum: torch.Tensor, payload: torch.Tensor) -> torch.Tensor:
+        """The new momentum becomes current; the one before is kept for ``rollback``."""
+        self.undo = self.momentum
+        if momentum is self.spare:
+            self.spare = self.momentum
+        self.momentum = momentum
+        return payload
+
+    def rollback(self) -> None:
+        """Back to the momentum before the last ``compress`` (and the inner chain's
+        state before it)."""
+        if self.undo is None:
+            return
+        if self.spare is not None:
+            self.spare = self.momentum
+        self.momentum, self.undo = self.undo, None
+        self.inner.rollback()
 
     def decompress(self, payload: Payload, out: torch.Tensor | None = None) -> torch.Tensor:
         return self.inner.decompress(payload, out)
@@ -92,3 +143,4 @@ class Momentum(Compressor):
         check_state_keys(self, state, ("momentum", "inner"))
         self.inner.load_state_dict(state["inner"])
         load_buffer(self, "momentum", self.momentum, state["momentum"])
+        self.undo = None

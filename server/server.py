@@ -28,13 +28,23 @@ the key and field; the server keeps serving everyone else.
 Who may ask (see docs/runtime.md, "Security"): the ROUTER is a CURVE server
 (:mod:`bps.auth`), so only holders of the cluster key connect at all. A request counts
 as worker n's only on a connection whose routing id starts with the token the scheduler
-gave worker n at rendezvous; REGISTER and PUSH must name that node, SET_STATE comes
-from worker 0 only. A worker has at most one push per key waiting for its step, and a
-step more than one away from the step in progress is refused. Every bound is checked
+gave worker n at rendezvous; REGISTER and PUSH must name that node, SET_STATE and
+ABORT come from worker 0 only. A worker has at most one push per key waiting for its
+step, and a step more than one away from the step in progress is refused. Every bound is checked
 before anything is allocated: frame sizes (``BPS_MAX_MESSAGE_BYTES``, enforced by
 ZeroMQ while it reads), a key's size (half of that), replies queued for one connection
 (:data:`PEER_QUEUE`), requests queued for the engine threads (:data:`INBOX_BYTES`: the
 server stops reading until they catch up), and warnings (rate-limited).
+
+Non-finite gradients: a push whose values are inf or NaN is refused, naming the node
+(workers never send one: they mark it, see ``bps.protocol``). A step of a key with a
+``nonfinite`` mark is answered with a skip and nothing summed; the server chain then
+stays as it was. So is a float16 raw key whose finite pushes sum beyond float16's
+range (``skip_node`` -1). Where a worker learns that the whole step is skipped (another
+key's mark), node 0 sends ``ABORT`` for its keys: a chain that compressed that step returns
+to its state before it (error feedback keeps the previous error buffer for this, see
+``Compressor.rollback``). The ABORT travels on node 0's connection ahead of its next
+push, so it always arrives before that key's next step can complete.
 """
 
 from __future__ import annotations
@@ -54,6 +64,7 @@ import zmq
 from bps import trace
 from bps.auth import Guard, load_key
 from bps.compressors.base import add_decompressed
+from bps.compressors.finite import tensor_finite
 from bps.env import ClusterEnv
 from bps.memory import keep_buffers_in_heap
 from bps.protocol import (
@@ -83,7 +94,7 @@ PEER_INBOUND = 64  # requests ZeroMQ queues per connection before it stops readi
 INBOX_BYTES = 256 << 20  # payload bytes waiting for the engine threads: read no more
 IO_THREADS = 2  # ZeroMQ I/O threads of the server's context
 OPS_WITH_PAYLOAD = (Op.PUSH, Op.SET_STATE)
-KEY_OPS = (Op.REGISTER, Op.PUSH, Op.PULL, Op.GET_STATE, Op.SET_STATE)
+KEY_OPS = (Op.REGISTER, Op.PUSH, Op.PULL, Op.GET_STATE, Op.SET_STATE, Op.ABORT)
 
 
 class RequestError(ValueError):
@@ -101,6 +112,7 @@ class _Step:
     lr: float = 0.0
     first_lr: tuple[int, float] | None = None  # (node, lr) of the first push to arrive
     first_push_ns: int = 0  # when traced (bps.trace): the first push's arrival
+    nonfinite: tuple[int, str] | None = None  # (node, what) of the first nonfinite mark
 
     def pushed(self, node: int) -> bool:
         """Whether ``node``'s push of this step arrived (added, or held)."""
@@ -123,6 +135,8 @@ class _Key:
     steps: dict[int, _Step] = field(default_factory=dict)
     last_step: int = -1
     last_payload: torch.Tensor | None = None
+    last_skip: dict | None = None  # the skip fields of the last step's DATA, if skipped
+    committed_step: int = -1  # the step the chain compressed last (ABORT can undo it)
     scratch: torch.Tensor | None = None  # a push widened for the sum, reused every step
     decoded: torch.Tensor | None = None  # a compressed push decoded for the sum, reused
     spare: list[torch.Tensor] = field(default_factory=list)  # sums of finished steps
@@ -224,6 +238,12 @@ class _KeyEngine(threading.Thread):
         elif op == Op.SET_STATE:
             self._set_state(state, payload)
             self._reply(ident, encode(Op.OK, rid=header["rid"]))
+        elif op == Op.ABORT:
+            if state.chain is not None and state.committed_step == header["step"]:
+                state.chain.rollback()
+                state.committed_step = -1
+                state.state_blob = None
+            self._reply(ident, encode(Op.OK, rid=header["rid"]))
 
     def _register(self, header: dict) -> None:
         key, numel, name = header["key"], header["numel"], header["name"]
@@ -260,13 +280,19 @@ class _KeyEngine(threading.Thread):
                 raise RequestError(f"key {key} ({name!r}): {exc}") from None
         self.keys[key] = _Key(key, numel, dtype, params, name, header["node"], chain)
 
-    def _decode(self, state: _Key, payload: zmq.Frame, out: torch.Tensor | None = None,
-                add_to: torch.Tensor | None = None) -> torch.Tensor:
+    def _decode(self, state: _Key, payload: zmq.Frame, node: int,
+                out: torch.Tensor | None = None, add_to: torch.Tensor | None = None
+                ) -> torch.Tensor:
         """The push's values: a view of the frame (raw keys), or decoded into ``out`` (a
-        new tensor if None), or with ``add_to``: decoded and added to it in place."""
+        new tensor if None), or with ``add_to``: decoded and added to it in place. Values
+        that are inf or NaN are refused before anything is added."""
         if state.chain is None:
-            return torch.frombuffer(payload.buffer, dtype=state.dtype) if state.numel else \
-                torch.zeros(0, dtype=state.dtype)
+            values = torch.frombuffer(payload.buffer, dtype=state.dtype) if state.numel \
+                else torch.zeros(0, dtype=state.dtype)
+            if not tensor_finite(values):
+                raise RequestError(f"key {state.key} ({state.name!r}): the push of worker "
+                                   f"{node} has inf or NaN values")
+            return values
         data = torch.frombuffer(payload.buffer, dtype=torch.uint8)
         try:
             if add_to is not None:
@@ -276,8 +302,8 @@ class _KeyEngine(threading.Thread):
             else:
                 values = state.chain.decompress(data, out)
         except Exception as exc:
-            raise RequestError(f"key {state.key} ({state.name!r}): cannot decode payload: "
-                               f"{type(exc).__name__}: {exc}") from None
+            raise RequestError(f"key {state.key} ({state.name!r}): cannot decode payload "
+                               f"from worker {node}: {type(exc).__name__}: {exc}") from None
         if values.numel() != state.numel:
             raise RequestError(f"key {state.key} ({state.name!r}): payload decodes to "
                                f"{values.numel()} values, expected {state.numel}")
@@ -329,7 +355,9 @@ class _KeyEngine(threading.Thread):
         if header["lr"] < 0:
             raise RequestError(f"{where}: field 'lr'={header['lr']} is negative")
         raw_bytes = state.numel * state.dtype.itemsize
-        if state.chain is None and header["nbytes"] != raw_bytes:
+        if "mark" in header:  # no payload (the protocol checked nbytes == 0)
+            pass
+        elif state.chain is None and header["nbytes"] != raw_bytes:
             raise RequestError(f"{where}: raw payload of {header['nbytes']} bytes, expected "
                                f"{raw_bytes}")
         if state.chain is not None and header["nbytes"] > 2 * raw_bytes + 64:
@@ -372,15 +400,25 @@ class _KeyEngine(threading.Thread):
         return None
 
     def _add_push(self, state: _Key, pending: _Step, header: dict, payload: zmq.Frame) -> None:
+        node = header["node"]
+        if "mark" in header:  # nothing to add
+            if header["mark"] == "nonfinite" and pending.nonfinite is None:
+                pending.nonfinite = (node, header.get("what", ""))
+            return
         if pending.total is not None and state.sums_in_place():
             # a compressed push adds into the sum directly (a sparse payload touches only
             # its k elements); it is decoded before anything is added
-            self._decode(state, payload, add_to=pending.total)
+            self._decode(state, payload, node, add_to=pending.total)
             return
         # the step's first push becomes its sum: a compressed one is decoded into a reused
         # buffer, a raw one is the frame itself (or its widened copy)
         out = state.spare_sum() if state.sums_in_place() else None
-        values = self._decode(state, payload, out)
+        try:
+            values = self._decode(state, payload, node, out)
+        except RequestError:
+            if out is not None:
+                state.spare.append(out)
+            raise
         if pending.total is None:
             pending.total = values.to(state.accumulate_dtype(self.server.num_workers))
             pending.lr = float(header["lr"])
@@ -405,12 +443,23 @@ class _KeyEngine(threading.Thread):
             pending = state.steps[step]
             if pending.summed < self.server.num_workers:
                 return
+            del state.steps[step]
+            state.last_step = step
+            if pending.nonfinite is not None or pending.total is None:
+                self._skip(state, step, pending)
+                continue
             total = pending.total.to(state.dtype)
+            if state.chain is None and state.dtype == torch.float16 and not tensor_finite(total):
+                # finite pushes whose sum overflows float16: skipped like an inf pushed
+                pending.nonfinite = (-1, state.name)
+                self._skip(state, step, pending)
+                continue
             summed_ns = time.monotonic_ns() if pending.first_push_ns else 0  # traced only
             if state.chain is not None:
                 if pending.lr > 0:
                     state.chain.set_lr(pending.lr)
                 summed, total = total, state.chain.compress(total)
+                state.committed_step = step
                 if state.sums_in_place() and not _shares_memory(summed, total):
                     state.spare.append(summed)
             tracer = self.server.tracer
@@ -420,16 +469,26 @@ class _KeyEngine(threading.Thread):
                     tracer.complete("compress", state.name, step, summed_ns,
                                     time.monotonic_ns(),
                                     bytes=total.numel() * total.element_size())
-            del state.steps[step]
-            state.last_step, state.last_payload = step, total
+            state.last_payload, state.last_skip = total, None
             state.state_blob = None
             self._send_data(state, step, pending.waiters)
 
+    def _skip(self, state: _Key, step: int, pending: _Step) -> None:
+        """Answer a step that is not summed: a non-finite mark, or only zero marks."""
+        if pending.total is not None and state.sums_in_place():
+            state.spare.append(pending.total)
+        node, what = pending.nonfinite if pending.nonfinite is not None else (-1, "")
+        state.last_payload = torch.zeros(0, dtype=torch.uint8)
+        state.last_skip = {"skip": "nonfinite" if pending.nonfinite else "zero",
+                           "skip_node": node, "skip_what": what}
+        self._send_data(state, step, pending.waiters)
+
     def _send_data(self, state: _Key, step: int, waiters: list[tuple[bytes, int]]) -> None:
         body = _as_bytes(state.last_payload)
+        skip = state.last_skip or {}
         for ident, rid in waiters:
             self._reply(ident, encode(Op.DATA, rid=rid, key=state.key, step=step,
-                                      nbytes=body.nbytes), body)
+                                      nbytes=body.nbytes, **skip), body)
 
     def _set_state(self, state: _Key, payload: zmq.Frame) -> None:
         if any(s.started() for s in state.steps.values()):
@@ -446,7 +505,8 @@ class _KeyEngine(threading.Thread):
                 raise RequestError(f"key {state.key} ({state.name!r}): bad state: "
                                    f"{type(exc).__name__}: {exc}") from None
         state.steps.clear()
-        state.last_step, state.last_payload = -1, None
+        state.last_step, state.last_payload, state.last_skip = -1, None, None
+        state.committed_step = -1
         state.state_blob = None
 
 
@@ -601,6 +661,9 @@ class ParameterServer:
         if op == Op.SET_STATE and node != 0:
             raise ProtocolError(f"SET_STATE key {key} from worker {node}: only worker 0 "
                                 f"restores the servers' state (load_state_dict)")
+        if op == Op.ABORT and node != 0:
+            raise ProtocolError(f"ABORT key {key} from worker {node}: only worker 0 "
+                                f"rolls back a skipped step")
 
 
 def _drain(sock: Any, limit: int = 256) -> Any:

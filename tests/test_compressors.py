@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bps.compressors import build, topk
+from bps.compressors.base import NonFiniteError
 from tests import reference_compressors as ref
 
 DTYPES = ["float32", "float16", "bfloat16", "float64"]
@@ -143,13 +144,20 @@ def test_topk_mostly_zero_input_matches_reference(nonzeros):
 
 @pytest.mark.parametrize("values", [
     np.ones(5000), np.zeros(5000), np.r_[np.ones(10), np.zeros(4990)],
-    np.r_[np.full(100, np.nan), np.ones(4900)],
 ])
-def test_topk_ties_zeros_and_nan_still_give_exactly_k(values):
+def test_topk_ties_and_zeros_still_give_exactly_k(values):
     c = build({"compressor": "topk", "k": 50}, values.size)
     payload = c.compress(torch.tensor(values, dtype=torch.float32))
     indices = payload[:200].view(torch.int32).numpy()
     assert len(set(indices.tolist())) == 50 and indices.min() >= 0 and indices.max() < values.size
+
+
+def test_topk_refuses_nan_which_ranks_first():
+    # NaN ranks above every magnitude, so it is among the k: compress refuses the input
+    # (tests/test_compressors_nonfinite.py checks every compressor, chain and dtype)
+    c = build({"compressor": "topk", "k": 50}, 5000)
+    with pytest.raises(NonFiniteError, match="inf or NaN"):
+        c.compress(torch.tensor(np.r_[np.full(100, np.nan), np.ones(4900)], dtype=torch.float32))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

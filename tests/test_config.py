@@ -6,7 +6,7 @@ import pytest
 from bps.config import resolve_k, validate_compression_params
 
 DOCUMENTED_KEYS = {"compressor", "k", "scaling", "ef", "momentum", "mu", "seed", "partition",
-             "normalize", "fp16", "min_compress_bytes", "warmup_steps"}
+             "normalize", "fp16", "min_compress_bytes", "warmup_steps", "nonfinite"}
 
 
 def test_defaults_fill_every_key(monkeypatch):
@@ -16,7 +16,7 @@ def test_defaults_fill_every_key(monkeypatch):
     assert out == {"compressor": None, "k": None, "scaling": False, "ef": None,
                    "momentum": None, "mu": None, "seed": None, "partition": "linear",
                    "normalize": "max", "fp16": True, "min_compress_bytes": 65536,
-                   "warmup_steps": 0}
+                   "warmup_steps": 0, "nonfinite": "raise"}
 
 
 def test_returns_a_new_dict():
@@ -37,7 +37,8 @@ def test_min_compress_bytes_from_environment(monkeypatch):
 def test_full_valid_dict():
     params = {"compressor": "dithering", "k": 4, "scaling": True, "ef": "vanilla",
               "momentum": "nesterov", "mu": 0.9, "seed": 2**64 - 1, "partition": "natural",
-              "normalize": "l2", "fp16": False, "min_compress_bytes": 0, "warmup_steps": 3}
+              "normalize": "l2", "fp16": False, "min_compress_bytes": 0, "warmup_steps": 3,
+              "nonfinite": "skip"}
     assert validate_compression_params(params) == params
 
 
@@ -66,6 +67,8 @@ BAD = [
     ({"compressor": "dithering", "k": 0}, ValueError, ["'k'", "0"]),
     ({"compressor": "dithering", "k": 32, "partition": "natural"}, ValueError, ["'k'", "32", "31"]),
     ({"compressor": "dithering", "k": True}, TypeError, ["'k'", "True"]),
+    ({"nonfinite": "ignore"}, ValueError, ["nonfinite", "ignore", "'raise'", "'skip'"]),
+    ({"nonfinite": None}, TypeError, ["nonfinite", "None"]),
     ({"scaling": 1}, TypeError, ["scaling", "1", "bool"]),
     ({"scaling": "yes"}, TypeError, ["scaling", "yes"]),
     ({"fp16": 0}, TypeError, ["fp16", "0", "bool"]),

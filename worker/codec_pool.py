@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 import zmq
 
+from bps.compressors.base import NonFiniteError
 from bps.trace import Tracer
 from bps.worker.send_queues import KeyInfo, Request, settle, trace_stage
 
@@ -35,9 +36,10 @@ class CodecPool:
 
     def compress(self, info: KeyInfo, tensor: torch.Tensor, step: int, lr: float,
                  future: concurrent.futures.Future,
-                 then: Callable[[torch.Tensor], None]) -> None:
-        """On a codec thread: ``then(payload)`` with the compressed ``tensor``; an error
-        settles ``future``."""
+                 then: Callable[[torch.Tensor, dict | None], None]) -> None:
+        """On a codec thread: ``then(payload, None)`` with the compressed ``tensor``, or
+        ``then(empty, marker fields)`` where the chain refuses it as non-finite (its
+        state unchanged); any other error settles ``future``."""
         self._pool.submit(self._compress, info, tensor, step, lr, future, then)
 
     def decompress(self, request: Request, frame: zmq.Frame) -> None:
@@ -49,17 +51,23 @@ class CodecPool:
 
     def _compress(self, info: KeyInfo, tensor: torch.Tensor, step: int, lr: float,
                   future: concurrent.futures.Future,
-                  then: Callable[[torch.Tensor], None]) -> None:
+                  then: Callable[[torch.Tensor, dict | None], None]) -> None:
         try:
             start_ns = time.monotonic_ns()
             info.chain.set_lr(lr)
-            payload = info.chain.compress(tensor)
+            try:
+                payload = info.chain.compress(tensor)
+            except NonFiniteError:
+                info.chain.cancel()
+                then(torch.zeros(0, dtype=torch.uint8), {"mark": "nonfinite", "what": info.name})
+                return
+            info.compressed_step = step
             end_ns = time.monotonic_ns()
             self._count(compress_s=(end_ns - start_ns) / 1e9)
             if self._tracer is not None:
                 self._tracer.complete("compress", info.name, step, start_ns, end_ns,
                                       bytes=payload.numel() * payload.element_size())
-            then(payload)
+            then(payload, None)
         except BaseException as exc:
             settle(info, future, error=exc)
 

@@ -29,6 +29,13 @@ The tensor handed to ``push_pull`` must not be modified until its future resolve
 flight. Every request has a ``BPS_TIMEOUT`` deadline; a timeout, a dead peer or a lost
 scheduler fails every pending future with a :class:`bps.protocol.ClusterError` naming
 the key, server or peer, and every later call raises it again.
+
+Skipped steps: ``push_pull(key, None, step, lr, mark="nonfinite", what=name)`` pushes a
+marker instead of values (``"zero"``: this node contributes nothing); a compressed key
+whose chain refuses its input as non-finite is pushed as such a marker too. The future
+of a step that the server did not sum gives a :class:`Skipped` instead of a tensor;
+``rollback(step)`` then returns every worker chain that compressed that step, and
+(node 0) every server chain, to its state before it.
 """
 
 from __future__ import annotations
@@ -47,13 +54,15 @@ import zmq
 from bps.auth import ClusterKey, load_key
 from bps.env import ClusterEnv
 from bps.memory import keep_buffers_in_heap
-from bps.protocol import ClusterError, Op, dtype_name
+from bps.protocol import MARKS, ClusterError, Op, dtype_name
 from bps.scheduler_client import SchedulerClient
 from bps.trace import Tracer
 from bps.worker.codec_pool import CodecPool
 from bps.worker.io_loop import IOLoop, log
 from bps.worker.partition import Placement
-from bps.worker.send_queues import KeyInfo, info_label, new_future, send_order
+from bps.worker.send_queues import KeyInfo, Skipped, info_label, new_future, send_order
+
+__all__ = ["EngineStats", "Skipped", "WorkerEngine"]
 
 MAX_KEY = 2**63
 STATE_WINDOW = 16  # GET_STATE / SET_STATE requests out at a time
@@ -171,19 +180,24 @@ class WorkerEngine:
             raise
         self._keys[key] = info
 
-    def push_pull(self, key: int, tensor: torch.Tensor, step: int, lr: float,
-                  priority: int = 0, out: torch.Tensor | None = None
-                  ) -> concurrent.futures.Future:
-        """Push this node's (already averaged) partition; the future gives the aggregate.
+    def push_pull(self, key: int, tensor: torch.Tensor | None, step: int, lr: float,
+                  priority: int = 0, out: torch.Tensor | None = None,
+                  mark: str | None = None, what: str = "") -> concurrent.futures.Future:
+        """Push this node's (already averaged) partition; the future gives the aggregate,
+        or a :class:`Skipped` where the server did not sum the step.
 
         ``out`` (compressed keys): a contiguous CPU tensor of the declared numel and dtype,
         ``tensor`` itself allowed, into which the aggregate is decoded (no new tensor);
-        the future then gives ``out``."""
+        the future then gives ``out``. ``mark`` (``"nonfinite"`` or ``"zero"``, with
+        ``tensor`` None): push that marker instead of values; ``what`` names the tensor
+        in the skip every node then receives."""
         info = self._keys.get(key)
         if info is None:
             raise ValueError(f"key {key}: push_pull before declare")
-        flat = tensor.reshape(-1)
-        if flat.numel() != info.numel or flat.dtype != info.dtype:
+        if mark is not None and mark not in MARKS:
+            raise ValueError(f"{info_label(info)}: mark={mark!r}, expected one of {MARKS}")
+        flat = torch.zeros(0, dtype=torch.uint8) if mark is not None else tensor.reshape(-1)
+        if mark is None and (flat.numel() != info.numel or flat.dtype != info.dtype):
             raise ValueError(f"{info_label(info)}: tensor has numel={flat.numel()} dtype="
                              f"{flat.dtype}, declared numel={info.numel} dtype={info.dtype}")
         if out is not None and (info.chain is None or out.numel() != info.numel
@@ -203,13 +217,35 @@ class WorkerEngine:
             info.out = None if out is None else out.reshape(-1)
         future = new_future()
         order = send_order(step, priority, self._io.next_rid())
-        if info.chain is None:
+        if mark is not None:
+            self._io.enqueue(info, flat, step, lr, order, future, {"mark": mark, "what": what})
+        elif info.chain is None:
             self._io.enqueue(info, flat.contiguous(), step, lr, order, future)
         else:
             self._codec.compress(info, flat.contiguous(), step, lr, future,
-                                 lambda payload: self._io.enqueue(info, payload, step, lr,
-                                                                  order, future))
+                                 lambda payload, extra: self._io.enqueue(
+                                     info, payload, step, lr, order, future, extra))
         return future
+
+    def rollback(self, step: int, keys: list[int]) -> None:
+        """Undo ``step`` on the compressed ``keys`` (one trainer's): each worker chain
+        that compressed it returns to its state before; node 0 has each server do the
+        same (``ABORT``, blocking). Call it once every push_pull of ``step`` has resolved
+        and before any of the next step; every worker node calls it for the same steps.
+        Node 0's ABORTs leave on its connections ahead of its next pushes, so a server
+        always undoes a step before it can complete that key's next one."""
+        compressed = [self._compressed_key(key) for key in keys]
+        for info in compressed:
+            if info.compressed_step == step:
+                info.chain.rollback()
+                info.compressed_step = -1
+        if self.node_id != 0:
+            return
+        futures = [self._io.request(Op.ABORT, info.server, {"key": info.key, "step": step},
+                                    None, f"ABORT of {info_label(info)} step {step}", info)
+                   for info in compressed]
+        for info, future in zip(compressed, futures, strict=True):
+            self._wait(future, f"ABORT of {info_label(info)} step {step}")
 
     def barrier(self) -> None:
         """Block until every worker node called barrier (up to ``BPS_TIMEOUT``)."""

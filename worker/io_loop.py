@@ -46,6 +46,7 @@ from bps.worker.send_queues import (
     KeyInfo,
     Request,
     SendQueues,
+    Skipped,
     info_label,
     new_future,
     settle,
@@ -147,12 +148,14 @@ class IOLoop:
         return self._wake_or_fail(future)
 
     def enqueue(self, info: KeyInfo, payload: torch.Tensor, step: int, lr: float,
-                order: tuple, future: concurrent.futures.Future) -> None:
-        """Queue a push of ``payload`` for ``info``'s server, in ``order``."""
+                order: tuple, future: concurrent.futures.Future, extra: dict | None = None
+                ) -> None:
+        """Queue a push of ``payload`` for ``info``'s server, in ``order``; ``extra``:
+        more header fields (a marker's ``mark`` and ``what``)."""
         body = memoryview(payload.view(torch.uint8).numpy())
         fields_ = {"key": info.key, "step": step, "node": self.node_id,
                    "dtype": dtype_name(info.dtype), "numel": info.numel, "nbytes": body.nbytes,
-                   "lr": float(lr)}
+                   "lr": float(lr), **(extra or {})}
         request = Request(order, -1, Op.PUSH, info.server, fields_, body, future,
                           f"push_pull of {info_label(info)} step {step}", info,
                           queued_ns=time.monotonic_ns())
@@ -334,6 +337,10 @@ class IOLoop:
                                                     f"{op.name} from {where}"))
         elif request.op == Op.GET_STATE:
             settle(info, future, payloads[0].bytes)
+        elif "skip" in header:  # the server did not sum this step
+            self._count(pushes=1)
+            settle(info, future, Skipped(str(header["skip"]), int(header.get("skip_node", -1)),
+                                         str(header.get("skip_what", "")), info_label(info)))
         elif info.chain is not None:
             self._decode_reply(request, payloads[0])
         elif header["nbytes"] != info.numel * info.dtype.itemsize:

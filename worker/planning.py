@@ -50,6 +50,7 @@ class Bucket:
     buffer: torch.Tensor | None = None  # in the wire dtype; written by the reduce thread
     arrived: int = 0  # members copied in this step
     future: concurrent.futures.Future | None = None  # this step's aggregate
+    mark: tuple[str, str] | None = None  # this step's (marker, member): pushed instead
 
 
 @dataclass

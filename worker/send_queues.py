@@ -34,6 +34,19 @@ class KeyInfo:
     chain: Any
     busy: bool = False
     out: torch.Tensor | None = None  # where the in-flight push_pull decodes its aggregate
+    compressed_step: int = -1  # the last step the chain compressed (rollback undoes it)
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """What a push_pull's future gives where the server did not sum its step:
+    ``reason`` ``"nonfinite"`` (worker node ``node`` marked ``what`` as inf/NaN) or
+    ``"zero"`` (every node pushed a zero marker); ``key`` names the key."""
+
+    reason: str
+    node: int
+    what: str
+    key: str
 
 
 @dataclass(order=True)
