@@ -86,6 +86,25 @@ class TorchRandomK:
         return out
 
 
+class TorchByteGrad:
+    """Min-max uint8 per chunk, vectorised (numel a multiple of the chunk)."""
+
+    def __init__(self, chunk):
+        self.chunk = chunk
+
+    def compress(self, x):
+        rows = x.view(-1, self.chunk)
+        lo, hi = rows.amin(1, keepdim=True), rows.amax(1, keepdim=True)
+        w = (hi - lo) / 256
+        q = ((rows - lo) / w).floor().clamp_(max=255).nan_to_num_(0).to(torch.uint8)
+        return q, lo, w
+
+    def decompress(self, payload, out):
+        q, lo, w = payload
+        torch.add(lo, (q.float() + 0.5) * w, out=out.view(q.shape))
+        return out
+
+
 def bit_len(values):
     """bit length of positive int64 values (exact below 2**52)."""
     return torch.floor(torch.log2(values.double())).long() + 1
@@ -221,6 +240,7 @@ def main() -> None:
         ("topk (k=1%)", {"compressor": "topk", "k": 0.01}, TorchTopK(k)),
         ("randomk (k=1%)", {"compressor": "randomk", "k": 0.01}, TorchRandomK(k)),
         ("dithering (s=4)", {"compressor": "dithering", "k": 4}, TorchDithering(4)),
+        ("bytegrad (chunk=1024)", {"compressor": "bytegrad"}, TorchByteGrad(1024)),
     ]
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     print(f"{n} float32 elements ({nbytes / 2**20:.0f} MiB); np.copyto: {copy_time * 1e3:.1f} ms "

@@ -25,12 +25,14 @@ import numpy as np
 
 from bps.env import min_compress_bytes
 
-BUILTIN_COMPRESSORS = ("onebit", "topk", "randomk", "dithering")
+BUILTIN_COMPRESSORS = ("onebit", "topk", "randomk", "dithering", "bytegrad")
 COUNT_COMPRESSORS = ("topk", "randomk")
 # Implementation limits on the dithering levels s, so that every q fits the Elias-delta
 # coder's 32-bit fields (linear: u is a float32, exact up to 2**24).
 MAX_LINEAR_LEVELS = 2**24
 MAX_NATURAL_LEVELS = 31
+BYTEGRAD_CHUNK = 1024  # bytegrad's default elements per (lo, hi) pair
+MAX_CHUNK = 2**31 - 1
 
 DEFAULTS: dict[str, Any] = {
     "compressor": None,
@@ -45,6 +47,7 @@ DEFAULTS: dict[str, Any] = {
     "fp16": True,
     "min_compress_bytes": None,  # filled from the environment at validation time
     "warmup_steps": 0,
+    "chunk": None,  # bytegrad: BYTEGRAD_CHUNK
 }
 
 
@@ -143,6 +146,22 @@ def _check_k(params: dict) -> None:
         raise _fail(TypeError, "k", k, accepted)
 
 
+def _check_chunk(params: dict) -> None:
+    """``chunk``: bytegrad's elements per (lo, hi) pair; refused with another built-in."""
+    name, chunk = params["compressor"], params["chunk"]
+    if chunk is None:
+        if name == "bytegrad":
+            params["chunk"] = BYTEGRAD_CHUNK
+        return
+    if name in BUILTIN_COMPRESSORS and name != "bytegrad":
+        raise ValueError(f"compression_params['chunk'] = {chunk!r} is only used by "
+                         f"compressor 'bytegrad', not {name!r}: remove it")
+    if name is None:
+        raise ValueError(f"compression_params['chunk'] = {chunk!r} needs a compressor "
+                         "('bytegrad')")
+    _check_int(params, "chunk", 1, MAX_CHUNK + 1)
+
+
 def validate_compression_params(params: dict | None) -> dict:
     """Check a ``compression_params`` dict (docs/compression.md) and return a new, complete one.
 
@@ -191,6 +210,7 @@ def validate_compression_params(params: dict | None) -> dict:
     else:
         _check_int(out, "min_compress_bytes", 0)
     _check_int(out, "warmup_steps", 0)
+    _check_chunk(out)
     return out
 
 

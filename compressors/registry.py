@@ -26,6 +26,7 @@ from bps.config import (
 )
 
 from .base import Compressor, check_dtype
+from .bytegrad import ByteGrad
 from .dithering import Dithering
 from .error_feedback import ErrorFeedback
 from .momentum import Momentum
@@ -50,6 +51,7 @@ _BUILTIN: dict[str, tuple[type[Compressor], Options]] = {
     "dithering": (Dithering, lambda p, n: {
         "levels": p["k"], "natural": p["partition"] == "natural",
         "l2": p["normalize"] == "l2", "seed": _seed(p)}),
+    "bytegrad": (ByteGrad, lambda p, n: {"chunk": p["chunk"]}),
 }
 
 

@@ -6,7 +6,7 @@ import pytest
 from bps.config import resolve_k, validate_compression_params
 
 DOCUMENTED_KEYS = {"compressor", "k", "scaling", "ef", "momentum", "mu", "seed", "partition",
-             "normalize", "fp16", "min_compress_bytes", "warmup_steps"}
+             "normalize", "fp16", "min_compress_bytes", "warmup_steps", "chunk"}
 
 
 def test_defaults_fill_every_key(monkeypatch):
@@ -16,7 +16,7 @@ def test_defaults_fill_every_key(monkeypatch):
     assert out == {"compressor": None, "k": None, "scaling": False, "ef": None,
                    "momentum": None, "mu": None, "seed": None, "partition": "linear",
                    "normalize": "max", "fp16": True, "min_compress_bytes": 65536,
-                   "warmup_steps": 0}
+                   "warmup_steps": 0, "chunk": None}
 
 
 def test_returns_a_new_dict():
@@ -37,7 +37,8 @@ def test_min_compress_bytes_from_environment(monkeypatch):
 def test_full_valid_dict():
     params = {"compressor": "dithering", "k": 4, "scaling": True, "ef": "vanilla",
               "momentum": "nesterov", "mu": 0.9, "seed": 2**64 - 1, "partition": "natural",
-              "normalize": "l2", "fp16": False, "min_compress_bytes": 0, "warmup_steps": 3}
+              "normalize": "l2", "fp16": False, "min_compress_bytes": 0, "warmup_steps": 3,
+              "chunk": None}
     assert validate_compression_params(params) == params
 
 
@@ -87,6 +88,12 @@ BAD = [
     ({"min_compress_bytes": 1.5}, TypeError, ["min_compress_bytes", "1.5"]),
     ({"warmup_steps": -2}, ValueError, ["warmup_steps", "-2"]),
     ({"warmup_steps": "2"}, TypeError, ["warmup_steps", "'2'"]),
+    ({"compressor": "bytegrad", "chunk": 0}, ValueError, ["chunk", "0", "int in [1, "]),
+    ({"compressor": "bytegrad", "chunk": 2**31}, ValueError, ["chunk", str(2**31)]),
+    ({"compressor": "bytegrad", "chunk": 2.0}, TypeError, ["chunk", "2.0", "int"]),
+    ({"compressor": "bytegrad", "chunk": True}, TypeError, ["chunk", "True"]),
+    ({"compressor": "topk", "k": 3, "chunk": 64}, ValueError, ["chunk", "bytegrad", "topk"]),
+    ({"chunk": 64}, ValueError, ["chunk", "needs a compressor"]),
 ]
 
 
