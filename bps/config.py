@@ -48,7 +48,9 @@ DEFAULTS: dict[str, Any] = {
     "min_compress_bytes": None,  # filled from the environment at validation time
     "warmup_steps": 0,
     "chunk": None,  # bytegrad: BYTEGRAD_CHUNK
+    "comm_dtype": None,  # "fp16" (= fp16 True), "bf16" or "fp32" (= fp16 False)
 }
+COMM_DTYPES = ("fp16", "bf16", "fp32")
 
 
 def _is_int(value: Any) -> bool:
@@ -162,6 +164,24 @@ def _check_chunk(params: dict) -> None:
     _check_int(params, "chunk", 1, MAX_CHUNK + 1)
 
 
+def _check_comm_dtype(params: dict, given: dict) -> None:
+    """``comm_dtype`` and the older ``fp16`` describe one setting: fill each from the
+    other; a pair that contradicts itself is refused. ``fp16`` comes out True exactly
+    for ``"fp16"``."""
+    _check_bool(params, "fp16")
+    comm = params["comm_dtype"]
+    if comm is None:
+        params["comm_dtype"] = "fp16" if params["fp16"] else "fp32"
+        return
+    _check_choice(params, "comm_dtype", COMM_DTYPES, allow_none=True)
+    if "fp16" in given and params["fp16"] != (comm == "fp16"):
+        raise ValueError(
+            f"compression_params['fp16'] = {params['fp16']!r} contradicts "
+            f"compression_params['comm_dtype'] = {comm!r}: fp16 True means 'fp16', "
+            "False means 'bf16' or 'fp32'; give comm_dtype alone")
+    params["fp16"] = comm == "fp16"
+
+
 def validate_compression_params(params: dict | None) -> dict:
     """Check a ``compression_params`` dict (docs/compression.md) and return a new, complete one.
 
@@ -194,7 +214,7 @@ def validate_compression_params(params: dict | None) -> dict:
     _check_choice(out, "partition", ("linear", "natural"), allow_none=False)
     _check_choice(out, "normalize", ("max", "l2"), allow_none=False)
     _check_bool(out, "scaling")
-    _check_bool(out, "fp16")
+    _check_comm_dtype(out, params)
     _check_k(out)
     if out["mu"] is not None:
         mu = out["mu"]

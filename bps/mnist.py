@@ -84,6 +84,8 @@ def add_compression_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--partition", choices=["linear", "natural"], default="linear")
     p.add_argument("--normalize", choices=["max", "l2"], default="max")
     p.add_argument("--no-fp16", action="store_true", help="fp32 intra-node and raw traffic")
+    p.add_argument("--comm-dtype", choices=["fp16", "bf16", "fp32"], default=None,
+                   help="intra-node and raw traffic dtype (default fp16; --no-fp16: fp32)")
     p.add_argument("--min-compress-bytes", type=int, default=None)
     p.add_argument("--warmup-steps", type=int, default=0)
 
@@ -98,6 +100,10 @@ def parse_compression_args(argv: list[str]) -> argparse.Namespace:
 def compression_params(args: argparse.Namespace) -> dict | None:
     """The docs/compression.md dict that the flags describe (``None``: uncompressed)."""
     params: dict = {"fp16": not args.no_fp16, "warmup_steps": args.warmup_steps}
+    if args.comm_dtype is not None:
+        params["comm_dtype"] = args.comm_dtype
+        if not args.no_fp16:  # --no-fp16 with it: validation refuses a contradiction
+            del params["fp16"]
     if args.min_compress_bytes is not None:
         params["min_compress_bytes"] = args.min_compress_bytes
     if args.momentum != "none":

@@ -49,6 +49,7 @@ __all__ = ["DistributedTrainer", "ModelMismatchError"]
 log = logging.getLogger("bps")
 
 _STOP = object()
+_COMM_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 class _BucketSlice:
@@ -114,8 +115,8 @@ class DistributedTrainer:
         self._fill_run_defaults(params)
         self.params = params
         self._compress = params["compressor"] is not None
-        self._fp16 = params["fp16"]
-        self._wire_dtype = torch.float16 if self._fp16 else torch.float32
+        # intra-node reduction and uncompressed traffic (docs/compression.md, comm_dtype)
+        self._wire_dtype = _COMM_DTYPES[params["comm_dtype"]]
         self._step = 0
         self._error: BaseException | None = None
         self._done = 0
@@ -185,7 +186,7 @@ class DistributedTrainer:
                 group_of[id(p)] = gi
         slots, seen, keys = [], set(), []
         small: dict[int, Part] = {}  # slot index -> its only part, raw and under the bound
-        node_dtype = torch.float16 if self._fp16 and self._rt.local_size > 1 else torch.float32
+        node_dtype = self._wire_dtype if self._rt.local_size > 1 else torch.float32
         for name, p in self.model.named_parameters():
             if not p.requires_grad or id(p) in seen:
                 continue
