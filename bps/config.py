@@ -18,6 +18,7 @@ built-in ones plus those :func:`bps.compressors.register` adds (it calls
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Any
 
@@ -25,7 +26,7 @@ import numpy as np
 
 from bps.env import min_compress_bytes
 
-BUILTIN_COMPRESSORS = ("onebit", "topk", "randomk", "dithering", "bytegrad")
+BUILTIN_COMPRESSORS = ("onebit", "topk", "randomk", "dithering", "bytegrad", "powersgd")
 COUNT_COMPRESSORS = ("topk", "randomk")
 # Implementation limits on the dithering levels s, so that every q fits the Elias-delta
 # coder's 32-bit fields (linear: u is a float32, exact up to 2**24).
@@ -49,7 +50,16 @@ DEFAULTS: dict[str, Any] = {
     "warmup_steps": 0,
     "chunk": None,  # bytegrad: BYTEGRAD_CHUNK
     "comm_dtype": None,  # "fp16" (= fp16 True), "bf16" or "fp32" (= fp16 False)
+    # powersgd (PyTorch's PowerSGDState options; start step = warmup_steps, seed = seed)
+    "rank": None,
+    "warm_start": True,
+    "orthogonalization_epsilon": 0.0,
+    "min_compression_rate": 2.0,
+    "batch_tensors_with_same_shape": False,
+    "shape": None,  # set per key by the trainer: (n, m) or (batch, n, m)
 }
+POWERSGD_KEYS = ("rank", "warm_start", "orthogonalization_epsilon", "min_compression_rate",
+                 "batch_tensors_with_same_shape", "shape")
 COMM_DTYPES = ("fp16", "bf16", "fp32")
 
 
@@ -182,6 +192,46 @@ def _check_comm_dtype(params: dict, given: dict) -> None:
     params["fp16"] = comm == "fp16"
 
 
+def _check_real(params: dict, key: str, lo: float) -> None:
+    value = params[key]
+    accepted = f"a finite number >= {lo}"
+    if not _is_real(value):
+        raise _fail(TypeError, key, value, accepted)
+    if not (math.isfinite(float(value)) and float(value) >= lo):
+        raise _fail(ValueError, key, value, accepted)
+    params[key] = float(value)
+
+
+def _check_powersgd(params: dict, given: dict) -> None:
+    """powersgd's keys: ``rank`` required with it; none of its keys with another
+    built-in compressor; no chain momentum (use the optimizer's, as with DDP's hook)."""
+    name = params["compressor"]
+    if name != "powersgd":
+        extra = [key for key in POWERSGD_KEYS if key in given and given[key] != DEFAULTS[key]]
+        if extra and (name is None or name in BUILTIN_COMPRESSORS):
+            raise ValueError(f"compression_params[{extra[0]!r}] = {given[extra[0]]!r} is only "
+                             f"used by compressor 'powersgd', not {name!r}: remove it")
+        return
+    if params["rank"] is None:
+        raise ValueError("compression_params['rank'] is required for compressor 'powersgd': "
+                         "expected an int >= 1 (rank of the approximation)")
+    _check_int(params, "rank", 1)
+    if params["momentum"] is not None:
+        raise ValueError("compression_params['momentum'] = 'nesterov' cannot be used with "
+                         "compressor 'powersgd': keep the optimizer's momentum instead")
+    _check_bool(params, "warm_start")
+    _check_bool(params, "batch_tensors_with_same_shape")
+    _check_real(params, "orthogonalization_epsilon", 0.0)
+    _check_real(params, "min_compression_rate", 0.0)
+    shape = params["shape"]
+    if shape is not None:
+        if (not isinstance(shape, (list, tuple)) or len(shape) not in (2, 3)
+                or not all(_is_int(d) and d >= 1 for d in shape)):
+            raise _fail(ValueError, "shape", shape,
+                        "None or 2 or 3 ints >= 1 (set per key by the trainer)")
+        params["shape"] = [int(d) for d in shape]
+
+
 def validate_compression_params(params: dict | None) -> dict:
     """Check a ``compression_params`` dict (docs/compression.md) and return a new, complete one.
 
@@ -231,6 +281,7 @@ def validate_compression_params(params: dict | None) -> dict:
         _check_int(out, "min_compress_bytes", 0)
     _check_int(out, "warmup_steps", 0)
     _check_chunk(out)
+    _check_powersgd(out, params)
     return out
 
 

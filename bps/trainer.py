@@ -197,7 +197,8 @@ class DistributedTrainer:
                 raise TypeError(f"parameter {name!r} is {p.dtype}: bps trains float32 models")
             parts, tensor_keys, alone = plan_tensor(name, p.numel(), self.params,
                                                     self._wire_dtype,
-                                                    self._rt.env.partition_bytes)
+                                                    self._rt.env.partition_bytes,
+                                                    tuple(p.shape))
             keys += tensor_keys
             if alone is not None:
                 small[len(slots)] = alone
