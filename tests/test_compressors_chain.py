@@ -218,7 +218,7 @@ MODULES = ["bps.config", "bps.compressors", "bps.compressors.onebit", "bps.compr
            "bps.compressors.dithering_quantiser", "bps.compressors.elias_delta",
            "bps.compressors.error_feedback", "bps.compressors.momentum",
            "bps.compressors.registry", "bps.compressors.wire", "bps.compressors.base",
-           "bps.compressors.sparse"]
+           "bps.compressors.sparse", "bps.compressors.bytegrad", "bps.compressors.powersgd"]
 
 
 @pytest.mark.parametrize("module", MODULES)

@@ -7,7 +7,8 @@ from bps.config import resolve_k, validate_compression_params
 
 DOCUMENTED_KEYS = {"compressor", "k", "scaling", "ef", "momentum", "mu", "seed", "partition",
              "normalize", "fp16", "min_compress_bytes", "warmup_steps", "chunk",
-             "comm_dtype"}
+             "comm_dtype", "rank", "warm_start", "orthogonalization_epsilon",
+             "min_compression_rate", "batch_tensors_with_same_shape", "shape"}
 
 
 def test_defaults_fill_every_key(monkeypatch):
@@ -17,7 +18,10 @@ def test_defaults_fill_every_key(monkeypatch):
     assert out == {"compressor": None, "k": None, "scaling": False, "ef": None,
                    "momentum": None, "mu": None, "seed": None, "partition": "linear",
                    "normalize": "max", "fp16": True, "min_compress_bytes": 65536,
-                   "warmup_steps": 0, "chunk": None, "comm_dtype": "fp16"}
+                   "warmup_steps": 0, "chunk": None, "comm_dtype": "fp16", "rank": None,
+                   "warm_start": True, "orthogonalization_epsilon": 0.0,
+                   "min_compression_rate": 2.0, "batch_tensors_with_same_shape": False,
+                   "shape": None}
 
 
 def test_returns_a_new_dict():
@@ -39,7 +43,9 @@ def test_full_valid_dict():
     params = {"compressor": "dithering", "k": 4, "scaling": True, "ef": "vanilla",
               "momentum": "nesterov", "mu": 0.9, "seed": 2**64 - 1, "partition": "natural",
               "normalize": "l2", "fp16": False, "min_compress_bytes": 0, "warmup_steps": 3,
-              "chunk": None, "comm_dtype": "fp32"}
+              "chunk": None, "comm_dtype": "fp32", "rank": None, "warm_start": True,
+              "orthogonalization_epsilon": 0.0, "min_compression_rate": 2.0,
+              "batch_tensors_with_same_shape": False, "shape": None}
     assert validate_compression_params(params) == params
 
 
