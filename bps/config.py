@@ -221,10 +221,6 @@ def _check_powersgd(params: dict, given: dict) -> None:
                          "compressor 'powersgd': keep the optimizer's momentum instead")
     _check_bool(params, "warm_start")
     _check_bool(params, "batch_tensors_with_same_shape")
-    if params["batch_tensors_with_same_shape"]:
-        raise ValueError("compression_params['batch_tensors_with_same_shape'] = True is not "
-                         "supported by the trainer: each matrix travels on its own key "
-                         "(the compressor itself takes a (batch, n, m) shape)")
     _check_real(params, "orthogonalization_epsilon", 0.0)
     _check_real(params, "min_compression_rate", 0.0)
     shape = params["shape"]

@@ -42,7 +42,14 @@ from bps import runtime as bps_runtime
 from bps.config import validate_compression_params
 from bps.model_sync import ModelMismatchError, broadcast_model, check_same_model
 from bps.trainer_stats import StepStats
-from bps.worker.planning import Bucket, Part, plan_buckets, plan_key_servers, plan_tensor
+from bps.worker.planning import (
+    Bucket,
+    Part,
+    plan_batches,
+    plan_buckets,
+    plan_key_servers,
+    plan_tensor,
+)
 
 __all__ = ["DistributedTrainer", "ModelMismatchError"]
 
@@ -214,6 +221,8 @@ class DistributedTrainer:
                                                   self._wire_dtype,
                                                   self._rt.env.partition_bytes)
         keys += bucket_keys
+        keys, batches = plan_batches(keys)  # powersgd: same-shape matrices on one key
+        self._buckets += batches
         engine = self._rt.engine
         servers = plan_key_servers(keys, engine.num_servers) if engine else [None] * len(keys)
         for plan, server in zip(keys, servers, strict=True):
@@ -306,7 +315,7 @@ class DistributedTrainer:
             slot.futures = []
             for part in slot.parts:
                 piece = share[part.offset:part.offset + part.length]
-                if part.bucket is not None:
+                if part.bucket is not None and not (warm and part.raw_key is not None):
                     slot.futures.append(self._fuse(part, piece, lr, -index))
                     continue
                 # No copy where the dtype already fits: ``share`` is not written again

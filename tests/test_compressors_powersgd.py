@@ -12,7 +12,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as hook
 from bps.compressors import build, state_from_wire, state_to_wire
 from bps.compressors.powersgd import PowerSGD, orthogonalize, should_compress
 from bps.config import validate_compression_params
-from bps.worker.planning import plan_tensor
+from bps.worker.planning import plan_batches, plan_tensor
 
 
 @pytest.mark.parametrize("shape", [(1, 30, 1), (1, 30, 2), (3, 20, 2), (2, 17, 4)])
@@ -123,8 +123,8 @@ def test_wrong_round_sizes_are_refused():
      ["min_compression_rate", "inf"]),
     ({"compressor": "powersgd", "rank": 1, "warm_start": 1}, TypeError, ["warm_start", "bool"]),
     ({"compressor": "powersgd", "rank": 1, "shape": [3]}, ValueError, ["shape", "[3]"]),
-    ({"compressor": "powersgd", "rank": 1, "batch_tensors_with_same_shape": True}, ValueError,
-     ["batch_tensors_with_same_shape", "not supported"]),
+    ({"compressor": "powersgd", "rank": 1, "batch_tensors_with_same_shape": 1}, TypeError,
+     ["batch_tensors_with_same_shape", "bool"]),
 ])
 def test_bad_params_name_the_key(params, exc, words):
     with pytest.raises(exc) as info:
@@ -149,3 +149,22 @@ def test_planning_sends_whole_matrices_and_keeps_vectors_raw():
                                  shape)
         assert [(k.field, k.params, k.dtype) for k in keys] == [
             ("raw_key", None, torch.float16)]
+
+
+def test_same_shape_matrices_share_one_batched_key_in_backward_order():
+    params = validate_compression_params({"compressor": "powersgd", "rank": 2,
+                                          "min_compress_bytes": 0,
+                                          "batch_tensors_with_same_shape": True})
+    keys, parts = [], {}
+    for name, shape in [("a", (24, 24)), ("b", (24,)), ("c", (24, 24)), ("d", (6, 24)),
+                        ("e", (24, 24))]:
+        tensor_parts, tensor_keys, _ = plan_tensor(name, int(np.prod(shape)), params,
+                                                   torch.float32, 1 << 20, shape)
+        parts[name] = tensor_parts[0]
+        keys += tensor_keys
+    plans, batches = plan_batches(keys)
+    assert [(k.name, k.params and k.params["shape"]) for k in plans] == [
+        ("b[0]", None), ("d[0]", [6, 24]), ("batched(e[0], c[0], a[0])", [3, 24, 24])]
+    assert len(batches) == 1 and batches[0].members == 3 and batches[0].numel == 3 * 576
+    assert [parts[n].bucket_offset for n in "eca"] == [0, 576, 1152]
+    assert parts["d"].bucket is None

@@ -2,7 +2,9 @@
 
 The same MLP, data, seeds and SGD (with momentum) train for STEPS steps twice: with bps
 (2 worker nodes x 2 servers, error feedback, warm start, PowerSGD from step START) and
-with DDP over gloo (2 processes) running the hook with the same options. The hook draws
+with DDP over gloo (2 processes) running the hook with the same options, ranks 1 and 2,
+and rank 2 with ``batch_tensors_with_same_shape`` (the MLP's two 24 x 24 weights
+compressed as one batch). The hook draws
 its first Q from its own RNG; the test hands it bps's first Q instead (the hook's warm
 start then orthogonalises it, as bps does), so both start from the same factors.
 
@@ -35,8 +37,9 @@ WORKERS = 2
 
 def make_model() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.ReLU(),
-                               torch.nn.Linear(40, 16), torch.nn.ReLU(), torch.nn.Linear(16, 6))
+    # two square 24 x 24 weights: one shape, batched together where asked
+    return torch.nn.Sequential(torch.nn.Linear(24, 24), torch.nn.ReLU(),
+                               torch.nn.Linear(24, 24), torch.nn.ReLU(), torch.nn.Linear(24, 6))
 
 
 def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,10 +58,11 @@ def train(model: torch.nn.Module, rank: int, step_fn) -> dict:
     return {name: p.detach().numpy().copy() for name, p in model.named_parameters()}
 
 
-def params_for(rank: int) -> dict:
+def params_for(rank: int, batched: bool) -> dict:
     return {"compressor": "powersgd", "rank": rank, "ef": "vanilla", "warm_start": True,
             "warmup_steps": START, "seed": SEED, "comm_dtype": "fp32",
-            "min_compress_bytes": 0, "min_compression_rate": 2.0}
+            "min_compress_bytes": 0, "min_compression_rate": 2.0,
+            "batch_tensors_with_same_shape": batched}
 
 
 # ---------------------------------------------------------------------------- bps side
@@ -70,7 +74,8 @@ def bps_worker(cfg: dict) -> None:
     bps.init()
 
     def trainer(model, optimizer):
-        return bps.DistributedTrainer(model, optimizer, params_for(cfg["rank"]))
+        return bps.DistributedTrainer(model, optimizer,
+                                      params_for(cfg["rank"], cfg["batched"]))
 
     final = train(make_model(), bps.rank(), lambda m, o: _Stepper(trainer(m, o), o))
     np.savez(Path(cfg["out"]) / f"bps{bps.rank()}.npz", **final)
@@ -90,12 +95,12 @@ class _Stepper:
 
 # ---------------------------------------------------------------------------- DDP side
 
-def first_q(m: int, rank: int) -> torch.Tensor:
+def first_q(batch: int, m: int, rank: int) -> torch.Tensor:
     """bps's first random Q of a key (docs/compression.md, powersgd)."""
-    return torch.randn(1, m, rank, generator=torch.Generator().manual_seed(SEED))
+    return torch.randn(batch, m, rank, generator=torch.Generator().manual_seed(SEED))
 
 
-def ddp_worker(rank: int, rank_r: int, init: str, out: str) -> None:
+def ddp_worker(rank: int, rank_r: int, batched: bool, init: str, out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
@@ -104,7 +109,8 @@ def ddp_worker(rank: int, rank_r: int, init: str, out: str) -> None:
     state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=rank_r,
                                start_powerSGD_iter=START, min_compression_rate=2.0,
                                use_error_feedback=True, warm_start=True,
-                               orthogonalization_epsilon=0, random_seed=0)
+                               orthogonalization_epsilon=0, random_seed=0,
+                               batch_tensors_with_same_shape=batched)
 
     def hook(state, bucket):
         index = bucket.index()
@@ -114,8 +120,12 @@ def ddp_worker(rank: int, rank_r: int, init: str, out: str) -> None:
                 n, m = p.shape[0], p.numel() // p.shape[0]
                 if p.dim() >= 2 and psgd._should_compress(n, m, min(n, m, rank_r), 2.0)[0]:
                     by_shape[(n, m)].append(p)
-            qs = [first_q(m, min(n, m, rank_r)).reshape(-1)
-                  for (n, m), group in by_shape.items() for _ in group]
+            if batched:  # one key, one Q of (b, m, r), per shape of two or more
+                qs = [first_q(len(group) if len(group) > 1 else 1, m, min(n, m, rank_r))
+                      .reshape(-1) for (n, m), group in by_shape.items()]
+            else:
+                qs = [first_q(1, m, min(n, m, rank_r)).reshape(-1)
+                      for (n, m), group in by_shape.items() for _ in group]
             ps = sum(n * min(n, m, rank_r) * len(g) for (n, m), g in by_shape.items())
             state.p_memory_dict[index] = torch.empty(ps)
             state.q_memory_dict[index] = torch.cat(qs)
@@ -140,10 +150,10 @@ def ddp_worker(rank: int, rank_r: int, init: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-def run_ddp(rank_r: int, out: Path) -> None:
+def run_ddp(rank_r: int, out: Path, batched: bool = False) -> None:
     ctx = torch.multiprocessing.get_context("spawn")
     init = f"file://{out / 'ddp_store'}"
-    procs = [ctx.Process(target=ddp_worker, args=(r, rank_r, init, str(out)))
+    procs = [ctx.Process(target=ddp_worker, args=(r, rank_r, batched, init, str(out)))
              for r in range(WORKERS)]
     for p in procs:
         p.start()
@@ -154,8 +164,8 @@ def run_ddp(rank_r: int, out: Path) -> None:
         assert p.exitcode == 0, f"DDP worker exit code {p.exitcode}"
 
 
-def run_bps(rank_r: int, out: Path) -> str:
-    cfg = json.dumps({"rank": rank_r, "out": str(out)})
+def run_bps(rank_r: int, out: Path, batched: bool = False) -> str:
+    cfg = json.dumps({"rank": rank_r, "batched": batched, "out": str(out)})
     cmd = [BPSLAUNCH, "local", "--workers", str(WORKERS), "--servers", "2", "--",
            sys.executable, __file__, cfg]
     env = {**os.environ, "BPS_TIMEOUT": "30", "BPS_JOB_SEED": "4242"}
@@ -171,10 +181,10 @@ def run_bps(rank_r: int, out: Path) -> str:
     return output
 
 
-@pytest.mark.parametrize("rank_r", [1, 2])
-def test_matches_torch_powersgd_hook_under_ddp(tmp_path, rank_r):
-    run_bps(rank_r, tmp_path)
-    run_ddp(rank_r, tmp_path)
+@pytest.mark.parametrize("rank_r, batched", [(1, False), (2, False), (2, True)])
+def test_matches_torch_powersgd_hook_under_ddp(tmp_path, rank_r, batched):
+    run_bps(rank_r, tmp_path, batched)
+    run_ddp(rank_r, tmp_path, batched)
     bps_final = [dict(np.load(tmp_path / f"bps{r}.npz")) for r in range(WORKERS)]
     ddp_final = [dict(np.load(tmp_path / f"ddp{r}.npz")) for r in range(WORKERS)]
     initial = {n: p.detach().numpy() for n, p in make_model().named_parameters()}

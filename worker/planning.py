@@ -170,6 +170,38 @@ def plan_buckets(names: list[str], small: dict[int, Part], wire_dtype: torch.dty
     return plans, buckets
 
 
+def plan_batches(keys: list[KeyPlan]) -> tuple[list[KeyPlan], list[Bucket]]:
+    """powersgd with ``batch_tensors_with_same_shape``: the compressed matrices of one
+    shape (two or more) travel together on one key of shape (b, n, m), stacked in
+    backward order (the reverse of ``keys``, as DDP's buckets hold them), like PyTorch's
+    batched compression. Returns the key plans with those matrices' keys replaced by
+    one per shape, and the batches (fused like raw buckets, after warmup)."""
+    groups: dict[tuple, list[int]] = {}
+    for index in reversed(range(len(keys))):
+        plan = keys[index]
+        params = plan.params
+        if (plan.field == "compressed_key" and params is not None
+                and params.get("batch_tensors_with_same_shape")):
+            groups.setdefault(tuple(params["shape"]), []).append(index)
+    batched = {i for members in groups.values() if len(members) > 1 for i in members}
+    plans = [plan for i, plan in enumerate(keys) if i not in batched]
+    buckets = []
+    for (n, m), members in groups.items():
+        if len(members) < 2:
+            continue
+        parts = [keys[i].part for i in members]
+        bucket = Bucket("batched(" + ", ".join(keys[i].name for i in members) + ")",
+                        len(members) * n * m, len(members),
+                        buffer=torch.zeros(len(members) * n * m))
+        for position, part in enumerate(parts):
+            part.bucket, part.bucket_offset = bucket, position * n * m
+        params = dict(keys[members[0]].params, shape=[len(members), n, m])
+        buckets.append(bucket)
+        plans.append(KeyPlan(bucket, "key", bucket.name, bucket.numel, torch.float32, params,
+                             payload_bound(params, bucket.numel)))
+    return plans, buckets
+
+
 def plan_key_servers(keys: list[KeyPlan], num_servers: int) -> list[int]:
     """A server for each key, balancing the bytes a step pushes (payload bounds for
     compressed keys): by raw bytes, a 2 MB partition that compresses to 40 KB would
