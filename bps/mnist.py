@@ -70,12 +70,14 @@ def epoch_batches(num_examples: int, rank: int, size: int, batch_size: int,
 def add_compression_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of :func:`compression_params` (and ``--mu``, the momentum coefficient)."""
     p.add_argument("--compressor", default="none",
-                   choices=["none", "onebit", "topk", "randomk", "dithering", "bytegrad"])
+                   choices=["none", "onebit", "topk", "randomk", "dithering", "bytegrad",
+                            "powersgd"])
     p.add_argument("--k", type=float, default=None,
                    help="topk/randomk: count (>= 1) or fraction (< 1); dithering: levels "
                         "(defaults: 0.01 for topk/randomk, 8 for dithering)")
     p.add_argument("--chunk", type=int, default=None,
                    help="bytegrad: elements per (min, max) pair (default 1024)")
+    p.add_argument("--rank", type=int, default=1, help="powersgd: rank of the approximation")
     p.add_argument("--no-scaling", action="store_true",
                    help="onebit: plain signs (default: scaled by the mean |x|)")
     p.add_argument("--ef", choices=["none", "vanilla"], default="none")
@@ -113,6 +115,8 @@ def compression_params(args: argparse.Namespace) -> dict | None:
     params["compressor"] = args.compressor
     if args.compressor == "onebit":
         params["scaling"] = not args.no_scaling
+    elif args.compressor == "powersgd":
+        params["rank"] = args.rank
     elif args.compressor == "bytegrad":
         if args.chunk is not None:
             params["chunk"] = args.chunk

@@ -168,8 +168,9 @@ class PowerSGD(Compressor):
         self.q.view(-1).copy_(self._values(payload, 1))
         out = self.output(out)
         torch.bmm(self.p, self.q.transpose(1, 2), out=out.view(self.matrix.shape))
-        if self.ef:
-            torch.sub(self.matrix.view(-1), out / self.workers, out=self.error)
+        if self.ef:  # e = M - y / W, two roundings, in the error buffer (no new tensor)
+            torch.div(out, self.workers, out=self.error)
+            torch.sub(self.matrix.view(-1), self.error, out=self.error)
         return out
 
     def state_dict(self) -> dict:
