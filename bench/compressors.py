@@ -86,6 +86,70 @@ class TorchRandomK:
         return out
 
 
+class TorchByteGrad:
+    """Min-max uint8 per chunk, vectorised (numel a multiple of the chunk)."""
+
+    def __init__(self, chunk):
+        self.chunk = chunk
+
+    def compress(self, x):
+        rows = x.view(-1, self.chunk)
+        lo, hi = rows.amin(1, keepdim=True), rows.amax(1, keepdim=True)
+        w = (hi - lo) / 256
+        q = ((rows - lo) / w).floor().clamp_(max=255).nan_to_num_(0).to(torch.uint8)
+        return q, lo, w
+
+    def decompress(self, payload, out):
+        q, lo, w = payload
+        torch.add(lo, (q.float() + 0.5) * w, out=out.view(q.shape))
+        return out
+
+
+class OneWorkerPowerSGD:
+    """bps's powersgd as one worker runs it, the servers' sums being its own rounds:
+    compress = round 0 and round 1, decompress = P Q^T and the error."""
+
+    def __init__(self, shape, rank):
+        from bps.compressors.powersgd import PowerSGD
+
+        self.codec = PowerSGD(shape[0] * shape[1], shape=shape, rank=rank, ef=True)
+
+    def compress(self, x):
+        return self.codec.compress_round(1, self.codec.compress(x))
+
+    def decompress(self, payload, out):
+        return self.codec.decompress(payload, out)
+
+
+class TorchPowerSGD:
+    """The same step with the ops of PyTorch's powerSGD_hook (its _orthogonalize, bmm,
+    error feedback), one worker, allreduce left out."""
+
+    def __init__(self, shape, rank):
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+        self.orth = powerSGD_hook._orthogonalize
+        n, m = shape
+        self.error = torch.zeros(n * m)
+        self.q = torch.randn(1, m, rank)
+        self.p = torch.empty(1, n, rank)
+        self.shape = (1, n, m)
+
+    def compress(self, x):
+        x = x + self.error
+        self.m = x.view(self.shape)
+        self.orth(self.q)
+        torch.bmm(self.m, self.q, out=self.p)
+        self.orth(self.p)
+        torch.bmm(self.m.transpose(1, 2), self.p, out=self.q)
+        return self.q
+
+    def decompress(self, payload, out):
+        torch.bmm(self.p, payload.transpose(1, 2), out=out.view(self.shape))
+        self.error = self.m.view(-1) - out
+        return out
+
+
 def bit_len(values):
     """bit length of positive int64 values (exact below 2**52)."""
     return torch.floor(torch.log2(values.double())).long() + 1
@@ -221,7 +285,12 @@ def main() -> None:
         ("topk (k=1%)", {"compressor": "topk", "k": 0.01}, TorchTopK(k)),
         ("randomk (k=1%)", {"compressor": "randomk", "k": 0.01}, TorchRandomK(k)),
         ("dithering (s=4)", {"compressor": "dithering", "k": 4}, TorchDithering(4)),
+        ("bytegrad (chunk=1024)", {"compressor": "bytegrad"}, TorchByteGrad(1024)),
     ]
+    side = int(n ** 0.5)  # powersgd: the square matrix of about n elements
+    for rank in (1, 2, 4):
+        cases.append((f"powersgd (rank {rank}, {side}x{side})",
+                      OneWorkerPowerSGD((side, side), rank), TorchPowerSGD((side, side), rank)))
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     print(f"{n} float32 elements ({nbytes / 2**20:.0f} MiB); np.copyto: {copy_time * 1e3:.1f} ms "
           f"= {copy_gbs:.2f} GB/s; torch threads: {torch.get_num_threads()}; {started}, "
@@ -231,19 +300,25 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     cases = [case for case in cases if not args.only or case[0].startswith(args.only)]
     for name, params, baseline in cases:
-        chain = build(params, n)
-        t_copy, t_c, t_d, payload = measure(chain, x, out, args.runs,
+        data, into, size = x, out, nbytes
+        if isinstance(params, dict):
+            chain = build(params, n)
+        else:  # powersgd: a ready codec for a square matrix
+            chain = params
+            data = x[:side * side].clone()
+            into, size = torch.empty_like(data), side * side * 4
+        t_copy, t_c, t_d, payload = measure(chain, data, into, args.runs,
                                             lambda: np.copyto(target, source))
-        gbs = nbytes / (t_c + t_d) / 1e9
+        gbs = size / (t_c + t_d) / 1e9
         versus_torch = "| - | - "  # --torch-runs 0: no baseline
         if args.torch_runs:
-            _, b_c, b_d, _ = measure(baseline, x, out, args.torch_runs)
-            torch_gbs = nbytes / (b_c + b_d) / 1e9
+            _, b_c, b_d, _ = measure(baseline, data, into, args.torch_runs)
+            torch_gbs = size / (b_c + b_d) / 1e9
             versus_torch = f"| {torch_gbs:.3f} | {gbs / torch_gbs:.1f} "
         print(f"| {name} | {t_c * 1e3:.1f} | {t_d * 1e3:.1f} | {gbs:.2f} | {t_copy * 1e3:.1f} "
               f"| {t_copy / (t_c + t_d):.2f} "
               f"{versus_torch}"
-              f"| {nbytes / payload_nbytes(payload):.1f} |",
+              f"| {size / payload_nbytes(payload) / (2 if 'powersgd' in name else 1):.1f} |",
               flush=True)
     print(f"\nload average at the end: {os.getloadavg()[0]:.1f}")
 

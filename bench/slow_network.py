@@ -43,8 +43,11 @@ MNIST = REPO / "examples" / "mnist.py"
 DDP_MNIST = REPO / "bench" / "ddp_mnist.py"
 
 EF_NESTEROV = ("--ef", "vanilla", "--momentum", "nesterov")
-DEFAULT_METHODS = ("fp32", "fp16", "onebit", "topk", "randomk", "dithering",
-                   "ddp", "ddp-fp16", "ddp-powersgd")
+DEFAULT_METHODS = ("fp32", "fp16", "bf16", "onebit", "topk", "randomk", "dithering",
+                   "bytegrad", "powersgd", "powersgd2", "ddp", "ddp-fp16", "ddp-powersgd",
+                   "ddp-powersgd2")
+# bps PowerSGD as DDP's hook runs here: error feedback, warm start, PowerSGD from step 2
+POWERSGD = ("--ef", "vanilla", "--warmup-steps", "2")
 QUICK_METHODS = ("fp32", "onebit", "ddp-powersgd")
 # The final accuracy of a constant learning rate is the noise of the last iterate (randomk
 # moved by 0.2-0.5 points from epoch to epoch at commit 4a33125); a decayed one is what users
@@ -84,6 +87,8 @@ def all_methods(topk: float = 0.01, randomk: float = 0.01, levels: int = 4) -> d
         Method("fp32", "bps uncompressed (fp32)", "bps", ("--compressor", "none", "--no-fp16"),
                4),
         Method("fp16", "bps fp16 only", "bps", ("--compressor", "none"), 2),
+        Method("bf16", "bps bf16 only", "bps", ("--compressor", "none", "--comm-dtype", "bf16"),
+               2),
         Method("onebit", "bps onebit + EF + Nesterov", "bps",
                ("--compressor", "onebit", *EF_NESTEROV), 1 / 8),
         Method("topk", f"bps topk k={topk:g} + EF + Nesterov", "bps",
@@ -92,10 +97,18 @@ def all_methods(topk: float = 0.01, randomk: float = 0.01, levels: int = 4) -> d
                ("--compressor", "randomk", "--k", f"{randomk:g}", *EF_NESTEROV), 4 * randomk),
         Method("dithering", f"bps dithering s={levels} + EF", "bps",
                ("--compressor", "dithering", "--k", str(levels), "--ef", "vanilla"), 0.5),
+        Method("bytegrad", "bps bytegrad + EF", "bps",
+               ("--compressor", "bytegrad", "--ef", "vanilla"), 1),
+        Method("powersgd", "bps PowerSGD rank 1 + EF", "bps",
+               ("--compressor", "powersgd", "--rank", "1", *POWERSGD), 0.01),
+        Method("powersgd2", "bps PowerSGD rank 2 + EF", "bps",
+               ("--compressor", "powersgd", "--rank", "2", *POWERSGD), 0.02),
         Method("ddp", "DDP allreduce (gloo)", "ddp", ("--hook", "none"), 4),
         Method("ddp-fp16", "DDP fp16 hook", "ddp", ("--hook", "fp16"), 2),
         Method("ddp-powersgd", "DDP PowerSGD hook, rank 1", "ddp",
                ("--hook", "powersgd", "--powersgd-rank", "1"), 0.01),
+        Method("ddp-powersgd2", "DDP PowerSGD hook, rank 2", "ddp",
+               ("--hook", "powersgd", "--powersgd-rank", "2"), 0.02),
     )}
 
 
@@ -596,6 +609,8 @@ def warm_kernels(args: argparse.Namespace, methods: list[Method]) -> None:
     for method in compressed:
         params = {**compression_params(parse_compression_args(list(method.args))),
                   "mu": 0.9, "seed": args.seed + 1}
+        if params.get("compressor") == "powersgd":  # torch matrix products: nothing to compile
+            continue
         worker, server = build(params, numel), build(params, numel, role="server")
         out, total = torch.empty(numel), torch.zeros(numel)
         for lr in (0.05, 0.04):  # the second step rescales error feedback's error

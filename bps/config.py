@@ -18,6 +18,7 @@ built-in ones plus those :func:`bps.compressors.register` adds (it calls
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Any
 
@@ -25,12 +26,14 @@ import numpy as np
 
 from bps.env import min_compress_bytes
 
-BUILTIN_COMPRESSORS = ("onebit", "topk", "randomk", "dithering")
+BUILTIN_COMPRESSORS = ("onebit", "topk", "randomk", "dithering", "bytegrad", "powersgd")
 COUNT_COMPRESSORS = ("topk", "randomk")
 # Implementation limits on the dithering levels s, so that every q fits the Elias-delta
 # coder's 32-bit fields (linear: u is a float32, exact up to 2**24).
 MAX_LINEAR_LEVELS = 2**24
 MAX_NATURAL_LEVELS = 31
+BYTEGRAD_CHUNK = 1024  # bytegrad's default elements per (lo, hi) pair
+MAX_CHUNK = 2**31 - 1
 
 DEFAULTS: dict[str, Any] = {
     "compressor": None,
@@ -46,7 +49,19 @@ DEFAULTS: dict[str, Any] = {
     "min_compress_bytes": None,  # filled from the environment at validation time
     "warmup_steps": 0,
     "nonfinite": "raise",
+    "chunk": None,  # bytegrad: BYTEGRAD_CHUNK
+    "comm_dtype": None,  # "fp16" (= fp16 True), "bf16" or "fp32" (= fp16 False)
+    # powersgd (PyTorch's PowerSGDState options; start step = warmup_steps, seed = seed)
+    "rank": None,
+    "warm_start": True,
+    "orthogonalization_epsilon": 0.0,
+    "min_compression_rate": 2.0,
+    "batch_tensors_with_same_shape": False,
+    "shape": None,  # set per key by the trainer: (n, m) or (batch, n, m)
 }
+POWERSGD_KEYS = ("rank", "warm_start", "orthogonalization_epsilon", "min_compression_rate",
+                 "batch_tensors_with_same_shape", "shape")
+COMM_DTYPES = ("fp16", "bf16", "fp32")
 
 
 def _is_int(value: Any) -> bool:
@@ -144,6 +159,80 @@ def _check_k(params: dict) -> None:
         raise _fail(TypeError, "k", k, accepted)
 
 
+def _check_chunk(params: dict) -> None:
+    """``chunk``: bytegrad's elements per (lo, hi) pair; refused with another built-in."""
+    name, chunk = params["compressor"], params["chunk"]
+    if chunk is None:
+        if name == "bytegrad":
+            params["chunk"] = BYTEGRAD_CHUNK
+        return
+    if name in BUILTIN_COMPRESSORS and name != "bytegrad":
+        raise ValueError(f"compression_params['chunk'] = {chunk!r} is only used by "
+                         f"compressor 'bytegrad', not {name!r}: remove it")
+    if name is None:
+        raise ValueError(f"compression_params['chunk'] = {chunk!r} needs a compressor "
+                         "('bytegrad')")
+    _check_int(params, "chunk", 1, MAX_CHUNK + 1)
+
+
+def _check_comm_dtype(params: dict, given: dict) -> None:
+    """``comm_dtype`` and the older ``fp16`` describe one setting: fill each from the
+    other; a pair that contradicts itself is refused. ``fp16`` comes out True exactly
+    for ``"fp16"``."""
+    _check_bool(params, "fp16")
+    comm = params["comm_dtype"]
+    if comm is None:
+        params["comm_dtype"] = "fp16" if params["fp16"] else "fp32"
+        return
+    _check_choice(params, "comm_dtype", COMM_DTYPES, allow_none=True)
+    if "fp16" in given and params["fp16"] != (comm == "fp16"):
+        raise ValueError(
+            f"compression_params['fp16'] = {params['fp16']!r} contradicts "
+            f"compression_params['comm_dtype'] = {comm!r}: fp16 True means 'fp16', "
+            "False means 'bf16' or 'fp32'; give comm_dtype alone")
+    params["fp16"] = comm == "fp16"
+
+
+def _check_real(params: dict, key: str, lo: float) -> None:
+    value = params[key]
+    accepted = f"a finite number >= {lo}"
+    if not _is_real(value):
+        raise _fail(TypeError, key, value, accepted)
+    if not (math.isfinite(float(value)) and float(value) >= lo):
+        raise _fail(ValueError, key, value, accepted)
+    params[key] = float(value)
+
+
+def _check_powersgd(params: dict, given: dict) -> None:
+    """powersgd's keys: ``rank`` required with it; none of its keys with another
+    built-in compressor; no chain momentum (use the optimizer's, as with DDP's hook)."""
+    name = params["compressor"]
+    if name != "powersgd":
+        extra = [key for key in POWERSGD_KEYS if key in given and given[key] != DEFAULTS[key]]
+        if extra and (name is None or name in BUILTIN_COMPRESSORS):
+            raise ValueError(f"compression_params[{extra[0]!r}] = {given[extra[0]]!r} is only "
+                             f"used by compressor 'powersgd', not {name!r}: remove it")
+        return
+    if params["rank"] is None:
+        raise ValueError("compression_params['rank'] is required for compressor 'powersgd': "
+                         "expected an int >= 1 (rank of the approximation)")
+    _check_int(params, "rank", 1)
+    if params["momentum"] is not None:
+        raise ValueError("compression_params['momentum'] = 'nesterov' cannot be used with "
+                         "compressor 'powersgd': keep the optimizer's momentum instead")
+    _check_bool(params, "warm_start")
+    _check_bool(params, "batch_tensors_with_same_shape")
+    _check_real(params, "orthogonalization_epsilon", 0.0)
+    _check_real(params, "min_compression_rate", 0.0)
+    shape = params["shape"]
+    if shape is not None:
+        if (not isinstance(shape, (list, tuple)) or len(shape) not in (2, 3)
+                or not all(_is_int(d) and d >= 1 for d in shape)):
+            raise _fail(ValueError, "shape", shape,
+                        "None or 2 or 3 ints >= 1 (set per key by the trainer)")
+        params["shape"] = [int(d) for d in shape]
+
+
 def validate_compression_params(params: dict | None) -> dict:
     """Check a ``compression_params`` dict (docs/compression.md) and return a new, complete one.
 
@@ -177,7 +266,7 @@ def validate_compression_params(params: dict | None) -> dict:
     _check_choice(out, "normalize", ("max", "l2"), allow_none=False)
     _check_choice(out, "nonfinite", ("raise", "skip"), allow_none=False)
     _check_bool(out, "scaling")
-    _check_bool(out, "fp16")
+    _check_comm_dtype(out, params)
     _check_k(out)
     if out["mu"] is not None:
         mu = out["mu"]
@@ -193,6 +282,8 @@ def validate_compression_params(params: dict | None) -> dict:
     else:
         _check_int(out, "min_compress_bytes", 0)
     _check_int(out, "warmup_steps", 0)
+    _check_chunk(out)
+    _check_powersgd(out, params)
     return out
 
 

@@ -70,10 +70,14 @@ def epoch_batches(num_examples: int, rank: int, size: int, batch_size: int,
 def add_compression_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of :func:`compression_params` (and ``--mu``, the momentum coefficient)."""
     p.add_argument("--compressor", default="none",
-                   choices=["none", "onebit", "topk", "randomk", "dithering"])
+                   choices=["none", "onebit", "topk", "randomk", "dithering", "bytegrad",
+                            "powersgd"])
     p.add_argument("--k", type=float, default=None,
                    help="topk/randomk: count (>= 1) or fraction (< 1); dithering: levels "
                         "(defaults: 0.01 for topk/randomk, 8 for dithering)")
+    p.add_argument("--chunk", type=int, default=None,
+                   help="bytegrad: elements per (min, max) pair (default 1024)")
+    p.add_argument("--rank", type=int, default=1, help="powersgd: rank of the approximation")
     p.add_argument("--no-scaling", action="store_true",
                    help="onebit: plain signs (default: scaled by the mean |x|)")
     p.add_argument("--ef", choices=["none", "vanilla"], default="none")
@@ -82,6 +86,8 @@ def add_compression_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--partition", choices=["linear", "natural"], default="linear")
     p.add_argument("--normalize", choices=["max", "l2"], default="max")
     p.add_argument("--no-fp16", action="store_true", help="fp32 intra-node and raw traffic")
+    p.add_argument("--comm-dtype", choices=["fp16", "bf16", "fp32"], default=None,
+                   help="intra-node and raw traffic dtype (default fp16; --no-fp16: fp32)")
     p.add_argument("--min-compress-bytes", type=int, default=None)
     p.add_argument("--warmup-steps", type=int, default=0)
 
@@ -96,6 +102,10 @@ def parse_compression_args(argv: list[str]) -> argparse.Namespace:
 def compression_params(args: argparse.Namespace) -> dict | None:
     """The docs/compression.md dict that the flags describe (``None``: uncompressed)."""
     params: dict = {"fp16": not args.no_fp16, "warmup_steps": args.warmup_steps}
+    if args.comm_dtype is not None:
+        params["comm_dtype"] = args.comm_dtype
+        if not args.no_fp16:  # --no-fp16 with it: validation refuses a contradiction
+            del params["fp16"]
     if args.min_compress_bytes is not None:
         params["min_compress_bytes"] = args.min_compress_bytes
     if args.momentum != "none":
@@ -105,6 +115,11 @@ def compression_params(args: argparse.Namespace) -> dict | None:
     params["compressor"] = args.compressor
     if args.compressor == "onebit":
         params["scaling"] = not args.no_scaling
+    elif args.compressor == "powersgd":
+        params["rank"] = args.rank
+    elif args.compressor == "bytegrad":
+        if args.chunk is not None:
+            params["chunk"] = args.chunk
     elif args.compressor in ("topk", "randomk"):
         k = 0.01 if args.k is None else args.k
         params["k"] = int(k) if k >= 1 else k

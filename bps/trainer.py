@@ -47,13 +47,21 @@ from bps.config import validate_compression_params
 from bps.model_sync import ModelMismatchError, broadcast_model, check_same_model
 from bps.trainer_stats import StepStats
 from bps.worker.engine import Skipped
-from bps.worker.planning import Bucket, Part, plan_buckets, plan_key_servers, plan_tensor
+from bps.worker.planning import (
+    Bucket,
+    Part,
+    plan_batches,
+    plan_buckets,
+    plan_key_servers,
+    plan_tensor,
+)
 
 __all__ = ["DistributedTrainer", "ModelMismatchError", "NonFiniteGradientError"]
 
 log = logging.getLogger("bps")
 
 _STOP = object()
+_COMM_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -148,8 +156,8 @@ class DistributedTrainer:
         self._fill_run_defaults(params)
         self.params = params
         self._compress = params["compressor"] is not None
-        self._fp16 = params["fp16"]
-        self._wire_dtype = torch.float16 if self._fp16 else torch.float32
+        # intra-node reduction and uncompressed traffic (docs/compression.md, comm_dtype)
+        self._wire_dtype = _COMM_DTYPES[params["comm_dtype"]]
         self._step = 0  # steps applied
         self._wire_step = 0  # steps attempted: the step number the pushes carry
         self._synced: bool | None = None  # this step's outcome, once synchronize() ran
@@ -232,7 +240,7 @@ class DistributedTrainer:
                 group_of[id(p)] = gi
         slots, seen, keys = [], set(), []
         small: dict[int, Part] = {}  # slot index -> its only part, raw and under the bound
-        node_dtype = torch.float16 if self._fp16 and self._rt.local_size > 1 else torch.float32
+        node_dtype = self._wire_dtype if self._rt.local_size > 1 else torch.float32
         for name, p in self.model.named_parameters():
             if not p.requires_grad or id(p) in seen:
                 continue
@@ -245,9 +253,11 @@ class DistributedTrainer:
             # raw keys travel in 16 bits with fp16 on (bfloat16 parameters in their own
             # dtype, for its range), else in float32; compressed keys, and their chains'
             # error and momentum buffers, are float32 whatever the parameter's dtype
-            wire = p.dtype if p.dtype == torch.bfloat16 and self._fp16 else self._wire_dtype
+            half = self._wire_dtype == torch.float16
+            wire = p.dtype if p.dtype == torch.bfloat16 and half else self._wire_dtype
             parts, tensor_keys, alone = plan_tensor(name, p.numel(), self.params, wire,
-                                                    self._rt.env.partition_bytes)
+                                                    self._rt.env.partition_bytes,
+                                                    tuple(p.shape))
             keys += tensor_keys
             if alone is not None:
                 small[len(slots)] = alone
@@ -267,6 +277,8 @@ class DistributedTrainer:
                                                 self._rt.env.partition_bytes)
             keys += bucket_keys
             self._buckets += buckets
+        keys, batches = plan_batches(keys)  # powersgd: same-shape matrices on one key
+        self._buckets += batches
         engine = self._rt.engine
         servers = plan_key_servers(keys, engine.num_servers) if engine else [None] * len(keys)
         for plan, server in zip(keys, servers, strict=True):
@@ -410,7 +422,7 @@ class DistributedTrainer:
             slot.futures = []
             for part in slot.parts:
                 piece = None if mark else share[part.offset:part.offset + part.length]
-                if part.bucket is not None:
+                if part.bucket is not None and not (warm and part.raw_key is not None):
                     slot.futures.append(self._fuse(part, piece, lr, -index, mark, slot.name))
                     continue
                 compressed = part.compressed_key is not None and not warm
@@ -672,8 +684,8 @@ class DistributedTrainer:
             self._step += 1
         self._synced, self._skip = None, None
         if nonfinite and scaler is None:
-            beyond = " (or values beyond float16's range, which fp16 sends)" if self._fp16 \
-                else ""
+            beyond = " (or values beyond float16's range, which fp16 sends)" \
+                if self._wire_dtype == torch.float16 else ""
             if skip.node < 0:  # the server's float16 sum of finite pushes
                 what = f"the sum over the workers of {skip.what!r} overflows float16"
             else:

@@ -140,6 +140,13 @@ class Compressor:
         tensor([ 2.5000, -2.5000,  2.5000, -2.5000])
     """
 
+    # Pushes per step. A compressor with rounds > 1 (powersgd) is called as
+    # ``compress(x)`` (round 0), ``compress_round(r, sum of round r - 1)`` for r = 1 ..
+    # rounds - 1, then ``decompress(sum of the last round, out)``. Every round's payload
+    # is a float32 vector of ``round_numel(r)`` elements that the servers sum as it is;
+    # such a compressor keeps its own error (build adds no ErrorFeedback around it).
+    rounds = 1
+
     def __init__(self, numel: int, dtype: torch.dtype = torch.float32):
         if isinstance(numel, bool) or not isinstance(numel, int) or numel < 1:
             raise ValueError(f"numel must be an int >= 1, got {numel!r}")
@@ -191,6 +198,18 @@ class Compressor:
         ``compress`` that raised changed nothing to undo. Stateless compressors keep
         this no-op; a registered compressor with state implements it, else a skipped
         step (``bps.NonFiniteGradientError``) cannot restore it."""
+
+    def set_workers(self, count: int) -> None:
+        """The number of worker nodes whose pushes the servers sum (the engine calls it;
+        a compressor whose error is its share of the aggregate's keeps it)."""
+
+    def round_numel(self, round_: int) -> int:
+        """Elements of round ``round_``'s payload (compressors with rounds > 1)."""
+        raise NotImplementedError
+
+    def compress_round(self, round_: int, aggregate: Payload) -> torch.Tensor:
+        """Round ``round_``'s payload from the servers' sum of round ``round_ - 1``."""
+        raise NotImplementedError
 
     def state_dict(self) -> dict:
         return {}

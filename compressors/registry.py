@@ -26,10 +26,12 @@ from bps.config import (
 )
 
 from .base import Compressor, check_dtype
+from .bytegrad import ByteGrad
 from .dithering import Dithering
 from .error_feedback import ErrorFeedback
 from .momentum import Momentum
 from .onebit import OneBit
+from .powersgd import PowerSGD
 from .randomk import RandomK
 from .rng import DEFAULT_SEED
 from .topk import TopK
@@ -50,6 +52,11 @@ _BUILTIN: dict[str, tuple[type[Compressor], Options]] = {
     "dithering": (Dithering, lambda p, n: {
         "levels": p["k"], "natural": p["partition"] == "natural",
         "l2": p["normalize"] == "l2", "seed": _seed(p)}),
+    "bytegrad": (ByteGrad, lambda p, n: {"chunk": p["chunk"]}),
+    "powersgd": (PowerSGD, lambda p, n: {
+        "shape": p["shape"], "rank": p["rank"], "ef": p["ef"] == "vanilla",
+        "warm_start": p["warm_start"], "epsilon": p["orthogonalization_epsilon"],
+        "seed": _seed(p)}),
 }
 
 
@@ -131,6 +138,8 @@ def build(params: dict | None, numel: int, dtype: torch.dtype = torch.float32,
     if not isinstance(chain, Compressor):
         raise TypeError(f"factory of {params['compressor']!r} returned "
                         f"{type(chain).__name__}, expected a Compressor")
+    if getattr(chain, "rounds", 1) > 1:  # several rounds: the compressor's own error
+        return chain
     if params["ef"] == "vanilla":
         chain = ErrorFeedback(chain)
     if role == "worker" and params["momentum"] == "nesterov":

@@ -59,6 +59,8 @@ def compressed_keys(seed: int = 12345) -> list[tuple[int, int, str, dict | None]
         {"compressor": "dithering", "k": 4, "seed": seed},
         {"compressor": "dithering", "k": 3, "partition": "natural", "normalize": "l2",
          "ef": "vanilla", "seed": seed},
+        {"compressor": "bytegrad"},
+        {"compressor": "bytegrad", "chunk": 256, "ef": "vanilla"},
     ]
     keys = []
     for index, case in enumerate(cases):

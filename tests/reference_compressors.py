@@ -241,6 +241,50 @@ def dithering_decode(payload: bytes, numel: int, s: int, partition: str) -> np.n
     return out
 
 
+# ---- bytegrad ------------------------------------------------------------------------
+
+def bytegrad_encode(x, chunk: int) -> bytes:
+    """Per chunk, in float32 numpy arithmetic (one rounding per op): lo = min, hi = max
+    (+0.0 for a zero), w = (hi - lo) / 256, q = min(255, floor((x - lo) / w)), q = 0
+    where w == 0. Payload: the (lo, hi) pairs, then the codes."""
+    x32 = np.asarray(x, dtype=np.float64).astype(np.float32)
+    if not np.isfinite(x32).all():
+        raise ValueError("bytegrad input holds a NaN or an infinity")
+    ranges, codes = [], []
+    for start in range(0, len(x32), chunk):
+        part = x32[start:start + chunk]
+        lo = np.float32(part.min()) + np.float32(0.0)
+        hi = np.float32(part.max()) + np.float32(0.0)
+        with np.errstate(over="ignore"):
+            span = np.float32(hi - lo)
+        if not np.isfinite(span):
+            raise ValueError("bytegrad chunk range overflows float32")
+        w = np.float32(span / np.float32(256.0))
+        if w == 0:
+            q = np.zeros(len(part), dtype=np.uint8)
+        else:
+            t = np.floor((part - lo) / w)
+            q = np.minimum(t, np.float32(255.0)).astype(np.uint8)
+        ranges += [lo, hi]
+        codes.append(q)
+    return np.array(ranges, dtype="<f4").tobytes() + np.concatenate(codes).tobytes()
+
+
+def bytegrad_decode(payload: bytes, numel: int, chunk: int, dtype: str) -> np.ndarray:
+    """y = lo + (q + 0.5) * w in float32, rounded to dtype."""
+    count = -(-numel // chunk)
+    ranges = np.frombuffer(payload[:8 * count], dtype="<f4")
+    codes = np.frombuffer(payload[8 * count:], dtype=np.uint8)
+    assert len(payload) == 8 * count + numel
+    out = np.empty(numel, dtype=np.float32)
+    for c in range(count):
+        lo, hi = ranges[2 * c], ranges[2 * c + 1]
+        w = np.float32(np.float32(hi - lo) / np.float32(256.0))
+        q = codes[c * chunk:(c + 1) * chunk].astype(np.float32)
+        out[c * chunk:(c + 1) * chunk] = lo + (q + np.float32(0.5)) * w
+    return round_to(out.astype(np.float64), dtype)
+
+
 # ---- the chain -----------------------------------------------------------------------
 
 class RefChain:

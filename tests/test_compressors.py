@@ -221,6 +221,7 @@ def test_dithering_draws_one_number_per_element_even_for_zeros():
     {"compressor": "topk", "k": 3}, {"compressor": "randomk", "k": 3},
     {"compressor": "dithering", "k": 4}, {"compressor": "dithering", "k": 3,
                                           "partition": "natural", "normalize": "l2"},
+    {"compressor": "bytegrad"}, {"compressor": "bytegrad", "chunk": 5},
 ])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_all_zero_input_decodes_to_zeros(params, dtype):

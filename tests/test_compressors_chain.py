@@ -34,6 +34,10 @@ def ref_codec(params: dict, numel: int, dtype: str):
     if name == "topk":
         return (lambda x: ref.topk_encode(x, count, dtype),
                 lambda p: ref.topk_decode(p, numel, count, dtype))
+    if name == "bytegrad":
+        chunk = params.get("chunk", 1024)
+        return (lambda x: ref.bytegrad_encode(x, chunk),
+                lambda p: ref.bytegrad_decode(p, numel, chunk, dtype))
     rng = ref.XorShift128Plus(params.get("seed", 1))
     if name == "randomk":
         return (lambda x: ref.randomk_encode(x, count, dtype, rng),
@@ -49,6 +53,7 @@ CHAIN_PARAMS = [
     {"compressor": "randomk", "k": 7, "seed": 3},
     {"compressor": "dithering", "k": 4, "seed": 5},
     {"compressor": "dithering", "k": 3, "partition": "natural", "seed": 5},
+    {"compressor": "bytegrad", "chunk": 10},
 ]
 
 
@@ -213,7 +218,7 @@ MODULES = ["bps.config", "bps.compressors", "bps.compressors.onebit", "bps.compr
            "bps.compressors.dithering_quantiser", "bps.compressors.elias_delta",
            "bps.compressors.error_feedback", "bps.compressors.momentum",
            "bps.compressors.registry", "bps.compressors.wire", "bps.compressors.base",
-           "bps.compressors.sparse"]
+           "bps.compressors.sparse", "bps.compressors.bytegrad", "bps.compressors.powersgd"]
 
 
 @pytest.mark.parametrize("module", MODULES)

@@ -14,6 +14,7 @@ PARAMS = {
     "randomk": {"compressor": "randomk", "k": 0.1},
     "dithering": {"compressor": "dithering", "k": 4},
     "natural": {"compressor": "dithering", "k": 5, "partition": "natural"},
+    "bytegrad": {"compressor": "bytegrad", "chunk": 64},
 }
 NUMEL = 301
 

@@ -24,6 +24,7 @@ SUM_PARAMS = [
     {"compressor": "topk", "k": 5},
     {"compressor": "randomk", "k": 300, "seed": 9},  # 300 draws from 97: many repeats
     {"compressor": "dithering", "k": 4, "seed": 5},
+    {"compressor": "bytegrad", "chunk": 16},
 ]
 
 
@@ -74,6 +75,8 @@ def test_topk_repeated_index_adds_its_last_value_once():
     ({"compressor": "onebit"}, b"\0" * 7, "bytes"),
     ({"compressor": "randomk", "k": 2, "seed": 1}, b"\0" * 23, "bytes"),
     ({"compressor": "dithering", "k": 4}, b"\xff" * 24, "Elias|bits|stream"),
+    ({"compressor": "bytegrad"}, b"\0" * 13, "bytes"),
+    ({"compressor": "bytegrad"}, np.array([1, 0], "<f4").tobytes() + b"\0" * 6, "lo=1.0"),
 ])
 def test_bad_payload_leaves_the_sum_untouched(params, payload, match):
     c = build(params, 6)

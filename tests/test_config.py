@@ -6,7 +6,9 @@ import pytest
 from bps.config import resolve_k, validate_compression_params
 
 DOCUMENTED_KEYS = {"compressor", "k", "scaling", "ef", "momentum", "mu", "seed", "partition",
-             "normalize", "fp16", "min_compress_bytes", "warmup_steps", "nonfinite"}
+             "normalize", "fp16", "min_compress_bytes", "warmup_steps", "chunk",
+             "comm_dtype", "rank", "warm_start", "orthogonalization_epsilon",
+             "min_compression_rate", "batch_tensors_with_same_shape", "shape", "nonfinite"}
 
 
 def test_defaults_fill_every_key(monkeypatch):
@@ -16,7 +18,10 @@ def test_defaults_fill_every_key(monkeypatch):
     assert out == {"compressor": None, "k": None, "scaling": False, "ef": None,
                    "momentum": None, "mu": None, "seed": None, "partition": "linear",
                    "normalize": "max", "fp16": True, "min_compress_bytes": 65536,
-                   "warmup_steps": 0, "nonfinite": "raise"}
+                   "warmup_steps": 0, "chunk": None, "comm_dtype": "fp16", "rank": None,
+                   "warm_start": True, "orthogonalization_epsilon": 0.0,
+                   "min_compression_rate": 2.0, "batch_tensors_with_same_shape": False,
+                   "shape": None, "nonfinite": "raise"}
 
 
 def test_returns_a_new_dict():
@@ -38,7 +43,9 @@ def test_full_valid_dict():
     params = {"compressor": "dithering", "k": 4, "scaling": True, "ef": "vanilla",
               "momentum": "nesterov", "mu": 0.9, "seed": 2**64 - 1, "partition": "natural",
               "normalize": "l2", "fp16": False, "min_compress_bytes": 0, "warmup_steps": 3,
-              "nonfinite": "skip"}
+              "chunk": None, "comm_dtype": "fp32", "rank": None, "warm_start": True,
+              "orthogonalization_epsilon": 0.0, "min_compression_rate": 2.0,
+              "batch_tensors_with_same_shape": False, "shape": None, "nonfinite": "skip"}
     assert validate_compression_params(params) == params
 
 
@@ -90,6 +97,17 @@ BAD = [
     ({"min_compress_bytes": 1.5}, TypeError, ["min_compress_bytes", "1.5"]),
     ({"warmup_steps": -2}, ValueError, ["warmup_steps", "-2"]),
     ({"warmup_steps": "2"}, TypeError, ["warmup_steps", "'2'"]),
+    ({"compressor": "bytegrad", "chunk": 0}, ValueError, ["chunk", "0", "int in [1, "]),
+    ({"compressor": "bytegrad", "chunk": 2**31}, ValueError, ["chunk", str(2**31)]),
+    ({"compressor": "bytegrad", "chunk": 2.0}, TypeError, ["chunk", "2.0", "int"]),
+    ({"compressor": "bytegrad", "chunk": True}, TypeError, ["chunk", "True"]),
+    ({"compressor": "topk", "k": 3, "chunk": 64}, ValueError, ["chunk", "bytegrad", "topk"]),
+    ({"chunk": 64}, ValueError, ["chunk", "needs a compressor"]),
+    ({"comm_dtype": "half"}, ValueError, ["comm_dtype", "half", "'bf16'"]),
+    ({"comm_dtype": 16}, TypeError, ["comm_dtype", "16"]),
+    ({"comm_dtype": "bf16", "fp16": True}, ValueError, ["fp16", "contradicts", "'bf16'"]),
+    ({"comm_dtype": "fp32", "fp16": True}, ValueError, ["fp16", "contradicts", "'fp32'"]),
+    ({"comm_dtype": "fp16", "fp16": False}, ValueError, ["fp16", "contradicts", "'fp16'"]),
 ]
 
 
@@ -99,6 +117,17 @@ def test_bad_params_raise_naming_key_value_and_accepted(params, exc, words):
         validate_compression_params(params)
     for word in words:
         assert word in str(info.value), (word, str(info.value))
+
+
+@pytest.mark.parametrize("given, comm, fp16", [
+    ({}, "fp16", True), ({"fp16": True}, "fp16", True), ({"fp16": False}, "fp32", False),
+    ({"comm_dtype": "bf16"}, "bf16", False), ({"comm_dtype": "bf16", "fp16": False}, "bf16", False),
+    ({"comm_dtype": "fp32"}, "fp32", False), ({"comm_dtype": "fp16", "fp16": True}, "fp16", True),
+])
+def test_comm_dtype_and_fp16_describe_one_setting(given, comm, fp16):
+    out = validate_compression_params(given)
+    assert (out["comm_dtype"], out["fp16"]) == (comm, fp16)
+    assert validate_compression_params(out) == out  # a validated dict validates again
 
 
 def test_not_a_dict():

@@ -63,6 +63,15 @@ def test_reduce_then_broadcast_matches_numpy(size, dtype):
         assert results[r][3] == b"hello from root"
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_two_rank_half_reduce_rounds_the_sum_once(dtype):
+    # one addition: gloo adds in float32 and rounds to the dtype once, as torch does
+    results = _run_group(2, dtype)
+    halves = [torch.from_numpy(results[r][0]).to(getattr(torch, dtype)) for r in range(2)]
+    expected = (halves[0] + halves[1]).float().numpy()
+    np.testing.assert_array_equal(results[0][1], expected)
+
+
 def _lonely(port, out):
     try:
         LocalGroup.connect(0, 2, "127.0.0.1", port, timeout_s=2).channel("r").reduce(torch.ones(4))

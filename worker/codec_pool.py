@@ -46,6 +46,27 @@ class CodecPool:
         """On a codec thread: decode the aggregate of ``request`` and settle its future."""
         self._pool.submit(self._decompress, request, frame)
 
+    def then(self, info: KeyInfo, future: concurrent.futures.Future,
+             done: concurrent.futures.Future,
+             step: Callable[[torch.Tensor], torch.Tensor | None]) -> None:
+        """On a codec thread, once ``done`` (one round of a multi-round key) resolved:
+        ``step(its sum)``; a tensor it returns settles ``future`` (the last round), an
+        error in ``done`` or ``step`` fails it."""
+        self._pool.submit(self._then, info, future, done, step)
+
+    def _then(self, info: KeyInfo, future: concurrent.futures.Future,
+              done: concurrent.futures.Future,
+              step: Callable[[torch.Tensor], torch.Tensor | None]) -> None:
+        try:
+            summed = done.result()
+            start_ns = time.monotonic_ns()
+            result = step(summed)
+            self._count(compress_s=(time.monotonic_ns() - start_ns) / 1e9)
+            if result is not None:
+                settle(info, future, result)
+        except BaseException as exc:
+            settle(info, future, error=exc)
+
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
 

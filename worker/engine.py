@@ -66,6 +66,8 @@ __all__ = ["EngineStats", "Skipped", "WorkerEngine"]
 
 MAX_KEY = 2**63
 STATE_WINDOW = 16  # GET_STATE / SET_STATE requests out at a time
+# round r >= 1 of a key whose compressor takes several rounds travels on this key
+ROUND_KEY_STRIDE = 2**60
 
 
 @dataclass(frozen=True)
@@ -108,6 +110,7 @@ class WorkerEngine:
         self.servers: list[str] = list(welcome["servers"])
         self.placement = Placement(self.num_servers)
         self._keys: dict[int, KeyInfo] = {}
+        self._rounds: dict[int, list[KeyInfo]] = {}  # multi-round keys: a raw key per round
         self._barrier_seq = itertools.count()
         self._stats_lock = threading.Lock()
         self._stats = {f.name: f.default for f in fields(EngineStats)}
@@ -167,6 +170,13 @@ class WorkerEngine:
             from bps.compressors import build
 
             chain = build(params, numel, dtype, role="worker")
+            if hasattr(chain, "set_workers"):
+                chain.set_workers(self.num_workers)
+            if getattr(chain, "rounds", 1) > 1:
+                self._declare_rounds(key, chain, name, server)
+                self._keys[key] = KeyInfo(key, numel, dtype, name, self._rounds[key][0].server,
+                                          chain)
+                return
         server = self.placement.place(key, numel * dtype.itemsize, server)
         info = KeyInfo(key, numel, dtype, name, server, chain)
         fields_ = {"key": key, "numel": numel, "dtype": wire_dtype, "name": name,
@@ -179,6 +189,46 @@ class WorkerEngine:
             self.placement.unplace(key, numel * dtype.itemsize)
             raise
         self._keys[key] = info
+
+    def _declare_rounds(self, key: int, chain: Any, name: str, server: int | None) -> None:
+        """A compressor with several rounds: round r travels as a raw float32 key of
+        ``chain.round_numel(r)`` elements (``key + r * ROUND_KEY_STRIDE``), all on one
+        server, which sums each round like any float32 key."""
+        if key >= ROUND_KEY_STRIDE:
+            raise ValueError(f"key {key} ({name!r}): a key whose compressor takes "
+                             f"{chain.rounds} rounds must be below 2**60")
+        infos: list[KeyInfo] = []
+        try:
+            for round_ in range(chain.rounds):
+                wire_key = key + round_ * ROUND_KEY_STRIDE
+                self.declare(wire_key, chain.round_numel(round_), torch.float32, None,
+                             name=f"{name} round {round_}", server=server)
+                infos.append(self._keys.pop(wire_key))
+                server = infos[0].server
+        finally:
+            self._rounds[key] = infos
+
+    def _push_round(self, info: KeyInfo, round_: int, payload: torch.Tensor, step: int,
+                    lr: float, order: tuple, future: concurrent.futures.Future,
+                    extra: dict | None = None) -> None:
+        """Push round ``round_`` of a multi-round key; its sum feeds the next round (on a
+        codec thread), the last one is decoded into ``future``. ``extra``: a round-0
+        non-finite mark; a skipped round settles ``future`` with its :class:`Skipped`."""
+        wire = self._rounds[info.key][round_]
+        wire.busy = True
+        inner = new_future()
+
+        def next_round(summed: torch.Tensor | Skipped) -> torch.Tensor | Skipped | None:
+            if isinstance(summed, Skipped):
+                return summed
+            if round_ + 1 == info.chain.rounds:
+                return info.chain.decompress(summed, info.out)
+            payload = info.chain.compress_round(round_ + 1, summed)
+            self._push_round(info, round_ + 1, payload, step, lr, order, future)
+            return None
+
+        inner.add_done_callback(lambda done: self._codec.then(info, future, done, next_round))
+        self._io.enqueue(wire, payload, step, lr, order, inner, extra)
 
     def push_pull(self, key: int, tensor: torch.Tensor | None, step: int, lr: float,
                   priority: int = 0, out: torch.Tensor | None = None,
@@ -221,6 +271,10 @@ class WorkerEngine:
             self._io.enqueue(info, flat, step, lr, order, future, {"mark": mark, "what": what})
         elif info.chain is None:
             self._io.enqueue(info, flat.contiguous(), step, lr, order, future)
+        elif key in self._rounds:
+            self._codec.compress(info, flat.contiguous(), step, lr, future,
+                                 lambda payload, extra: self._push_round(
+                                     info, 0, payload, step, lr, order, future, extra))
         else:
             self._codec.compress(info, flat.contiguous(), step, lr, future,
                                  lambda payload, extra: self._io.enqueue(

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from bps.compressors import payload_bound
+from bps.compressors.powersgd import should_compress
 from bps.worker.partition import partition, plan_servers
 
 
@@ -68,11 +69,18 @@ class KeyPlan:
 
 
 def plan_tensor(name: str, numel: int, params: dict, wire_dtype: torch.dtype,
-                partition_bytes: int) -> tuple[list[Part], list[KeyPlan], Part | None]:
+                partition_bytes: int, shape: tuple | None = None
+                ) -> tuple[list[Part], list[KeyPlan], Part | None]:
     """The parts of a float32 tensor and the keys they need (``params``: validated
-    compression_params). The third value is the tensor's only part where it is small
-    and raw: it goes to :func:`plan_buckets` instead of getting a key here."""
+    compression_params; ``shape``: the tensor's, for powersgd). The third value is the
+    tensor's only part where it is small and raw: it goes to :func:`plan_buckets`
+    instead of getting a key here."""
     compress = params["compressor"] is not None and numel * 4 >= params["min_compress_bytes"]
+    if params["compressor"] == "powersgd":
+        matrix = _powersgd_matrix(numel, params, shape)
+        if compress and matrix is not None:
+            return _plan_matrix(name, numel, params, wire_dtype, matrix)
+        compress = False  # vectors, biases and matrices PowerSGD would not shrink: raw
     parts: list[Part] = []
     keys: list[KeyPlan] = []
     small = None
@@ -95,6 +103,33 @@ def plan_tensor(name: str, numel: int, params: dict, wire_dtype: torch.dtype,
                                 params, raw_bytes if bound is None else bound))
         parts.append(part)
     return parts, keys, small
+
+
+def _powersgd_matrix(numel: int, params: dict, shape: tuple | None) -> list[int] | None:
+    """[n, m]: the tensor viewed as ``shape[0]`` rows, where PowerSGD compresses it (a
+    tensor of 2 or more dimensions meeting ``min_compression_rate``); else None."""
+    if shape is None or len(shape) < 2 or numel == 0:
+        return None
+    n, m = int(shape[0]), numel // int(shape[0])
+    if not should_compress(n, m, params["rank"], params["min_compression_rate"]):
+        return None
+    return [n, m]
+
+
+def _plan_matrix(name: str, numel: int, params: dict, wire_dtype: torch.dtype,
+                 matrix: list[int]) -> tuple[list[Part], list[KeyPlan], None]:
+    """A PowerSGD matrix travels whole on one compressed key (its factors need every
+    row); during warmup, whole on a raw key."""
+    part = Part(0, numel)
+    label = f"{name}[0]"
+    keys = []
+    if params["warmup_steps"] > 0:
+        keys.append(KeyPlan(part, "raw_key", label, numel, wire_dtype, None,
+                            numel * wire_dtype.itemsize, warmup_only=True))
+    key_params = dict(params, shape=matrix)
+    keys.append(KeyPlan(part, "compressed_key", label, numel, torch.float32, key_params,
+                        payload_bound(key_params, numel)))
+    return [part], keys, None
 
 
 def plan_buckets(names: list[str], small: dict[int, Part], wire_dtype: torch.dtype,
@@ -133,6 +168,38 @@ def plan_buckets(names: list[str], small: dict[int, Part], wire_dtype: torch.dty
             offset += small[i].length
         plans.append(KeyPlan(bucket, "key", bucket.name, numel, wire_dtype, None,
                              numel * wire_dtype.itemsize))
+    return plans, buckets
+
+
+def plan_batches(keys: list[KeyPlan]) -> tuple[list[KeyPlan], list[Bucket]]:
+    """powersgd with ``batch_tensors_with_same_shape``: the compressed matrices of one
+    shape (two or more) travel together on one key of shape (b, n, m), stacked in
+    backward order (the reverse of ``keys``, as DDP's buckets hold them), like PyTorch's
+    batched compression. Returns the key plans with those matrices' keys replaced by
+    one per shape, and the batches (fused like raw buckets, after warmup)."""
+    groups: dict[tuple, list[int]] = {}
+    for index in reversed(range(len(keys))):
+        plan = keys[index]
+        params = plan.params
+        if (plan.field == "compressed_key" and params is not None
+                and params.get("batch_tensors_with_same_shape")):
+            groups.setdefault(tuple(params["shape"]), []).append(index)
+    batched = {i for members in groups.values() if len(members) > 1 for i in members}
+    plans = [plan for i, plan in enumerate(keys) if i not in batched]
+    buckets = []
+    for (n, m), members in groups.items():
+        if len(members) < 2:
+            continue
+        parts = [keys[i].part for i in members]
+        bucket = Bucket("batched(" + ", ".join(keys[i].name for i in members) + ")",
+                        len(members) * n * m, len(members),
+                        buffer=torch.zeros(len(members) * n * m))
+        for position, part in enumerate(parts):
+            part.bucket, part.bucket_offset = bucket, position * n * m
+        params = dict(keys[members[0]].params, shape=[len(members), n, m])
+        buckets.append(bucket)
+        plans.append(KeyPlan(bucket, "key", bucket.name, bucket.numel, torch.float32, params,
+                             payload_bound(params, bucket.numel)))
     return plans, buckets
 
 

@@ -1,0 +1,190 @@
+"""powersgd: rank-r PowerSGD (Vogels et al. 2019) as PyTorch's ``powerSGD_hook`` runs it,
+summed by the parameter servers in two rounds, docs/compression.md.
+
+A key holds one matrix ``M`` (n x m: a parameter's gradient viewed as ``shape[0]`` rows),
+or ``b`` matrices of one shape compressed together (the batched variant). Each step::
+
+    M = x + e                         (e: this worker's error; 0 without error feedback)
+    Q = orth(Q)                       (warm start: last step's Q; else, and at first, random)
+    round 0: push P = M Q             servers sum: P = sum over workers
+    round 1: P = orth(P); push Q = M^T P    servers sum: Q = sum over workers
+    decode:  y = P Q^T                (the averaged gradient's approximation)
+    e = M - y / workers               (error feedback: this worker's share of the error)
+
+Rounds travel as raw float32 vectors of ``b*n*r`` and ``b*m*r`` elements; the servers
+sum them like any float32 key. ``orth`` is Gram-Schmidt for r <= 2 and QR (Householder,
+``torch.linalg.qr``) above, per matrix, with the same torch ops as the hook; a column of
+zeros stays zero (the hook's own fallback). The first random Q (and every Q without warm
+start) is ``torch.randn(b, m, r)`` from a ``torch.Generator`` seeded with ``seed + j`` for
+the j-th draw of the key (mod 2**64).
+
+Example::
+
+    >>> import torch
+    >>> c = PowerSGD(numel=6, shape=(3, 2), rank=1, ef=False)
+    >>> x = torch.tensor([1.0, 2.0, 2.0, 4.0, 3.0, 6.0])      # rank one: exact
+    >>> p = c.compress(x)                                      # round 0 (one worker)
+    >>> q = c.compress_round(1, p.view(torch.float32))         # round 1
+    >>> [round(v, 5) for v in c.decompress(q).tolist()]
+    [1.0, 2.0, 2.0, 4.0, 3.0, 6.0]
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .base import Compressor, Payload, check_state_keys, load_buffer, payload_tensor
+
+
+def should_compress(n: int, m: int, rank: int, min_rate: float) -> bool:
+    """PyTorch's rule: compress an n x m matrix where ``(n + m) * r * min_rate < n * m``
+    (r = min(n, m, rank)).
+
+        >>> should_compress(784, 512, 1, 2.0), should_compress(10, 2, 1, 2.0)
+        (True, False)
+    """
+    r = min(n, m, rank)
+    return (n + m) * r * min_rate < n * m
+
+
+def orthogonalize(matrices: torch.Tensor, epsilon: float = 0.0) -> None:
+    """Orthonormalise the columns of each matrix of a (b, n, r) batch in place, with the
+    torch ops of PyTorch's PowerSGD hook: Gram-Schmidt for r <= 2, QR above."""
+    rank = matrices.shape[2]
+    if rank > 2:
+        q, _ = torch.linalg.qr(matrices)
+        matrices.copy_(q)
+        return
+    for i in range(rank):
+        col = matrices[:, :, i:i + 1]
+        norm = torch.norm(col, dim=1, keepdim=True)
+        if epsilon == 0:
+            col /= torch.where(norm == 0, 1.0, norm)  # a zero column stays zero
+        else:
+            col /= norm + epsilon
+        if i + 1 < rank:
+            rest = matrices[:, :, i + 1:]
+            rest -= torch.sum(col * rest, dim=1, keepdim=True) * col
+
+
+class PowerSGD(Compressor):
+    """Rank-r PowerSGD over two server rounds; keeps its own error and warm-start Q."""
+
+    rounds = 2
+
+    def __init__(self, numel: int, dtype: torch.dtype = torch.float32,
+                 shape: tuple | list | None = None, rank: int = 1, ef: bool = True,
+                 warm_start: bool = True, epsilon: float = 0.0, seed: int = 1):
+        super().__init__(numel, dtype)
+        if dtype != torch.float32:
+            raise TypeError(f"powersgd compresses float32 tensors, not {dtype}")
+        shape = tuple(shape or (numel, 1))
+        if len(shape) == 2:
+            shape = (1, *shape)
+        if len(shape) != 3 or math.prod(shape) != numel or min(shape) < 1:
+            raise ValueError(f"powersgd shape {shape} does not hold numel={numel} as "
+                             "(n, m) or (batch, n, m)")
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+            raise ValueError(f"powersgd rank must be an int >= 1, got {rank!r}")
+        self.batch, self.n, self.m = shape
+        self.rank = min(self.n, self.m, rank)
+        self.ef, self.warm_start, self.epsilon, self.seed = ef, warm_start, epsilon, seed
+        self.workers = 1
+        self.matrix = torch.zeros(shape)
+        self.error = torch.zeros(numel) if ef else None
+        self.p = torch.zeros(self.batch, self.n, self.rank)
+        self.q = torch.zeros(self.batch, self.m, self.rank)
+        self.draws = 0  # random Qs drawn so far
+
+    @classmethod
+    def max_payload_bytes(cls, numel: int, dtype: torch.dtype = torch.float32,
+                          shape: tuple | list | None = None, rank: int = 1,
+                          **options: object) -> int:
+        """Bytes one worker pushes per step, both rounds together: ``4 * b * (n + m) * r``.
+
+            >>> PowerSGD.max_payload_bytes(784 * 512, shape=(784, 512), rank=2)
+            10368
+        """
+        shape = tuple(shape or (numel, 1))
+        b, n, m = (1, *shape) if len(shape) == 2 else shape
+        return 4 * b * (n + m) * min(n, m, rank)
+
+    def set_workers(self, count: int) -> None:
+        self.workers = count
+
+    def round_numel(self, round_: int) -> int:
+        """Elements the servers sum in ``round_``: P (b*n*r), then Q (b*m*r)."""
+        return self.batch * (self.n if round_ == 0 else self.m) * self.rank
+
+    def random_q(self) -> torch.Tensor:
+        """The key's next random Q: ``randn(b, m, r)`` seeded with ``seed + draws``."""
+        generator = torch.Generator().manual_seed((self.seed + self.draws) % 2**64)
+        self.draws += 1
+        return torch.randn(self.batch, self.m, self.rank, generator=generator)
+
+    def compress(self, x: torch.Tensor) -> torch.Tensor:
+        """Round 0: M = x + e; P = M orth(Q), as float32 bytes."""
+        x = self.check_input(x)
+        flat = self.matrix.view(-1)
+        if self.ef:
+            torch.add(x, self.error, out=flat)
+        else:
+            flat.copy_(x)
+        if not self.warm_start or self.draws == 0:
+            self.q.copy_(self.random_q())
+        orthogonalize(self.q, self.epsilon)
+        torch.bmm(self.matrix, self.q, out=self.p)
+        return self.p.reshape(-1).clone().view(torch.uint8)
+
+    def _values(self, payload: Payload | torch.Tensor, round_: int) -> torch.Tensor:
+        """A round's summed float32 vector (a float32 tensor or its bytes), checked."""
+        if isinstance(payload, torch.Tensor) and payload.dtype == torch.float32:
+            values = payload.reshape(-1)
+        else:
+            data = payload_tensor(payload)
+            if data.numel() % 4:
+                raise self.bad_payload(f"round {round_}: {data.numel()} bytes is not a "
+                                       "whole number of float32 values")
+            values = data.view(torch.float32)
+        if values.numel() != self.round_numel(round_):
+            raise self.bad_payload(f"round {round_} holds {values.numel()} values, "
+                                   f"expected {self.round_numel(round_)}")
+        return values
+
+    def compress_round(self, round_: int, aggregate: Payload | torch.Tensor) -> torch.Tensor:
+        """Round 1 from round 0's sum: P = orth(sum P); Q = M^T P, as float32 bytes."""
+        if round_ != 1:
+            raise ValueError(f"powersgd has rounds 0 and 1, got compress_round({round_})")
+        self.p.view(-1).copy_(self._values(aggregate, 0))
+        orthogonalize(self.p, self.epsilon)
+        torch.bmm(self.matrix.transpose(1, 2), self.p, out=self.q)
+        return self.q.reshape(-1).clone().view(torch.uint8)
+
+    def decompress(self, payload: Payload | torch.Tensor,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+        """From round 1's sum Q: y = P Q^T (into ``out``); e = M - y / workers."""
+        self.q.view(-1).copy_(self._values(payload, 1))
+        out = self.output(out)
+        torch.bmm(self.p, self.q.transpose(1, 2), out=out.view(self.matrix.shape))
+        if self.ef:  # e = M - y / W, two roundings, in the error buffer (no new tensor)
+            torch.div(out, self.workers, out=self.error)
+            torch.sub(self.matrix.view(-1), self.error, out=self.error)
+        return out
+
+    def state_dict(self) -> dict:
+        return {"error": None if self.error is None else self.error.clone(),
+                "q": self.q.clone(), "draws": self.draws}
+
+    def load_state_dict(self, state: dict) -> None:
+        check_state_keys(self, state, ("error", "q", "draws"))
+        if self.error is not None:
+            load_buffer(self, "error", self.error, state["error"])
+        elif state["error"] is not None:
+            raise ValueError("PowerSGD state has an error buffer but error feedback is off")
+        load_buffer(self, "q", self.q, state["q"])
+        draws = state["draws"]
+        if isinstance(draws, bool) or not isinstance(draws, int) or draws < 0:
+            raise ValueError(f"PowerSGD state 'draws' must be an int >= 0, got {draws!r}")
+        self.draws = draws

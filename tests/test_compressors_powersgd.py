@@ -1,0 +1,170 @@
+"""powersgd's compressor alone: orthogonalisation as PyTorch's hook does it, the two
+rounds of several workers against the algorithm written out in torch, its error and
+warm start, state, validation and planning. The whole pipeline is compared with
+DDP's own hook in tests/test_powersgd_ddp.py."""
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as hook
+
+from bps.compressors import build, state_from_wire, state_to_wire
+from bps.compressors.powersgd import PowerSGD, orthogonalize, should_compress
+from bps.config import validate_compression_params
+from bps.worker.planning import plan_batches, plan_tensor
+
+
+@pytest.mark.parametrize("shape", [(1, 30, 1), (1, 30, 2), (3, 20, 2), (2, 17, 4)])
+@pytest.mark.parametrize("epsilon", [0.0, 1e-8])
+def test_orthogonalize_is_the_hooks(shape, epsilon):
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+    mine, theirs = x.clone(), x.clone()
+    orthogonalize(mine, epsilon)
+    hook._orthogonalize(theirs, epsilon)
+    assert torch.equal(mine, theirs)
+
+
+def test_a_zero_column_stays_zero():
+    x = torch.zeros(1, 5, 2)
+    x[0, :, 1] = torch.arange(5.0)
+    orthogonalize(x)
+    assert torch.equal(x[0, :, 0], torch.zeros(5)) and not torch.isnan(x).any()
+    assert torch.allclose(x[0, :, 1].norm(), torch.tensor(1.0))
+
+
+def reference_step(ms: list[torch.Tensor], q: torch.Tensor) -> tuple:
+    """The algorithm of docs/compression.md for several workers' (b, n, m) matrices."""
+    q = q.clone()
+    orthogonalize(q)
+    p = sum(torch.bmm(m, q) for m in ms)
+    orthogonalize(p)
+    q = sum(torch.bmm(m.transpose(1, 2), p) for m in ms)
+    return torch.bmm(p, q.transpose(1, 2)), q
+
+
+@pytest.mark.parametrize("shape, rank", [((12, 9), 1), ((12, 9), 2), ((3, 8, 8), 3)])
+@pytest.mark.parametrize("warm_start", [True, False])
+def test_rounds_of_three_workers_match_the_algorithm(shape, rank, warm_start):
+    numel = int(np.prod(shape))
+    workers = [PowerSGD(numel, shape=shape, rank=rank, warm_start=warm_start, seed=5)
+               for _ in range(3)]
+    for c in workers:
+        c.set_workers(3)
+    full = (1, *shape) if len(shape) == 2 else shape
+    errors = [torch.zeros(full) for _ in workers]
+    q = torch.randn(full[0], full[2], rank, generator=torch.Generator().manual_seed(5))
+    for step in range(4):
+        gen = torch.Generator().manual_seed(step)
+        xs = [torch.randn(numel, generator=gen) for _ in workers]
+        p_sum = sum(c.compress(x).view(torch.float32) for c, x in zip(workers, xs, strict=True))
+        q_sum = sum(c.compress_round(1, p_sum).view(torch.float32) for c in workers)
+        ys = [c.decompress(q_sum.view(torch.uint8)) for c in workers]
+        ms = [x.view(full) + e for x, e in zip(xs, errors, strict=True)]
+        if not warm_start and step:
+            q = torch.randn(full[0], full[2], rank,
+                            generator=torch.Generator().manual_seed(5 + step))
+        expected, q = reference_step(ms, q)
+        for c, y, m, e in zip(workers, ys, ms, errors, strict=True):
+            torch.testing.assert_close(y.view(full), expected, rtol=1e-5, atol=1e-6)
+            e.copy_(m - y.view(full) / 3)
+            torch.testing.assert_close(c.error.view(full), e, rtol=1e-5, atol=1e-6)
+
+
+def test_rank_one_matrix_is_recovered_and_error_is_zero():
+    u, v = torch.arange(1.0, 5.0), torch.tensor([1.0, -2.0, 0.5])
+    x = torch.outer(u, v).reshape(-1)
+    c = PowerSGD(12, shape=(4, 3), rank=1)
+    y = c.decompress(c.compress_round(1, c.compress(x)))
+    torch.testing.assert_close(y, x)
+    assert c.error.abs().max() < 1e-5
+
+
+def test_state_round_trip_continues_identically():
+    params = validate_compression_params({"compressor": "powersgd", "rank": 2, "ef": "vanilla",
+                                          "shape": [10, 8]})
+    a, b = build(params, 80), build(params, 80)
+    for step in range(5):
+        x = torch.randn(80, generator=torch.Generator().manual_seed(step))
+        if step == 2:
+            wire = msgpack.unpackb(msgpack.packb(state_to_wire(a.state_dict())))
+            b.load_state_dict(state_from_wire(wire))
+        pa = a.compress(x)
+        ya = a.decompress(a.compress_round(1, pa))
+        if step >= 2:
+            pb = b.compress(x)
+            assert torch.equal(pa, pb)
+            assert torch.equal(ya, b.decompress(b.compress_round(1, pb)))
+    with pytest.raises(ValueError, match="draws"):
+        b.load_state_dict(dict(b.state_dict(), draws=-1))
+
+
+def test_wrong_round_sizes_are_refused():
+    c = PowerSGD(80, shape=(10, 8), rank=2)
+    c.compress(torch.randn(80))
+    with pytest.raises(ValueError, match="round 0 holds 19 values, expected 20"):
+        c.compress_round(1, torch.zeros(19))
+    with pytest.raises(ValueError, match="whole number"):
+        c.compress_round(1, b"\0" * 7)
+    with pytest.raises(ValueError, match="round 1 holds"):
+        c.decompress(torch.zeros(20))
+
+
+@pytest.mark.parametrize("params, exc, words", [
+    ({"compressor": "powersgd"}, ValueError, ["'rank'", "required"]),
+    ({"compressor": "powersgd", "rank": 0}, ValueError, ["rank", "0"]),
+    ({"compressor": "powersgd", "rank": 1.5}, TypeError, ["rank", "1.5"]),
+    ({"compressor": "topk", "k": 2, "rank": 2}, ValueError, ["rank", "powersgd", "topk"]),
+    ({"compressor": "powersgd", "rank": 1, "momentum": "nesterov"}, ValueError,
+     ["momentum", "powersgd", "optimizer"]),
+    ({"compressor": "powersgd", "rank": 1, "orthogonalization_epsilon": -1e-8}, ValueError,
+     ["orthogonalization_epsilon", "finite number >= 0"]),
+    ({"compressor": "powersgd", "rank": 1, "min_compression_rate": float("inf")}, ValueError,
+     ["min_compression_rate", "inf"]),
+    ({"compressor": "powersgd", "rank": 1, "warm_start": 1}, TypeError, ["warm_start", "bool"]),
+    ({"compressor": "powersgd", "rank": 1, "shape": [3]}, ValueError, ["shape", "[3]"]),
+    ({"compressor": "powersgd", "rank": 1, "batch_tensors_with_same_shape": 1}, TypeError,
+     ["batch_tensors_with_same_shape", "bool"]),
+])
+def test_bad_params_name_the_key(params, exc, words):
+    with pytest.raises(exc) as info:
+        validate_compression_params(params)
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+
+
+def test_planning_sends_whole_matrices_and_keeps_vectors_raw():
+    params = validate_compression_params({"compressor": "powersgd", "rank": 2,
+                                          "min_compress_bytes": 0, "warmup_steps": 3})
+    parts, keys, small = plan_tensor("w", 512 * 300, params, torch.float16, 4096, (512, 300))
+    assert len(parts) == 1 and (parts[0].offset, parts[0].length) == (0, 512 * 300)
+    assert [(k.field, k.numel, k.dtype) for k in keys] == [
+        ("raw_key", 512 * 300, torch.float16), ("compressed_key", 512 * 300, torch.float32)]
+    assert keys[1].params["shape"] == [512, 300] and keys[1].wire_bytes == 4 * 812 * 2
+    conv = plan_tensor("c", 16 * 3 * 5 * 5, params, torch.float16, 1 << 20, (16, 3, 5, 5))
+    assert conv[1][-1].params["shape"] == [16, 75]
+    assert not should_compress(10, 2, 2, 2.0)
+    for shape in [(300,), (10, 2)]:  # a vector; a matrix PowerSGD would not shrink
+        _, keys, _ = plan_tensor("b", int(np.prod(shape)), params, torch.float16, 1 << 20,
+                                 shape)
+        assert [(k.field, k.params, k.dtype) for k in keys] == [
+            ("raw_key", None, torch.float16)]
+
+
+def test_same_shape_matrices_share_one_batched_key_in_backward_order():
+    params = validate_compression_params({"compressor": "powersgd", "rank": 2,
+                                          "min_compress_bytes": 0,
+                                          "batch_tensors_with_same_shape": True})
+    keys, parts = [], {}
+    for name, shape in [("a", (24, 24)), ("b", (24,)), ("c", (24, 24)), ("d", (6, 24)),
+                        ("e", (24, 24))]:
+        tensor_parts, tensor_keys, _ = plan_tensor(name, int(np.prod(shape)), params,
+                                                   torch.float32, 1 << 20, shape)
+        parts[name] = tensor_parts[0]
+        keys += tensor_keys
+    plans, batches = plan_batches(keys)
+    assert [(k.name, k.params and k.params["shape"]) for k in plans] == [
+        ("b[0]", None), ("d[0]", [6, 24]), ("batched(e[0], c[0], a[0])", [3, 24, 24])]
+    assert len(batches) == 1 and batches[0].members == 3 and batches[0].numel == 3 * 576
+    assert [parts[n].bucket_offset for n in "eca"] == [0, 576, 1152]
+    assert parts["d"].bucket is None
