@@ -321,6 +321,7 @@ def test_second_backward_without_accumulation_keeps_its_error(tmp_path):
 SERVER_REFUSAL = """
 import numpy as np, torch, zmq
 import bps
+from bps.auth import connect_as_client, load_key
 from bps.compressors import build
 from bps.config import validate_compression_params
 from bps.protocol import Op, RemoteError, decode, encode
@@ -336,6 +337,8 @@ engine.declare(1, 64, torch.float32, params, name="sparse")
 payload = build(params, 64).compress(torch.ones(64)).numpy().copy()
 payload[16:20] = np.array([np.inf], dtype=np.float32).view(np.uint8)
 sock = zmq.Context.instance().socket(zmq.DEALER)
+sock.setsockopt(zmq.ROUTING_ID, engine.token + b"crafted")  # a connection of worker 0
+connect_as_client(sock, load_key(bps.runtime.get().env))
 sock.connect(engine.servers[0])
 sock.send_multipart([encode(Op.PUSH, rid=1, key=1, step=0, node=0, dtype="float32", numel=64,
                             nbytes=payload.size, lr=0.1), payload.tobytes()])
