@@ -353,6 +353,8 @@ def train(fail_node: int, how: str, at: int) -> None:
     trainer = bps.DistributedTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1))
     steps = at if how == "finish" and bps.rank() == fail_node else 10**6
     for step in range(steps):
+        if step == 1:
+            print(f"worker {bps.rank()}: training", flush=True)
         if bps.rank() == fail_node and step == at:
             print(f"worker {fail_node}: {how} at step {step}", flush=True)
             if how == "raise":

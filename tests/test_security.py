@@ -220,9 +220,11 @@ def test_outsiders_get_nothing_and_the_job_is_unchanged(processes, tmp_path: Pat
         assert ("registered twice" in refusal["msg"]
                 or "rendezvous already complete" in refusal["msg"]), refusal
         for frames in ([encode(Op.BARRIER, seq=0, step=0)], [encode(Op.FINALIZE, step=0)],
-                       [encode(Op.FAILED, msg="outsider")], [encode(Op.HEARTBEAT)]):
+                       [encode(Op.FAILED, msg="outsider")], [encode(Op.HEARTBEAT)],
+                       [encode(Op.SHUTDOWN)]):
             at_scheduler.send(frames)
         at_server.send([encode(Op.PULL, rid=5, key=0, step=1)])
+        at_server.send([encode(Op.SHUTDOWN)])
         codes = p.wait_all(EXIT_WITHIN)
         assert codes == dict.fromkeys(codes, 0), {n: p.log(n)[-3000:] for n in codes}
         assert at_scheduler.received() == dict.fromkeys(at_scheduler.socks, 0)
