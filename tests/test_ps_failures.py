@@ -170,6 +170,15 @@ def test_workers_that_run_different_numbers_of_steps_get_a_clear_error(cluster) 
         assert "the workers ran different numbers of steps" in out, (name, out)
 
 
+def test_workers_with_different_learning_rates_get_a_clear_error(cluster) -> None:
+    c = cluster(workers=2, servers=1)
+    train_job(c, 1, "lr")
+    for name in ("scheduler", "server0", "worker0", "worker1"):
+        code, out = c.wait(name, EXIT_WITHIN)
+        assert code != 0, (name, out)
+        assert "the workers' learning rates differ" in out, (name, out)
+
+
 def test_a_late_scheduler_is_waited_for(cluster) -> None:
     """Servers and workers started well before the scheduler (longer than the heartbeat
     timeout) wait for it up to BPS_TIMEOUT, as documented, and the job completes."""
