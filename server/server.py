@@ -435,6 +435,12 @@ class _KeyEngine(threading.Thread):
             self._send_data(state, step, [(ident, header["rid"])])
             return
         self._check_step(state, step)
+        pending = state.steps.get(step)
+        if (pending is None or not pending.started()) and step != state.last_step + 1:
+            # only a step in progress or the next one: PULLs cannot park future steps
+            raise RequestError(f"key {state.key} ({state.name!r}): PULL of step {step}, "
+                               f"which nobody pushed (last completed step "
+                               f"{state.last_step})")
         state.steps.setdefault(step, _Step()).waiters.append((ident, header["rid"]))
 
     def _finish_ready_steps(self, state: _Key) -> None:

@@ -344,7 +344,7 @@ def train(fail_node: int, how: str, at: int) -> None:
     ``fail_node`` ends at step ``at`` as ``how`` says: ``raise`` (an exception), ``exit``
     (sys.exit(3)), ``interrupt`` (SIGINT, as Ctrl-C), ``stop`` (SIGSTOP), ``hang`` (the
     main thread stops, the process lives on), ``finish`` (bps.shutdown() after fewer
-    steps than the others)."""
+    steps than the others), ``lr`` (its learning rate is twice the others' throughout)."""
     import signal
     import sys
 
@@ -352,9 +352,12 @@ def train(fail_node: int, how: str, at: int) -> None:
 
     bps.init()
     model = torch.nn.Linear(8, 1)
-    trainer = bps.DistributedTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    lr = 0.2 if how == "lr" and bps.rank() == fail_node else 0.1
+    trainer = bps.DistributedTrainer(model, torch.optim.SGD(model.parameters(), lr=lr))
     steps = at if how == "finish" and bps.rank() == fail_node else 10**6
     for step in range(steps):
+        if step == 1:
+            print(f"worker {bps.rank()}: training", flush=True)
         if bps.rank() == fail_node and step == at:
             print(f"worker {fail_node}: {how} at step {step}", flush=True)
             if how == "raise":

@@ -170,6 +170,15 @@ def test_workers_that_run_different_numbers_of_steps_get_a_clear_error(cluster) 
         assert "the workers ran different numbers of steps" in out, (name, out)
 
 
+def test_workers_with_different_learning_rates_get_a_clear_error(cluster) -> None:
+    c = cluster(workers=2, servers=1)
+    train_job(c, 1, "lr")
+    for name in ("scheduler", "server0", "worker0", "worker1"):
+        code, out = c.wait(name, EXIT_WITHIN)
+        assert code != 0, (name, out)
+        assert "the workers' learning rates differ" in out, (name, out)
+
+
 def test_a_late_scheduler_is_waited_for(cluster) -> None:
     """Servers and workers started well before the scheduler (longer than the heartbeat
     timeout) wait for it up to BPS_TIMEOUT, as documented, and the job completes."""
@@ -186,3 +195,37 @@ def test_a_late_scheduler_is_waited_for(cluster) -> None:
     for name in ("scheduler", "server0", "worker0", "worker1"):
         code, out = c.wait(name, EXIT_WITHIN)
         assert code == 0, (name, out)
+
+
+def wait_for_line(c, name: str, text: str, timeout: float = EXIT_WITHIN) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while text not in (c.tmp_path / f"{name}.log").read_text():
+        assert time.monotonic() < deadline and c.procs[name].poll() is None, \
+            (name, (c.tmp_path / f"{name}.log").read_text())
+        time.sleep(0.05)  # polling a log file for a line, with a deadline
+
+
+def test_a_stopped_server_is_named_by_everyone(cluster) -> None:
+    c = cluster(workers=2, servers=1)
+    train_job(c, 1, "none", at=-1)
+    wait_for_line(c, "worker0", "worker 0: training")
+    os.kill(c.procs["server0"].pid, signal.SIGSTOP)
+    for name in ("scheduler", "worker0", "worker1"):
+        code, out = c.wait(name, EXIT_WITHIN)
+        assert code != 0, (name, out)
+        assert "server 0 at tcp://127.0.0.1:" in out and "died: no heartbeat" in out, \
+            (name, out)
+
+
+def test_a_killed_scheduler_is_named_by_everyone(cluster) -> None:
+    c = cluster(workers=2, servers=1)
+    train_job(c, 1, "none", at=-1)
+    wait_for_line(c, "worker0", "worker 0: training")
+    os.kill(c.procs["scheduler"].pid, signal.SIGKILL)
+    for name in ("server0", "worker0", "worker1"):
+        code, out = c.wait(name, EXIT_WITHIN)
+        assert code != 0, (name, out)
+        assert (f"scheduler at tcp://127.0.0.1:{c.env['DMLC_PS_ROOT_PORT']} unreachable: "
+                "no heartbeat") in out, (name, out)

@@ -220,9 +220,11 @@ def test_outsiders_get_nothing_and_the_job_is_unchanged(processes, tmp_path: Pat
         assert ("registered twice" in refusal["msg"]
                 or "rendezvous already complete" in refusal["msg"]), refusal
         for frames in ([encode(Op.BARRIER, seq=0, step=0)], [encode(Op.FINALIZE, step=0)],
-                       [encode(Op.FAILED, msg="outsider")], [encode(Op.HEARTBEAT)]):
+                       [encode(Op.FAILED, msg="outsider")], [encode(Op.HEARTBEAT)],
+                       [encode(Op.SHUTDOWN)]):
             at_scheduler.send(frames)
         at_server.send([encode(Op.PULL, rid=5, key=0, step=1)])
+        at_server.send([encode(Op.SHUTDOWN)])
         codes = p.wait_all(EXIT_WITHIN)
         assert codes == dict.fromkeys(codes, 0), {n: p.log(n)[-3000:] for n in codes}
         assert at_scheduler.received() == dict.fromkeys(at_scheduler.socks, 0)
@@ -257,3 +259,22 @@ def test_fuzzed_frames_from_a_key_holder_change_nothing(tmp_path: Path) -> None:
     assert peak is not None, output[-3000:]
     assert int(peak.group(1)) < 700, peak.group(0)  # docs/runtime.md: the server's bound
     assert "similar lines suppressed" in output  # the refusals' log is rate-limited
+
+
+def test_a_node_with_another_key_is_told_to_check_its_key_file(processes, tmp_path: Path
+                                                               ) -> None:
+    """A server whose BPS_SECRET_FILE holds another cluster's key never gets through the
+    handshake; its rendezvous fails after BPS_TIMEOUT saying what to check."""
+    from bps.auth import write_key_file
+
+    other = tmp_path / "other.key"
+    write_key_file(str(other))
+    p = processes(workers=1, servers=1)
+    p.env.update(BPS_TIMEOUT="3", BPS_HEARTBEAT_TIMEOUT="2")
+    p.start("scheduler", BPSLAUNCH, DMLC_ROLE="scheduler")
+    p.start("server0", BPSLAUNCH, DMLC_ROLE="server", BPS_SECRET_FILE=str(other))
+    code = p.procs["server0"].wait(timeout=EXIT_WITHIN)
+    assert code != 0
+    assert "(it never answered: is it running, and does BPS_SECRET_FILE hold this " \
+           "cluster's key?)" in p.log("server0"), p.log("server0")
+    assert "registered server" not in p.log("scheduler")

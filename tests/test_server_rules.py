@@ -30,12 +30,14 @@ def push() -> Iterator:
     engine.out = ctx.socket(zmq.PUSH)
     engine.out.connect(server.replies_address)
 
-    def request(op: Op, payload: bytes | None = None, **fields) -> list[dict]:
-        """Handle one request as the engine thread would; its replies (ACK, DATA...)."""
+    def request(op: Op, payload: bytes | None = None, replied: bool = True,
+                **fields) -> list[dict]:
+        """Handle one request as the engine thread would; its replies (ACK, DATA...),
+        which are all sent by the time ``_handle`` returns."""
         engine._handle(b"peer", decode(encode(op, rid=1, **fields)),
                        None if payload is None else zmq.Frame(payload))
         got = []
-        while replies.poll(100 if got else 10_000):  # the replies one request makes
+        while replies.poll(100 if got or not replied else 10_000):
             got.append(decode(replies.recv_multipart()[1]))
         return got
 
@@ -81,3 +83,14 @@ def test_a_key_larger_than_half_a_message_is_refused_before_allocation(push) -> 
                                            r"than a key may be \(524256 bytes"):
         push.request(Op.REGISTER, key=2, numel=2**28, dtype="float32", name="huge",
                      params={"compressor": "onebit", "ef": "vanilla"}, node=0)
+
+
+def test_pulls_cannot_park_future_steps(push) -> None:
+    with pytest.raises(RequestError, match="PULL of step 7, which nobody pushed"):
+        push.request(Op.PULL, key=1, step=7)
+    assert push.request(Op.PULL, key=1, step=0, replied=False) == []  # waits for step 0
+    assert push(0, 0) == ["ACK"]
+    assert [r["op"].name for r in push.request(Op.PUSH, b"\0" * (4 * NUMEL), key=1, step=0,
+                                               node=1, dtype="float32", numel=NUMEL,
+                                               nbytes=4 * NUMEL, lr=0.1)] == \
+        ["ACK", "DATA", "DATA", "DATA"]  # both pushes and the PULL
