@@ -3,6 +3,11 @@
     .venv/bin/python bench/compressors.py            # 16M float32 elements, ~2-4 minutes
     .venv/bin/python bench/compressors.py --only dithering --torch-runs 0   # one, no baseline
 
+powersgd rows: one worker's step on a square matrix of about ``--numel`` elements (both
+rounds as compress; P Q^T and the error as decompress) against the same step with the
+ops of PyTorch's ``powerSGD_hook`` (its ``_orthogonalize``, ``bmm``, error feedback),
+the two run by turns; "torch ms" gives the baseline's compress + decompress.
+
 For each compressor: median time of compress and of decompress (into a preallocated
 output, as the server and engine do) after warm-up; throughput = input bytes /
 (compress + decompress); "x copy" = that throughput / np.copyto bandwidth of the same
@@ -264,6 +269,23 @@ def measure(codec, x, out, runs, copy=None):
             statistics.median(times["decompress"]), holder["p"])
 
 
+def measure_alternating(codec, baseline, x, out, runs):
+    """Median compress and decompress times of ``codec`` and ``baseline``, run by turns
+    (a busy host slows both alike): ((compress, decompress), (compress, decompress))."""
+    times: dict[str, list[float]] = {}
+    for _ in range(runs + 1):  # the first round warms up
+        for name, c in (("a", codec), ("b", baseline)):
+            start = time.perf_counter()
+            payload = c.compress(x)
+            middle = time.perf_counter()
+            c.decompress(payload, out=out)
+            end = time.perf_counter()
+            times.setdefault(name + "c", []).append(middle - start)
+            times.setdefault(name + "d", []).append(end - middle)
+    med = {k: statistics.median(v[1:]) for k, v in times.items()}
+    return (med["ac"], med["ad"]), (med["bc"], med["bd"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--numel", type=int, default=16 * 2**20)
@@ -295,9 +317,9 @@ def main() -> None:
     print(f"{n} float32 elements ({nbytes / 2**20:.0f} MiB); np.copyto: {copy_time * 1e3:.1f} ms "
           f"= {copy_gbs:.2f} GB/s; torch threads: {torch.get_num_threads()}; {started}, "
           f"load average {os.getloadavg()[0]:.1f} (the machine's other jobs skew all figures)\n")
-    print("| compressor | compress ms | decompress ms | GB/s | copy ms | x copy | torch GB/s "
-          "| x torch | compression ratio |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| compressor | compress ms | decompress ms | GB/s | copy ms | x copy | torch ms "
+          "| torch GB/s | x torch | compression ratio |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     cases = [case for case in cases if not args.only or case[0].startswith(args.only)]
     for name, params, baseline in cases:
         data, into, size = x, out, nbytes
@@ -310,11 +332,17 @@ def main() -> None:
         t_copy, t_c, t_d, payload = measure(chain, data, into, args.runs,
                                             lambda: np.copyto(target, source))
         gbs = size / (t_c + t_d) / 1e9
-        versus_torch = "| - | - "  # --torch-runs 0: no baseline
-        if args.torch_runs:
+        versus_torch = "| - | - | - "  # --torch-runs 0: no baseline
+        if args.torch_runs and not isinstance(params, dict):  # powersgd: by turns
+            (t_c, t_d), (b_c, b_d) = measure_alternating(chain, baseline, data, into,
+                                                         args.runs)
+            gbs = size / (t_c + t_d) / 1e9
+        elif args.torch_runs:
             _, b_c, b_d, _ = measure(baseline, data, into, args.torch_runs)
+        if args.torch_runs:
             torch_gbs = size / (b_c + b_d) / 1e9
-            versus_torch = f"| {torch_gbs:.3f} | {gbs / torch_gbs:.1f} "
+            versus_torch = (f"| {b_c * 1e3:.1f} + {b_d * 1e3:.1f} | {torch_gbs:.3f} "
+                            f"| {gbs / torch_gbs:.1f} ")
         print(f"| {name} | {t_c * 1e3:.1f} | {t_d * 1e3:.1f} | {gbs:.2f} | {t_copy * 1e3:.1f} "
               f"| {t_copy / (t_c + t_d):.2f} "
               f"{versus_torch}"
