@@ -15,8 +15,8 @@ multiply-add), so any IEEE float32 implementation gives the same bytes. Per chun
 
 float16/bfloat16 inputs are widened to float32 (exactly), float64 ones rounded to
 float32; decoded values are rounded to the tensor's dtype. A NaN or infinity in the
-input, or a chunk whose range ``hi - lo`` overflows float32, raises ValueError before
-anything is written.
+input raises NonFiniteError, and a chunk whose range ``hi - lo`` overflows float32
+ValueError; either before anything is written (bytegrad keeps no state).
 
 Example::
 
@@ -37,6 +37,7 @@ from bps.config import BYTEGRAD_CHUNK
 from .base import (
     KERNEL_FLOAT_DTYPES,
     Compressor,
+    NonFiniteError,
     Payload,
     payload_bytes,
     sub_array,
@@ -213,9 +214,9 @@ class ByteGrad(Compressor):
             self.bounds)
         for status, index in results:
             if status == NOT_FINITE:
-                raise ValueError(f"bytegrad: chunk {index} (elements {index * chunk} to "
-                                 f"{min(self.numel, (index + 1) * chunk) - 1}) holds a NaN "
-                                 "or an infinity; bytegrad compresses finite values only")
+                raise NonFiniteError(f"bytegrad: chunk {index} (elements {index * chunk} to "
+                                 f"{min(self.numel, (index + 1) * chunk) - 1}) holds inf or "
+                                     "NaN entries; bytegrad compresses finite values only")
             if status == RANGE_OVERFLOW:
                 raise ValueError(f"bytegrad: chunk {index}: max - min overflows float32 "
                                  "(values beyond +-1.7e38 of opposite signs)")

@@ -11,6 +11,10 @@ or ``b`` matrices of one shape compressed together (the batched variant). Each s
     decode:  y = P Q^T                (the averaged gradient's approximation)
     e = M - y / workers               (error feedback: this worker's share of the error)
 
+A gradient with inf or NaN entries (after adding the error) raises NonFiniteError with
+the state unchanged. ``rollback`` undoes the last step (error, Q, random draws): the
+error is double-buffered, so the step before stays intact until the next decode.
+
 Rounds travel as raw float32 vectors of ``b*n*r`` and ``b*m*r`` elements; the servers
 sum them like any float32 key. ``orth`` is Gram-Schmidt for r <= 2 and QR (Householder,
 ``torch.linalg.qr``) above, per matrix, with the same torch ops as the hook; a column of
@@ -35,7 +39,14 @@ import math
 
 import torch
 
-from .base import Compressor, Payload, check_state_keys, load_buffer, payload_tensor
+from .base import (
+    Compressor,
+    NonFiniteError,
+    Payload,
+    check_state_keys,
+    load_buffer,
+    payload_tensor,
+)
 
 
 def should_compress(n: int, m: int, rank: int, min_rate: float) -> bool:
@@ -94,6 +105,8 @@ class PowerSGD(Compressor):
         self.workers = 1
         self.matrix = torch.zeros(shape)
         self.error = torch.zeros(numel) if ef else None
+        self.spare: torch.Tensor | None = None  # the other error buffer (first decode)
+        self.undo: tuple | None = None  # (error, q, draws) before the last compress
         self.p = torch.zeros(self.batch, self.n, self.rank)
         self.q = torch.zeros(self.batch, self.m, self.rank)
         self.draws = 0  # random Qs drawn so far
@@ -127,11 +140,17 @@ class PowerSGD(Compressor):
     def compress(self, x: torch.Tensor) -> torch.Tensor:
         """Round 0: M = x + e; P = M orth(Q), as float32 bytes."""
         x = self.check_input(x)
+        self.undo = None
         flat = self.matrix.view(-1)
         if self.ef:
             torch.add(x, self.error, out=flat)
         else:
             flat.copy_(x)
+        if not bool(torch.isfinite(flat).all()):
+            raise NonFiniteError(f"powersgd: the gradient (numel={self.numel}"
+                                 f"{', plus its error' if self.ef else ''}) has inf or NaN "
+                                 "entries")
+        self.undo = (self.error, self.q.clone(), self.draws)
         if not self.warm_start or self.draws == 0:
             self.q.copy_(self.random_q())
         orthogonalize(self.q, self.epsilon)
@@ -168,10 +187,22 @@ class PowerSGD(Compressor):
         self.q.view(-1).copy_(self._values(payload, 1))
         out = self.output(out)
         torch.bmm(self.p, self.q.transpose(1, 2), out=out.view(self.matrix.shape))
-        if self.ef:  # e = M - y / W, two roundings, in the error buffer (no new tensor)
-            torch.div(out, self.workers, out=self.error)
-            torch.sub(self.matrix.view(-1), self.error, out=self.error)
+        if self.ef:  # e = M - y / W, two roundings, in the other error buffer
+            error = self.spare if self.spare is not None else torch.empty_like(self.error)
+            torch.div(out, self.workers, out=error)
+            torch.sub(self.matrix.view(-1), error, out=error)
+            self.spare, self.error = self.error, error
         return out
+
+    def rollback(self) -> None:
+        """Back to the state before the last ``compress``: its error, Q and draws."""
+        if self.undo is None:
+            return
+        error, q, self.draws = self.undo
+        if error is not self.error:  # decoded since: the error before is the spare one
+            self.spare, self.error = self.error, error
+        self.q.copy_(q)
+        self.undo = None
 
     def state_dict(self) -> dict:
         return {"error": None if self.error is None else self.error.clone(),
@@ -179,6 +210,7 @@ class PowerSGD(Compressor):
 
     def load_state_dict(self, state: dict) -> None:
         check_state_keys(self, state, ("error", "q", "draws"))
+        self.undo = None
         if self.error is not None:
             load_buffer(self, "error", self.error, state["error"])
         elif state["error"] is not None:

@@ -16,6 +16,7 @@ CASES = {
     "topk": {"compressor": "topk", "k": 0.1},
     "randomk": {"compressor": "randomk", "k": 0.1, "seed": 7},
     "dithering": {"compressor": "dithering", "k": 4, "seed": 7},
+    "bytegrad": {"compressor": "bytegrad", "chunk": 64},
 }
 CHAINS = [{}, {"ef": "vanilla"}, {"momentum": "nesterov", "mu": 0.9},
           {"ef": "vanilla", "momentum": "nesterov", "mu": 0.9}]
@@ -109,8 +110,61 @@ def test_decoders_refuse_nonfinite_values(name):
         data[c.values_offset:c.values_offset + 4] = np.array([np.nan], np.float32).view(np.uint8)
     elif name == "randomk":
         data[16:20] = np.array([np.inf], dtype=np.float32).view(np.uint8)
+    elif name == "bytegrad":
+        data[4:8] = np.array([np.inf], dtype=np.float32).view(np.uint8)  # chunk 0's hi
     else:
         data[-8:] = np.array([np.inf], dtype=np.float64).view(np.uint8)
     with pytest.raises(ValueError, match="inf|NaN|finite"):
         c.decompress(payload)
     assert issubclass(base.NonFiniteError, ValueError)
+
+
+def powersgd_run(x_steps: list[torch.Tensor], rollback_at: int | None, ef: bool,
+                 warm_start: bool) -> tuple:
+    """Two workers' PowerSGD chains through both rounds; the step ``rollback_at`` is
+    compressed, summed and decoded, then rolled back on both."""
+    from bps.compressors.powersgd import PowerSGD
+
+    chains = [PowerSGD(24, shape=(6, 4), rank=2, ef=ef, warm_start=warm_start, seed=5)
+              for _ in range(2)]
+    for chain in chains:
+        chain.set_workers(2)
+    outputs = []
+    for step, xs in enumerate(x_steps):
+        p = sum(c.compress(x).view(torch.float32) for c, x in zip(chains, xs, strict=True))
+        q = sum(c.compress_round(1, p).view(torch.float32) for c in chains)
+        outs = [c.decompress(q) for c in chains]
+        if step == rollback_at:
+            for chain in chains:
+                chain.rollback()
+            continue
+        outputs.append(outs)
+    return outputs, [state_of(c) for c in chains]
+
+
+@pytest.mark.parametrize("ef", [True, False])
+@pytest.mark.parametrize("warm_start", [True, False])
+def test_powersgd_rollback_makes_a_step_never_happen(ef, warm_start):
+    gen = torch.Generator().manual_seed(11)
+    steps = [[torch.randn(24, generator=gen) for _ in range(2)] for _ in range(4)]
+    with_skip, state_a = powersgd_run(steps, 2, ef, warm_start)
+    without, state_b = powersgd_run(steps[:2] + steps[3:], None, ef, warm_start)
+    for outs_a, outs_b in zip(with_skip, without, strict=True):
+        for a, b in zip(outs_a, outs_b, strict=True):
+            assert torch.equal(a, b)
+    for a, b in zip(state_a, state_b, strict=True):
+        assert_same_state(a, b)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_powersgd_refuses_nonfinite_input_with_nothing_changed(bad):
+    from bps.compressors.powersgd import PowerSGD
+
+    chain = PowerSGD(24, shape=(6, 4), rank=1, seed=5)
+    x = torch.randn(24, generator=torch.Generator().manual_seed(2))
+    chain.decompress(chain.compress_round(1, chain.compress(x).view(torch.float32)))
+    before = state_of(chain)
+    x[7] = bad
+    with pytest.raises(NonFiniteError, match="inf or NaN"):
+        chain.compress(x)
+    assert_same_state(state_of(chain), before)
