@@ -361,7 +361,12 @@ def test_servers_refuse_nonfinite_pushes_naming_the_node():
     assert "key 1 ('sparse')" in sparse and "worker 0" in sparse and "inf or NaN" in sparse
 
 
-NONFINITE_CASES = {"none": {"fp16": False}, **{n: {**c, **COMMON} for n, c in SIM_CASES.items()}}
+NONFINITE_CASES = {
+    "none": {"fp16": False}, **{n: {**c, **COMMON} for n, c in SIM_CASES.items()},
+    "bytegrad": {"compressor": "bytegrad", "chunk": 64, **COMMON},
+    "powersgd": {"compressor": "powersgd", "rank": 1, "ef": "vanilla", "fp16": False,
+                 "min_compress_bytes": 1000},  # its own error feedback, two rounds
+}
 
 
 def test_nonfinite_step_leaves_no_trace_anywhere(tmp_path):

@@ -267,7 +267,10 @@ class WorkerEngine:
             info.out = None if out is None else out.reshape(-1)
         future = new_future()
         order = send_order(step, priority, self._io.next_rid())
-        if mark is not None:
+        if mark is not None and key in self._rounds:  # the marker travels as round 0
+            self._push_round(info, 0, flat, step, lr, order, future,
+                             {"mark": mark, "what": what})
+        elif mark is not None:
             self._io.enqueue(info, flat, step, lr, order, future, {"mark": mark, "what": what})
         elif info.chain is None:
             self._io.enqueue(info, flat.contiguous(), step, lr, order, future)
