@@ -318,10 +318,11 @@ class _KeyEngine(threading.Thread):
                                f"ahead: {MAX_PENDING_STEPS} steps already pending")
 
     def _check_push(self, state: _Key, pending: _Step | None, node: int, step: int,
-                    lr: float) -> None:
+                    lr: float | None) -> None:
         """A push of ``step`` by worker ``node`` is neither stale nor a repeat, the node
         has no other push of this key waiting, the step is within STEP_WINDOW of the
-        other pending pushes' steps, and its learning rate is that of the step's first."""
+        other pending pushes' steps, and its learning rate (``None``: a marker's, not
+        checked) is that of the step's first push with values."""
         where = f"key {state.key} ({state.name!r})"
         self._check_step(state, step)
         if pending is not None and pending.pushed(node):
@@ -335,7 +336,8 @@ class _KeyEngine(threading.Thread):
             if abs(step - other) > STEP_WINDOW:
                 raise RequestError(f"{where}: step {step} is more than {STEP_WINDOW} step "
                                    f"away from step {other}, which other workers pushed")
-        if pending is not None and pending.first_lr is not None and pending.first_lr[1] != lr:
+        if (lr is not None and pending is not None and pending.first_lr is not None
+                and pending.first_lr[1] != lr):
             first_node, first_lr = pending.first_lr
             raise RequestError(f"{where} step {step}: worker {node} pushed learning rate "
                                f"{lr!r}, but worker {first_node} pushed {first_lr!r} for the "
@@ -363,10 +365,13 @@ class _KeyEngine(threading.Thread):
         if state.chain is not None and header["nbytes"] > 2 * raw_bytes + 64:
             raise RequestError(f"{where}: compressed payload of {header['nbytes']} bytes is "
                                "larger than any encoding")
-        self._check_push(state, state.steps.get(step), node, step, float(header["lr"]))
+        # a marker carries no gradient, so its learning rate is not the step's (a joined
+        # worker's optimizer no longer steps)
+        lr = None if "mark" in header else float(header["lr"])
+        self._check_push(state, state.steps.get(step), node, step, lr)
         pending = state.steps.setdefault(step, _Step())
-        if pending.first_lr is None:
-            pending.first_lr = (node, float(header["lr"]))
+        if pending.first_lr is None and lr is not None:
+            pending.first_lr = (node, lr)
         tracer = self.server.tracer
         if tracer is not None and tracer.at(step):
             pending.first_push_ns = pending.first_push_ns or time.monotonic_ns()
