@@ -13,6 +13,11 @@ Usage (local rank 0 of a worker node)::
     engine.barrier()
     engine.close()
 
+A key whose compressor takes several rounds (``chain.rounds``, powersgd: 2) is one
+push_pull for the caller; round r travels as the raw float32 key ``key + r * 2**60`` on
+the key's server, the next round is computed on a codec thread when the previous sum
+arrives (docs/compression.md, "Rounds").
+
 One I/O thread owns every socket (one DEALER per server, the scheduler link;
 :mod:`bps.worker.io_loop`); a small thread pool runs the compressor chains
 (:mod:`bps.worker.codec_pool`; numba kernels release the GIL). Each server has
