@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sys
 
-from bps.env import EnvError, dmlc_role
+from bps.env import EnvError, dmlc_role, launch_style
 
 USAGE = """\
 usage: bpslaunch CMD...                      run the role that DMLC_ROLE names
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _role_unset() -> bool:
     try:
-        return dmlc_role() is None
+        return dmlc_role() is None and launch_style() is None
     except EnvError:
         return False  # a bad DMLC_ROLE: the role mode reports it
 
