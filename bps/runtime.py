@@ -149,13 +149,13 @@ def _wait_services() -> None:
     if _services is None:
         return
     try:
-        _services.wait(timeout=get_timeout())
+        _services.wait(timeout=_timeout())
     except subprocess.TimeoutExpired:
         _services.terminate()
         _services.wait(timeout=10)
 
 
-def get_timeout() -> float:
+def _timeout() -> float:
     try:
         return ClusterEnv.from_environ().timeout
     except EnvError:

@@ -9,7 +9,8 @@ Usage::
 Where ``DMLC_ROLE`` is unset and torchrun's or SLURM's variables are, every launched
 process is a worker process (:func:`bps.env.derive_worker_env` maps the variables).
 Local rank 0 of each node also starts that node's ``BPS_SERVERS_PER_NODE`` servers
-(default 1), and node 0's local rank 0 the scheduler at ``MASTER_ADDR:MASTER_PORT+1``.
+(default 1), and node 0's local rank 0 the scheduler at ``MASTER_ADDR:MASTER_PORT+1``
+(it binds every interface at that port).
 CMD gets bps's variables and torch.distributed's (``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), so both
 ``bps.init()`` and ``dist.init_process_group()`` work in it. Without CMD only the
@@ -33,10 +34,24 @@ ROLE_CMD = [sys.executable, "-m", "bps.launch.cli"]
 
 
 def node_address(environ: Mapping[str, str]) -> str:
-    """The IPv4 address of ``DMLC_NODE_HOST`` (an address or a host name) where set,
-    else of this host's name: where this node's servers bind."""
+    """Where this node's servers bind: the IPv4 address of ``DMLC_NODE_HOST`` (an address
+    or a host name; under SLURM this node's entry of ``SLURM_JOB_NODELIST``), else the
+    address of the interface that routes to the scheduler (``DMLC_PS_ROOT_URI``). A host
+    name that resolves to loopback (Debian's ``127.0.1.1``) while the scheduler is not
+    on loopback is ignored in favour of the route.
+
+        >>> node_address({"DMLC_NODE_HOST": "127.0.0.2", "DMLC_PS_ROOT_URI": "127.0.0.1"})
+        '127.0.0.2'
+    """
+    root = socket.gethostbyname(environ["DMLC_PS_ROOT_URI"])
     host = environ.get("DMLC_NODE_HOST", "").strip()
-    return socket.gethostbyname(host or socket.gethostname())
+    if host:
+        address = socket.gethostbyname(host)
+        if not address.startswith("127.") or root.startswith("127."):
+            return address
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((root, 9))  # UDP: picks the route, sends nothing
+        return probe.getsockname()[0]
 
 
 def service_envs(worker_env: Mapping[str, str]) -> list[tuple[str, dict[str, str]]]:
@@ -55,10 +70,9 @@ def service_envs(worker_env: Mapping[str, str]) -> list[tuple[str, dict[str, str
     host = node_address(worker_env)
     services = []
     if node == 0:
-        # the scheduler binds: a host name must become an address
+        # every interface: MASTER_ADDR may be a name, or "localhost" on node 0 itself
         services.append(("scheduler", {**worker_env, "DMLC_ROLE": "scheduler",
-                                       "DMLC_PS_ROOT_URI": socket.gethostbyname(
-                                           worker_env["DMLC_PS_ROOT_URI"])}))
+                                       "DMLC_PS_ROOT_URI": "0.0.0.0"}))
     for j in range(node * per_node, (node + 1) * per_node):
         services.append((f"server{j}", {**worker_env, "DMLC_ROLE": "server",
                                         "BPS_SERVER_ID": str(j), "DMLC_NODE_HOST": host}))

@@ -190,9 +190,10 @@ def test_slurm_job() -> None:
 
 def test_pytorchjob_job() -> None:
     """A PyTorchJob of two pods running ``python train.py`` (no torchrun, no bpslaunch):
-    bps.init() on each pod starts its server, pod 0's also the scheduler."""
+    bps.init() on each pod starts its server (bound to the address that routes to
+    MASTER_ADDR), pod 0's also the scheduler."""
     port = free_port()
     jobs = [([PY, JOB], {**JOB_ENV, "RANK": str(pod), "WORLD_SIZE": "2",
-                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                         "DMLC_NODE_HOST": "127.0.0.1"}) for pod in range(2)]
+                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+            for pod in range(2)]
     finished(run_all(jobs, timeout=240), 2)
