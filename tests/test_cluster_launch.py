@@ -197,3 +197,18 @@ def test_pytorchjob_job() -> None:
                          "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
             for pod in range(2)]
     finished(run_all(jobs, timeout=240), 2)
+
+
+def test_a_failing_process_stops_every_launcher() -> None:
+    """SLURM-style, one task per node: task 1 exits with 3 after bps.init(); every
+    bpslaunch ends non-zero, task 0's with an error naming worker 1, and none hangs."""
+    script = ("import sys, bps\nbps.init()\n"
+              "if bps.rank() == 1: sys.exit(3)\nbps.shutdown()\n")
+    port = free_port()
+    jobs = [(BPSLAUNCH + [PY, "-c", script],
+             {**JOB_ENV, "SLURM_PROCID": str(task), "SLURM_NTASKS": "2", "SLURM_LOCALID": "0",
+              "SLURM_NODEID": str(task), "SLURM_JOB_NODELIST": "127.0.0.[1-2]",
+              "MASTER_PORT": str(port)}) for task in range(2)]
+    results = run_all(jobs, timeout=180)
+    assert results[1][0] != 0 and results[0][0] != 0, results
+    assert "worker 1 at 127.0.0.2 failed" in results[0][1], results[0][1]
