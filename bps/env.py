@@ -31,6 +31,12 @@ bps's own variables:
 * ``BPS_MAX_MESSAGE_BYTES`` (default ``2 * BYTEPS_PARTITION_BYTES + 65536``, at least
   1 MiB): the largest frame a server accepts; a key's raw size must fit in half of it.
 
+Clusters' own launchers (see :func:`derive_worker_env`): where ``DMLC_ROLE`` is unset,
+torchrun's ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``,
+``MASTER_ADDR``, ``MASTER_PORT`` (also Kubernetes' PyTorchJob) or SLURM's ``SLURM_PROCID``,
+``SLURM_NTASKS``, ``SLURM_LOCALID``, ``SLURM_NODEID``, ``SLURM_JOB_NODELIST`` name a worker
+process; ``BPS_SERVERS_PER_NODE`` (default 1) places the servers.
+
 BytePS's ``BYTEPS_MIN_COMPRESS_BYTES`` (default 65536): tensors smaller than this travel
 uncompressed; :func:`min_compress_bytes` reads it for ``compression_params`` without a
 ``min_compress_bytes`` key.
@@ -227,3 +233,150 @@ class ClusterEnv:
             max_message_bytes=_int(env, "BPS_MAX_MESSAGE_BYTES",
                                    max(1 << 20, 2 * partition_bytes + 65536), 1 << 16),
         )
+
+
+DEFAULT_MASTER_PORT = 29500  # torch.distributed's default
+
+
+def parse_nodelist(value: str) -> list[str]:
+    """Expand SLURM's compressed host list (``SLURM_JOB_NODELIST``) in order.
+
+    Ranges keep their zero padding; a bracket may hold several ranges and single
+    numbers; hosts are separated by commas outside brackets. Raises :class:`EnvError`
+    naming the variable for a malformed list.
+
+        >>> parse_nodelist("node[01-03,07]")
+        ['node01', 'node02', 'node03', 'node07']
+        >>> parse_nodelist("a1,b[2-3]")
+        ['a1', 'b2', 'b3']
+    """
+    hosts: list[str] = []
+    for item in _split_outside_brackets(value):
+        hosts.extend(_expand_host(item, value))
+    if not hosts:
+        raise EnvError(f"SLURM_JOB_NODELIST={value!r} names no host")
+    return hosts
+
+
+def _split_outside_brackets(value: str) -> list[str]:
+    items, depth, current = [], 0, ""
+    for char in value.strip():
+        if char == "," and depth == 0:
+            items.append(current)
+            current = ""
+            continue
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if depth not in (0, 1):
+            raise EnvError(f"SLURM_JOB_NODELIST={value!r}: unbalanced brackets")
+        current += char
+    if depth:
+        raise EnvError(f"SLURM_JOB_NODELIST={value!r}: unbalanced brackets")
+    return items + [current]
+
+
+def _expand_host(item: str, whole: str) -> list[str]:
+    bad = EnvError(f"SLURM_JOB_NODELIST={whole!r}: cannot read {item!r} "
+                   "(expected host, host[1-3,7] or host[01-03]suffix)")
+    if not item or item.startswith("["):
+        raise bad
+    if "[" not in item:
+        if "]" in item:
+            raise bad
+        return [item]
+    prefix, rest = item.split("[", 1)
+    ranges, suffix = rest.split("]", 1)
+    tails = _expand_host(suffix, whole) if suffix else [""]
+    names = []
+    for part in ranges.split(","):
+        low, _, high = part.partition("-")
+        if not low.isdigit() or (high and not high.isdigit()):
+            raise bad
+        high = high or low
+        if int(high) < int(low):
+            raise bad
+        names += [f"{prefix}{n:0{len(low)}d}" for n in range(int(low), int(high) + 1)]
+    return [name + tail for name in names for tail in tails]
+
+
+def launch_style(environ: Mapping[str, str] | None = None) -> str | None:
+    """Which launcher's variables describe this process: ``"dmlc"`` (``DMLC_ROLE``),
+    ``"torchrun"`` (``RANK`` and ``WORLD_SIZE``; also PyTorchJob), ``"slurm"``
+    (``SLURM_PROCID``) or ``None``, in that order of precedence.
+
+        >>> launch_style({"RANK": "0", "WORLD_SIZE": "2"}), launch_style({})
+        ('torchrun', None)
+    """
+    env = os.environ if environ is None else environ
+    if env.get("DMLC_ROLE", "").strip():
+        return "dmlc"
+    if env.get("RANK", "").strip() and env.get("WORLD_SIZE", "").strip():
+        return "torchrun"
+    if env.get("SLURM_PROCID", "").strip():
+        return "slurm"
+    return None
+
+
+def derive_worker_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The variables bps and torch.distributed need, derived from torchrun's or SLURM's.
+
+    Every process the cluster launches is a worker process: its node is a bps worker
+    node (``GROUP_RANK``, else ``RANK // LOCAL_WORLD_SIZE``; ``SLURM_NODEID``), its
+    local rank ``LOCAL_RANK`` / ``SLURM_LOCALID``. Each node runs
+    ``BPS_SERVERS_PER_NODE`` servers (default 1); node 0 runs the scheduler at
+    ``MASTER_ADDR:MASTER_PORT+1`` (``MASTER_ADDR`` under SLURM: the first host of
+    ``SLURM_JOB_NODELIST``; ``MASTER_PORT`` default 29500). A node's local ranks meet
+    at ``127.0.0.1:MASTER_PORT+2+node``; under SLURM a node's servers bind the address of
+its host in ``SLURM_JOB_NODELIST`` (``DMLC_NODE_HOST``). Variables already set win; returns ``{}``
+    where ``DMLC_ROLE`` is set or no cluster variables are. Raises :class:`EnvError`
+    naming a bad variable.
+
+        >>> env = derive_worker_env({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
+        ...     "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"})
+        >>> env["DMLC_WORKER_ID"], env["BYTEPS_LOCAL_RANK"], env["DMLC_PS_ROOT_PORT"]
+        ('1', '1', '29501')
+    """
+    env = os.environ if environ is None else environ
+    style = launch_style(env)
+    if style == "torchrun":
+        world = _int(env, "WORLD_SIZE", None, 1)
+        rank = _int(env, "RANK", None, 0, world - 1)
+        local_size = _int(env, "LOCAL_WORLD_SIZE", 1, 1, world)
+        if world % local_size:
+            raise EnvError(f"WORLD_SIZE={world} is not a multiple of "
+                           f"LOCAL_WORLD_SIZE={local_size}")
+        local_rank = _int(env, "LOCAL_RANK", rank % local_size, 0, local_size - 1)
+        nodes = world // local_size
+        node = _int(env, "GROUP_RANK", rank // local_size, 0, nodes - 1)
+        master = _get(env, "MASTER_ADDR", None)
+        node_host = ""  # the launcher resolves this host's name
+    elif style == "slurm":
+        world = _int(env, "SLURM_NTASKS", None, 1)
+        rank = _int(env, "SLURM_PROCID", None, 0, world - 1)
+        hosts = parse_nodelist(_get(env, "SLURM_JOB_NODELIST", None))
+        if world % len(hosts):
+            raise EnvError(f"SLURM_NTASKS={world} is not a multiple of the "
+                           f"{len(hosts)} hosts of SLURM_JOB_NODELIST (bps needs the same "
+                           "number of tasks on every node)")
+        local_size = world // len(hosts)
+        nodes = len(hosts)
+        node = _int(env, "SLURM_NODEID", None, 0, nodes - 1)
+        local_rank = _int(env, "SLURM_LOCALID", None, 0, local_size - 1)
+        master = _get(env, "MASTER_ADDR", hosts[0])
+        node_host = hosts[node]  # the servers' address, resolved by the launcher
+    else:
+        return {}
+    port = _int(env, "MASTER_PORT", DEFAULT_MASTER_PORT, 1, 65535 - 2 - nodes)
+    per_node = _int(env, "BPS_SERVERS_PER_NODE", 1, 1, 64)
+    derived = {
+        "DMLC_ROLE": "worker", "DMLC_WORKER_ID": str(node), "DMLC_NUM_WORKER": str(nodes),
+        "DMLC_NUM_SERVER": str(nodes * per_node), "DMLC_PS_ROOT_URI": master,
+        "DMLC_PS_ROOT_PORT": str(port + 1), "BYTEPS_LOCAL_RANK": str(local_rank),
+        "BYTEPS_LOCAL_SIZE": str(local_size), "BPS_SERVERS_PER_NODE": str(per_node),
+        "BPS_LOCAL_MASTER_ADDR": "127.0.0.1", "BPS_LOCAL_MASTER_PORT": str(port + 2 + node),
+        "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local_rank),
+        "LOCAL_WORLD_SIZE": str(local_size), "GROUP_RANK": str(node),
+        "MASTER_ADDR": master, "MASTER_PORT": str(port),
+    }
+    if node_host:
+        derived["DMLC_NODE_HOST"] = node_host
+    return {name: env.get(name, "").strip() or value for name, value in derived.items()}

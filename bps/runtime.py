@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import signal
 import struct
+import subprocess
 import sys
 import threading
 
 from bps import trace
-from bps.env import ClusterEnv, EnvError
+from bps.env import ClusterEnv, EnvError, derive_worker_env
 from bps.worker.intranode import LocalGroup
 
 log = logging.getLogger("bps")
@@ -105,6 +107,7 @@ def init() -> Runtime:
     if _runtime is not None:
         return _runtime
     try:
+        _from_cluster_launcher()
         env = ClusterEnv.from_environ()
     except EnvError as exc:
         raise EnvError(f"{exc}. {LAUNCH_HINT}") from None
@@ -119,6 +122,44 @@ def init() -> Runtime:
     atexit.register(_close_at_exit)
     _watch_exits()
     return _runtime
+
+
+_services: subprocess.Popen | None = None  # scheduler/servers this process started
+
+
+def _from_cluster_launcher() -> None:
+    """Under torchrun or SLURM without ``bpslaunch``: take the derived DMLC_* variables
+    (see :func:`bps.env.derive_worker_env`) and, on local rank 0, start this node's
+    servers (node 0: also the scheduler) as ``bpslaunch`` would."""
+    global _services
+    derived = derive_worker_env()
+    if not derived:
+        return
+    cluster_env = dict(os.environ)
+    os.environ.update(derived)
+    if derived["BYTEPS_LOCAL_RANK"] == "0" and not os.environ.get("BPS_LAUNCHED"):
+        _services = subprocess.Popen([sys.executable, "-m", "bps.launch.cli"],
+                                     env={**cluster_env, "BPS_LAUNCHED": "1"})
+        os.environ["BPS_LAUNCHED"] = "1"
+        atexit.register(_wait_services)
+
+
+def _wait_services() -> None:
+    """At exit: the services end by themselves once every worker left; wait for them."""
+    if _services is None:
+        return
+    try:
+        _services.wait(timeout=_timeout())
+    except subprocess.TimeoutExpired:
+        _services.terminate()
+        _services.wait(timeout=10)
+
+
+def _timeout() -> float:
+    try:
+        return ClusterEnv.from_environ().timeout
+    except EnvError:
+        return 60.0
 
 
 def get() -> Runtime:

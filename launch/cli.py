@@ -3,6 +3,7 @@
 Usage::
 
     bpslaunch CMD...                                   # run the role DMLC_ROLE names
+    srun bpslaunch CMD...                              # a worker of a SLURM/torchrun job
     bpslaunch local --workers 2 --servers 1 -- CMD...  # whole cluster on loopback
     bpslaunch netem --nodes 4 --servers 1 --rate 100mbit -- CMD...  # emulated slow network
     bpslaunch keygen PATH                              # the cluster's key file
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import sys
 
-from bps.env import EnvError, dmlc_role
+from bps.env import EnvError, dmlc_role, launch_style
 
 USAGE = """\
 usage: bpslaunch CMD...                      run the role that DMLC_ROLE names
@@ -29,6 +30,11 @@ role from the environment (one process per machine, ps-lite's variables):
       DMLC_PS_ROOT_URI=10.0.0.1 DMLC_PS_ROOT_PORT=9000 bpslaunch
   DMLC_ROLE=worker DMLC_WORKER_ID=0 DMLC_NUM_WORKER=2 DMLC_NUM_SERVER=1 \\
       DMLC_PS_ROOT_URI=10.0.0.1 DMLC_PS_ROOT_PORT=9000 bpslaunch python train.py
+
+under torchrun, SLURM or a PyTorchJob (no DMLC_ROLE): each process a worker; local
+rank 0 starts BPS_SERVERS_PER_NODE servers, node 0 the scheduler at MASTER_PORT+1
+  srun --ntasks-per-node 2 bpslaunch python train.py
+  torchrun --nnodes 2 --nproc-per-node 2 ... --no-python bpslaunch python train.py
 
 local: scheduler, servers and workers on loopback ports (a fresh key per job)
   bpslaunch local --workers 2 --servers 1 -- python examples/mnist.py --compressor onebit
@@ -64,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _role_unset() -> bool:
     try:
-        return dmlc_role() is None
+        return dmlc_role() is None and launch_style() is None
     except EnvError:
         return False  # a bad DMLC_ROLE: the role mode reports it
 

@@ -5,7 +5,10 @@ Usage::
     bpslaunch local --workers 2 --servers 1 [--local-size 2] -- python train.py --lr 0.1
 
 Starts one scheduler, M servers and N worker nodes of L processes each, on free
-loopback ports; every output line is prefixed with the role and rank (``[server0]``,
+loopback ports; every worker process also gets torch.distributed's variables
+(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
+``MASTER_PORT``), so ``dist.init_process_group()`` works next to ``bps.init()``.
+Every output line is prefixed with the role and rank (``[server0]``,
 ``[worker1.0]``: node 1, local rank 0). When any process fails all others are stopped
 and bpslaunch exits with its code; Ctrl-C tears everything down. Every process gets
 a fresh cluster key (``BPS_SECRET_FILE``) in a private temporary directory, removed
@@ -52,7 +55,8 @@ def main(args: Sequence[str]) -> int:
     base = dict(os.environ)
     base.update(DMLC_NUM_WORKER=str(ns.workers), DMLC_NUM_SERVER=str(ns.servers),
                 DMLC_PS_ROOT_URI="127.0.0.1", DMLC_PS_ROOT_PORT=str(free_port()),
-                DMLC_NODE_HOST="127.0.0.1", PYTHONUNBUFFERED="1")
+                DMLC_NODE_HOST="127.0.0.1", PYTHONUNBUFFERED="1",
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     role_cmd = [sys.executable, "-m", "bps.launch.cli"]
     with job_credentials(os.environ) as credentials, Supervisor() as supervisor:

@@ -116,6 +116,9 @@ def bps_processes(args: argparse.Namespace, cluster: EmulatedCluster):
         "DMLC_PS_ROOT_URI": sched.ip,
         "DMLC_PS_ROOT_PORT": str(SCHEDULER_PORT),
         "BYTEPS_LOCAL_SIZE": str(args.local_size),
+        # torch.distributed's rendezvous for the job's own process group (see role.py)
+        "MASTER_ADDR": cluster.hosts["w0"].ip,
+        "MASTER_PORT": str(TORCH_MASTER_PORT),
     }
     launcher = [sys.executable, "-m", "bps.launch.cli"]
     roles = [("sched", "scheduler", {})]

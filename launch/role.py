@@ -21,7 +21,7 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from bps.auth import AuthError, load_key
-from bps.env import ClusterEnv, EnvError
+from bps.env import ClusterEnv, EnvError, launch_style
 from bps.launch.supervisor import Supervisor
 from bps.server.role import EXIT_BAD_ENV, serve, setup_process
 
@@ -34,20 +34,42 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def local_rank_envs(base: Mapping[str, str], local_size: int) -> list[dict[str, str]]:
-    """The environments of the ``local_size`` processes of one worker node."""
+    """The environments of the ``local_size`` processes of one worker node.
+
+    Besides bps's variables each gets torch.distributed's job-wide ``RANK`` (node x
+    ``local_size`` + local rank), ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` and
+    ``GROUP_RANK``; ``MASTER_ADDR`` / ``MASTER_PORT`` pass through from ``base`` (the
+    launcher sets them). bps's own node-local group meets at a different port
+    (``BPS_LOCAL_MASTER_PORT``) on its own store, so the two never meet.
+
+        >>> envs = local_rank_envs({"DMLC_WORKER_ID": "1", "DMLC_NUM_WORKER": "2"}, 2)
+        >>> [(e["RANK"], e["WORLD_SIZE"], e["LOCAL_RANK"]) for e in envs]
+        [('2', '4', '0'), ('3', '4', '1')]
+    """
     master_port = str(free_port())
+    node = int(base.get("DMLC_WORKER_ID", "0"))
+    world = int(base.get("DMLC_NUM_WORKER", "1")) * local_size
     envs = []
     for rank in range(local_size):
         env = dict(base)
         env.update(BYTEPS_LOCAL_RANK=str(rank), BYTEPS_LOCAL_SIZE=str(local_size),
                    BPS_LOCAL_MASTER_ADDR="127.0.0.1", BPS_LOCAL_MASTER_PORT=master_port,
-                   PYTHONUNBUFFERED="1")
+                   RANK=str(node * local_size + rank), WORLD_SIZE=str(world),
+                   LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(local_size),
+                   GROUP_RANK=str(node), PYTHONUNBUFFERED="1")
         envs.append(env)
     return envs
 
 
 def main(args: Sequence[str]) -> int:
     """Run the role of the environment; returns the exit code."""
+    try:
+        style = launch_style()
+    except EnvError:
+        style = "dmlc"
+    if style in ("torchrun", "slurm"):
+        from bps.launch.cluster import main as run_cluster
+        return run_cluster(args)
     try:
         env = ClusterEnv.from_environ()
     except EnvError as exc:

@@ -616,3 +616,16 @@ def test_delay_needs_netem(leftovers):
         assert "no netem qdisc" in done.stderr and "--delay" in done.stderr
     else:
         assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.netns
+def test_default_process_group_works_in_a_bps_job(leftovers):
+    """bps mode gives every worker process torch.distributed's variables (MASTER_ADDR =
+    node 0's emulated address): tests/cluster_job.py's dist.init_process_group() with no
+    arguments spans both nodes next to bps.init() and checks the trainer against it."""
+    done = _cli(["--nodes", "2", "--servers", "1", "--local-size", "2", "--rate", "1gbit",
+                 "--", sys.executable, "tests/cluster_job.py"], leftovers)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    ranks = sorted(int(line.split("cluster-job ok ")[1].split()[0])
+                   for line in done.stdout.splitlines() if "cluster-job ok " in line)
+    assert ranks == [0, 1, 2, 3], done.stdout[-3000:]
