@@ -179,6 +179,7 @@ class DistributedTrainer:
         self._tracer = self._rt.tracer  # bps.trace: None unless BYTEPS_TRACE_ON=1
         self._last_step_end_ns: int | None = None
         self._buckets: list[Bucket] = []
+        self._samples = 0  # samples this process's training forwards took this step
 
         check_same_model(self._rt, model)
         broadcast_model(self._rt, model)
@@ -199,6 +200,8 @@ class DistributedTrainer:
         ]
         for thread in self._threads:
             thread.start()
+        self._sample_hook = model.register_forward_pre_hook(self._count_samples,
+                                                            with_kwargs=True)
         self._hooks = [
             slot.param.register_post_accumulate_grad_hook(self._make_hook(i))
             for i, slot in enumerate(self._slots)
@@ -673,7 +676,9 @@ class DistributedTrainer:
         nonfinite = skip is not None and skip.reason == "nonfinite"
         self._stats.record(self._rt.engine, self._engine_before, self._step,
                            sum(s.param.numel() * 4 for s in self._slots),
-                           (synced_ns - called_ns) / 1e9, self._passes, nonfinite)
+                           (synced_ns - called_ns) / 1e9, self._passes, nonfinite,
+                           self._samples * self._rt.local_size)
+        self._samples = 0
         step = self._step
         self._step_started = False
         for slot in self._slots:
@@ -741,6 +746,21 @@ class DistributedTrainer:
 
     # -- statistics -------------------------------------------------------------------
 
+    def _count_samples(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        """A training forward (grad on, module in train mode) adds the first dimension of
+        its first tensor input (an argument, or a value of a dict, list or tuple one) to
+        this step's samples."""
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        for arg in (*args, *kwargs.values()):
+            inner = arg.values() if isinstance(arg, dict) else \
+                arg if isinstance(arg, (list, tuple)) else (arg,)
+            first = next((t for t in inner if isinstance(t, torch.Tensor) and t.dim() > 0),
+                         None)
+            if first is not None:
+                self._samples += int(first.shape[0])
+                return
+
     def stats(self) -> dict:
         """Figures of the last step, on local rank 0 (other local ranks report zero bytes).
 
@@ -750,8 +770,10 @@ class DistributedTrainer:
         ``compress_time``: seconds spent compressing and decompressing on this node;
         ``comm_time``: wall seconds during which at least one push was in flight;
         ``wait_time``: seconds ``step()`` blocked; ``backward_passes``: backward passes
-        per step (bytes are per step: each partition travels once per step however many
-        passes; per sample, divide by passes times the micro-batch size); ``skipped``:
+        per step (each partition travels once per step however many passes);
+        ``samples``: the node's samples in the step (the first dimension of the model's
+        first tensor input, summed over this process's training forwards, times the
+        local ranks); ``bytes_per_sample``: ``(pushed + pulled) / samples``; ``skipped``:
         a non-finite gradient made every worker skip the step. ``totals`` sums the byte
         counts, the steps and the skipped steps so far.
         """
@@ -798,6 +820,7 @@ class DistributedTrainer:
         """Stop the background threads and remove the gradient hooks."""
         for hook in self._hooks:
             hook.remove()
+        self._sample_hook.remove()
         self._reduce_q.put(_STOP)
         self._bcast_q.put(_STOP)
         for bucket in self._buckets:  # a step left unfinished: members wait on no push

@@ -33,11 +33,13 @@ class StepStats:
                 "comm_time": counters.comm_s}
 
     def record(self, engine: Any, before: dict, step: int, raw_bytes: int,
-               wait: float, passes: int = 1, skipped: bool = False) -> None:
+               wait: float, passes: int = 1, skipped: bool = False,
+               samples: int = 0) -> None:
         """Close a step: the counters' growth since ``before``; ``raw_bytes``: what one
         direction would carry uncompressed in float32; ``wait``: seconds step() blocked;
         ``passes``: backward passes per step; ``skipped``: a non-finite gradient made
-        every worker skip the step."""
+        every worker skip the step; ``samples``: the node's samples in the step (0:
+        unknown, and ``bytes_per_sample`` is None)."""
         after = self.snapshot(engine)
 
         def delta(key: str) -> float:
@@ -56,6 +58,8 @@ class StepStats:
             "wait_time": wait,
             "backward_passes": passes,
             "skipped": skipped,
+            "samples": samples,
+            "bytes_per_sample": (pushed + pulled) / samples if samples else None,
         }
         self._totals["steps"] += 1
         self._totals["skipped_steps"] += int(skipped)

@@ -296,6 +296,12 @@ def test_accumulation_equals_summed_microbatches(tmp_path):
         steps = reports[0][run["tag"]]["steps"]
         assert [s["backward_passes"] for s in steps] == [3] * len(SIM_LRS)
         assert steps[-1]["bytes_pushed"] > 0  # counted once per step, not per backward
+        # samples: the first dimension of the forward's first tensor input (goal["big"],
+        # 30 rows) over the 3 forwards of a step
+        assert [s["samples"] for s in steps] == [3 * SHAPES["big"][0]] * len(SIM_LRS)
+        last = steps[-1]
+        assert last["bytes_per_sample"] == \
+            (last["bytes_pushed"] + last["bytes_pulled"]) / (3 * SHAPES["big"][0])
 
 
 def test_second_backward_without_accumulation_keeps_its_error(tmp_path):
