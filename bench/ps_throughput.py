@@ -5,7 +5,7 @@ Usage::
     .venv/bin/python bench/ps_throughput.py [--mbytes 100] [--steps 5]
 
 2 worker processes and 1 server on loopback; every step each worker pushes ``--mbytes``
-MB of float32 in partitions of BYTEPS_PARTITION_BYTES (4,096,000) and pulls the same
+MB of float32 in partitions of BYTEPS_PARTITION_BYTES (default 4,096,000) and pulls the same
 amount back. The baseline moves exactly the same messages between the same kind of
 sockets (DEALER workers, a ROUTER server) with no processing: the server echoes every
 message at once. The ratio is baseline step time / bps step time (target >= 0.7), best
@@ -36,7 +36,7 @@ RAW_TIMEOUT_S = 60  # no echo for this long: the baseline fails instead of hangi
 def partitions(mbytes: int) -> list[int]:
     """Element counts of the float32 partitions of one step."""
     total = mbytes * 1_000_000 // 4
-    per = PARTITION_BYTES // 4
+    per = int(os.environ.get("BYTEPS_PARTITION_BYTES", PARTITION_BYTES)) // 4
     return [min(per, total - start) for start in range(0, total, per)]
 
 
@@ -178,7 +178,7 @@ def run_bps(mbytes: int, steps: int, params: dict | None, tmp: Path, tag: str,
     cmd = [sys.executable, "-m", "bps.launch.cli", "local", "--workers", "2", "--servers", "1",
            "--", sys.executable, __file__, "--bps-worker", str(mbytes), str(steps),
            json.dumps(params), str(tmp / f"{tag}{{node}}.json")]
-    env = {**os.environ, "BYTEPS_PARTITION_BYTES": str(PARTITION_BYTES),
+    env = {"BYTEPS_PARTITION_BYTES": str(PARTITION_BYTES), **os.environ,
            "BPS_INSECURE": "0" if secure else "1"}  # bpslaunch local makes a key if 0
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:

@@ -18,6 +18,7 @@ scheduler uses it too).
 
 from __future__ import annotations
 
+import signal
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +41,14 @@ from bps.protocol import (
 STALL_INTERVALS = 3  # no loop/tick for this many heartbeat intervals: our own stall
 
 
+def failure_reason(exc: BaseException) -> str:
+    """What a FAILED report says about ``exc``: ``RuntimeError: boom``,
+    ``KeyboardInterrupt``, ``terminated by SIGTERM`` (``SystemExit(143)``)."""
+    if isinstance(exc, SystemExit) and exc.code == 128 + signal.SIGTERM:
+        return "terminated by SIGTERM"
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
 @dataclass
 class LoopClock:
     """When a heartbeat loop last ran, to tell a stall of the loop itself (the process
@@ -48,12 +57,15 @@ class LoopClock:
     interval: float  # the heartbeat interval
     last: float = field(default_factory=time.monotonic)
 
-    def resumed_after_stall(self, now: float) -> bool:
-        """Whether the loop did not run for STALL_INTERVALS intervals before ``now``
-        (which becomes its last run)."""
-        stalled = now - self.last > STALL_INTERVALS * self.interval
+    def stalled_for(self, now: float) -> float:
+        """How long the loop did not run before ``now`` (which becomes its last run),
+        where that was more than STALL_INTERVALS intervals; else 0. Silence of peers
+        during that time proves nothing, but the silence before it still counts: shift
+        their last-heard times by this much (resetting them to ``now`` instead would let
+        a loop that stalls every few seconds, on a loaded machine, never see a dead peer)."""
+        gap = now - self.last
         self.last = now
-        return stalled
+        return gap if gap > STALL_INTERVALS * self.interval else 0.0
 
 
 class SchedulerClient:
@@ -123,14 +135,25 @@ class SchedulerClient:
         during a stall of this thread itself (no tick for STALL_INTERVALS heartbeat
         intervals) is not held against the scheduler."""
         now = time.monotonic()
-        if self.tick_clock.resumed_after_stall(now):
-            self.last_seen = now
+        self.last_seen = min(now, self.last_seen + self.tick_clock.stalled_for(now))
         if now - self.last_sent >= self.env.heartbeat_interval:
             self.send(Op.HEARTBEAT, step=self.step)
         silent = now - self.last_seen
         if self.heard and silent > self.env.heartbeat_timeout:
             raise ClusterError(f"scheduler at {self.env.scheduler_address} unreachable: "
                                f"no heartbeat for {silent:.1f} s")
+
+    def report_failure(self, reason: str, timeout: float) -> None:
+        """Send FAILED (this node gives up, and why) and wait up to ``timeout`` for the
+        scheduler's BYE, which says the report arrived; raises ClusterError otherwise.
+        The scheduler then fails the job naming this node, at once."""
+        self.send(Op.FAILED, msg=reason[:2000])
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            if self.sock.poll(max(1, int(left * 1000))) and \
+                    decode(self.sock.recv())["op"] == Op.BYE:
+                return
+        raise ClusterError(f"no answer from the scheduler within {timeout:g} s")
 
     def close(self) -> None:
         self.sock.close()

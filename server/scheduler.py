@@ -50,7 +50,7 @@ from bps.protocol import (
     new_socket,
 )
 from bps.ratelimit import RateLimitedLog
-from bps.scheduler_client import LoopClock
+from bps.scheduler_client import LoopClock, failure_reason
 
 log = logging.getLogger("bps.scheduler")
 refusals = RateLimitedLog(log)
@@ -115,7 +115,14 @@ class Scheduler:
             log.info("scheduler listening on %s for %d workers, %d servers",
                      self.env.scheduler_address, self.env.num_workers, self.env.num_servers)
             self.seed = self.env.job_seed or random.SystemRandom().randrange(1, 2**63)
-            return self._loop()
+            try:
+                return self._loop()
+            except BaseException as exc:  # an exception, Ctrl-C, SIGTERM: tell everyone
+                msg = (f"scheduler at {self.env.scheduler_address} failed: "
+                       f"{failure_reason(exc)}")
+                log.error(msg)
+                self._broadcast(Op.PEER_DEAD, msg=msg)  # sent in the linger below
+                raise
         finally:
             self.sock.close(linger=1000)
             guard.close()
@@ -203,10 +210,13 @@ class Scheduler:
 
         If this loop itself did not run for STALL_INTERVALS heartbeat intervals (the
         process or the machine paused), the heartbeats it missed prove nothing about the
-        nodes: their silence is counted afresh from now."""
-        if self.loop_clock.resumed_after_stall(now):
+        nodes: the time of the pause does not count as their silence (nor as a wait of
+        the stall rule); the time before it does."""
+        stall = self.loop_clock.stalled_for(now)
+        if stall:
             for node in self.nodes.values():
-                node.last_seen = node.step_since = now
+                node.last_seen = min(now, node.last_seen + stall)
+                node.step_since = min(now, node.step_since + stall)
         for node in self.nodes.values():
             if not node.finalized and now - node.last_seen > self.env.heartbeat_timeout:
                 return node

@@ -80,7 +80,7 @@ from bps.protocol import (
     torch_dtype,
 )
 from bps.ratelimit import RateLimitedLog
-from bps.scheduler_client import SchedulerClient
+from bps.scheduler_client import SchedulerClient, failure_reason
 
 log = logging.getLogger("bps.server")
 refusals = RateLimitedLog(log)
@@ -574,6 +574,16 @@ class ParameterServer:
         except ClusterError as exc:
             log.error("server at %s stopping: %s", address, exc)
             return 1
+        except BaseException as exc:  # an exception, Ctrl-C, SIGTERM: say so, then go
+            reason = failure_reason(exc)
+            log.error("server at %s failed: %s", address, reason)
+            if link.heard:  # the scheduler knows us: it names this server to everyone now
+                try:
+                    link.report_failure(reason, min(2.0, self.env.heartbeat_timeout))
+                except Exception as report_exc:  # noqa: BLE001 - the heartbeat rule remains
+                    log.warning("could not report the failure to the scheduler: %s",
+                                report_exc)
+            raise
         finally:
             for engine in engines:
                 engine.inbox.put(None)

@@ -253,9 +253,18 @@ def test_own_stall_is_not_taken_for_a_silent_peer() -> None:
     scheduler = Scheduler(env)
     node = scheduler.nodes[b"w"] = _Node(b"w", "worker", 0, "", last_seen=now - silence)
     scheduler.loop_clock.last = now - silence  # the scheduler itself was paused
-    assert scheduler._silent_node(now) is None and node.last_seen == now
+    assert scheduler._silent_node(now) is None and node.last_seen == pytest.approx(now)
     node.last_seen = now - silence  # the scheduler ran, the node did not report
     assert scheduler._silent_node(now + 0.5) is node
+    # silent for 1 s before a pause of the scheduler: that second still counts after it
+    # (a loop that stalls every few seconds must still see a dead peer)
+    node.last_seen = now + 0.5 - 1.0
+    scheduler.loop_clock.last = now + 0.5
+    after = now + 0.5 + silence
+    dead_at = after + env.heartbeat_timeout - 1.0
+    for turn in range(int((dead_at - after) / 0.5)):  # the loop runs every 0.5 s again
+        assert scheduler._silent_node(after + 0.5 * turn) is None
+    assert scheduler._silent_node(dead_at + 0.1) is node
     node.finalized = True
     assert scheduler._silent_node(now + 1.0) is None
 

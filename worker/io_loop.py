@@ -117,13 +117,7 @@ class IOLoop:
             self._wake()
             future.result(timeout=timeout)
             return
-        self._link.send(Op.FAILED, msg=reason)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self._link.sock.poll(int(max(1, (deadline - time.monotonic()) * 1000))):
-                if decode(self._link.sock.recv())["op"] == Op.BYE:
-                    return
-        raise ClusterError(f"no answer from the scheduler within {timeout:g} s")
+        self._link.report_failure(reason, timeout)
 
     def raise_if_failed(self) -> None:
         if self.error is not None:

@@ -1,0 +1,165 @@
+"""What CURVE costs per byte: libsodium's cipher alone, and ZeroMQ with and without it.
+
+Usage::
+
+    .venv/bin/python bench/curve_cost.py [--mbytes 200] [--rounds 5]
+
+1. libsodium's ``crypto_box_easy_afternm`` / ``crypto_box_open_easy_afternm``
+   (XSalsa20-Poly1305, what a CURVE connection runs per message frame), called through
+   ctypes on the libsodium that pyzmq bundles, against a plain memory copy of the same
+   bytes (numpy): MB/s at several message sizes on one core.
+2. ZeroMQ one way: a DEALER sends ``--mbytes`` MB in frames of each size to a ROUTER in
+   another context of the same process (each context one I/O thread: the sender's
+   encrypts, the receiver's decrypts), plain TCP and CURVE over loopback.
+
+Rounds alternate plain and CURVE; medians are printed as a markdown table and written to
+bench/out/curve_cost.json (``--heap``: curve_cost_heap.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import glob
+import json
+import os
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import zmq
+
+SIZES = [4096, 65536, 1 << 20, 4096000]  # 4096000: BYTEPS_PARTITION_BYTES of ps_throughput
+
+
+def libsodium() -> ctypes.CDLL:
+    """The libsodium that pyzmq's libzmq links against."""
+    libs = Path(zmq.__file__).parent.parent / "pyzmq.libs"
+    path = sorted(glob.glob(str(libs / "libsodium*.so*")))
+    sodium = ctypes.CDLL(path[0] if path else "libsodium.so")
+    if sodium.sodium_init() < 0:
+        raise RuntimeError("sodium_init failed")
+    return sodium
+
+
+def cipher_mb_s(sodium: ctypes.CDLL, size: int, mbytes: int) -> tuple[float, float, float]:
+    """(encrypt, decrypt, memcpy) MB/s for ``mbytes`` MB in messages of ``size`` bytes."""
+    count = max(1, mbytes * 1_000_000 // size)
+    key = ctypes.create_string_buffer(32)
+    pk, sk = ctypes.create_string_buffer(32), ctypes.create_string_buffer(32)
+    sodium.crypto_box_keypair(pk, sk)
+    sodium.crypto_box_beforenm(key, pk, sk)
+    nonce = ctypes.create_string_buffer(24)
+    plain = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
+    boxed = np.empty(size + 16, dtype=np.uint8)
+    opened = np.empty(size, dtype=np.uint8)
+    p, b, o = (ctypes.c_void_p(a.ctypes.data) for a in (plain, boxed, opened))
+    start = time.perf_counter()
+    for _ in range(count):
+        sodium.crypto_box_easy_afternm(b, p, ctypes.c_ulonglong(size), nonce, key)
+    enc = time.perf_counter() - start
+    start = time.perf_counter()
+    for _ in range(count):
+        if sodium.crypto_box_open_easy_afternm(o, b, ctypes.c_ulonglong(size + 16), nonce,
+                                               key) != 0:
+            raise RuntimeError("decryption failed")
+    dec = time.perf_counter() - start
+    assert np.array_equal(opened, plain)
+    start = time.perf_counter()
+    for _ in range(count):
+        np.copyto(opened, plain)
+    copy = time.perf_counter() - start
+    moved = count * size / 1e6
+    return moved / enc, moved / dec, moved / copy
+
+
+def zmq_mb_s(size: int, mbytes: int, curve: bool) -> float:
+    """One-way MB/s of ``mbytes`` MB in frames of ``size`` bytes over loopback TCP."""
+    count = max(1, mbytes * 1_000_000 // size)
+    rx_ctx, tx_ctx = zmq.Context(io_threads=1), zmq.Context(io_threads=1)
+    rx, tx = rx_ctx.socket(zmq.ROUTER), tx_ctx.socket(zmq.DEALER)
+    for sock in (rx, tx):
+        sock.setsockopt(zmq.SNDHWM, 1000)
+        sock.setsockopt(zmq.RCVHWM, 1000)
+        sock.setsockopt(zmq.LINGER, 0)
+    if curve:
+        public, secret = zmq.curve_keypair()
+        rx.curve_server = True
+        rx.curve_secretkey = secret
+        tx.curve_serverkey = public
+        tx.curve_publickey, tx.curve_secretkey = zmq.curve_keypair()
+    port = rx.bind_to_random_port("tcp://127.0.0.1")
+    tx.connect(f"tcp://127.0.0.1:{port}")
+    tx.send(b"hello")  # the handshake is not timed
+    if not rx.poll(30_000):
+        raise RuntimeError("no connection")
+    rx.recv_multipart()
+    payload = np.random.default_rng(1).integers(0, 255, size, dtype=np.uint8)
+    done = threading.Event()
+
+    def receive() -> None:
+        for _ in range(count):
+            if not rx.poll(60_000):
+                raise RuntimeError("receiver: no frame for 60 s")
+            rx.recv_multipart(copy=False)
+        done.set()
+
+    thread = threading.Thread(target=receive)
+    start = time.perf_counter()
+    thread.start()
+    for _ in range(count):
+        tx.send(payload, copy=False)
+    thread.join(timeout=300)
+    elapsed = time.perf_counter() - start
+    if not done.is_set():
+        raise RuntimeError("receiver did not finish")
+    rx.close()
+    tx.close()
+    rx_ctx.term()
+    tx_ctx.term()
+    return count * size / 1e6 / elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mbytes", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--heap", action="store_true",
+                        help="tune glibc malloc as bps servers and workers do "
+                             "(bps.memory.keep_buffers_in_heap) before any socket")
+    args = parser.parse_args()
+    if args.heap:
+        from bps.memory import keep_buffers_in_heap
+
+        keep_buffers_in_heap()
+    sodium = libsodium()
+    rows = {}
+    for size in SIZES:
+        runs: dict[str, list[float]] = {k: [] for k in ("enc", "dec", "copy", "plain", "curve")}
+        for _ in range(args.rounds):
+            enc, dec, copy = cipher_mb_s(sodium, size, args.mbytes // 2)
+            runs["enc"].append(enc)
+            runs["dec"].append(dec)
+            runs["copy"].append(copy)
+            runs["plain"].append(zmq_mb_s(size, args.mbytes, curve=False))
+            runs["curve"].append(zmq_mb_s(size, args.mbytes, curve=True))
+        rows[size] = {k: statistics.median(v) for k, v in runs.items()} | {"runs": runs}
+    print(f"median of {args.rounds} alternating rounds, {args.mbytes} MB per ZeroMQ run, "
+          f"malloc {'tuned' if args.heap else 'default'}, load average "
+          f"{os.getloadavg()[0]:.1f}\n")
+    print("| frame size | libsodium encrypt | libsodium decrypt | memcpy | ZeroMQ plain TCP "
+          "| ZeroMQ CURVE | CURVE / plain |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for size, r in rows.items():
+        print(f"| {size} B | {r['enc']:.0f} MB/s | {r['dec']:.0f} MB/s | {r['copy']:.0f} MB/s "
+              f"| {r['plain']:.0f} MB/s | {r['curve']:.0f} MB/s | {r['curve'] / r['plain']:.2f} |")
+    out = Path(__file__).parent / "out"
+    out.mkdir(exist_ok=True)
+    name = "curve_cost_heap.json" if args.heap else "curve_cost.json"
+    (out / name).write_text(json.dumps({str(k): v for k, v in rows.items()}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
