@@ -168,3 +168,41 @@ def test_same_shape_matrices_share_one_batched_key_in_backward_order():
     assert len(batches) == 1 and batches[0].members == 3 and batches[0].numel == 3 * 576
     assert [parts[n].bucket_offset for n in "eca"] == [0, 576, 1152]
     assert parts["d"].bucket is None
+
+
+LARGE_MATRIX_JOB = """
+import torch
+import bps
+from bps.compressors.powersgd import PowerSGD
+from bps.config import validate_compression_params
+bps.init()
+engine = bps.runtime.get().engine
+params = validate_compression_params({"compressor": "powersgd", "rank": 1, "ef": "vanilla",
+                                      "seed": 5, "shape": [100, 100]})
+engine.declare(0, 10000, torch.float32, params, name="matrix")  # 40 kB: over the key limit
+x = torch.randn(10000, generator=torch.Generator().manual_seed(1))
+got = engine.push_pull(0, x.clone(), 0, 0.1).result(60)
+alone = PowerSGD(10000, shape=(100, 100), rank=1, ef=True, seed=5)
+p = alone.compress(x.clone()).view(torch.float32)
+want = alone.decompress(alone.compress_round(1, p).view(torch.float32))
+print("SAME" if torch.equal(got, want) else "DIFFERENT")
+bps.shutdown()
+"""
+
+
+def test_a_powersgd_matrix_larger_than_a_key_travels_as_its_rounds():
+    # Only the rounds (100 and 100 floats) travel, so a 100 x 100 matrix declares and
+    # trains although 40 kB is over the 32 kB a key may have with 64 kB messages.
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    launcher = str(Path(sys.executable).with_name("bpslaunch"))
+    done = subprocess.run([launcher, "local", "--workers", "1", "--servers", "1", "--",
+                           sys.executable, "-c", LARGE_MATRIX_JOB], capture_output=True,
+                          text=True, timeout=120,
+                          env={**os.environ, "BPS_MAX_MESSAGE_BYTES": "65536",
+                               "BPS_TIMEOUT": "30"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "SAME" in done.stdout, done.stdout[-3000:]

@@ -163,11 +163,6 @@ class WorkerEngine:
         if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
             raise ValueError(f"key {key} ({name!r}): numel={numel!r} must be an int >= 0")
         wire_dtype = dtype_name(dtype)
-        largest = (self.env.max_message_bytes - 64) // 2
-        if numel * dtype.itemsize > largest:
-            raise ValueError(f"key {key} ({name!r}): {numel * dtype.itemsize} bytes is larger "
-                             f"than a key may be ({largest} bytes: half of "
-                             f"BPS_MAX_MESSAGE_BYTES, which follows BYTEPS_PARTITION_BYTES)")
         if key in self._keys:
             raise ValueError(f"key {key} ({name!r}) declared twice")
         chain = None
@@ -177,11 +172,16 @@ class WorkerEngine:
             chain = build(params, numel, dtype, role="worker")
             if hasattr(chain, "set_workers"):
                 chain.set_workers(self.num_workers)
-            if getattr(chain, "rounds", 1) > 1:
+            if getattr(chain, "rounds", 1) > 1:  # only its rounds travel (each declared)
                 self._declare_rounds(key, chain, name, server)
                 self._keys[key] = KeyInfo(key, numel, dtype, name, self._rounds[key][0].server,
                                           chain)
                 return
+        largest = (self.env.max_message_bytes - 64) // 2
+        if numel * dtype.itemsize > largest:
+            raise ValueError(f"key {key} ({name!r}): {numel * dtype.itemsize} bytes is larger "
+                             f"than a key may be ({largest} bytes: half of "
+                             f"BPS_MAX_MESSAGE_BYTES, which follows BYTEPS_PARTITION_BYTES)")
         server = self.placement.place(key, numel * dtype.itemsize, server)
         info = KeyInfo(key, numel, dtype, name, server, chain)
         fields_ = {"key": key, "numel": numel, "dtype": wire_dtype, "name": name,
