@@ -1,28 +1,40 @@
 """Every test process and every cluster it starts share one cluster key (CURVE), made
-here in a private temporary directory: processes started one by one (not through
-``bpslaunch local``, which makes its own) find it in ``BPS_SECRET_FILE``."""
+here in a private temporary directory when pytest starts: processes started one by one
+(not through ``bpslaunch local``, which makes its own) find it in ``BPS_SECRET_FILE``."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import shutil
+import tempfile
 
 import pytest
 
+_saved: dict[str, str | None] = {}
 
-@pytest.fixture(scope="session", autouse=True)
-def cluster_key(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+
+def pytest_configure(config: pytest.Config) -> None:
     from bps.auth import write_key_file
 
-    folder = tmp_path_factory.mktemp("key")
-    folder.chmod(0o700)
-    path = str(folder / "cluster.key")
+    folder = tempfile.mkdtemp(prefix="bps-test-key-")  # mode 0700
+    path = os.path.join(folder, "cluster.key")
     write_key_file(path)
-    previous = os.environ.get("BPS_SECRET_FILE")
+    _saved.update(folder=folder, previous=os.environ.get("BPS_SECRET_FILE"))
     os.environ["BPS_SECRET_FILE"] = path
     os.environ.pop("BPS_INSECURE", None)
-    yield path
-    if previous is None:
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if "folder" not in _saved:
+        return
+    if _saved["previous"] is None:
         os.environ.pop("BPS_SECRET_FILE", None)
     else:
-        os.environ["BPS_SECRET_FILE"] = previous
+        os.environ["BPS_SECRET_FILE"] = _saved["previous"]
+    shutil.rmtree(_saved["folder"], ignore_errors=True)
+
+
+@pytest.fixture
+def cluster_key() -> str:
+    """The path of the tests' cluster key file."""
+    return os.environ["BPS_SECRET_FILE"]
