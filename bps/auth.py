@@ -197,6 +197,34 @@ class _Authenticator(zmq.auth.thread.ThreadAuthenticator):
         return False, b"not a member of this cluster"
 
 
+KEY_FOLDER_PREFIX = "bps-key-"
+
+
+def remove_orphaned_key_folders(parent: str) -> list[str]:
+    """Remove the key folders of launchers that died without cleaning up (``kill -9``):
+    ``bps-key-<pid>-*`` whose pid is no longer running. Returns the removed paths."""
+    removed = []
+    for entry in os.scandir(parent):
+        if not entry.name.startswith(KEY_FOLDER_PREFIX) or not entry.is_dir(follow_symlinks=False):
+            continue
+        pid_text = entry.name[len(KEY_FOLDER_PREFIX):].split("-", 1)[0]
+        if not pid_text.isdigit() or _running(int(pid_text)):
+            continue
+        shutil.rmtree(entry.path, ignore_errors=True)
+        removed.append(entry.path)
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 @contextlib.contextmanager
 def job_credentials(environ: Mapping[str, str]) -> Iterator[dict[str, str]]:
     """For a launcher that starts a whole job here (``bpslaunch local`` / ``netem``): the
@@ -209,7 +237,8 @@ def job_credentials(environ: Mapping[str, str]) -> Iterator[dict[str, str]]:
     if environ.get("BPS_INSECURE", "").strip() == "1":
         yield {}
         return
-    folder = tempfile.mkdtemp(prefix="bps-key-")  # mode 0700
+    remove_orphaned_key_folders(tempfile.gettempdir())
+    folder = tempfile.mkdtemp(prefix=f"{KEY_FOLDER_PREFIX}{os.getpid()}-")  # mode 0700
     try:
         path = os.path.join(folder, "cluster.key")
         write_key_file(path)

@@ -10,6 +10,7 @@ import re
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +19,14 @@ import pytest
 import torch
 import zmq
 
-from bps.auth import AuthError, ClusterKey, connect_as_client, read_key_file
+from bps.auth import (
+    AuthError,
+    ClusterKey,
+    connect_as_client,
+    job_credentials,
+    read_key_file,
+    remove_orphaned_key_folders,
+)
 from bps.launch.role import free_port
 from bps.protocol import Op, encode, new_token
 from tests.ps_job import TEST_ENV, run_command
@@ -51,6 +59,30 @@ def test_keygen_writes_a_private_key_and_never_overwrites(tmp_path: Path) -> Non
     damaged.chmod(0o600)
     with pytest.raises(AuthError, match="does not belong to its secret-key"):
         read_key_file(str(damaged))
+
+
+def test_a_killed_launchers_key_folder_is_removed_by_the_next_launch(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    holder = ("import sys\nfrom bps.auth import job_credentials\n"
+              "with job_credentials({}) as extra:\n"
+              "    print(extra['BPS_SECRET_FILE'], flush=True)\n    sys.stdin.read()\n")
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-c", holder], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        key_file = Path(proc.stdout.readline().strip())
+        assert key_file.is_file() and key_file.parent.parent == tmp_path
+    finally:
+        proc.kill()  # no cleanup: the folder and its key stay behind
+        proc.wait(timeout=30)
+    assert key_file.is_file()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with job_credentials({}) as extra:
+        live = Path(extra["BPS_SECRET_FILE"])
+        assert not key_file.parent.exists()  # the dead launcher's folder is gone
+        assert remove_orphaned_key_folders(str(tmp_path)) == []  # a live one stays
+        assert live.is_file()
+    assert not live.parent.exists()
 
 
 @pytest.mark.parametrize("role", ["scheduler", "server", "worker"])
