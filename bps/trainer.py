@@ -23,7 +23,7 @@ Usage (every worker process runs the same script under ``bpslaunch``)::
     >>> trainer.stats()["compression_ratio"]
 
 The per-parameter pipeline (partition -> push -> pull -> broadcast) is
-:mod:`bps.grad_pipeline`, shared with every front end; what goes where is
+:mod:`bps.grad_pipeline`, shared with the DDP hook :mod:`bps.ddp`; what goes where is
 planned by :mod:`bps.worker.planning`; the model is checked and
 copied from rank 0 by :mod:`bps.model_sync`; the figures come from
 :mod:`bps.trainer_stats`.

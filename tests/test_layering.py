@@ -5,7 +5,7 @@
     compressors  bps.compressors.*
     worker       bps.worker.*        server   bps.server.*   (neither loads the other)
     launch       bps.launch.*
-    top          bps.runtime, bps.grad_pipeline, bps.trainer, bps.model_sync,
+    top          bps.runtime, bps.grad_pipeline, bps.trainer, bps.ddp, bps.model_sync,
                  bps.trainer_stats, bps.mnist
 
 Each layer's modules are imported in a fresh interpreter, one after another, and every
@@ -24,7 +24,7 @@ import pytest
 
 BOTTOM = ["bps", "bps.env", "bps.protocol", "bps.memory", "bps.trace", "bps.config",
           "bps.ratelimit", "bps.auth", "bps.scheduler_client"]
-TOP = ["bps.runtime", "bps.grad_pipeline", "bps.trainer", "bps.model_sync",
+TOP = ["bps.runtime", "bps.grad_pipeline", "bps.trainer", "bps.ddp", "bps.model_sync",
        "bps.trainer_stats", "bps.mnist"]
 
 IMPORT_EACH = """
