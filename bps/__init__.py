@@ -57,6 +57,8 @@ def local_size() -> int:
 
 
 def __getattr__(name: str):
+    if name == "ddp":  # the DDP communication hook: bps.ddp.HookState, bps.ddp.ps_hook
+        return importlib.import_module("bps.ddp")
     if name in ("DistributedTrainer", "NonFiniteGradientError"):
         from bps import trainer
 

@@ -1,0 +1,317 @@
+"""The DDP communication hook (bps.ddp) end to end: DDP over gloo, bps's servers behind.
+
+This file is also the worker script: ``python tests/test_ddp.py CONFIG_JSON`` is what
+every worker process runs under ``bpslaunch local``; it calls
+``dist.init_process_group()`` with no arguments (bpslaunch exports RANK, WORLD_SIZE,
+MASTER_*). The model is tests/test_trainer.py's (loss ``0.5 * ||w - t||^2``, so the
+gradient is ``w - t`` exactly), wrapped in DDP, so every result is compared with an
+independent numpy replay of the same partitions through the reference chains.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run as a script: make ``tests`` importable
+    sys.path.insert(0, str(ROOT))
+
+from tests.test_trainer import (  # noqa: E402
+    MOMENTUM,
+    PARTITION,
+    SHAPES,
+    SIM_CASES,
+    SIM_LRS,
+    initial_params,
+    load_params,
+    nesterov,
+    reference_codec,
+    targets,
+)
+
+# ----------------------------------------------------------------------------- worker side
+
+
+def make_module(rank: int, shapes: dict, unused: tuple = ()):
+    import torch
+
+    class Closed(torch.nn.Module):
+        """``forward(goals)`` gives ``sum 0.5 * ||w - goal||^2`` over the used tensors."""
+
+        def forward(self, goals: dict):
+            return sum(0.5 * ((getattr(self, n) - goals[n]) ** 2).sum()
+                       for n in shapes if n not in unused)
+
+    module = Closed()
+    for name, value in initial_params(rank, shapes).items():
+        module.register_parameter(name, torch.nn.Parameter(torch.from_numpy(value)))
+    module.register_buffer("counter", torch.tensor([rank * 7 + 1], dtype=torch.int64))
+    return module
+
+
+def goals_of(rank: int, micro: int, shapes: dict) -> dict:
+    import torch
+
+    return {n: torch.from_numpy(t) for n, t in targets(rank + 100 * micro, shapes).items()}
+
+
+def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
+    import torch
+    from torch.distributed.algorithms.join import Join
+    from torch.nn.parallel import DistributedDataParallel
+
+    import bps.ddp
+
+    tag = run["tag"]
+    shapes = {**shapes, **{n: tuple(s) for n, s in run.get("extra", {}).items()}}
+    module = make_module(rank, shapes, tuple(run.get("extra", {})))
+    lrs = run.get("lrs", cfg["lrs"])
+    start = run.get("start", 0)
+    checkpoint = None
+    if start:
+        checkpoint = torch.load(out / f"ckpt{tag}{rank}.pt", weights_only=False)
+        module.load_state_dict(checkpoint["model"])
+    ddp = DistributedDataParallel(module, **run.get("ddp", {}))
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=lrs[0], momentum=MOMENTUM)
+    if checkpoint is not None:
+        state = checkpoint["hook"]  # unpickled: no threads, no sockets yet
+        state.optimizer = optimizer
+        optimizer.load_state_dict(checkpoint["optimizer"])
+    else:
+        state = bps.ddp.HookState(run["params"], optimizer=optimizer, module=module)
+    ddp.register_comm_hook(state, bps.ddp.ps_hook)
+    report = {"counter": int(module.counter.item()),
+              "optimizer_momentum": optimizer.param_groups[0]["momentum"]}
+    steps = run.get("steps", [len(lrs)] * 64)[rank]
+    join = Join([ddp]) if run.get("join") else contextlib.nullcontext()
+    with join:
+        for step in range(start, steps):
+            for group in optimizer.param_groups:
+                group["lr"] = lrs[step]
+            optimizer.zero_grad()
+            if run.get("accumulate"):
+                with ddp.no_sync():
+                    ddp(goals_of(rank, 1, shapes)).backward()
+            ddp(goals_of(rank, 0, shapes)).backward()
+            optimizer.step()
+            if run.get("save_at") == step + 1:
+                torch.save({"model": module.state_dict(), "optimizer": optimizer.state_dict(),
+                            "hook": state}, out / f"ckpt{tag}{rank}.pt")
+    report["stats"] = state.stats()
+    np.savez(out / f"params{tag}{rank}.npz",
+             **{n: getattr(module, n).detach().numpy() for n in shapes})
+    state.close()
+    return report
+
+
+def worker_main(cfg: dict) -> int:
+    import torch
+    import torch.distributed as dist
+
+    import bps
+
+    torch.set_num_threads(1)
+    bps.init()
+    dist.init_process_group()
+    rank = dist.get_rank()
+    out = Path(cfg["out"])
+    shapes = {name: tuple(shape) for name, shape in cfg["shapes"].items()}
+    reports = {run["tag"]: train(cfg, run, rank, shapes, out) for run in cfg["runs"]}
+    (out / f"report{rank}.json").write_text(json.dumps(reports))
+    dist.barrier()  # neither rank tears gloo down while the other still talks
+    bps.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # no teardown: gloo's destructors aborted a loaded run after the results were written
+    os._exit(0)
+
+
+# ----------------------------------------------------------------------------- test side
+
+BPSLAUNCH = str(Path(sys.executable).parent / "bpslaunch")
+
+
+def launch(cfg: dict, tmp: Path, workers: int = 2, servers: int = 1, local_size: int = 1,
+           env: dict | None = None, timeout: float = 150) -> subprocess.CompletedProcess:
+    """tests/test_trainer.py's launch, running this file."""
+    cfg = {"shapes": SHAPES, **cfg, "out": str(tmp)}
+    cmd = [BPSLAUNCH, "local", "--workers", str(workers), "--servers", str(servers),
+           "--local-size", str(local_size), "--", sys.executable, __file__, json.dumps(cfg)]
+    full_env = {**os.environ, "BPS_TIMEOUT": "60", "BYTEPS_PARTITION_BYTES": "400",
+                "BPS_JOB_SEED": "4242", **(env or {})}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return subprocess.CompletedProcess(cmd, proc.returncode, output, None)
+
+
+
+
+def replay(params: dict, nodes: int, lrs: list[float], grads, compressed_from: int | None = 0,
+           shapes: dict = SHAPES) -> dict:
+    """docs/architecture.md's pipeline in numpy, as tests/test_trainer.py's ``simulate``,
+    with node ``r``'s gradient at step ``s`` given by ``grads(s, r, w)`` (a dict of
+    float32 arrays): ``big`` is compressed (from step ``compressed_from``; None: never),
+    the rest travels raw and gets Nesterov momentum after the sum."""
+    from tests.reference_compressors import RefChain
+
+    f32 = np.float32
+    w = initial_params(0, shapes)  # rank 0's parameters, broadcast by DDP
+    numel = int(np.prod(shapes["big"]))
+    parts = [(o, min(PARTITION, numel - o)) for o in range(0, numel, PARTITION)]
+    workers = [[RefChain(*reference_codec(params, n), n, "float32", True, MOMENTUM)
+                for _, n in parts] for _ in range(nodes)]
+    servers = [RefChain(*reference_codec(params, n), n, "float32", True, None)
+               for _, n in parts]
+    local_momentum = {n: np.zeros(shape, f32) for n, shape in shapes.items()}
+    for step, lr in enumerate(lrs):
+        shares = [{n: (g / f32(nodes)).astype(f32) for n, g in grads(step, r, w).items()}
+                  for r in range(nodes)]
+        out = {}
+        for n in shapes:
+            if n == "big" and compressed_from is not None and step >= compressed_from:
+                continue
+            summed = np.zeros(shapes[n], f32)
+            for r in range(nodes):
+                summed = (summed + shares[r][n]).astype(f32)
+            out[n], local_momentum[n] = nesterov(f32(MOMENTUM), summed, local_momentum[n])
+        if "big" not in out:
+            big = np.zeros(numel, f32)
+            for i, (offset, n) in enumerate(parts):
+                summed = np.zeros(n, f32)
+                for r in range(nodes):
+                    workers[r][i].set_lr(lr)
+                    share = shares[r]["big"].reshape(-1)[offset:offset + n]
+                    decoded = workers[r][i].decode(workers[r][i].compress(share))
+                    summed = (summed + decoded.astype(f32)).astype(f32)
+                servers[i].set_lr(lr)
+                big[offset:offset + n] = servers[i].decode(servers[i].compress(summed))
+            out["big"] = big.reshape(shapes["big"])
+        for n in shapes:
+            w[n] = (w[n] - f32(lr) * out[n]).astype(f32)
+    return w
+
+
+def plain(shapes: dict):
+    """One backward per step: node r's gradient is ``w - t_r``."""
+    return lambda step, r, w: {n: (w[n] - targets(r, shapes)[n]).astype(np.float32)
+                               for n in shapes}
+
+
+def accumulated(shapes: dict):
+    """A no_sync backward (goal t_{r+100}) then a synchronised one (goal t_r): their
+    float32 sum, as autograd accumulates it."""
+    f32 = np.float32
+    return lambda step, r, w: {
+        n: ((w[n] - targets(r + 100, shapes)[n]).astype(f32)
+            + (w[n] - targets(r, shapes)[n]).astype(f32)).astype(f32) for n in shapes}
+
+
+def joined(shapes: dict, steps: list[int]):
+    """Node r has data for ``steps[r]`` steps, then contributes zeros (DDP's Join)."""
+    g = plain(shapes)
+    return lambda step, r, w: g(step, r, w) if step < steps[r] else {
+        n: np.zeros(s, np.float32) for n, s in shapes.items()}
+
+
+# ----------------------------------------------------------------------------- tests
+
+COMMON = {"ef": "vanilla", "momentum": "nesterov", "fp16": False, "min_compress_bytes": 1000}
+SMALL_BUCKETS = {"bucket_cap_mb": 0.0005}  # about a tensor per bucket: DDP rebuilds them
+
+
+def test_hook_matches_the_replay_for_every_compressor_and_ddp_feature(tmp_path):
+    """2 nodes x 2 servers, one launch: each compressor (with one DDP feature each),
+    warmup, a tensor topk would not shrink, no_sync accumulation, Join with uneven
+    data, an unused parameter under find_unused_parameters; each against the replay.
+    Then a second launch resumes randomk from its pickled hook state."""
+    topk = {**SIM_CASES["topk"], **COMMON}
+    runs = [
+        {"tag": "onebit", "params": {**SIM_CASES["onebit"], **COMMON}},
+        {"tag": "topk", "params": topk, "ddp": {"gradient_as_bucket_view": True}},
+        {"tag": "randomk", "params": {**SIM_CASES["randomk"], **COMMON}, "ddp": SMALL_BUCKETS,
+         "save_at": 3},  # pickles the hook's state after step 3 (must not disturb)
+        {"tag": "dithering", "params": {**SIM_CASES["dithering"], **COMMON},
+         "ddp": {"static_graph": True, **SMALL_BUCKETS}},
+        {"tag": "warmup", "params": {**SIM_CASES["onebit"], **COMMON, "warmup_steps": 2},
+         "compressed_from": 2},
+        {"tag": "dense", "params": {"compressor": "topk", "k": 0.6, **COMMON},
+         "compressed_from": None},
+        {"tag": "nosync", "params": topk, "accumulate": True, "ddp": SMALL_BUCKETS},
+        {"tag": "join", "params": topk, "join": True, "steps": [5, 3],
+         "lrs": [0.25] * 5},
+        {"tag": "unused", "params": topk, "extra": {"unused": [5]},
+         "ddp": {"find_unused_parameters": True, **SMALL_BUCKETS}},
+    ]
+    result = launch({"runs": runs, "lrs": SIM_LRS}, tmp_path, workers=2, servers=2)
+    assert result.returncode == 0, result.stdout[-3000:]
+    reports = [json.loads((tmp_path / f"report{r}.json").read_text()) for r in range(2)]
+    for run in runs:
+        name = run["tag"]
+        finals = load_params(tmp_path, 2, name)
+        grads = (accumulated(SHAPES) if run.get("accumulate") else
+                 joined(SHAPES, run["steps"]) if run.get("join") else plain(SHAPES))
+        expected = replay(run["params"], 2, run.get("lrs", SIM_LRS), grads,
+                          run.get("compressed_from", 0))
+        for n in SHAPES:
+            np.testing.assert_array_equal(finals[0][n], expected[n], err_msg=f"{name}: {n}")
+            np.testing.assert_array_equal(finals[1][n], expected[n], err_msg=f"{name}: {n}")
+        report = reports[0][name]
+        assert report["counter"] == 1, name  # DDP broadcast rank 0's buffers
+        assert report["optimizer_momentum"] == 0.0, name  # Nesterov moved into the chains
+    for final in load_params(tmp_path, 2, "unused"):  # never used: rank 0's, untouched
+        np.testing.assert_array_equal(final["unused"],
+                                      initial_params(0, {**SHAPES, "unused": (5,)})["unused"])
+    stats = reports[0]["topk"]["stats"]
+    assert stats["compression_ratio"] > 1.5 and stats["totals"]["steps"] == len(SIM_LRS)
+
+    # Exact resume: fresh processes load randomk's pickled state (error, momentum and
+    # RNG state of every worker and server chain) and run steps 3 and 4 with another job
+    # seed; they end where the uninterrupted run (and the replay) ended.
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    for r in range(2):
+        (resumed / f"ckptrandomk{r}.pt").write_bytes((tmp_path / f"ckptrandomk{r}.pt")
+                                                     .read_bytes())
+    again = [{**runs[2], "start": 3}]
+    result = launch({"runs": again, "lrs": SIM_LRS}, resumed, workers=2, servers=2,
+                    env={"BPS_JOB_SEED": "999"})
+    assert result.returncode == 0, result.stdout[-3000:]
+    whole = load_params(tmp_path, 2, "randomk")
+    for r, final in enumerate(load_params(resumed, 2, "randomk")):
+        for n in SHAPES:
+            np.testing.assert_array_equal(final[n], whole[r][n], err_msg=f"resumed {n}")
+
+
+def test_two_local_ranks_reduce_in_fp16(tmp_path):
+    """2 nodes x 2 local ranks x 2 servers, fp16 within the node and on the wire: the
+    exact roundings of tests/test_trainer_comm_dtype.py's reference."""
+    from tests.test_trainer_comm_dtype import LRS, reference
+    from tests.test_trainer_comm_dtype import SHAPES as FP16_SHAPES
+
+    runs = [{"tag": "fp16", "params": {"momentum": "nesterov", "comm_dtype": "fp16"},
+             "ddp": SMALL_BUCKETS}]
+    result = launch({"runs": runs, "lrs": LRS, "shapes": FP16_SHAPES}, tmp_path, workers=2,
+                    servers=2, local_size=2, env={"BYTEPS_PARTITION_BYTES": "4000"})
+    assert result.returncode == 0, result.stdout[-3000:]
+    expected = reference("fp16")
+    for rank, final in enumerate(load_params(tmp_path, 4, "fp16")):
+        for n in FP16_SHAPES:
+            np.testing.assert_array_equal(final[n], expected[n], err_msg=f"{n} {rank}")
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main(json.loads(sys.argv[1])))
