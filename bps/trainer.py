@@ -45,6 +45,7 @@ from bps.compressors.base import NonFiniteError
 from bps.compressors.finite import FLOAT16_LIMIT, divide_checked, tensor_finite
 from bps.config import validate_compression_params
 from bps.model_sync import ModelMismatchError, broadcast_model, check_same_model
+from bps.periodic import PeriodicAveraging, validate_sync_every
 from bps.trainer_stats import StepStats
 from bps.worker.engine import Skipped
 from bps.worker.planning import (
@@ -134,6 +135,10 @@ class DistributedTrainer:
         backward_passes_per_step: ``backward()`` calls per ``step()`` (gradient
             accumulation, Horovod's option of that name): gradients add up in ``.grad``
             as in plain PyTorch, and each partition is pushed once, during the last pass.
+        sync_every: ``H > 1``: periodic averaging (:mod:`bps.periodic`): ``H`` local
+            optimizer steps, then the pseudo-gradient travels and ``outer`` applies it.
+        outer: the outer update of periodic averaging (``None``: the plain mean; see
+            :func:`bps.periodic.validate_sync_every`).
 
     Each gradient is pushed once per step. Every rank saves its own ``state_dict()``
     (error-feedback state is per node). docs/trainer.md shows the training loops:
@@ -142,14 +147,23 @@ class DistributedTrainer:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  compression_params: dict | None = None,
-                 backward_passes_per_step: int = 1) -> None:
+                 backward_passes_per_step: int = 1, *, sync_every: int = 1,
+                 outer: dict | None = None) -> None:
+        outer_spec = validate_sync_every(sync_every, outer)
         if (isinstance(backward_passes_per_step, bool)
                 or not isinstance(backward_passes_per_step, int)
                 or backward_passes_per_step < 1):
             raise ValueError(f"backward_passes_per_step={backward_passes_per_step!r} is "
                              "invalid: expected an int >= 1")
         self._passes = backward_passes_per_step
+        self._periodic: PeriodicAveraging | None = None
+        self._sync_every = sync_every
         params = validate_compression_params(compression_params)
+        if sync_every > 1 and params["momentum"] is not None and params["mu"] is None:
+            raise ValueError(
+                "compression_params['momentum'] = 'nesterov' with sync_every > 1 needs "
+                "compression_params['mu']: that momentum acts on the pseudo-gradient, "
+                "and the optimizer keeps its own for the local steps")
         self._rt = bps_runtime.get()
         self.model = model
         self.optimizer = optimizer
@@ -185,6 +199,8 @@ class DistributedTrainer:
         broadcast_model(self._rt, model)
         self._slots = self._build_slots()
         self._join_key = self._declare_join_key()
+        if outer_spec is not None:
+            self._periodic = PeriodicAveraging(self, sync_every, outer_spec)
         self._order = list(reversed(range(len(self._slots))))  # roughly backward order
         # Own channels: several trainers in one process must not interleave collectives.
         self._reduce_ch = self._rt.group.channel(self._rt.unique_name("reduce"))
@@ -202,10 +218,10 @@ class DistributedTrainer:
             thread.start()
         self._sample_hook = model.register_forward_pre_hook(self._count_samples,
                                                             with_kwargs=True)
-        self._hooks = [
+        self._hooks = [  # periodic averaging pushes from step() only
             slot.param.register_post_accumulate_grad_hook(self._make_hook(i))
             for i, slot in enumerate(self._slots)
-        ]
+        ] if self._periodic is None else []
 
     # -- construction ----------------------------------------------------------------
 
@@ -214,6 +230,8 @@ class DistributedTrainer:
         if params["seed"] is None:
             params["seed"] = int(self._rt.job_seed)
         if params["momentum"] is None:
+            return
+        if self._sync_every > 1:  # the chain's momentum acts on the pseudo-gradient
             return
         optimizer_mu = float(self.optimizer.param_groups[0].get("momentum", 0.0) or 0.0)
         if params["mu"] is None:
@@ -452,6 +470,8 @@ class DistributedTrainer:
         """The group's learning rate, over the GradScaler's scale relative to its first
         one: the chains see scaled gradients, so error feedback's ``lr_prev / lr_now``
         then also rescales its residual when the scale changes."""
+        if self._periodic is not None:  # the outer update's
+            return self._periodic.lr
         lr = float(self.optimizer.param_groups[group]["lr"])
         if self._scaler is not None and self._scale_ref is not None:
             lr *= self._scale_ref / self._scaler.get_scale()
@@ -650,6 +670,14 @@ class DistributedTrainer:
         ``compression_params['nonfinite']`` says whether that raises
         :class:`NonFiniteGradientError` (``"raise"``, the default) or logs a warning."""
         called_ns = time.monotonic_ns()
+        if self._periodic is not None:
+            if not self._periodic.local_step(scaler):  # a local step: nothing travels
+                self._stats.record(self._rt.engine, self._stats.snapshot(self._rt.engine),
+                                   self._step, 0, 0.0, self._passes, False,
+                                   self._samples * self._rt.local_size)
+                self._samples = 0
+                return True
+            scaler = None  # the pseudo-gradient is not scaled
         if scaler is not None:
             self._scaler = scaler
             if self._scale_ref is None:
@@ -663,6 +691,8 @@ class DistributedTrainer:
                 scaler.step(self.optimizer)
                 scaler.update()
             self._last_scale = scale
+        elif self._periodic is not None:
+            self._periodic.apply(applied)
         elif applied and not self._joined:
             self.optimizer.step()
         end_ns = time.monotonic_ns()
@@ -723,6 +753,8 @@ class DistributedTrainer:
         if self._rt.local_size > 1:
             raise NotImplementedError("trainer.join() needs one process per worker node "
                                       "(BYTEPS_LOCAL_SIZE=1)")
+        if self._periodic is not None:
+            raise NotImplementedError("trainer.join() is not supported with sync_every > 1")
         if self._step_started or any(s.passes for s in self._slots):
             raise RuntimeError("trainer.join() must be entered between steps")
         self._joining, self._active = True, []
@@ -795,6 +827,7 @@ class DistributedTrainer:
             "local_momentum": {s.name: s.local_momentum.clone() for s in self._slots
                                if s.local_momentum is not None},
             "engine": engine.state_dict() if engine is not None else None,
+            "periodic": self._periodic.state_dict() if self._periodic is not None else None,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -815,6 +848,8 @@ class DistributedTrainer:
         self._step = int(state["step"])
         self._wire_step = int(state.get("wire_step", self._step))
         self._scale_ref, self._last_scale = state.get("scale", (None, None))
+        if self._periodic is not None:
+            self._periodic.load_state_dict(state.get("periodic"))
 
     def close(self) -> None:
         """Stop the background threads and remove the gradient hooks."""
