@@ -44,8 +44,8 @@ DDP_MNIST = REPO / "bench" / "ddp_mnist.py"
 
 EF_NESTEROV = ("--ef", "vanilla", "--momentum", "nesterov")
 DEFAULT_METHODS = ("fp32", "fp16", "bf16", "onebit", "topk", "randomk", "dithering",
-                   "bytegrad", "powersgd", "powersgd2", "ddp", "ddp-fp16", "ddp-powersgd",
-                   "ddp-powersgd2")
+                   "bytegrad", "powersgd", "powersgd2", "onebit-local", "topk-local",
+                   "ddp", "ddp-fp16", "ddp-powersgd", "ddp-powersgd2")
 # bps PowerSGD as DDP's hook runs here: error feedback, warm start, PowerSGD from step 2
 POWERSGD = ("--ef", "vanilla", "--warmup-steps", "2")
 QUICK_METHODS = ("fp32", "onebit", "ddp-powersgd")
@@ -81,8 +81,24 @@ class Method:
         return self.wire * params * ring
 
 
-def all_methods(topk: float = 0.01, randomk: float = 0.01, levels: int = 4) -> dict:
-    """Every method the runner knows, by name; ``topk``/``randomk``: k, ``levels``: dithering."""
+def periodic_args(sync_every: int, outer: str) -> tuple[str, ...]:
+    """examples/mnist.py's flags of periodic averaging: ``outer`` is ``average`` or
+    ``OPTIMIZER:LR:MOMENTUM`` (e.g. ``nesterov:0.7:0.9``)."""
+    name, *values = outer.split(":")
+    flags = ("--sync-every", str(sync_every), "--outer", name)
+    if values:
+        flags += ("--outer-lr", values[0])
+    if len(values) > 1:
+        flags += ("--outer-momentum", values[1])
+    return flags
+
+
+def all_methods(topk: float = 0.01, randomk: float = 0.01, levels: int = 4,
+                sync_every: int = 8, outer: str = "average") -> dict:
+    """Every method the runner knows, by name; ``topk``/``randomk``: k, ``levels``: dithering;
+    ``sync_every`` / ``outer``: the ``-local`` rows (periodic averaging)."""
+    local = periodic_args(sync_every, outer)
+    local_label = f"H={sync_every}, {outer}"
     return {m.name: m for m in (
         Method("fp32", "bps uncompressed (fp32)", "bps", ("--compressor", "none", "--no-fp16"),
                4),
@@ -103,6 +119,13 @@ def all_methods(topk: float = 0.01, randomk: float = 0.01, levels: int = 4) -> d
                ("--compressor", "powersgd", "--rank", "1", *POWERSGD), 0.01),
         Method("powersgd2", "bps PowerSGD rank 2 + EF", "bps",
                ("--compressor", "powersgd", "--rank", "2", *POWERSGD), 0.02),
+        Method("onebit-local", f"bps onebit + EF, local SGD {local_label}", "bps",
+               ("--compressor", "onebit", "--ef", "vanilla", *local), 1 / 8 / sync_every),
+        Method("topk-local", f"bps topk k={topk:g} + EF, local SGD {local_label}", "bps",
+               ("--compressor", "topk", "--k", f"{topk:g}", "--ef", "vanilla", *local),
+               8 * topk / sync_every),
+        Method("fp32-local", f"bps fp32, local SGD {local_label}", "bps",
+               ("--compressor", "none", "--no-fp16", *local), 4 / sync_every),
         Method("ddp", "DDP allreduce (gloo)", "ddp", ("--hook", "none"), 4),
         Method("ddp-fp16", "DDP fp16 hook", "ddp", ("--hook", "fp16"), 2),
         Method("ddp-powersgd", "DDP PowerSGD hook, rank 1", "ddp",
@@ -132,9 +155,13 @@ class Run:
 
     @property
     def step_time(self) -> float:
-        """Median step time; the first steps (connection setup, warm-up) left out."""
+        """Median step time; the first steps (connection setup, warm-up) left out. With
+        periodic averaging the mean (a sync step costs more than the local ones)."""
         times = self.step_times[min(5, len(self.step_times) // 5):]
-        return statistics.median(times) if times else math.nan
+        if not times:
+            return math.nan
+        periodic = "--sync-every" in self.method.args
+        return statistics.mean(times) if periodic else statistics.median(times)
 
     @property
     def epochs(self) -> list[dict]:
@@ -453,6 +480,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--topk-k", type=float, default=0.01, help="topk: fraction kept")
     p.add_argument("--randomk-k", type=float, default=0.01, help="randomk: fraction kept")
     p.add_argument("--dithering-levels", type=int, default=4, help="dithering: levels s")
+    p.add_argument("--sync-every", type=int, default=8,
+                   help="the -local rows (periodic averaging): local steps per sync")
+    p.add_argument("--outer", default="average",
+                   help="the -local rows' outer update: average, or OPTIMIZER:LR:MOMENTUM "
+                        "with OPTIMIZER sgd or nesterov (e.g. nesterov:0.7:0.9)")
     p.add_argument("--quick", action="store_true",
                    help="2 nodes, small model, 1 epoch, methods " + ",".join(QUICK_METHODS))
     p.add_argument("--epochs", type=int, default=None,
@@ -498,7 +530,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.servers = args.servers or args.nodes
     names = args.methods.split(",") if args.methods else list(
         QUICK_METHODS if args.quick else DEFAULT_METHODS)
-    methods = all_methods(args.topk_k, args.randomk_k, args.dithering_levels)
+    methods = all_methods(args.topk_k, args.randomk_k, args.dithering_levels,
+                          args.sync_every, args.outer)
     unknown = [n for n in names if n not in methods]
     if unknown:
         p.error(f"--methods: unknown {unknown}; choose from {','.join(methods)}")
@@ -564,7 +597,8 @@ def load_runs(path: Path, args: argparse.Namespace) -> tuple[list[Run], str]:
 
 def record_runs(record: dict, args: argparse.Namespace) -> list[Run]:
     """The runs of a saved JSON record (methods rebuilt with ``args``' k and levels)."""
-    methods = all_methods(args.topk_k, args.randomk_k, args.dithering_levels)
+    methods = all_methods(args.topk_k, args.randomk_k, args.dithering_levels,
+                          args.sync_every, args.outer)
     runs = []
     for saved in record["runs"]:
         method = Method(saved["method"], saved["label"], methods[saved["method"]].kind,
