@@ -44,7 +44,8 @@ DDP_MNIST = REPO / "bench" / "ddp_mnist.py"
 
 EF_NESTEROV = ("--ef", "vanilla", "--momentum", "nesterov")
 DEFAULT_METHODS = ("fp32", "fp16", "bf16", "onebit", "topk", "randomk", "dithering",
-                   "bytegrad", "powersgd", "powersgd2", "onebit-local", "topk-local",
+                   "bytegrad", "powersgd", "powersgd2", "onebit-stale", "topk-stale",
+                   "onebit-local", "topk-local",
                    "ddp", "ddp-fp16", "ddp-powersgd", "ddp-powersgd2")
 # bps PowerSGD as DDP's hook runs here: error feedback, warm start, PowerSGD from step 2
 POWERSGD = ("--ef", "vanilla", "--warmup-steps", "2")
@@ -53,6 +54,8 @@ QUICK_METHODS = ("fp32", "onebit", "ddp-powersgd")
 # moved by 0.2-0.5 points from epoch to epoch at commit 4a33125); a decayed one is what users
 # report. Every method, bps and DDP, gets the same schedule.
 DEFAULT_SCHEDULE = "cosine"
+# examples/mnist.py's flags of the trainer's modes, not of compression_params
+MODE_FLAGS = ("--staleness", "--sync-every", "--outer", "--outer-lr", "--outer-momentum")
 STARTUP_SECONDS = 25.0  # imports and rendezvous of every process on 2 cores, measured
 COMPUTE_SECONDS = 0.15  # one step of 4 nodes + 4 servers on 2 cores, measured unthrottled
 
@@ -67,6 +70,17 @@ class Method:
     kind: str  # "bps": examples/mnist.py through bps; "ddp": bench/ddp_mnist.py
     args: tuple[str, ...]
     wire: float
+
+    @property
+    def compression_args(self) -> list[str]:
+        """``args`` without the trainer's mode flags (each takes one value)."""
+        out, skip = [], False
+        for arg in self.args:
+            if skip or arg in MODE_FLAGS:
+                skip = not skip
+                continue
+            out.append(arg)
+        return out
 
     @property
     def compressed(self) -> bool:
@@ -119,6 +133,11 @@ def all_methods(topk: float = 0.01, randomk: float = 0.01, levels: int = 4,
                ("--compressor", "powersgd", "--rank", "1", *POWERSGD), 0.01),
         Method("powersgd2", "bps PowerSGD rank 2 + EF", "bps",
                ("--compressor", "powersgd", "--rank", "2", *POWERSGD), 0.02),
+        Method("onebit-stale", "bps onebit + EF + Nesterov, delayed update", "bps",
+               ("--compressor", "onebit", *EF_NESTEROV, "--staleness", "1"), 1 / 8),
+        Method("topk-stale", f"bps topk k={topk:g} + EF + Nesterov, delayed update", "bps",
+               ("--compressor", "topk", "--k", f"{topk:g}", *EF_NESTEROV, "--staleness", "1"),
+               8 * topk),
         Method("onebit-local", f"bps onebit + EF, local SGD {local_label}", "bps",
                ("--compressor", "onebit", "--ef", "vanilla", *local), 1 / 8 / sync_every),
         Method("topk-local", f"bps topk k={topk:g} + EF, local SGD {local_label}", "bps",
@@ -641,7 +660,7 @@ def warm_kernels(args: argparse.Namespace, methods: list[Method]) -> None:
     numel = args.compressed_partition_bytes // 4
     started = time.monotonic()
     for method in compressed:
-        params = {**compression_params(parse_compression_args(list(method.args))),
+        params = {**compression_params(parse_compression_args(method.compression_args)),
                   "mu": 0.9, "seed": args.seed + 1}
         if params.get("compressor") == "powersgd":  # torch matrix products: nothing to compile
             continue

@@ -62,6 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="micro-batches per step (backward_passes_per_step)")
     p.add_argument("--amp", choices=["none", "bf16", "fp16"], default="none",
                    help="autocast the forward pass (fp16 also scales the loss)")
+    p.add_argument("--staleness", type=int, default=0,
+                   help="1: each step applies the aggregate of the step before, whose "
+                        "push and pull overlap this step's forward and backward")
     p.add_argument("--sync-every", type=int, default=1,
                    help="periodic averaging: local steps per sync (1: every step)")
     p.add_argument("--outer", choices=["average", "sgd", "nesterov"], default="average",
@@ -73,7 +76,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def overlap_args(args: argparse.Namespace, params: dict | None) -> dict:
-    """The trainer's ``sync_every`` / ``outer`` keywords of the flags."""
+    """The trainer's ``staleness`` / ``sync_every`` / ``outer`` keywords of the flags."""
+    if args.staleness:
+        return {"staleness": args.staleness}
     if args.sync_every == 1:
         return {}
     outer = {"optimizer": args.outer}
