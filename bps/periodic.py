@@ -139,7 +139,7 @@ class PeriodicAveraging:
         self.trainer, self.every, self.spec = trainer, every, spec
         self.local = 0  # local steps taken since the last sync
         self.anchor = {s.name: s.param.detach().reshape(-1).float().clone()
-                       for s in trainer._slots}
+                       for s in trainer._pipe.slots}
         self.momentum = {name: torch.zeros_like(a) for name, a in self.anchor.items()} \
             if spec.momentum else {}
         rt = trainer._rt
@@ -175,7 +175,7 @@ class PeriodicAveraging:
             return False
         self.local = 0
         with torch.no_grad():
-            for slot in self.trainer._slots:
+            for slot in self.trainer._pipe.slots:
                 p = slot.param
                 delta = torch.sub(self.anchor[slot.name], p.detach().reshape(-1).float())
                 if p.grad is None or not p.grad.is_contiguous():
@@ -188,7 +188,7 @@ class PeriodicAveraging:
         ``.grad`` (every worker the same), or, for a round skipped everywhere (a
         non-finite delta), every worker back to the parameters of the last sync."""
         with torch.no_grad():
-            for slot in self.trainer._slots:
+            for slot in self.trainer._pipe.slots:
                 anchor = self.anchor[slot.name]
                 if applied:
                     avg = slot.param.grad.detach().reshape(-1).float()

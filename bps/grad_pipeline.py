@@ -1,0 +1,605 @@
+"""The per-parameter gradient pipeline: partition -> push -> pull -> broadcast.
+
+The one code path behind every front end (:class:`bps.DistributedTrainer`, the DDP
+communication hook :mod:`bps.ddp`): for each parameter the caller hands over a SOURCE
+tensor (what this rank contributes: ``.grad``, a DDP bucket's slice, a copy of
+``.grad``) and a DESTINATION tensor (where the average over every worker lands:
+``.grad`` again, the bucket's slice, a buffer of its own). Then:
+
+1. :meth:`GradPipeline.push` divides the source by the number of workers (flagging inf
+   and NaN in the same pass) and queues it;
+2. a reduce thread sums the node's shares into local rank 0 (in the ``comm_dtype``),
+   where each partition is pushed (compressed where planned) to its server, small
+   tensors fused into buckets (:mod:`bps.worker.planning` plans it all);
+3. a broadcast thread waits for the pulled aggregates, broadcasts them within the
+   node, writes the destination, applies the local Nesterov rule of raw parts and
+   calls the parameter's ``done`` callback (then ``on_step_done`` after the last one);
+4. :meth:`finish` (after :meth:`wait`) settles the step on every local rank: committed,
+   or, where a worker had a non-finite gradient, rolled back everywhere with NaN in
+   every destination; :meth:`end_step` counts it.
+
+Usage (one step; every local rank pushes every parameter once per step)::
+
+    >>> pipe = GradPipeline(bps.runtime.get(), validated_params,
+    ...                     [GradTensor(n, p) for n, p in model.named_parameters()],
+    ...                     lr=lambda group: optimizer.param_groups[group]["lr"])
+    >>> loss.backward()
+    >>> for i, (_, p) in enumerate(model.named_parameters()):
+    ...     pipe.push(i, source=p.grad, dest=p.grad.view(-1))   # in place, as the trainer
+    >>> pipe.wait()
+    >>> applied = pipe.finish() is None
+    >>> pipe.end_step(applied)
+
+The source is consumed: the pipeline divides it in place and may decode aggregates into
+it when it is a contiguous float32 CPU tensor on a node of one local rank, and it must
+not be written until the parameter's ``done`` callback ran. A one-step-delayed update
+pushes a copy of ``.grad`` and gives a destination of its own; the source may also be
+the destination (then it holds the average afterwards). ``dest`` is a contiguous flat
+tensor of the parameter's numel in any float dtype.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from bps.compressors.finite import FLOAT16_LIMIT, divide_checked, tensor_finite
+from bps.worker.engine import Skipped
+from bps.worker.planning import (
+    Bucket,
+    Part,
+    plan_batches,
+    plan_buckets,
+    plan_key_servers,
+    plan_tensor,
+)
+
+__all__ = ["COMM_DTYPES", "PARAM_DTYPES", "GradPipeline", "GradTensor", "Skipped"]
+
+log = logging.getLogger("bps")
+
+_STOP = object()
+COMM_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class _BucketSlice:
+    """A member's share of its bucket's aggregate, with a future's ``result``."""
+
+    def __init__(self, future: concurrent.futures.Future, offset: int, length: int) -> None:
+        self.future, self.offset, self.length = future, offset, length
+
+    def result(self, timeout: float | None = None) -> torch.Tensor | Skipped:
+        result = self.future.result(timeout)
+        if isinstance(result, Skipped):
+            return result
+        return result[self.offset:self.offset + self.length]
+
+
+def _forward(source: concurrent.futures.Future, target: concurrent.futures.Future) -> None:
+    """Settle ``target`` as ``source`` settles (unless ``target`` was cancelled)."""
+    def done(_: concurrent.futures.Future) -> None:
+        if target.done():
+            return
+        if source.cancelled():
+            target.cancel()
+        elif source.exception() is not None:
+            target.set_exception(source.exception())
+        else:
+            target.set_result(source.result())
+    source.add_done_callback(done)
+
+
+@dataclass
+class GradTensor:
+    """A tensor whose gradient the pipeline averages: ``param`` gives its shape, dtype and
+    device (its values are not read); ``group`` is handed to the ``lr`` callable."""
+
+    name: str
+    param: torch.Tensor
+    group: int = 0
+
+
+@dataclass
+class _Slot:
+    """One parameter and its communication state."""
+
+    name: str
+    param: torch.Tensor
+    group: int  # handed to lr(): the optimizer param group, for the learning rate
+    parts: list[Part]
+    send: torch.Tensor | None = None  # this rank's share, then the node's sum (local rank 0)
+    recv: torch.Tensor | None = None  # the averaged gradient, broadcast within the node
+    share: torch.Tensor | None = None  # what this step pushes: ``send`` or the source itself
+    dest: torch.Tensor | None = None  # where this step's average lands (flat)
+    done: Callable[[int], None] | None = None  # called once ``dest`` holds it
+    wire: torch.dtype = torch.float32  # dtype of its raw keys
+    local_momentum: torch.Tensor | None = None
+    momentum_next: torch.Tensor | None = None  # this step's local momentum, until applied
+    ready: bool = False  # pushed this step
+    nonfinite: bool = False  # this step's gradient has inf or NaN entries
+    skipped: Skipped | None = None  # the servers did not sum this step
+    futures: list = field(default_factory=list)
+
+
+class GradPipeline:
+    """Averages gradients over every worker through the parameter servers, per parameter.
+
+    Args:
+        rt: the process's :class:`bps.runtime.Runtime`.
+        params: validated compression_params (:func:`bps.config.validate_compression_params`)
+            with ``seed`` (and, with momentum, ``mu``) filled in.
+        tensors: the parameters, in model order (the same on every rank); their keys are
+            planned and declared here, in this order, on every rank alike.
+        lr: ``lr(group)``: the learning rate the chains get this step (error feedback's
+            ``lr_prev / lr_now``; servers get it through the push header).
+        rescale: the factor the local momentum of raw parts is multiplied by before this
+            step's gradient is added (a GradScaler's change of scale; 1 without one).
+        on_step_start: called with no argument at the first push of each step.
+        on_step_done: called on the broadcast thread once every parameter's destination
+            holds this step's average (before :meth:`finish`).
+        on_error: called with the exception where a background thread fails (after it
+            is recorded; :meth:`wait` then raises it).
+
+    Counters: ``step`` counts applied steps (warmup, local momentum), ``wire_step`` every
+    step (the step number the pushes carry); :meth:`end_step` advances them.
+    """
+
+    def __init__(self, rt, params: dict, tensors: list[GradTensor],
+                 lr: Callable[[int], float], rescale: Callable[[], float] | None = None,
+                 on_step_start: Callable[[], None] | None = None,
+                 on_step_done: Callable[[], None] | None = None,
+                 on_error: Callable[[BaseException], None] | None = None) -> None:
+        self._rt = rt
+        self.params = params
+        self._lr = lr
+        self._rescale = rescale or (lambda: 1.0)
+        self.on_step_start = on_step_start
+        self.on_step_done = on_step_done
+        self.on_error = on_error
+        self.wire_dtype = COMM_DTYPES[params["comm_dtype"]]
+        self.step = 0  # steps applied
+        self.wire_step = 0  # steps attempted: the step number the pushes carry
+        self.started = False  # a push of this step happened
+        self._error: BaseException | None = None
+        self._done = 0
+        self._cond = threading.Condition()
+        self._tracer = rt.tracer
+        self.buckets: list[Bucket] = []
+        self.slots = self._build_slots(tensors)
+        self._order = list(reversed(range(len(self.slots))))  # roughly backward order
+        # Own channels: several pipelines in one process must not interleave collectives.
+        self._reduce_ch = rt.group.channel(rt.unique_name("reduce"))
+        self._bcast_ch = rt.group.channel(rt.unique_name("broadcast"))
+        self._flag_ch = rt.group.channel(rt.unique_name("flags"))
+        self._reduce_q: queue.Queue = queue.Queue()
+        self._bcast_q: queue.Queue = queue.Queue()
+        self._threads = [
+            threading.Thread(target=self._guarded, args=(self._reduce_loop,), daemon=True,
+                             name="bps-reduce"),
+            threading.Thread(target=self._guarded, args=(self._broadcast_loop,), daemon=True,
+                             name="bps-broadcast"),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    # -- construction ----------------------------------------------------------------
+
+    def _build_slots(self, tensors: list[GradTensor]) -> list[_Slot]:
+        """A slot per tensor; its keys planned (:mod:`bps.worker.planning`) and declared
+        with their servers."""
+        slots, keys = [], []
+        small: dict[int, Part] = {}  # slot index -> its only part, raw and under the bound
+        rt = self._rt
+        node_dtype = self.wire_dtype if rt.local_size > 1 else torch.float32
+        for tensor in tensors:
+            name, p = tensor.name, tensor.param
+            if p.dtype not in PARAM_DTYPES:
+                raise TypeError(f"parameter {name!r} is {p.dtype}: bps trains float32, "
+                                "float16 and bfloat16 parameters")
+            # raw keys travel in 16 bits with fp16 on (bfloat16 parameters in their own
+            # dtype, for its range), else in float32; compressed keys, and their chains'
+            # error and momentum buffers, are float32 whatever the parameter's dtype
+            half = self.wire_dtype == torch.float16
+            wire = p.dtype if p.dtype == torch.bfloat16 and half else self.wire_dtype
+            parts, tensor_keys, alone = plan_tensor(name, p.numel(), self.params, wire,
+                                                    rt.env.partition_bytes, tuple(p.shape))
+            keys += tensor_keys
+            if alone is not None:
+                small[len(slots)] = alone
+            slot = _Slot(name, p, tensor.group, parts, wire=wire)
+            if rt.local_size > 1:
+                node = wire if node_dtype != torch.float32 else node_dtype
+                slot.send = torch.zeros(p.numel(), dtype=node, device=p.device)
+                slot.recv = torch.zeros(p.numel(), dtype=node, device=p.device)
+            if self.params["momentum"] is not None:
+                slot.local_momentum = torch.zeros(p.numel(), dtype=torch.float32,
+                                                  device=p.device)
+                slot.momentum_next = torch.zeros_like(slot.local_momentum)
+            slots.append(slot)
+        for wire in dict.fromkeys(s.wire for s in slots):  # buckets hold one dtype each
+            mine = {i: part for i, part in small.items() if slots[i].wire == wire}
+            bucket_keys, buckets = plan_buckets([s.name for s in slots], mine, wire,
+                                                rt.env.partition_bytes)
+            keys += bucket_keys
+            self.buckets += buckets
+        keys, batches = plan_batches(keys)  # powersgd: same-shape matrices on one key
+        self.buckets += batches
+        engine = rt.engine
+        servers = plan_key_servers(keys, engine.num_servers) if engine else [None] * len(keys)
+        for plan, server in zip(keys, servers, strict=True):
+            key = rt.allocate_keys(1)
+            if engine is not None:
+                engine.declare(key, plan.numel, plan.dtype, plan.params, name=plan.name,
+                               server=server)
+            setattr(plan.part, plan.field, key)
+        return slots
+
+    # -- pushing -----------------------------------------------------------------------
+
+    @property
+    def raw_bytes(self) -> int:
+        """Bytes one step's gradients take uncompressed in float32."""
+        return sum(s.param.numel() * 4 for s in self.slots)
+
+    def pushed(self, index: int) -> bool:
+        """Whether parameter ``index`` was pushed this step."""
+        return self.slots[index].ready
+
+    def pending(self) -> list[int]:
+        """The parameters not pushed yet this step."""
+        return [i for i, s in enumerate(self.slots) if not s.ready]
+
+    def push(self, index: int, source: torch.Tensor | None, dest: torch.Tensor,
+             joined: bool = False, done: Callable[[int], None] | None = None) -> None:
+        """Hand over parameter ``index``'s contribution for this step.
+
+        ``source``: this rank's gradient (any shape, the parameter's numel; None: zeros),
+        consumed (see the module's docs). ``dest``: a contiguous flat tensor of the same
+        numel that receives the average over every worker (may be ``source``'s memory).
+        ``joined``: this rank has no data (``join()``): a ``zero`` marker travels, no
+        chain runs, nothing is added. ``done(index)`` runs on the broadcast thread once
+        ``dest`` holds the average (the step may still be skipped: :meth:`finish`)."""
+        slot = self.slots[index]
+        if slot.ready:
+            raise RuntimeError(f"gradient of {slot.name!r} pushed twice in one step")
+        if dest.numel() != slot.param.numel() or not dest.is_contiguous():
+            raise ValueError(f"dest of {slot.name!r} must be a contiguous tensor of "
+                             f"{slot.param.numel()} elements")
+        slot.ready = True
+        slot.dest, slot.done = dest.view(-1), done
+        if self._tracer is not None:
+            self._tracer.instant("ready", slot.name, self.step)
+        if not self.started:
+            self.started = True
+            if self.on_step_start is not None:
+                self.on_step_start()
+        grad = None if joined else source
+        slot.nonfinite = False
+        size = self._rt.size
+        with torch.no_grad():
+            if joined:
+                slot.share = None  # pushes zero markers
+            elif self._rt.local_size == 1 and grad is not None and grad.is_contiguous() \
+                    and grad.dtype == torch.float32 and not grad.is_cuda:
+                # A lone local rank pushes straight from the source: each partition's
+                # result arrives (and may overwrite it) only after that partition was sent.
+                flat = grad.detach().view(-1)
+                slot.nonfinite = not divide_checked(flat.numpy(), size, self._limit(slot))
+                slot.share = flat
+            else:
+                if slot.send is None:
+                    slot.send = torch.empty(slot.param.numel(), dtype=torch.float32,
+                                            device=slot.param.device)
+                if grad is None:
+                    slot.send.zero_()
+                elif self._rt.local_size > 1:
+                    # the node's root checks the node's sum, which any inf or NaN reaches
+                    if slot.send.dtype == grad.dtype:
+                        torch.div(grad.detach().reshape(-1), size, out=slot.send)
+                    else:  # divide in float32 first, so the fp16 copy cannot overflow
+                        slot.send.copy_(grad.detach().reshape(-1).float().div(size))
+                elif grad.is_cuda:
+                    slot.send.copy_(grad.detach().reshape(-1)).div_(size)
+                    slot.nonfinite = not tensor_finite(slot.send, self._limit(slot))
+                elif grad.dtype == torch.float32 and grad.is_contiguous():
+                    slot.nonfinite = not divide_checked(
+                        grad.detach().view(-1).numpy(), size, self._limit(slot),
+                        slot.send.numpy())
+                else:  # float16/bfloat16 (or strided): widen, then divide in float32
+                    slot.send.copy_(grad.detach().reshape(-1))
+                    slot.nonfinite = not divide_checked(slot.send.numpy(), size,
+                                                        self._limit(slot))
+                slot.share = slot.send
+        self._reduce_q.put(index)
+
+    def _limit(self, slot: _Slot) -> np.float32:
+        """The magnitude this step's gradient must stay under: float16's range where a
+        part travels raw in float16 (beyond it the wire would carry inf), else inf."""
+        if slot.wire == torch.float16:
+            warm = self.step < self.params["warmup_steps"]
+            if any(p.compressed_key is None or warm for p in slot.parts):
+                return np.float32(FLOAT16_LIMIT)
+        return np.float32(np.inf)
+
+    def _guarded(self, loop) -> None:
+        try:
+            loop()
+        except BaseException as exc:  # noqa: BLE001 - reported by wait()
+            with self._cond:
+                self._error = exc
+                self._cond.notify_all()
+            if self.on_error is not None:
+                self.on_error(exc)
+
+    def _reduce_loop(self) -> None:
+        # With several local ranks the collectives must be issued in the same order on
+        # all of them: parameters go through in a fixed order (self._order).
+        ordered = self._rt.local_size > 1
+        waiting: set[int] = set()
+        position = 0
+        while True:
+            item = self._reduce_q.get()
+            if item is _STOP:
+                return
+            if not ordered:
+                self._reduce_and_push(item)
+                continue
+            waiting.add(item)
+            while position < len(self._order) and self._order[position] in waiting:
+                index = self._order[position]
+                waiting.discard(index)
+                self._reduce_and_push(index)
+                position += 1
+            if position == len(self._order):
+                position = 0
+
+    def _reduce_and_push(self, index: int) -> None:
+        slot = self.slots[index]
+        if slot.share is not None:
+            self._reduce_ch.reduce(slot.share)
+        engine = self._rt.engine
+        if engine is not None:
+            lr = float(self._lr(slot.group))
+            warm = self.step < self.params["warmup_steps"]
+            if slot.share is None:
+                mark = "zero"
+            else:
+                share = slot.share.cpu() if slot.share.is_cuda else slot.share
+                if self._rt.local_size > 1:  # the node's sum: every local rank's inf is in it
+                    slot.nonfinite = not tensor_finite(share, self._limit(slot))
+                mark = "nonfinite" if slot.nonfinite else None
+            slot.futures = []
+            for part in slot.parts:
+                piece = None if mark else share[part.offset:part.offset + part.length]
+                if part.bucket is not None and not (warm and part.raw_key is not None):
+                    slot.futures.append(self._fuse(part, piece, lr, -index, mark, slot.name))
+                    continue
+                compressed = part.compressed_key is not None and not warm
+                key = part.compressed_key if compressed else part.raw_key
+                if mark:
+                    slot.futures.append(engine.push_pull(key, None, self.wire_step, lr,
+                                                         priority=-index, mark=mark,
+                                                         what=slot.name))
+                    continue
+                # No copy where the dtype already fits: ``share`` is not written again
+                # before this step's futures resolved.
+                out = None
+                if compressed:
+                    tensor = self._converted(part, piece, torch.float32)
+                    if self._rt.local_size == 1:  # decoded straight into the share
+                        out = tensor
+                else:
+                    tensor = self._converted(part, piece, slot.wire)
+                slot.futures.append(engine.push_pull(key, tensor, self.wire_step, lr,
+                                                     priority=-index, out=out))
+        self._bcast_q.put(index)
+
+    def _fuse(self, part: Part, piece: torch.Tensor | None, lr: float, priority: int,
+              mark: str | None, name: str) -> _BucketSlice:
+        """Copy ``piece`` into its bucket; the last member of the step pushes the bucket
+        (a marker instead where a member has one: non-finite first, zero only where
+        every member is zero). Returns the member's share of the aggregate. Runs on the
+        reduce thread only."""
+        bucket = part.bucket
+        if bucket.arrived == 0:
+            bucket.future = concurrent.futures.Future()
+            bucket.mark = None
+        if mark is None:
+            bucket.buffer[part.bucket_offset:part.bucket_offset + part.length].copy_(piece)
+        if mark is not None and (bucket.mark is None or bucket.mark[0] != "nonfinite"):
+            bucket.mark = (mark, name)  # a joined worker marks every member zero
+        bucket.arrived += 1
+        share = _BucketSlice(bucket.future, part.bucket_offset, part.length)
+        if bucket.arrived == bucket.members:
+            bucket.arrived = 0
+            engine = self._rt.engine
+            if bucket.mark is not None:
+                future = engine.push_pull(bucket.key, None, self.wire_step, lr,
+                                          priority=priority, mark=bucket.mark[0],
+                                          what=bucket.mark[1])
+            else:
+                future = engine.push_pull(bucket.key, bucket.buffer, self.wire_step, lr,
+                                          priority=priority)
+            _forward(future, bucket.future)
+        return share
+
+    @staticmethod
+    def _converted(part: Part, piece: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``piece`` in ``dtype``: itself, or a copy in the part's own buffer. The buffer is
+        free again, as the last step's push of this part has completed; a fresh tensor
+        every step would cost a page fault per 4 KiB."""
+        if piece.dtype == dtype:
+            return piece
+        if part.converted is None or part.converted.dtype != dtype:
+            part.converted = torch.empty(part.length, dtype=dtype)
+        return part.converted.copy_(piece)
+
+    def _broadcast_loop(self) -> None:
+        timeout = self._rt.env.timeout * 2
+        while True:
+            index = self._bcast_q.get()
+            if index is _STOP:
+                return
+            slot = self.slots[index]
+            slot.skipped = None
+            # A lone local rank writes the aggregates straight into dest (one copy less).
+            dest = slot.dest if self._rt.local_size == 1 else slot.recv
+            if self._rt.engine is not None:
+                for part, fut in zip(slot.parts, slot.futures, strict=True):
+                    try:
+                        result = fut.result(timeout=timeout)
+                    except TimeoutError:
+                        raise TimeoutError(f"no aggregate for {slot.name!r} (offset "
+                                           f"{part.offset}) within {timeout:g}s") from None
+                    if isinstance(result, Skipped):  # this step is applied nowhere
+                        slot.skipped = slot.skipped or result
+                        continue
+                    target = dest[part.offset:part.offset + part.length]
+                    if result.data_ptr() != target.data_ptr():
+                        target.copy_(result)
+                slot.futures = []
+            if dest is slot.recv:
+                self._bcast_ch.broadcast(slot.recv)
+                dest = slot.dest
+                dest.copy_(slot.recv)
+            self._apply_local_momentum(slot, dest)
+            if slot.done is not None:
+                slot.done(index)
+            with self._cond:
+                self._done += 1
+                last = self._done == len(self.slots)
+                self._cond.notify_all()
+            if last and self.on_step_done is not None:
+                self.on_step_done()
+
+    def _apply_local_momentum(self, slot: _Slot, grad: torch.Tensor) -> None:
+        """Tensors that travel uncompressed get the chain's Nesterov rule here, into the
+        second buffer: it becomes the momentum when the step is applied."""
+        if slot.local_momentum is None or slot.skipped is not None:
+            return
+        mu = self.params["mu"]
+        warm = self.step < self.params["warmup_steps"]
+        rescale = self._rescale()
+        for part in slot.parts:
+            if part.compressed_key is not None and not warm:
+                continue
+            g = grad[part.offset:part.offset + part.length]
+            m = slot.local_momentum[part.offset:part.offset + part.length]
+            m_next = slot.momentum_next[part.offset:part.offset + part.length]
+            torch.mul(m, mu, out=m_next)
+            if rescale != 1.0:  # a GradScaler's new scale: the momentum follows it
+                m_next.mul_(rescale)
+            m_next.add_(g)
+            g.add_(m_next * mu)
+
+    # -- settling a step -----------------------------------------------------------------
+
+    def raise_pending_error(self) -> None:
+        """Raise what a background thread failed with, if anything."""
+        if self._error is not None:
+            raise RuntimeError(f"bps communication failed: {self._error}") from self._error
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every parameter pushed this step has its average in ``dest``
+        (``timeout``: seconds, default twice ``BPS_TIMEOUT``; then TimeoutError naming
+        what is still in flight). Every parameter must have been pushed."""
+        timeout = self._rt.env.timeout * 2 if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._done < len(self.slots) and self._error is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = [s.name for s in self.slots if s.futures or not s.ready]
+                    raise TimeoutError(f"step {self.step}: gradients still in flight after "
+                                       f"{timeout:g}s: {missing[:5]}")
+                self._cond.wait(left)
+        self.raise_pending_error()
+
+    def finish(self) -> Skipped | None:
+        """Settle the step once every destination is written (after :meth:`wait`, or in
+        ``on_step_done``), on every local rank alike: None where it is applied (the
+        local momentum of this step becomes current); else why not. A non-finite
+        gradient on any worker returns every chain, on workers and servers, to its state
+        before the step and fills every destination with NaN."""
+        skips = [s.skipped for s in self.slots if s.skipped is not None]
+        skip = next((s for s in skips if s.reason == "nonfinite"), skips[0] if skips else None)
+        if self._rt.local_size > 1:
+            skip = self._share_skip(skip)
+        if skip is None:
+            for slot in self.slots:  # the local momentum of this step becomes current
+                if slot.local_momentum is not None:
+                    slot.local_momentum, slot.momentum_next = (slot.momentum_next,
+                                                               slot.local_momentum)
+        elif skip.reason == "nonfinite":
+            if self._rt.engine is not None:
+                self._rt.engine.rollback(self.wire_step, self.compressed_keys())
+            with torch.no_grad():
+                for slot in self.slots:
+                    if slot.dest is not None:
+                        slot.dest.fill_(float("nan"))
+        return skip
+
+    def _share_skip(self, skip: Skipped | None) -> Skipped | None:
+        """The node root's verdict on this step, for every local rank."""
+        names = [s.name for s in self.slots]
+        flag = torch.zeros(3, dtype=torch.float64)
+        if self._rt.local_rank == 0 and skip is not None:
+            flag[0] = 1 if skip.reason == "nonfinite" else 2
+            flag[1] = skip.node
+            flag[2] = names.index(skip.what) if skip.what in names else -1
+        self._flag_ch.broadcast(flag)
+        if flag[0] == 0:
+            return None
+        if self._rt.local_rank == 0:
+            return skip
+        what = names[int(flag[2])] if flag[2] >= 0 else ""
+        return Skipped("nonfinite" if flag[0] == 1 else "zero", int(flag[1]), what, "")
+
+    def end_step(self, applied: bool) -> None:
+        """Count the step (``applied``: also as an applied step) and get ready for the next."""
+        for slot in self.slots:
+            slot.ready, slot.skipped, slot.dest, slot.done = False, None, None, None
+        self.started = False
+        with self._cond:
+            self._done = 0
+        self.wire_step += 1
+        if applied:
+            self.step += 1
+
+    # -- state ---------------------------------------------------------------------------
+
+    def momentum_state(self) -> dict:
+        """The local momentum buffers of raw parts, by parameter name."""
+        return {s.name: s.local_momentum.clone() for s in self.slots
+                if s.local_momentum is not None}
+
+    def load_momentum_state(self, state: dict) -> None:
+        for slot in self.slots:
+            if slot.local_momentum is not None:
+                if slot.name not in state:
+                    raise KeyError(f"state_dict has no momentum buffer for {slot.name!r}")
+                slot.local_momentum.copy_(state[slot.name])
+
+    def compressed_keys(self) -> list[int]:
+        """Every compressed key of these parameters."""
+        return [part.compressed_key for slot in self.slots for part in slot.parts
+                if part.compressed_key is not None]
+
+    def close(self) -> None:
+        """Stop the background threads."""
+        self._reduce_q.put(_STOP)
+        self._bcast_q.put(_STOP)
+        for bucket in self.buckets:  # a step left unfinished: members wait on no push
+            if bucket.future is not None:
+                bucket.future.cancel()
+        for thread in self._threads:
+            thread.join(timeout=5)
