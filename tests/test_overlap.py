@@ -110,7 +110,7 @@ def launch(cfg: dict, tmp: Path, env: dict | None = None,
     cfg = {"shapes": SHAPES, **cfg, "out": str(tmp)}
     cmd = [BPSLAUNCH, "local", "--workers", str(NODES), "--servers", "2", "--",
            sys.executable, __file__, json.dumps(cfg)]
-    full_env = {**os.environ, "BPS_TIMEOUT": "20", "BYTEPS_PARTITION_BYTES": "400",
+    full_env = {**os.environ, "BPS_TIMEOUT": "60", "BYTEPS_PARTITION_BYTES": "400",
                 "BPS_JOB_SEED": "4242", **(env or {})}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -139,7 +139,7 @@ class RefPipeline:
 
         self.shapes, self.nodes = shapes, nodes
         self.compressed = params.get("compressor") is not None
-        self.mu = params.get("mu") if params.get("momentum") else None
+        self.mu = params.get("mu", MOMENTUM) if params.get("momentum") else None
         numel = int(np.prod(shapes["big"]))
         self.parts = [(o, min(PARTITION, numel - o)) for o in range(0, numel, PARTITION)]
         if self.compressed:
@@ -243,22 +243,58 @@ PERIODIC = {
 }
 
 
-def periodic_runs() -> list[dict]:
+def simulate_stale(params: dict, shapes: dict = SHAPES) -> dict:
+    """Step t pushes the shares of the gradients at w_t through the pipeline with step
+    t's lr and applies the aggregate of step t-1 (nothing at step 0) with step t's lr;
+    the optimizer's momentum where the chain has none."""
+    f32 = np.float32
+    w = initial_params(0, shapes)
+    goals = [targets(r, shapes) for r in range(NODES)]
+    pipe = RefPipeline(params, NODES, shapes)
+    bufs = {n: None for n in shapes}
+    pending = None
+    for lr in LRS:
+        shares = [{n: ((w[n] - goals[r][n]).astype(f32) / f32(NODES)).astype(f32)
+                   for n in shapes} for r in range(NODES)]
+        aggregate = pipe.aggregate(shares, lr)
+        if pending is not None:
+            for n in shapes:
+                if params.get("momentum"):  # moved into the chain: plain SGD
+                    w[n] = (w[n] - f32(lr) * pending[n]).astype(f32)
+                else:
+                    w[n], bufs[n] = sgd_momentum(w[n], pending[n], bufs[n], lr)
+        pending = aggregate
+    return w
+
+
+STALE = {
+    "onebit": {**SIM_CASES["onebit"], **EF, "momentum": "nesterov"},
+    "topk": {**SIM_CASES["topk"], **EF, "momentum": "nesterov"},
+    "randomk": {**SIM_CASES["randomk"], **EF},  # the optimizer keeps its momentum
+    "dithering": {**SIM_CASES["dithering"], **EF, "momentum": "nesterov"},
+    "raw": {"fp16": False, "momentum": "nesterov"},
+}
+
+
+def overlap_runs() -> list[dict]:
     return [{"tag": f"periodic-{name}", "params": params,
              "mode": {"sync_every": every, "outer": outer}}
-            for name, (params, every, outer) in PERIODIC.items()]
+            for name, (params, every, outer) in PERIODIC.items()] + \
+        [{"tag": f"stale-{name}", "params": params, "mode": {"staleness": 1}}
+         for name, params in STALE.items()]
 
 
-def test_periodic_averaging_matches_simulation_and_resumes_mid_round(tmp_path):
+def test_overlap_modes_match_simulation_and_resume_exactly(tmp_path):
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     whole.mkdir()
     resumed.mkdir()
     # the resumed runs come first in both launches, so their keys are numbered alike;
-    # step 4 of H = 3 is one local step into the second round
+    # step 4 of H = 3 is one local step into the second round; after step 4 with
+    # staleness=1 step 3's aggregate is in flight
     resume = [{**run, "tag": f"{run['tag']}-resume", "save_at": 4}
-              for run in periodic_runs() if run["tag"] in ("periodic-randomk",
-                                                           "periodic-onebit")]
-    result = launch({"runs": resume + periodic_runs()}, whole)
+              for run in overlap_runs() if run["tag"] in (
+                  "periodic-onebit", "periodic-randomk", "stale-randomk", "stale-onebit")]
+    result = launch({"runs": resume + overlap_runs()}, whole)
     assert result.returncode == 0, result.stdout[-3000:]
     for r in range(NODES):
         for run in resume:
@@ -269,8 +305,17 @@ def test_periodic_averaging_matches_simulation_and_resumes_mid_round(tmp_path):
                     env={"BPS_JOB_SEED": "999"})
     assert result.returncode == 0, result.stdout[-3000:]
     reports = [json.loads((whole / f"report{r}.json").read_text()) for r in range(NODES)]
-    for run in periodic_runs():
+    for run in overlap_runs():
         tag = run["tag"]
+        if tag.startswith("stale-"):
+            expected = simulate_stale(run["params"])
+            for r in range(NODES):
+                final = load_params(whole, tag, r)
+                for n in expected:
+                    np.testing.assert_array_equal(final[n], expected[n],
+                                                  err_msg=f"{tag} rank {r}: {n}")
+                assert reports[r][tag]["applied"] == [s > 0 for s in range(len(LRS))]
+            continue
         params, every, outer = PERIODIC[tag.removeprefix("periodic-")]
         expected = simulate_periodic(params, every, outer)
         for r in range(NODES):
@@ -307,7 +352,10 @@ def test_bad_overlap_arguments_fail_in_the_constructor_naming_them():
            ({"sync_every": 2, "outer": {"optimizer": "average", "lr": 0.5}}, "'average'"),
            ({"sync_every": 2, "outer": "nesterov"}, "outer='nesterov'"),
            ({"sync_every": 2, "compression_params": {"momentum": "nesterov"}},
-            "compression_params['mu']")]
+            "compression_params['mu']"),
+           ({"staleness": 2}, "staleness=2"), ({"staleness": -1}, "staleness=-1"),
+           ({"staleness": 1.0}, "staleness=1.0"),
+           ({"staleness": 1, "sync_every": 4}, "staleness=1 with sync_every=4")]
     for kwargs, expected in bad:
         params = kwargs.pop("compression_params", None)
         with pytest.raises((ValueError, TypeError)) as info:
