@@ -138,6 +138,7 @@ class PeriodicAveraging:
     def __init__(self, trainer: DistributedTrainer, every: int, spec: OuterSpec) -> None:
         self.trainer, self.every, self.spec = trainer, every, spec
         self.local = 0  # local steps taken since the last sync
+        self.syncing = False  # between local_step() returning True and apply()
         self.anchor = {s.name: s.param.detach().reshape(-1).float().clone()
                        for s in trainer._pipe.slots}
         self.momentum = {name: torch.zeros_like(a) for name, a in self.anchor.items()} \
@@ -174,6 +175,7 @@ class PeriodicAveraging:
         if self.local < self.every:
             return False
         self.local = 0
+        self.syncing = True
         with torch.no_grad():
             for slot in self.trainer._pipe.slots:
                 p = slot.param
@@ -187,6 +189,7 @@ class PeriodicAveraging:
         """After the sync's ``synchronize()``: the outer update from the averaged delta in
         ``.grad`` (every worker the same), or, for a round skipped everywhere (a
         non-finite delta), every worker back to the parameters of the last sync."""
+        self.syncing = False
         with torch.no_grad():
             for slot in self.trainer._pipe.slots:
                 anchor = self.anchor[slot.name]

@@ -286,6 +286,9 @@ class DistributedTrainer:
         if self._delayed is not None:
             raise RuntimeError("synchronize() has no step to wait for with staleness=1: "
                                "step() applies the aggregate of the step before")
+        if self._periodic is not None and not self._periodic.syncing:
+            raise RuntimeError("synchronize() is not for sync_every > 1: step() syncs the "
+                               "parameters every sync_every steps")
         if self._synced is not None:
             return self._synced
         for index in self._pipe.pending():  # no gradient this step (unused): push zeros

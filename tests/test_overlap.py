@@ -67,7 +67,16 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
         model.load_state_dict(checkpoint["model"])
         trainer.load_state_dict(checkpoint["trainer"])
     goal = {name: torch.from_numpy(t) for name, t in targets(rank, shapes).items()}
-    report = {"bytes": [], "applied": []}
+    report = {"bytes": [], "applied": [], "refused": []}
+    try:  # neither mode has a step for synchronize() to wait for, nor runs join()
+        trainer.synchronize()
+    except RuntimeError as exc:
+        report["refused"].append(str(exc))
+    try:
+        with trainer.join():
+            pass
+    except NotImplementedError as exc:
+        report["refused"].append(str(exc))
     for step in range(start, run.get("stop", len(LRS))):
         for group in optimizer.param_groups:
             group["lr"] = LRS[step]
@@ -307,6 +316,9 @@ def test_overlap_modes_match_simulation_and_resume_exactly(tmp_path):
     reports = [json.loads((whole / f"report{r}.json").read_text()) for r in range(NODES)]
     for run in overlap_runs():
         tag = run["tag"]
+        sync, join = reports[0][tag]["refused"]
+        assert "synchronize()" in sync and ("staleness=1" in sync or "sync_every" in sync)
+        assert "join()" in join, join
         if tag.startswith("stale-"):
             expected = simulate_stale(run["params"])
             for r in range(NODES):
