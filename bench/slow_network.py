@@ -44,8 +44,9 @@ DDP_MNIST = REPO / "bench" / "ddp_mnist.py"
 
 EF_NESTEROV = ("--ef", "vanilla", "--momentum", "nesterov")
 DEFAULT_METHODS = ("fp32", "fp16", "bf16", "onebit", "topk", "randomk", "dithering",
-                   "bytegrad", "powersgd", "powersgd2", "ddp", "ddp-fp16", "ddp-powersgd",
-                   "ddp-powersgd2")
+                   "bytegrad", "powersgd", "powersgd2", "onebit-stale", "topk-stale",
+                   "onebit-local", "topk-local",
+                   "ddp", "ddp-fp16", "ddp-powersgd", "ddp-powersgd2")
 # bps PowerSGD as DDP's hook runs here: error feedback, warm start, PowerSGD from step 2
 POWERSGD = ("--ef", "vanilla", "--warmup-steps", "2")
 QUICK_METHODS = ("fp32", "onebit", "ddp-powersgd")
@@ -53,6 +54,8 @@ QUICK_METHODS = ("fp32", "onebit", "ddp-powersgd")
 # moved by 0.2-0.5 points from epoch to epoch at commit 4a33125); a decayed one is what users
 # report. Every method, bps and DDP, gets the same schedule.
 DEFAULT_SCHEDULE = "cosine"
+# examples/mnist.py's flags of the trainer's modes, not of compression_params
+MODE_FLAGS = ("--staleness", "--sync-every", "--outer", "--outer-lr", "--outer-momentum")
 STARTUP_SECONDS = 25.0  # imports and rendezvous of every process on 2 cores, measured
 COMPUTE_SECONDS = 0.15  # one step of 4 nodes + 4 servers on 2 cores, measured unthrottled
 
@@ -69,6 +72,17 @@ class Method:
     wire: float
 
     @property
+    def compression_args(self) -> list[str]:
+        """``args`` without the trainer's mode flags (each takes one value)."""
+        out, skip = [], False
+        for arg in self.args:
+            if skip or arg in MODE_FLAGS:
+                skip = not skip
+                continue
+            out.append(arg)
+        return out
+
+    @property
     def compressed(self) -> bool:
         return self.kind == "bps" and self.args[:2] != ("--compressor", "none")
 
@@ -81,8 +95,24 @@ class Method:
         return self.wire * params * ring
 
 
-def all_methods(topk: float = 0.01, randomk: float = 0.01, levels: int = 4) -> dict:
-    """Every method the runner knows, by name; ``topk``/``randomk``: k, ``levels``: dithering."""
+def periodic_args(sync_every: int, outer: str) -> tuple[str, ...]:
+    """examples/mnist.py's flags of periodic averaging: ``outer`` is ``average`` or
+    ``OPTIMIZER:LR:MOMENTUM`` (e.g. ``nesterov:0.7:0.9``)."""
+    name, *values = outer.split(":")
+    flags = ("--sync-every", str(sync_every), "--outer", name)
+    if values:
+        flags += ("--outer-lr", values[0])
+    if len(values) > 1:
+        flags += ("--outer-momentum", values[1])
+    return flags
+
+
+def all_methods(topk: float = 0.01, randomk: float = 0.01, levels: int = 4,
+                sync_every: int = 8, outer: str = "average") -> dict:
+    """Every method the runner knows, by name; ``topk``/``randomk``: k, ``levels``: dithering;
+    ``sync_every`` / ``outer``: the ``-local`` rows (periodic averaging)."""
+    local = periodic_args(sync_every, outer)
+    local_label = f"H={sync_every}, {outer}"
     return {m.name: m for m in (
         Method("fp32", "bps uncompressed (fp32)", "bps", ("--compressor", "none", "--no-fp16"),
                4),
@@ -103,6 +133,18 @@ def all_methods(topk: float = 0.01, randomk: float = 0.01, levels: int = 4) -> d
                ("--compressor", "powersgd", "--rank", "1", *POWERSGD), 0.01),
         Method("powersgd2", "bps PowerSGD rank 2 + EF", "bps",
                ("--compressor", "powersgd", "--rank", "2", *POWERSGD), 0.02),
+        Method("onebit-stale", "bps onebit + EF + Nesterov, delayed update", "bps",
+               ("--compressor", "onebit", *EF_NESTEROV, "--staleness", "1"), 1 / 8),
+        Method("topk-stale", f"bps topk k={topk:g} + EF + Nesterov, delayed update", "bps",
+               ("--compressor", "topk", "--k", f"{topk:g}", *EF_NESTEROV, "--staleness", "1"),
+               8 * topk),
+        Method("onebit-local", f"bps onebit + EF, local SGD {local_label}", "bps",
+               ("--compressor", "onebit", "--ef", "vanilla", *local), 1 / 8 / sync_every),
+        Method("topk-local", f"bps topk k={topk:g} + EF, local SGD {local_label}", "bps",
+               ("--compressor", "topk", "--k", f"{topk:g}", "--ef", "vanilla", *local),
+               8 * topk / sync_every),
+        Method("fp32-local", f"bps fp32, local SGD {local_label}", "bps",
+               ("--compressor", "none", "--no-fp16", *local), 4 / sync_every),
         Method("ddp", "DDP allreduce (gloo)", "ddp", ("--hook", "none"), 4),
         Method("ddp-fp16", "DDP fp16 hook", "ddp", ("--hook", "fp16"), 2),
         Method("ddp-powersgd", "DDP PowerSGD hook, rank 1", "ddp",
@@ -132,9 +174,13 @@ class Run:
 
     @property
     def step_time(self) -> float:
-        """Median step time; the first steps (connection setup, warm-up) left out."""
+        """Median step time; the first steps (connection setup, warm-up) left out. With
+        periodic averaging the mean (a sync step costs more than the local ones)."""
         times = self.step_times[min(5, len(self.step_times) // 5):]
-        return statistics.median(times) if times else math.nan
+        if not times:
+            return math.nan
+        periodic = "--sync-every" in self.method.args
+        return statistics.mean(times) if periodic else statistics.median(times)
 
     @property
     def epochs(self) -> list[dict]:
@@ -322,10 +368,12 @@ def summarise(runs: list[Run], fp32: Run | None = None) -> tuple[float, list[dic
     return target, [r.row(target, reference) for r in runs]
 
 
-PEER_GOAL = 1.5  # the goal: bps's best reaches the target this much sooner than PowerSGD
+# the goal: bps's best reaches the target this much sooner than DDP + PowerSGD, by link
+PEER_GOALS = {"100mbit": 2.0, "20mbit": 3.0}
+PEER_GOAL = 1.5  # other links
 
 
-def peer_comparison(runs: list[Run], target: float) -> str | None:
+def peer_comparison(runs: list[Run], target: float, rate: str = "") -> str | None:
     """The sentence reporting bps's best method against DDP + PowerSGD (time to target),
     or None where the table has no PowerSGD run or no bps run that finished."""
     powersgd = next((r for r in runs if r.ok and r.method.name == "ddp-powersgd"), None)
@@ -340,9 +388,10 @@ def peer_comparison(runs: list[Run], target: float) -> str | None:
         return (f"against DDP + PowerSGD: {best.method.label} reached the target in "
                 f"{fmt_seconds(mine)}; DDP + PowerSGD never did")
     ratio = theirs / mine
-    verdict = "met" if ratio >= PEER_GOAL else "not met"
+    goal = PEER_GOALS.get(rate, PEER_GOAL)
+    verdict = "met" if ratio >= goal else "not met"
     return (f"against DDP + PowerSGD: {best.method.label} reaches the target {ratio:.2f}x "
-            f"sooner ({fmt_seconds(mine)} vs {fmt_seconds(theirs)}; goal {PEER_GOAL:g}x, "
+            f"sooner ({fmt_seconds(mine)} vs {fmt_seconds(theirs)}; goal {goal:g}x, "
             f"{verdict})")
 
 
@@ -453,6 +502,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--topk-k", type=float, default=0.01, help="topk: fraction kept")
     p.add_argument("--randomk-k", type=float, default=0.01, help="randomk: fraction kept")
     p.add_argument("--dithering-levels", type=int, default=4, help="dithering: levels s")
+    p.add_argument("--sync-every", type=int, default=8,
+                   help="the -local rows (periodic averaging): local steps per sync")
+    p.add_argument("--outer", default="average",
+                   help="the -local rows' outer update: average, or OPTIMIZER:LR:MOMENTUM "
+                        "with OPTIMIZER sgd or nesterov (e.g. nesterov:0.7:0.9)")
     p.add_argument("--quick", action="store_true",
                    help="2 nodes, small model, 1 epoch, methods " + ",".join(QUICK_METHODS))
     p.add_argument("--epochs", type=int, default=None,
@@ -498,7 +552,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.servers = args.servers or args.nodes
     names = args.methods.split(",") if args.methods else list(
         QUICK_METHODS if args.quick else DEFAULT_METHODS)
-    methods = all_methods(args.topk_k, args.randomk_k, args.dithering_levels)
+    methods = all_methods(args.topk_k, args.randomk_k, args.dithering_levels,
+                          args.sync_every, args.outer)
     unknown = [n for n in names if n not in methods]
     if unknown:
         p.error(f"--methods: unknown {unknown}; choose from {','.join(methods)}")
@@ -538,7 +593,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{args.nodes} nodes, {args.rate}; target accuracy {target:.2%} "
           f"(fp32 final - 1 point); total {duration(time.monotonic() - started)}\n")
     print(markdown_table(rows))
-    peer = peer_comparison(runs, target)
+    peer = peer_comparison(runs, target, args.rate)
     if peer is not None:
         print(f"\n{peer}")
     print("\nwritten: " + ", ".join(str(p.relative_to(REPO) if p.is_relative_to(REPO) else p)
@@ -564,7 +619,8 @@ def load_runs(path: Path, args: argparse.Namespace) -> tuple[list[Run], str]:
 
 def record_runs(record: dict, args: argparse.Namespace) -> list[Run]:
     """The runs of a saved JSON record (methods rebuilt with ``args``' k and levels)."""
-    methods = all_methods(args.topk_k, args.randomk_k, args.dithering_levels)
+    methods = all_methods(args.topk_k, args.randomk_k, args.dithering_levels,
+                          args.sync_every, args.outer)
     runs = []
     for saved in record["runs"]:
         method = Method(saved["method"], saved["label"], methods[saved["method"]].kind,
@@ -607,7 +663,7 @@ def warm_kernels(args: argparse.Namespace, methods: list[Method]) -> None:
     numel = args.compressed_partition_bytes // 4
     started = time.monotonic()
     for method in compressed:
-        params = {**compression_params(parse_compression_args(list(method.args))),
+        params = {**compression_params(parse_compression_args(method.compression_args)),
                   "mu": 0.9, "seed": args.seed + 1}
         if params.get("compressor") == "powersgd":  # torch matrix products: nothing to compile
             continue

@@ -49,6 +49,8 @@ from bps.grad_pipeline import (  # noqa: F401 - _BucketSlice, _forward: re-expor
     _forward,
 )
 from bps.model_sync import ModelMismatchError, broadcast_model, check_same_model
+from bps.periodic import PeriodicAveraging, validate_sync_every
+from bps.stale import DelayedUpdate, validate_staleness
 from bps.trainer_stats import StepStats
 from bps.worker.engine import Skipped
 
@@ -78,6 +80,12 @@ class DistributedTrainer:
         backward_passes_per_step: ``backward()`` calls per ``step()`` (gradient
             accumulation, Horovod's option of that name): gradients add up in ``.grad``
             as in plain PyTorch, and each partition is pushed once, during the last pass.
+        sync_every: ``H > 1``: periodic averaging (:mod:`bps.periodic`): ``H`` local
+            optimizer steps, then the pseudo-gradient travels and ``outer`` applies it.
+        outer: the outer update of periodic averaging (``None``: the plain mean; see
+            :func:`bps.periodic.validate_sync_every`).
+        staleness: 1: each ``step()`` applies the aggregate of the step before, whose
+            push and pull overlap this step's forward and backward (:mod:`bps.stale`).
 
     Each gradient is pushed once per step. Every rank saves its own ``state_dict()``
     (error-feedback state is per node). docs/trainer.md shows the training loops:
@@ -86,14 +94,25 @@ class DistributedTrainer:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  compression_params: dict | None = None,
-                 backward_passes_per_step: int = 1) -> None:
+                 backward_passes_per_step: int = 1, *, sync_every: int = 1,
+                 outer: dict | None = None, staleness: int = 0) -> None:
+        outer_spec = validate_sync_every(sync_every, outer)
+        staleness = validate_staleness(staleness, sync_every)
         if (isinstance(backward_passes_per_step, bool)
                 or not isinstance(backward_passes_per_step, int)
                 or backward_passes_per_step < 1):
             raise ValueError(f"backward_passes_per_step={backward_passes_per_step!r} is "
                              "invalid: expected an int >= 1")
         self._passes = backward_passes_per_step
+        self._periodic: PeriodicAveraging | None = None
+        self._delayed: DelayedUpdate | None = None
+        self._sync_every = sync_every
         params = validate_compression_params(compression_params)
+        if sync_every > 1 and params["momentum"] is not None and params["mu"] is None:
+            raise ValueError(
+                "compression_params['momentum'] = 'nesterov' with sync_every > 1 needs "
+                "compression_params['mu']: that momentum acts on the pseudo-gradient, "
+                "and the optimizer keeps its own for the local steps")
         self._rt = bps_runtime.get()
         self.model = model
         self.optimizer = optimizer
@@ -125,12 +144,16 @@ class DistributedTrainer:
                                   self._scale_change, on_step_start=self._step_start)
         self._seen = [0] * len(self._pipe.slots)  # backward passes per parameter this step
         self._join_key = self._declare_join_key()
+        if outer_spec is not None:
+            self._periodic = PeriodicAveraging(self, sync_every, outer_spec)
+        if staleness:
+            self._delayed = DelayedUpdate(self)
         self._sample_hook = model.register_forward_pre_hook(self._count_samples,
                                                             with_kwargs=True)
-        self._hooks = [
+        self._hooks = [  # periodic averaging and delayed updates push from step() only
             slot.param.register_post_accumulate_grad_hook(self._make_hook(i))
             for i, slot in enumerate(self._pipe.slots)
-        ]
+        ] if self._periodic is None and self._delayed is None else []
 
     @property
     def _step(self) -> int:
@@ -149,6 +172,8 @@ class DistributedTrainer:
         if params["seed"] is None:
             params["seed"] = int(self._rt.job_seed)
         if params["momentum"] is None:
+            return
+        if self._sync_every > 1:  # the chain's momentum acts on the pseudo-gradient
             return
         optimizer_mu = float(self.optimizer.param_groups[0].get("momentum", 0.0) or 0.0)
         if params["mu"] is None:
@@ -228,6 +253,10 @@ class DistributedTrainer:
         """The group's learning rate, over the GradScaler's scale relative to its first
         one: the chains see scaled gradients, so error feedback's ``lr_prev / lr_now``
         then also rescales its residual when the scale changes."""
+        if self._periodic is not None:  # the outer update's
+            return self._periodic.lr
+        if self._delayed is not None:  # the step's that pushed the round in flight
+            return self._delayed.chain_lr(group)
         lr = float(self.optimizer.param_groups[group]["lr"])
         if self._scaler is not None and self._scale_ref is not None:
             lr *= self._scale_ref / self._scaler.get_scale()
@@ -254,6 +283,12 @@ class DistributedTrainer:
         NaN entries (every worker returns False for the same step), and then ``.grad``
         holds NaN and every chain, on workers and servers, is back to its state before
         the step. ``step()`` calls it; call it yourself to clip gradients before."""
+        if self._delayed is not None:
+            raise RuntimeError("synchronize() has no step to wait for with staleness=1: "
+                               "step() applies the aggregate of the step before")
+        if self._periodic is not None and not self._periodic.syncing:
+            raise RuntimeError("synchronize() is not for sync_every > 1: step() syncs the "
+                               "parameters every sync_every steps")
         if self._synced is not None:
             return self._synced
         for index in self._pipe.pending():  # no gradient this step (unused): push zeros
@@ -285,7 +320,17 @@ class DistributedTrainer:
         non-finite gradient on any worker is skipped everywhere; without a scaler,
         ``compression_params['nonfinite']`` says whether that raises
         :class:`NonFiniteGradientError` (``"raise"``, the default) or logs a warning."""
+        if self._delayed is not None:
+            return self._delayed_step(scaler)
         called_ns = time.monotonic_ns()
+        if self._periodic is not None:
+            if not self._periodic.local_step(scaler):  # a local step: nothing travels
+                self._stats.record(self._rt.engine, self._stats.snapshot(self._rt.engine),
+                                   self._step, 0, 0.0, self._passes, False,
+                                   self._samples * self._rt.local_size)
+                self._samples = 0
+                return True
+            scaler = None  # the pseudo-gradient is not scaled
         if scaler is not None:
             self._scaler = scaler
             if self._scale_ref is None:
@@ -299,6 +344,8 @@ class DistributedTrainer:
                 scaler.step(self.optimizer)
                 scaler.update()
             self._last_scale = scale
+        elif self._periodic is not None:
+            self._periodic.apply(applied)
         elif applied and not self._joined:
             self.optimizer.step()
         end_ns = time.monotonic_ns()
@@ -319,18 +366,44 @@ class DistributedTrainer:
         self._pipe.end_step(skip is None)
         self._synced, self._skip = None, None
         if nonfinite and scaler is None:
-            beyond = " (or values beyond float16's range, which fp16 sends)" \
-                if self._wire_dtype == torch.float16 else ""
-            if skip.node < 0:  # the server's float16 sum of finite pushes
-                what = f"the sum over the workers of {skip.what!r} overflows float16"
-            else:
-                what = (f"the gradient of {skip.what!r} on worker node {skip.node} has inf "
-                        f"or NaN entries{beyond}")
-            message = f"step {step}: {what}; the step was applied on no worker"
-            if self.params["nonfinite"] == "raise":
-                raise NonFiniteGradientError(
-                    f"{message} (compression_params['nonfinite'] = 'skip' skips such steps)")
-            log.warning("bps: %s: skipped (compression_params['nonfinite'] = 'skip')", message)
+            self._report_nonfinite(skip, step)
+        return applied
+
+    def _report_nonfinite(self, skip: Skipped, step: int) -> None:
+        """Raise :class:`NonFiniteGradientError` or warn, per ``nonfinite``."""
+        beyond = " (or values beyond float16's range, which fp16 sends)" \
+            if self._wire_dtype == torch.float16 else ""
+        if skip.node < 0:  # the server's float16 sum of finite pushes
+            what = f"the sum over the workers of {skip.what!r} overflows float16"
+        else:
+            what = (f"the gradient of {skip.what!r} on worker node {skip.node} has inf "
+                    f"or NaN entries{beyond}")
+        message = f"step {step}: {what}; the step was applied on no worker"
+        if self.params["nonfinite"] == "raise":
+            raise NonFiniteGradientError(
+                f"{message} (compression_params['nonfinite'] = 'skip' skips such steps)")
+        log.warning("bps: %s: skipped (compression_params['nonfinite'] = 'skip')", message)
+
+    def _delayed_step(self, scaler: torch.amp.GradScaler | None) -> bool:
+        """``step()`` with ``staleness=1`` (:mod:`bps.stale`): settle the round in flight
+        (its figures are this step's ``stats()``), push this step's gradients, apply the
+        settled aggregate."""
+        if scaler is not None:
+            raise ValueError("step(scaler=...) is not supported with staleness=1: an "
+                             "aggregate would be unscaled by the scale of the step after")
+        delayed, engine = self._delayed, self._rt.engine
+        delayed.settle()
+        skip = delayed.skip
+        nonfinite = skip is not None and skip.reason == "nonfinite"
+        before, wait = delayed.settled or (self._stats.snapshot(engine), 0.0)
+        self._stats.record(engine, before, delayed.round_step,
+                           self._pipe.raw_bytes if delayed.settled else 0, wait,
+                           self._passes, nonfinite, self._samples * self._rt.local_size)
+        self._samples = 0
+        step = delayed.round_step
+        applied = delayed.push_and_apply()
+        if nonfinite:
+            self._report_nonfinite(skip, step)
         return applied
 
     @contextlib.contextmanager
@@ -353,6 +426,9 @@ class DistributedTrainer:
         if self._rt.local_size > 1:
             raise NotImplementedError("trainer.join() needs one process per worker node "
                                       "(BYTEPS_LOCAL_SIZE=1)")
+        if self._periodic is not None or self._delayed is not None:
+            raise NotImplementedError("trainer.join() is not supported with sync_every > 1 "
+                                      "or staleness=1")
         if self._pipe.started or any(self._seen):
             raise RuntimeError("trainer.join() must be entered between steps")
         self._joining, self._active = True, []
@@ -414,7 +490,10 @@ class DistributedTrainer:
     def state_dict(self) -> dict:
         """Everything needed to continue exactly: step counter, optimizer state, local
         momentum buffers and (on local rank 0) every worker and server compressor's
-        error, momentum and RNG state. Each rank saves its own."""
+        error, momentum and RNG state. Each rank saves its own. With ``staleness=1`` it
+        first waits for the aggregate in flight, which it then holds."""
+        if self._delayed is not None:
+            self._delayed.settle()  # before anything else: the round changes the chains
         engine = self._rt.engine
         return {
             "step": self._step,
@@ -424,6 +503,8 @@ class DistributedTrainer:
             "optimizer": self.optimizer.state_dict(),
             "local_momentum": self._pipe.momentum_state(),
             "engine": engine.state_dict() if engine is not None else None,
+            "periodic": self._periodic.state_dict() if self._periodic is not None else None,
+            "delayed": self._delayed.state_dict() if self._delayed is not None else None,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -440,9 +521,16 @@ class DistributedTrainer:
         self._pipe.step = int(state["step"])
         self._pipe.wire_step = int(state.get("wire_step", self._pipe.step))
         self._scale_ref, self._last_scale = state.get("scale", (None, None))
+        if self._periodic is not None:
+            self._periodic.load_state_dict(state.get("periodic"))
+        if self._delayed is not None:
+            self._delayed.load_state_dict(state.get("delayed"))
 
     def close(self) -> None:
-        """Stop the background threads and remove the gradient hooks."""
+        """Stop the background threads and remove the gradient hooks (with
+        ``staleness=1``, after the aggregate in flight arrived; it is not applied)."""
+        if self._delayed is not None:
+            self._delayed.close()
         for hook in self._hooks:
             hook.remove()
         self._sample_hook.remove()

@@ -62,7 +62,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="micro-batches per step (backward_passes_per_step)")
     p.add_argument("--amp", choices=["none", "bf16", "fp16"], default="none",
                    help="autocast the forward pass (fp16 also scales the loss)")
+    p.add_argument("--staleness", type=int, default=0,
+                   help="1: each step applies the aggregate of the step before, whose "
+                        "push and pull overlap this step's forward and backward")
+    p.add_argument("--sync-every", type=int, default=1,
+                   help="periodic averaging: local steps per sync (1: every step)")
+    p.add_argument("--outer", choices=["average", "sgd", "nesterov"], default="average",
+                   help="periodic averaging: the outer update")
+    p.add_argument("--outer-lr", type=float, default=None, help="outer sgd/nesterov lr")
+    p.add_argument("--outer-momentum", type=float, default=None,
+                   help="outer sgd/nesterov momentum")
     return p.parse_args(argv)
+
+
+def overlap_args(args: argparse.Namespace, params: dict | None) -> dict:
+    """The trainer's ``staleness`` / ``sync_every`` / ``outer`` keywords of the flags."""
+    if args.staleness:
+        return {"staleness": args.staleness}
+    if args.sync_every == 1:
+        return {}
+    outer = {"optimizer": args.outer}
+    if args.outer_lr is not None:
+        outer["lr"] = args.outer_lr
+    if args.outer_momentum is not None:
+        outer["momentum"] = args.outer_momentum
+    if params is not None and params.get("momentum"):
+        params["mu"] = args.mu  # the chain's momentum acts on the pseudo-gradient
+    return {"sync_every": args.sync_every, "outer": outer}
 
 
 class Progress:
@@ -109,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     model = build_model(args.hidden, args.layers)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.mu)
     trainer = bps.DistributedTrainer(model, optimizer, params,
-                                     backward_passes_per_step=args.accumulate)
+                                     backward_passes_per_step=args.accumulate,
+                                     **overlap_args(args, params))
     device = "cuda" if torch.cuda.is_available() else "cpu"  # where autocast applies
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
     scaler = torch.amp.GradScaler(device) if args.amp == "fp16" else None

@@ -1,0 +1,235 @@
+"""Periodic averaging (local SGD, DiLoCo): ``DistributedTrainer(..., sync_every=H)``.
+
+Each worker takes ``H`` optimizer steps on its own shard with nothing on the wire. At
+the ``H``-th step, after its own optimizer step, it pushes the pseudo-gradient
+``delta = w_at_last_sync - w_now`` through the trainer's usual pipeline (divided by
+the number of workers, compressor chain, error feedback, servers that sum), and every
+worker applies the same outer update to ``w_at_last_sync`` (docs/trainer.md,
+"Periodic averaging")::
+
+    >>> trainer = bps.DistributedTrainer(model, optimizer, {"compressor": "topk", "k": 0.01,
+    ...                                  "ef": "vanilla"}, sync_every=8,
+    ...                                  outer={"optimizer": "nesterov", "lr": 0.7,
+    ...                                         "momentum": 0.9})
+    >>> for x, y in loader:           # the loop does not change
+    ...     trainer.zero_grad()
+    ...     loss_fn(model(x), y).backward()
+    ...     trainer.step()            # every 8th step also syncs
+
+``outer``: ``None`` or ``{"optimizer": "average"}`` (the mean of the workers'
+parameters, with compression the compressed mean of their deltas), ``{"optimizer":
+"sgd", "lr": a, "momentum": b}`` (heavy ball) or ``{"optimizer": "nesterov", "lr": a,
+"momentum": b}`` (DiLoCo's outer Nesterov SGD; defaults lr 0.7, momentum 0.9).
+Floating-point buffers are averaged at each sync (uncompressed); integer buffers stay
+as they are on each worker.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from bps.worker.partition import partition
+
+if TYPE_CHECKING:
+    from bps.trainer import DistributedTrainer
+
+OUTER_OPTIMIZERS = ("average", "sgd", "nesterov")
+_OUTER_DEFAULTS = {"average": {"lr": 1.0, "momentum": 0.0},
+                   "sgd": {"lr": 1.0, "momentum": 0.0},
+                   "nesterov": {"lr": 0.7, "momentum": 0.9}}
+
+
+@dataclass(frozen=True)
+class OuterSpec:
+    """The outer update: ``w = anchor - lr * step(avg_delta)`` (see :func:`outer_update`)."""
+
+    optimizer: str = "average"
+    lr: float = 1.0
+    momentum: float = 0.0
+
+    @property
+    def nesterov(self) -> bool:
+        return self.optimizer == "nesterov"
+
+
+def validate_sync_every(sync_every: Any, outer: Any) -> OuterSpec | None:
+    """The outer update of ``sync_every`` / ``outer`` (None: synchronous training, H = 1).
+
+    Raises ``ValueError`` / ``TypeError`` naming the argument or ``outer``'s key.
+
+    >>> validate_sync_every(4, {"optimizer": "nesterov", "lr": 0.5})
+    OuterSpec(optimizer='nesterov', lr=0.5, momentum=0.9)
+    >>> validate_sync_every(1, None) is None
+    True
+    """
+    if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+        raise ValueError(f"sync_every={sync_every!r} is invalid: expected an int >= 1 "
+                         "(1: synchronize every step)")
+    if sync_every == 1:
+        if outer is not None:
+            raise ValueError(f"outer={outer!r} needs sync_every > 1 (an outer update "
+                             "applies to the parameters averaged every sync_every steps)")
+        return None
+    if outer is None:
+        return OuterSpec()
+    if not isinstance(outer, dict):
+        raise TypeError(f"outer={outer!r} is invalid: expected None or a dict such as "
+                        "{'optimizer': 'nesterov', 'lr': 0.7, 'momentum': 0.9}")
+    name = outer.get("optimizer", "average")
+    if name not in OUTER_OPTIMIZERS:
+        raise ValueError(f"outer['optimizer']={name!r} is unknown: expected one of "
+                         f"{OUTER_OPTIMIZERS}")
+    unknown = sorted(set(outer) - {"optimizer", "lr", "momentum"})
+    if unknown:
+        raise ValueError(f"outer has unknown key(s) {unknown}: expected 'optimizer', 'lr', "
+                         "'momentum'")
+    values = dict(_OUTER_DEFAULTS[name])
+    for key in ("lr", "momentum"):
+        if key not in outer:
+            continue
+        value = outer[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"outer[{key!r}]={value!r} is invalid: expected a number")
+        if name == "average":
+            raise ValueError(f"outer[{key!r}] is set but outer['optimizer'] is 'average' "
+                             "(the plain mean takes no lr or momentum): use 'sgd' or "
+                             "'nesterov'")
+        values[key] = float(value)
+    if not values["lr"] > 0:
+        raise ValueError(f"outer['lr']={values['lr']!r} is invalid: expected > 0")
+    if not 0 <= values["momentum"] < 1:
+        raise ValueError(f"outer['momentum']={values['momentum']!r} is invalid: expected "
+                         "0 <= momentum < 1")
+    return OuterSpec(name, values["lr"], values["momentum"])
+
+
+def outer_update(anchor: torch.Tensor, avg: torch.Tensor, momentum: torch.Tensor | None,
+                 spec: OuterSpec) -> None:
+    """In place: ``momentum = mu * momentum + avg``; the step is ``avg + mu * momentum``
+    (nesterov), ``momentum`` (sgd with momentum) or ``avg``; ``anchor -= lr * step``.
+    Every operation rounds to float32 on its own (no fused multiply-add), so a numpy
+    reference of the same formulas is bit-identical.
+
+    >>> a, d = torch.tensor([1.0, 2.0]), torch.tensor([0.5, -0.5])
+    >>> outer_update(a, d, None, OuterSpec()); a
+    tensor([0.5000, 2.5000])
+    """
+    step = avg
+    if momentum is not None and spec.momentum:
+        momentum.mul_(spec.momentum).add_(avg)
+        step = torch.mul(momentum, spec.momentum).add_(avg) if spec.nesterov else momentum
+    if spec.lr != 1.0:
+        step = torch.mul(step, spec.lr)
+    anchor.sub_(step)
+
+
+class PeriodicAveraging:
+    """The local steps and the outer update of a trainer with ``sync_every > 1``.
+
+    The trainer's gradient hooks are off: nothing travels during local steps. At a
+    sync ``prepare`` writes the pseudo-gradient into ``.grad``, the trainer's
+    ``synchronize()`` pushes every parameter's ``.grad`` and leaves the averaged
+    delta there, and ``apply`` runs the outer update and averages the buffers.
+    """
+
+    def __init__(self, trainer: DistributedTrainer, every: int, spec: OuterSpec) -> None:
+        self.trainer, self.every, self.spec = trainer, every, spec
+        self.local = 0  # local steps taken since the last sync
+        self.syncing = False  # between local_step() returning True and apply()
+        self.anchor = {s.name: s.param.detach().reshape(-1).float().clone()
+                       for s in trainer._pipe.slots}
+        self.momentum = {name: torch.zeros_like(a) for name, a in self.anchor.items()} \
+            if spec.momentum else {}
+        rt = trainer._rt
+        self.buffers = [(name, b) for name, b in trainer.model.named_buffers()
+                        if b.dtype.is_floating_point]
+        numel = sum(b.numel() for _, b in self.buffers)
+        self.buffer_parts = partition(numel, 4, rt.env.partition_bytes) if numel else []
+        self.buffer_keys = []
+        for offset, length in self.buffer_parts:
+            key = rt.allocate_keys(1)
+            if rt.engine is not None:
+                rt.engine.declare(key, length, torch.float32, None,
+                                  name=f"buffers[{offset}:{offset + length}]")
+            self.buffer_keys.append(key)
+        self.buffer_ch = rt.group.channel(rt.unique_name("buffers")) if numel else None
+
+    @property
+    def lr(self) -> float:
+        """The learning rate the chains see (error feedback's ratio): the outer one."""
+        return self.spec.lr
+
+    def local_step(self, scaler: torch.amp.GradScaler | None) -> bool:
+        """One optimizer step on this worker's gradient; True where this step syncs (the
+        pseudo-gradient is then in ``.grad``, for the trainer's pipeline)."""
+        optimizer = self.trainer.optimizer
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        self.local += 1
+        if self.local < self.every:
+            return False
+        self.local = 0
+        self.syncing = True
+        with torch.no_grad():
+            for slot in self.trainer._pipe.slots:
+                p = slot.param
+                delta = torch.sub(self.anchor[slot.name], p.detach().reshape(-1).float())
+                if p.grad is None or not p.grad.is_contiguous():
+                    p.grad = torch.empty_like(p, memory_format=torch.contiguous_format)
+                p.grad.view(-1).copy_(delta)
+        return True
+
+    def apply(self, applied: bool) -> None:
+        """After the sync's ``synchronize()``: the outer update from the averaged delta in
+        ``.grad`` (every worker the same), or, for a round skipped everywhere (a
+        non-finite delta), every worker back to the parameters of the last sync."""
+        self.syncing = False
+        with torch.no_grad():
+            for slot in self.trainer._pipe.slots:
+                anchor = self.anchor[slot.name]
+                if applied:
+                    avg = slot.param.grad.detach().reshape(-1).float()
+                    outer_update(anchor, avg, self.momentum.get(slot.name), self.spec)
+                slot.param.view(-1).copy_(anchor)
+            if applied:
+                self._average_buffers()
+
+    def _average_buffers(self) -> None:
+        """The mean of every worker's floating-point buffers (float32, uncompressed)."""
+        if not self.buffers:
+            return
+        rt = self.trainer._rt
+        flat = torch.cat([b.detach().reshape(-1).float() for _, b in self.buffers])
+        flat.div_(rt.size)
+        self.buffer_ch.reduce(flat)
+        if rt.engine is not None:
+            step = self.trainer._wire_step
+            futures = [rt.engine.push_pull(key, flat[o:o + n], step, 0.0)
+                       for key, (o, n) in zip(self.buffer_keys, self.buffer_parts, strict=True)]
+            for (offset, length), future in zip(self.buffer_parts, futures, strict=True):
+                flat[offset:offset + length].copy_(future.result(timeout=rt.env.timeout * 2))
+        self.buffer_ch.broadcast(flat)
+        offset = 0
+        for _, buffer in self.buffers:
+            buffer.copy_(flat[offset:offset + buffer.numel()].view_as(buffer))
+            offset += buffer.numel()
+
+    def state_dict(self) -> dict:
+        return {"local": self.local, "anchor": {n: a.clone() for n, a in self.anchor.items()},
+                "momentum": {n: m.clone() for n, m in self.momentum.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state is None:
+            raise ValueError("state_dict has no periodic averaging state (saved by a "
+                             "trainer without sync_every?)")
+        self.local = int(state["local"])
+        for name, anchor in self.anchor.items():
+            anchor.copy_(state["anchor"][name])
+            if name in self.momentum:
+                self.momentum[name].copy_(state["momentum"][name])

@@ -1,0 +1,139 @@
+"""One-step-delayed updates: ``DistributedTrainer(..., staleness=1)``.
+
+The aggregate of the gradients computed at step t is applied at step t+1, so its push
+and pull overlap the forward and backward of step t+1 instead of blocking ``step()``
+(docs/trainer.md, "Delayed updates")::
+
+    >>> trainer = bps.DistributedTrainer(model, optimizer, {"compressor": "topk", "k": 0.01,
+    ...                                  "ef": "vanilla", "momentum": "nesterov"},
+    ...                                  staleness=1)
+    >>> for x, y in loader:                 # the loop does not change
+    ...     trainer.zero_grad()
+    ...     loss_fn(model(x), y).backward()
+    ...     trainer.step()                  # applies step t-1's aggregate, pushes step t's
+
+``step()`` at step t: waits for step t-1's aggregate (in flight since the last
+``step()``), copies this step's ``.grad`` into a source buffer of its own, writes step
+t-1's aggregate into ``.grad``, pushes the source (the aggregate lands in a destination
+buffer of its own, while the next backward writes ``.grad``), and runs the optimizer.
+The first step has no aggregate yet: it pushes and applies nothing, and returns False.
+The compressor chains, error feedback and momentum are those of synchronous training;
+only the step that applies each aggregate moves.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from bps.grad_pipeline import Skipped
+    from bps.trainer import DistributedTrainer
+
+
+def validate_staleness(staleness: Any, sync_every: int) -> int:
+    """``staleness`` (0: synchronous, 1: one-step-delayed updates), checked.
+
+    >>> validate_staleness(1, 1)
+    1
+    """
+    if isinstance(staleness, bool) or not isinstance(staleness, int) \
+            or not 0 <= staleness <= 1:
+        raise ValueError(f"staleness={staleness!r} is invalid: expected 0 (synchronous) or "
+                         "1 (each step applies the aggregate of the step before)")
+    if staleness and sync_every != 1:
+        raise ValueError(f"staleness=1 with sync_every={sync_every} is not supported: "
+                         "choose one of them")
+    return staleness
+
+
+class DelayedUpdate:
+    """The source and destination buffers and the round in flight of ``staleness=1``.
+
+    Each parameter gets a float32 source (a copy of ``.grad``, divided in place by the
+    pipeline, which may decode the aggregate into it) and a float32 destination (where
+    the aggregate lands). A round is pushed by :meth:`step` and settled by the next
+    :meth:`step` (or :meth:`settle`, which ``state_dict()`` calls)."""
+
+    def __init__(self, trainer: DistributedTrainer) -> None:
+        self.trainer = trainer
+        slots = trainer._pipe.slots
+        self.sources = [torch.empty(s.param.numel(), dtype=torch.float32,
+                                    device=s.param.device) for s in slots]
+        self.dests = [torch.zeros(s.param.numel(), dtype=torch.float32,
+                                  device=s.param.device) for s in slots]
+        self.lrs = [float(g["lr"]) for g in trainer.optimizer.param_groups]
+        self.in_flight = False  # a round was pushed and not settled
+        self.ready = False  # the settled round's aggregate waits in ``dests``
+        self.skip: Skipped | None = None  # why the settled round is applied nowhere
+        self.settled: tuple[dict, float] | None = None  # its stats, not yet recorded
+        self.round_step = 0  # the settled round's step number (applied steps before it)
+
+    def chain_lr(self, group: int) -> float:
+        """The group's learning rate when the round in flight was pushed: the optimizer's
+        may change (a scheduler) while its partitions are still being pushed."""
+        return self.lrs[group]
+
+    def settle(self) -> None:
+        """Wait for the round in flight; its aggregate is then in the destinations."""
+        if not self.in_flight:
+            return
+        trainer, pipe = self.trainer, self.trainer._pipe
+        started = time.monotonic()
+        pipe.wait()
+        self.skip = pipe.finish()
+        self.round_step = pipe.step
+        self.settled = (trainer._engine_before, time.monotonic() - started)
+        pipe.end_step(self.skip is None)
+        self.in_flight = False
+        self.ready = self.skip is None
+
+    def push_and_apply(self) -> bool:
+        """After :meth:`settle`: push this step's gradients (copies of ``.grad``) and apply
+        the settled round's aggregate; returns whether there was one to apply."""
+        trainer, pipe = self.trainer, self.trainer._pipe
+        applied = self.ready
+        self.ready, self.skip, self.settled = False, None, None
+        with torch.no_grad():
+            sources = []
+            for slot, source, dest in zip(pipe.slots, self.sources, self.dests, strict=True):
+                grad = slot.param.grad
+                if grad is not None:
+                    source.copy_(grad.detach().reshape(-1))
+                sources.append(source if grad is not None else None)  # None: zeros
+                if applied:
+                    trainer._grad_view(slot.param).copy_(dest)
+            self.lrs = [float(g["lr"]) for g in trainer.optimizer.param_groups]
+            for index, source in enumerate(sources):
+                pipe.push(index, source, self.dests[index])
+        self.in_flight = True
+        if applied:
+            trainer.optimizer.step()
+        return applied
+
+    def close(self) -> None:
+        """Wait for the round in flight, if any, and drop its aggregate."""
+        self.settle()
+        self.ready = False
+
+    def state_dict(self) -> dict:
+        """The aggregate that waits to be applied (the round in flight, settled here)."""
+        self.settle()
+        names = [s.name for s in self.trainer._pipe.slots]
+        return {"aggregate": {n: d.clone() for n, d in zip(names, self.dests, strict=True)}
+                if self.ready else None}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        if state is None:
+            raise ValueError("state_dict has no delayed-update state (saved by a trainer "
+                             "without staleness=1?)")
+        if self.in_flight:
+            raise RuntimeError("load_state_dict() with staleness=1 must come before the "
+                               "first step()")
+        aggregate = state["aggregate"]
+        self.ready = aggregate is not None
+        if aggregate is not None:
+            for slot, dest in zip(self.trainer._pipe.slots, self.dests, strict=True):
+                dest.copy_(aggregate[slot.name].reshape(-1))
