@@ -14,6 +14,14 @@ Usage::
 
 Rounds alternate plain and CURVE; medians are printed as a markdown table and written to
 bench/out/curve_cost.json (``--heap``: curve_cost_heap.json).
+
+``--sweep``: instead, messages of one partition (4,096,000 B, as bps sends them) cut
+into frames of 64 KiB .. 4 MB (one ZeroMQ multipart message per partition), plain TCP
+and CURVE, contexts of 1 and 2 I/O threads, the receiver keeping the zero-copy frames
+(``frames``) or reading them into one preallocated buffer with ``recv_into``
+(``into``); written to bench/out/curve_sweep.json::
+
+    .venv/bin/python bench/curve_cost.py --sweep --mbytes 100 --rounds 3
 """
 
 from __future__ import annotations
@@ -122,6 +130,105 @@ def zmq_mb_s(size: int, mbytes: int, curve: bool) -> float:
     return count * size / 1e6 / elapsed
 
 
+SWEEP_FRAMES = [65536, 131072, 262144, 524288, 1 << 20, 2 << 20, 4096000]
+
+
+def zmq_message_mb_s(message: int, frame: int, mbytes: int, curve: bool, io_threads: int,
+                     receive: str) -> tuple[float, float]:
+    """(MB/s, CPU seconds per GB) one way, ``mbytes`` MB in messages of ``message`` bytes,
+    each a multipart message of frames of at most ``frame`` bytes. ``receive``:
+    ``"frames"`` keeps each frame (zero-copy), ``"into"`` reads the frames into one
+    preallocated buffer. The CPU time (this process: both sockets' I/O threads and the
+    Python threads, user + system) depends much less on other load than the wall time."""
+    count = max(1, mbytes * 1_000_000 // message)
+    rx_ctx, tx_ctx = zmq.Context(io_threads=io_threads), zmq.Context(io_threads=io_threads)
+    rx, tx = rx_ctx.socket(zmq.ROUTER), tx_ctx.socket(zmq.DEALER)
+    for sock in (rx, tx):
+        sock.setsockopt(zmq.SNDHWM, 1000)
+        sock.setsockopt(zmq.RCVHWM, 1000)
+        sock.setsockopt(zmq.LINGER, 0)
+    if curve:
+        public, secret = zmq.curve_keypair()
+        rx.curve_server = True
+        rx.curve_secretkey = secret
+        tx.curve_serverkey = public
+        tx.curve_publickey, tx.curve_secretkey = zmq.curve_keypair()
+    port = rx.bind_to_random_port("tcp://127.0.0.1")
+    tx.connect(f"tcp://127.0.0.1:{port}")
+    tx.send(b"hello")  # the handshake is not timed
+    if not rx.poll(30_000):
+        raise RuntimeError("no connection")
+    rx.recv_multipart()
+    payload = memoryview(np.random.default_rng(1).integers(0, 255, message, dtype=np.uint8))
+    parts = [payload[i:i + frame] for i in range(0, message, frame)]
+    into = memoryview(np.empty(message, dtype=np.uint8))
+    done = threading.Event()
+
+    def receive_all() -> None:
+        for _ in range(count):
+            if not rx.poll(60_000):
+                raise RuntimeError("receiver: no frame for 60 s")
+            if receive == "frames":
+                rx.recv_multipart(copy=False)
+                continue
+            rx.recv()  # the routing id
+            offset = 0
+            while rx.getsockopt(zmq.RCVMORE):
+                offset += rx.recv_into(into[offset:])
+            assert offset == message
+        done.set()
+
+    thread = threading.Thread(target=receive_all)
+    cpu = time.process_time()
+    start = time.perf_counter()
+    thread.start()
+    for _ in range(count):
+        tx.send_multipart(parts, copy=False)
+    thread.join(timeout=300)
+    elapsed = time.perf_counter() - start
+    cpu = time.process_time() - cpu
+    if not done.is_set():
+        raise RuntimeError("receiver did not finish")
+    rx.close()
+    tx.close()
+    rx_ctx.term()
+    tx_ctx.term()
+    return count * message / 1e6 / elapsed, cpu / (count * message / 1e9)
+
+
+def sweep(mbytes: int, rounds: int) -> None:
+    """The ``--sweep`` table: frame size x I/O threads x receive mode, plain and CURVE."""
+    message = SIZES[-1]
+    configs = [(frame, io, recv) for frame in SWEEP_FRAMES for io in (1, 2)
+               for recv in ("frames", "into")]
+    runs: dict[str, list[float]] = {}
+    load = [os.getloadavg()[0]]
+    for _ in range(rounds):
+        for frame, io, recv in configs:
+            for curve in (False, True):
+                name = f"{frame}/{io}/{recv}/{'curve' if curve else 'plain'}"
+                mb_s, cpu = zmq_message_mb_s(message, frame, mbytes, curve, io, recv)
+                runs.setdefault(name, []).append(mb_s)
+                runs.setdefault(name + "/cpu", []).append(cpu)
+    load.append(os.getloadavg()[0])
+    medians = {k: statistics.median(v) for k, v in runs.items()}
+    print(f"messages of {message} B, median of {rounds} rounds, {mbytes} MB per run, load "
+          f"average {load[0]:.1f} -> {load[1]:.1f}\n")
+    print("| frame size | I/O threads | receive | plain TCP | CURVE | CURVE / plain "
+          "| CPU s/GB plain | CPU s/GB CURVE |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|")
+    for frame, io, recv in configs:
+        m = {k: medians[f"{frame}/{io}/{recv}/{k}"]
+             for k in ("plain", "curve", "plain/cpu", "curve/cpu")}
+        print(f"| {frame} B | {io} | {recv} | {m['plain']:.0f} MB/s | {m['curve']:.0f} MB/s "
+              f"| {m['curve'] / m['plain']:.2f} | {m['plain/cpu']:.2f} "
+              f"| {m['curve/cpu']:.2f} |")
+    out = Path(__file__).parent / "out"
+    out.mkdir(exist_ok=True)
+    (out / "curve_sweep.json").write_text(json.dumps({"runs": runs, "medians": medians},
+                                                     indent=2))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mbytes", type=int, default=200)
@@ -129,7 +236,12 @@ def main() -> None:
     parser.add_argument("--heap", action="store_true",
                         help="tune glibc malloc as bps servers and workers do "
                              "(bps.memory.keep_buffers_in_heap) before any socket")
+    parser.add_argument("--sweep", action="store_true",
+                        help="frame sizes x I/O threads x receive mode (see the docstring)")
     args = parser.parse_args()
+    if args.sweep:
+        sweep(args.mbytes, args.rounds)
+        return
     if args.heap:
         from bps.memory import keep_buffers_in_heap
 

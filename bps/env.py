@@ -43,6 +43,10 @@ uncompressed; :func:`min_compress_bytes` reads it for ``compression_params`` wit
 
 BytePS's timeline variables (workers and servers; see :mod:`bps.trace`):
 
+* ``BPS_FRAME_BYTES`` (default 131072 with CURVE, 0 with ``BPS_INSECURE=1``): a payload
+  larger than this travels as several frames of this size (the last one shorter), which
+  libzmq's CURVE encrypts faster than one large frame (docs/benchmarks.md); 0 sends
+  every payload as one frame. At least 4096 unless 0.
 * ``BYTEPS_TRACE_ON`` (default 0): ``1`` records each process's steps
   ``BYTEPS_TRACE_START_STEP`` (default 10) through ``BYTEPS_TRACE_END_STEP`` (default 20)
   into ``BYTEPS_TRACE_DIR`` (default ``./traces``).
@@ -55,9 +59,12 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from bps.protocol import MIN_FRAME_BYTES
+
 ROLES = ("scheduler", "server", "worker")
 DEFAULT_PARTITION_BYTES = 4096000
 DEFAULT_MIN_COMPRESS_BYTES = 65536
+DEFAULT_FRAME_BYTES = 131072  # with CURVE; without it every payload is one frame
 
 
 class EnvError(ValueError):
@@ -163,6 +170,7 @@ class ClusterEnv:
     secret_file: str | None = None
     insecure: bool = False
     max_message_bytes: int = 2 * DEFAULT_PARTITION_BYTES + 65536
+    frame_bytes: int = DEFAULT_FRAME_BYTES  # 0: every payload in one frame
 
     @property
     def scheduler_address(self) -> str:
@@ -201,6 +209,11 @@ class ClusterEnv:
                            f"BYTEPS_TRACE_START_STEP={trace_first}")
         partition_bytes = _int(env, "BYTEPS_PARTITION_BYTES", DEFAULT_PARTITION_BYTES, 16)
         secret_file = env.get("BPS_SECRET_FILE", "").strip()
+        insecure = bool(_int(env, "BPS_INSECURE", 0, 0, 1))
+        frame_bytes = _int(env, "BPS_FRAME_BYTES", 0 if insecure else DEFAULT_FRAME_BYTES, 0)
+        if 0 < frame_bytes < MIN_FRAME_BYTES:
+            raise EnvError(f"BPS_FRAME_BYTES={frame_bytes} must be 0 (one frame per payload) "
+                           f"or at least {MIN_FRAME_BYTES}")
         return cls(
             role=role,
             num_workers=num_workers,
@@ -229,9 +242,10 @@ class ClusterEnv:
             trace_last_step=trace_last,
             secret_file=os.path.abspath(os.path.expanduser(secret_file)) if secret_file
             else None,
-            insecure=bool(_int(env, "BPS_INSECURE", 0, 0, 1)),
+            insecure=insecure,
             max_message_bytes=_int(env, "BPS_MAX_MESSAGE_BYTES",
                                    max(1 << 20, 2 * partition_bytes + 65536), 1 << 16),
+            frame_bytes=frame_bytes,
         )
 
 

@@ -1,10 +1,21 @@
-"""The wire protocol: a msgpack header frame, then at most one payload frame.
+"""The wire protocol: a msgpack header frame, then the payload in zero or more frames.
 
-Every message is a ZeroMQ multipart message ``[header, payload?]`` (a ROUTER socket
-sees the peer identity in front). The header is a msgpack map; ``encode`` writes it,
-``decode`` checks the protocol version, the op and the type of every field the op
+Every message is a ZeroMQ multipart message ``[header, payload frames...]`` (a ROUTER
+socket sees the peer identity in front). The header is a msgpack map; ``encode`` writes
+it, ``decode`` checks the protocol version, the op and the type of every field the op
 needs, raising :class:`ProtocolError` naming the field. Checks against a key's
 registration (numel, dtype, sizes) are the server's job.
+
+A payload of ``nbytes`` bytes (``PUSH``, ``SET_STATE``, ``DATA``) travels as one frame,
+or cut into frames of F bytes each but the last (1 .. F bytes), F >= ``MIN_FRAME_BYTES``:
+``ceil(nbytes / F)`` frames (``payload_frames``; the sender picks F, ``BPS_FRAME_BYTES``).
+libzmq's CURVE encrypts each frame on its own and runs faster on frames of ~128 KiB
+than on 4 MB ones. ``check_payload`` refuses any other layout naming the field, and
+``join_frames`` puts the frames back into one buffer::
+
+    frames = payload_frames(memoryview(body), 131072)    # -> [header, *frames] on the wire
+    check_payload("PUSH key 3", nbytes, [len(f) for f in frames])
+    joined = join_frames(frames)                         # numpy uint8, one copy
 
 Usage::
 
@@ -47,14 +58,17 @@ for it (:data:`TOKEN_BYTES`).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from enum import IntEnum
 from typing import Any
 
 import msgpack
+import numpy as np
 
 PROTOCOL_VERSION = 2
 TOKEN_BYTES = 16
 MAX_HEADER_BYTES = 1 << 20
+MIN_FRAME_BYTES = 4096  # the frames of a payload cut into several: at least this each
 _MISSING = object()
 
 
@@ -193,6 +207,59 @@ def decode(frame: bytes | memoryview) -> dict[str, Any]:
                                 f"{header['nbytes']}")
     return header
 
+
+def payload_frames(body: memoryview, frame_bytes: int) -> list[memoryview]:
+    """The frames that carry ``body``: itself if ``frame_bytes`` is 0 or it fits in one
+    frame, else zero-copy slices of ``frame_bytes`` bytes (the last one shorter)."""
+    size = body.nbytes
+    if frame_bytes <= 0 or size <= frame_bytes:
+        return [body]
+    if frame_bytes < MIN_FRAME_BYTES:
+        raise ValueError(f"frames of {frame_bytes} bytes: at least {MIN_FRAME_BYTES}")
+    flat = body.cast("B") if body.format != "B" or body.ndim != 1 else body
+    return [flat[start:start + frame_bytes] for start in range(0, size, frame_bytes)]
+
+
+def check_payload(what: str, nbytes: int, sizes: Sequence[int],
+                  limit: int | None = None) -> None:
+    """The payload frames' ``sizes`` carry field ``nbytes`` as ``payload_frames`` lays it
+    out (one frame; or frames of the first one's size, at least MIN_FRAME_BYTES, the last
+    one 1 .. that size); ``limit``: the largest payload accepted. Raises
+    :class:`ProtocolError` starting with ``what`` and naming the field."""
+    if nbytes < 0 or (limit is not None and nbytes > limit):
+        raise ProtocolError(f"{what}: field 'nbytes'={nbytes} out of range [0, {limit}]")
+    if len(sizes) <= 1:
+        if not sizes:
+            raise ProtocolError(f"{what}: 0 payload frames, expected 1")
+        if sizes[0] != nbytes:
+            raise ProtocolError(f"{what}: field 'nbytes'={nbytes} but the payload has "
+                                f"{sizes[0]} bytes")
+        return
+    frame = sizes[0]
+    if frame < MIN_FRAME_BYTES:
+        raise ProtocolError(f"{what}: payload frames of {frame} bytes, less than "
+                            f"{MIN_FRAME_BYTES} (a payload in several frames)")
+    expected = -(-nbytes // frame)
+    if len(sizes) != expected:
+        raise ProtocolError(f"{what}: {len(sizes)} payload frames, expected {expected} "
+                            f"(field 'nbytes'={nbytes} in frames of {frame} bytes)")
+    for index, size in enumerate(sizes[1:-1], 1):
+        if size != frame:
+            raise ProtocolError(f"{what}: payload frame {index} has {size} bytes, expected "
+                                f"{frame} (every frame but the last as large as the first)")
+    last = nbytes - frame * (expected - 1)
+    if sizes[-1] != last:
+        raise ProtocolError(f"{what}: field 'nbytes'={nbytes} but the last payload frame "
+                            f"has {sizes[-1]} bytes, expected {last}")
+
+
+def join_frames(frames: Sequence[Any], out: np.ndarray | None = None) -> np.ndarray:
+    """The payload of ``frames`` (``zmq.Frame``s or buffers) in one uint8 array: ``out``
+    (its bytes, as many as the frames hold) or a new array; one copy."""
+    parts = [np.frombuffer(getattr(f, "buffer", f), dtype=np.uint8) for f in frames]
+    if out is None:
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint8)
+    return np.concatenate(parts, out=out)
 
 
 class ClusterError(RuntimeError):

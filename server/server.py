@@ -7,7 +7,8 @@ Usage::
     exit_code = run_server(ClusterEnv.from_environ())       # DMLC_ROLE=server
 
 One I/O thread owns the ROUTER socket and the scheduler link; it checks every header
-(``bps.protocol.decode`` plus the frame count and sizes) and hands messages to
+(``bps.protocol.decode`` plus the payload frames' count and sizes,
+``bps.protocol.check_payload``) and hands messages to
 ``BPS_SERVER_THREADS`` engine threads, each owning a disjoint set of keys, so different
 keys are decoded and summed in parallel (torch ops and numba kernels release the GIL).
 Engine threads send replies back through an inproc socket; the I/O thread forwards them.
@@ -72,11 +73,14 @@ from bps.protocol import (
     ClusterError,
     Op,
     ProtocolError,
+    check_payload,
     decode,
     dtype_name,
     encode,
     error_text,
+    join_frames,
     new_socket,
+    payload_frames,
     torch_dtype,
 )
 from bps.ratelimit import RateLimitedLog
@@ -106,7 +110,7 @@ class _Step:
     """The sum of one step of one key while its pushes arrive."""
 
     total: torch.Tensor | None = None
-    held: dict[int, tuple[bytes, dict, zmq.Frame]] = field(default_factory=dict)  # not added yet
+    held: dict[int, tuple[bytes, dict, list[zmq.Frame]]] = field(default_factory=dict)  # not added
     summed: int = 0  # the pushes of nodes 0 .. summed - 1 are in total
     waiters: list[tuple[bytes, int]] = field(default_factory=list)
     lr: float = 0.0
@@ -139,6 +143,7 @@ class _Key:
     committed_step: int = -1  # the step the chain compressed last (ABORT can undo it)
     scratch: torch.Tensor | None = None  # a push widened for the sum, reused every step
     decoded: torch.Tensor | None = None  # a compressed push decoded for the sum, reused
+    joined: torch.Tensor | None = None  # a raw push in several frames joined, reused
     spare: list[torch.Tensor] = field(default_factory=list)  # sums of finished steps
     state_blob: bytes | None = None  # GET_STATE's answer until the state changes
 
@@ -146,6 +151,12 @@ class _Key:
         """Compressed pushes are summed in the key's own dtype (decoded into a reused
         buffer, then added with ``decompress_add``)."""
         return self.chain is not None and self.accumulate_dtype(2 ** 31) == self.dtype
+
+    def join_buffer(self) -> torch.Tensor:
+        """Where a raw push that came in several frames is joined to be added (reused)."""
+        if self.joined is None:
+            self.joined = torch.empty(self.numel, dtype=self.dtype)
+        return self.joined
 
     def spare_sum(self) -> torch.Tensor:
         """A buffer for a step's sum: one a finished step gave back, or a new one (a new
@@ -210,10 +221,13 @@ class _KeyEngine(threading.Thread):
         self.out.send_multipart([ident, encode(Op.ERROR, rid=header["rid"], msg=msg)])
 
     def _reply(self, ident: bytes, header: bytes, payload: Any = None) -> None:
-        frames = [ident, header] if payload is None else [ident, header, payload]
+        """Send a reply; ``payload`` (a buffer) in frames of BPS_FRAME_BYTES."""
+        frames = [ident, header]
+        if payload is not None:
+            frames += payload_frames(memoryview(payload), self.server.env.frame_bytes)
         self.out.send_multipart(frames, copy=False)
 
-    def _handle(self, ident: bytes, header: dict, payload: zmq.Frame | None) -> None:
+    def _handle(self, ident: bytes, header: dict, payload: list[zmq.Frame] | None) -> None:
         op, key = header["op"], header["key"]
         if op == Op.REGISTER:
             self._register(header)
@@ -280,20 +294,27 @@ class _KeyEngine(threading.Thread):
                 raise RequestError(f"key {key} ({name!r}): {exc}") from None
         self.keys[key] = _Key(key, numel, dtype, params, name, header["node"], chain)
 
-    def _decode(self, state: _Key, payload: zmq.Frame, node: int,
+    def _decode(self, state: _Key, payload: list[zmq.Frame], node: int,
                 out: torch.Tensor | None = None, add_to: torch.Tensor | None = None
                 ) -> torch.Tensor:
-        """The push's values: a view of the frame (raw keys), or decoded into ``out`` (a
-        new tensor if None), or with ``add_to``: decoded and added to it in place. Values
+        """The push's values: a view of its frame (raw keys; a payload in several frames
+        is joined into ``out``, a new tensor if None), or decoded into ``out`` (a new
+        tensor if None), or with ``add_to``: decoded and added to it in place. Values
         that are inf or NaN are refused before anything is added."""
         if state.chain is None:
-            values = torch.frombuffer(payload.buffer, dtype=state.dtype) if state.numel \
-                else torch.zeros(0, dtype=state.dtype)
+            if not state.numel:
+                values = torch.zeros(0, dtype=state.dtype)
+            elif len(payload) == 1:
+                values = torch.frombuffer(payload[0].buffer, dtype=state.dtype)
+            else:
+                values = torch.empty(state.numel, dtype=state.dtype) if out is None else out
+                join_frames(payload, values.view(torch.uint8).numpy())
             if not tensor_finite(values):
                 raise RequestError(f"key {state.key} ({state.name!r}): the push of worker "
                                    f"{node} has inf or NaN values")
             return values
-        data = torch.frombuffer(payload.buffer, dtype=torch.uint8)
+        data = torch.from_numpy(join_frames(payload)) if len(payload) > 1 else \
+            torch.frombuffer(payload[0].buffer, dtype=torch.uint8)
         try:
             if add_to is not None:
                 if state.decoded is None:
@@ -343,7 +364,8 @@ class _KeyEngine(threading.Thread):
                                f"{lr!r}, but worker {first_node} pushed {first_lr!r} for the "
                                f"same step (the workers' learning rates differ)")
 
-    def _push(self, state: _Key, ident: bytes, header: dict, payload: zmq.Frame) -> None:
+    def _push(self, state: _Key, ident: bytes, header: dict, payload: list[zmq.Frame]
+              ) -> None:
         node, step = header["node"], header["step"]
         where = f"key {state.key} ({state.name!r})"
         if header["dtype"] != dtype_name(state.dtype):
@@ -404,7 +426,8 @@ class _KeyEngine(threading.Thread):
             pending.summed += 1
         return None
 
-    def _add_push(self, state: _Key, pending: _Step, header: dict, payload: zmq.Frame) -> None:
+    def _add_push(self, state: _Key, pending: _Step, header: dict,
+                  payload: list[zmq.Frame]) -> None:
         node = header["node"]
         if "mark" in header:  # nothing to add
             if header["mark"] == "nonfinite" and pending.nonfinite is None:
@@ -416,8 +439,14 @@ class _KeyEngine(threading.Thread):
             self._decode(state, payload, node, add_to=pending.total)
             return
         # the step's first push becomes its sum: a compressed one is decoded into a reused
-        # buffer, a raw one is the frame itself (or its widened copy)
+        # buffer, a raw one is the frame itself (or its widened copy; a raw push in
+        # several frames is joined into a new buffer that becomes the sum, or into the
+        # key's reused one where it is only added or widened)
         out = state.spare_sum() if state.sums_in_place() else None
+        if state.chain is None and len(payload) > 1 and (
+                pending.total is not None
+                or state.accumulate_dtype(self.server.num_workers) != state.dtype):
+            out = state.join_buffer()
         try:
             values = self._decode(state, payload, node, out)
         except RequestError:
@@ -501,7 +530,7 @@ class _KeyEngine(threading.Thread):
             self._reply(ident, encode(Op.DATA, rid=rid, key=state.key, step=step,
                                       nbytes=body.nbytes, **skip), body)
 
-    def _set_state(self, state: _Key, payload: zmq.Frame) -> None:
+    def _set_state(self, state: _Key, payload: list[zmq.Frame]) -> None:
         if any(s.started() for s in state.steps.values()):
             raise RequestError(f"key {state.key} ({state.name!r}): SET_STATE while a step "
                                f"is in progress")
@@ -509,7 +538,7 @@ class _KeyEngine(threading.Thread):
             from bps.compressors import state_from_wire
 
             try:
-                sd = state_from_wire(msgpack.unpackb(payload.bytes, raw=False,
+                sd = state_from_wire(msgpack.unpackb(join_frames(payload), raw=False,
                                                      strict_map_key=False))
                 state.chain.load_state_dict(sd)
             except Exception as exc:
@@ -536,11 +565,11 @@ class ParameterServer:
         self._queued = 0  # payload bytes in the engines' inboxes
         self._queued_lock = threading.Lock()
 
-    def dequeued(self, payload: zmq.Frame | None) -> None:
+    def dequeued(self, payload: list[zmq.Frame] | None) -> None:
         """An engine took a request off its inbox (called from engine threads)."""
-        if payload is not None:
+        if payload:
             with self._queued_lock:
-                self._queued -= len(payload)
+                self._queued -= sum(len(frame) for frame in payload)
 
     def run(self) -> int:
         # parallelism comes from the engine threads; torch's own thread pool would only
@@ -644,14 +673,11 @@ class ParameterServer:
             self._check_member(ident, header)
             header["peer"] = peer
             payloads = frames[2:]
-            expected = 1 if header["op"] in OPS_WITH_PAYLOAD else 0
-            if len(payloads) != expected:
-                raise ProtocolError(f"{header['op'].name}: {len(payloads)} payload frames, "
-                                    f"expected {expected}")
-            if expected and len(payloads[0]) != header["nbytes"]:
-                raise ProtocolError(f"{header['op'].name} key {header['key']}: field 'nbytes'="
-                                    f"{header['nbytes']} but the payload has "
-                                    f"{len(payloads[0])} bytes")
+            if header["op"] in OPS_WITH_PAYLOAD:
+                check_payload(f"{op.name} key {header['key']}", header["nbytes"],
+                              [len(frame) for frame in payloads], self.env.max_message_bytes)
+            elif payloads:
+                raise ProtocolError(f"{op.name}: {len(payloads)} payload frames, expected 0")
             engine = owner.get(header["key"])
             if engine is None:
                 if header["op"] != Op.REGISTER:
@@ -665,8 +691,8 @@ class ParameterServer:
             return
         if payloads:
             with self._queued_lock:
-                self._queued += len(payloads[0])
-        engine.inbox.put((ident, header, payloads[0] if payloads else None))
+                self._queued += sum(len(frame) for frame in payloads)
+        engine.inbox.put((ident, header, payloads or None))
 
     def _check_member(self, ident: bytes, header: dict) -> None:
         """The request comes from a connection of the worker it speaks for."""

@@ -95,6 +95,7 @@ def probe_server(engine, address: str, known_key: int, node: int) -> dict[str, s
     stranger = member_socket(engine, address, None)  # holds the key, is no worker
     push = {"rid": 1, "key": known_key, "step": 0, "node": node, "dtype": "float32",
             "numel": 16384, "nbytes": 8, "lr": 0.1}
+    full = encode(Op.PUSH, **{**push, "nbytes": 65536})  # the raw size of known_key
     bad_version = msgpack.packb({"v": PROTOCOL_VERSION + 1, "op": int(Op.PULL), "rid": 1,
                                  "key": known_key, "step": 0})
     probes = {
@@ -121,6 +122,14 @@ def probe_server(engine, address: str, known_key: int, node: int) -> dict[str, s
                                  node=0)],
         "as_other_node": [encode(Op.PUSH, **{**push, "node": 1, "nbytes": 65536}),
                           b"\0" * 65536],
+        # a payload in several frames that do not match its header (docs/runtime.md)
+        "frames_missing": [full, *[b"\0" * 16384] * 3],
+        "frames_extra": [full, *[b"\0" * 16384] * 5],
+        "frames_uneven": [full, *(b"\0" * n for n in (16384, 8192, 16384, 24576))],
+        "frames_short_last": [full, *[b"\0" * 16384] * 3, b"\0" * 8192],
+        "frames_tiny": [full, *[b"\0" * 1024] * 64],
+        "frames_oversize": [encode(Op.PUSH, **{**push, "nbytes": 2**33}), *[b"\0" * 4096] * 2],
+        "frames_on_pull": [encode(Op.PULL, rid=1, key=known_key, step=0), b"\0" * 4096],
     }
     replies = {}
     for name, frames in probes.items():
@@ -244,7 +253,7 @@ def garbage_push(engine, address: str, key: int, numel: int) -> str:
 
 def pull_bytes(engine, address: str, key: int, step: int) -> bytes:
     """A raw PULL of a finished step, from a fresh connection of this worker."""
-    from bps.protocol import Op, decode, encode
+    from bps.protocol import Op, check_payload, decode, encode
 
     sock = member_socket(engine, address, b"pull")
     sock.send(encode(Op.PULL, rid=5, key=key, step=step))
@@ -252,8 +261,10 @@ def pull_bytes(engine, address: str, key: int, step: int) -> bytes:
         raise RuntimeError(f"no reply to PULL of key {key}")
     header, *payload = sock.recv_multipart()
     sock.close()
-    assert decode(header)["op"].name == "DATA", decode(header)
-    return payload[0]
+    header = decode(header)
+    assert header["op"].name == "DATA", header
+    check_payload("DATA", header["nbytes"], [len(frame) for frame in payload])
+    return b"".join(payload)  # one frame, or several (BPS_FRAME_BYTES)
 
 
 def fuzz_frames(rng: random.Random, keys: list[int]) -> list[bytes]:
@@ -285,6 +296,11 @@ def fuzz_frames(rng: random.Random, keys: list[int]) -> list[bytes]:
     except (TypeError, ValueError, OverflowError):
         frame = os.urandom(16)
     payloads = [os.urandom(rng.choice([0, 1, 7, 65536]))] if rng.random() < 0.5 else []
+    if kind == 3 and rng.random() < 0.5:  # a payload in frames that may not fit 'nbytes'
+        size = rng.choice([1024, 4096, 16384])
+        payloads = [os.urandom(size) for _ in range(rng.randrange(2, 6))]
+        if rng.random() < 0.5:
+            payloads[rng.randrange(len(payloads))] = os.urandom(rng.randrange(0, 2 * size))
     return [frame, *payloads]
 
 

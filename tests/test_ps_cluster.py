@@ -37,9 +37,12 @@ def run_cluster(tmp_path: Path, workers: int, servers: int, case: str,
 
 @pytest.fixture(scope="module")
 def raw_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    # a send credit of 1: every partition waits for the previous one's ACK
+    # a send credit of 1: every partition waits for the previous one's ACK; payloads in
+    # frames of 8 KiB: a 64 KiB partition travels as 8 frames each way, the other keys as
+    # 2 to 5 frames with a shorter last one, 1 frame (under 8 KiB); the aggregates must
+    # still be bit-identical to the numpy sums (test_raw_aggregates_match_numpy_sum)
     return run_cluster(tmp_path_factory.mktemp("raw"), workers=3, servers=2, case="raw",
-                       BPS_MAX_INFLIGHT="1")
+                       BPS_MAX_INFLIGHT="1", BPS_FRAME_BYTES="8192")
 
 
 def numpy_sum(pushes: list[torch.Tensor]) -> np.ndarray:
@@ -139,6 +142,14 @@ def test_malformed_messages_get_errors_and_server_keeps_serving(raw_run: list[di
         "bad_dtype_register": "dtype 'int8' not one of",
         "huge_register": "numel=268435456 (1073741824 bytes) is larger than a key may be",
         "as_other_node": "as worker 1 on a connection of worker 0",
+        "frames_missing": "3 payload frames, expected 4 (field 'nbytes'=65536 in frames of "
+                          "16384 bytes)",
+        "frames_extra": "5 payload frames, expected 4",
+        "frames_uneven": "payload frame 1 has 8192 bytes, expected 16384",
+        "frames_short_last": "field 'nbytes'=65536 but the last payload frame has 8192 bytes",
+        "frames_tiny": "payload frames of 1024 bytes, less than 4096",
+        "frames_oversize": "field 'nbytes'=8589934592 out of range",
+        "frames_on_pull": "PULL: 1 payload frames, expected 0",
         "stranger_push": "belongs to no worker of this job",
         "stranger_pull": "belongs to no worker of this job",
         "stranger_get_state": "belongs to no worker of this job",

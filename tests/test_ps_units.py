@@ -7,12 +7,23 @@ import math
 import re
 
 import msgpack
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bps.env import ClusterEnv, EnvError
-from bps.protocol import PROTOCOL_VERSION, Op, ProtocolError, decode, encode
+from bps.protocol import (
+    MIN_FRAME_BYTES,
+    PROTOCOL_VERSION,
+    Op,
+    ProtocolError,
+    check_payload,
+    decode,
+    encode,
+    join_frames,
+    payload_frames,
+)
 from bps.worker.partition import Placement, partition, plan_servers
 from bps.worker.send_queues import SendQueues, send_order
 
@@ -31,6 +42,8 @@ def test_env_defaults() -> None:
                                      "BYTEPS_LOCAL_RANK": "1", "DMLC_NODE_HOST": "10.1.0.7"})
     assert (short.timeout, short.heartbeat_timeout, short.local_rank) == (5.0, 5.0, 1)
     assert short.node_host == "10.1.0.7"
+    assert env.frame_bytes == 131072  # CURVE: payloads in frames of 128 KiB
+    assert ClusterEnv.from_environ({**BASE, "BPS_INSECURE": "1"}).frame_bytes == 0
 
 
 @pytest.mark.parametrize(("change", "fragment"), [
@@ -43,6 +56,7 @@ def test_env_defaults() -> None:
     ({"BYTEPS_PARTITION_BYTES": "0"}, "BYTEPS_PARTITION_BYTES=0 out of range"),
     ({"BPS_TIMEOUT": "nan"}, "BPS_TIMEOUT='nan'"),
     ({"BPS_HEARTBEAT_INTERVAL": "2", "BPS_HEARTBEAT_TIMEOUT": "1"}, "BPS_HEARTBEAT_TIMEOUT=1.0"),
+    ({"BPS_FRAME_BYTES": "100"}, "BPS_FRAME_BYTES=100 must be 0"),
 ])
 def test_env_errors_name_the_variable(change: dict, fragment: str) -> None:
     environ = {k: v for k, v in {**BASE, **change}.items() if v is not None}
@@ -55,6 +69,40 @@ def test_header_round_trip() -> None:
                    nbytes=20, lr=0.5)
     header = decode(frame)
     assert header["op"] is Op.PUSH and header["key"] == 2**63 - 1 and header["lr"] == 0.5
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.binary(max_size=40000), st.sampled_from([0, MIN_FRAME_BYTES, 5000, 16384, 10**6]))
+def test_payload_frames_round_trip(body: bytes, frame_bytes: int) -> None:
+    frames = payload_frames(memoryview(body), frame_bytes)
+    sizes = [len(f) for f in frames]
+    check_payload("PUSH key 1", len(body), sizes)
+    if frame_bytes and len(body) > frame_bytes:  # cut: all but the last of frame_bytes
+        assert sizes[:-1] == [frame_bytes] * (len(sizes) - 1) and 0 < sizes[-1] <= frame_bytes
+    else:
+        assert sizes == [len(body)]
+    assert join_frames(frames).tobytes() == body
+    out = np.zeros(len(body), dtype=np.uint8)
+    assert join_frames(frames, out) is out and out.tobytes() == body
+
+
+@pytest.mark.parametrize(("nbytes", "sizes", "fragment"), [
+    (10000, [], "0 payload frames, expected 1"),
+    (10000, [9999], "field 'nbytes'=10000 but the payload has 9999 bytes"),
+    (10000, [4096, 4096], "2 payload frames, expected 3"),
+    (10000, [4096, 4096, 1808, 0], "4 payload frames, expected 3"),
+    (10000, [4096, 5000, 904], "payload frame 1 has 5000 bytes, expected 4096"),
+    (10000, [5000, 4096, 904], "3 payload frames, expected 2"),
+    (12288, [4096, 4096, 4000],
+     "field 'nbytes'=12288 but the last payload frame has 4000 bytes, expected 4096"),
+    (10000, [100] * 100, "payload frames of 100 bytes, less than 4096"),
+    (2**40, [4096, 4096], "field 'nbytes'=1099511627776 out of range"),
+    (-1, [0], "field 'nbytes'=-1 out of range"),
+])
+def test_a_payload_in_the_wrong_frames_is_refused_naming_the_field(
+        nbytes: int, sizes: list[int], fragment: str) -> None:
+    with pytest.raises(ProtocolError, match=re.escape(f"PUSH key 3: {fragment}")):
+        check_payload("PUSH key 3", nbytes, sizes, limit=2**33)
 
 
 @pytest.mark.parametrize(("fields", "fragment"), [

@@ -35,7 +35,7 @@ def push() -> Iterator:
         """Handle one request as the engine thread would; its replies (ACK, DATA...),
         which are all sent by the time ``_handle`` returns."""
         engine._handle(b"peer", decode(encode(op, rid=1, **fields)),
-                       None if payload is None else zmq.Frame(payload))
+                       None if payload is None else [zmq.Frame(payload)])
         got = []
         while replies.poll(100 if got or not replied else 10_000):
             got.append(decode(replies.recv_multipart()[1]))

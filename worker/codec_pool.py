@@ -19,6 +19,7 @@ import torch
 import zmq
 
 from bps.compressors.base import NonFiniteError
+from bps.protocol import join_frames
 from bps.trace import Tracer
 from bps.worker.send_queues import KeyInfo, Request, settle, trace_stage
 
@@ -42,9 +43,10 @@ class CodecPool:
         state unchanged); any other error settles ``future``."""
         self._pool.submit(self._compress, info, tensor, step, lr, future, then)
 
-    def decompress(self, request: Request, frame: zmq.Frame) -> None:
-        """On a codec thread: decode the aggregate of ``request`` and settle its future."""
-        self._pool.submit(self._decompress, request, frame)
+    def decompress(self, request: Request, frames: list[zmq.Frame]) -> None:
+        """On a codec thread: decode the aggregate of ``request`` (its payload frames)
+        and settle its future."""
+        self._pool.submit(self._decompress, request, frames)
 
     def then(self, info: KeyInfo, future: concurrent.futures.Future,
              done: concurrent.futures.Future,
@@ -92,11 +94,14 @@ class CodecPool:
         except BaseException as exc:
             settle(info, future, error=exc)
 
-    def _decompress(self, request: Request, frame: zmq.Frame) -> None:
+    def _decompress(self, request: Request, frames: list[zmq.Frame]) -> None:
         try:
             start_ns = time.monotonic_ns()
-            data = torch.frombuffer(frame.buffer, dtype=torch.uint8) if len(frame) else \
-                torch.zeros(0, dtype=torch.uint8)
+            if len(frames) > 1:
+                data = torch.from_numpy(join_frames(frames))
+            else:
+                data = torch.frombuffer(frames[0].buffer, dtype=torch.uint8) \
+                    if len(frames[0]) else torch.zeros(0, dtype=torch.uint8)
             result = request.info.chain.decompress(data, request.info.out)
             end_ns = time.monotonic_ns()
             self._count(decompress_s=(end_ns - start_ns) / 1e9, pushes=1)

@@ -35,10 +35,13 @@ from bps.protocol import (
     PeerFailure,
     ProtocolError,
     RemoteError,
+    check_payload,
     decode,
     dtype_name,
     encode,
+    join_frames,
     new_socket,
+    payload_frames,
 )
 from bps.scheduler_client import SchedulerClient
 from bps.trace import Tracer
@@ -62,7 +65,8 @@ class IOLoop:
 
     def __init__(self, env: ClusterEnv, ctx: Any, link: SchedulerClient, servers: list[str],
                  node_id: int, keys: dict[int, KeyInfo], count: Callable[..., None],
-                 tracer: Tracer | None, decode_reply: Callable[[Request, zmq.Frame], None],
+                 tracer: Tracer | None,
+                 decode_reply: Callable[[Request, list[zmq.Frame]], None],
                  key: ClusterKey | None = None) -> None:
         self.env = env
         self.servers = servers
@@ -259,8 +263,11 @@ class IOLoop:
             self._dealers[request.server].send(header)
             size = 0
         else:
-            self._dealers[request.server].send_multipart([header, request.payload], copy=False)
-            size = memoryview(request.payload).nbytes
+            body = memoryview(request.payload)
+            # frames of BPS_FRAME_BYTES: libzmq's CURVE encrypts smaller frames faster
+            self._dealers[request.server].send_multipart(
+                [header, *payload_frames(body, self.env.frame_bytes)], copy=False)
+            size = body.nbytes
         self._count(bytes_pushed=len(header) + size)
 
     def _send_control(self) -> None:
@@ -324,25 +331,39 @@ class IOLoop:
         info, future = request.info, request.future
         if op == Op.ERROR:
             settle(info, future, error=RemoteError(f"{where}: {header['msg']}"))
-        elif op == Op.OK:
+            return
+        if op == Op.OK:
             settle(info, future, None)
-        elif op != Op.DATA or len(payloads) != 1 or len(payloads[0]) != header["nbytes"]:
+            return
+        try:
+            if op != Op.DATA:
+                raise ProtocolError(f"op {op.name}")
+            check_payload("DATA", header["nbytes"], [len(frame) for frame in payloads])
+        except ProtocolError as exc:
             settle(info, future, error=ClusterError(f"{request.what}: malformed reply "
-                                                    f"{op.name} from {where}"))
-        elif request.op == Op.GET_STATE:
-            settle(info, future, payloads[0].bytes)
-        elif "skip" in header:  # the server did not sum this step
+                                                    f"{op.name} from {where}: {exc}"))
+            return
+        if request.op == Op.GET_STATE:
+            settle(info, future, join_frames(payloads).tobytes() if len(payloads) > 1
+                   else payloads[0].bytes)
+            return
+        if "skip" in header:  # the server did not sum this step
             self._count(pushes=1)
             settle(info, future, Skipped(str(header["skip"]), int(header.get("skip_node", -1)),
                                          str(header.get("skip_what", "")), info_label(info)))
         elif info.chain is not None:
-            self._decode_reply(request, payloads[0])
+            self._decode_reply(request, payloads)
         elif header["nbytes"] != info.numel * info.dtype.itemsize:
             settle(info, future, error=ClusterError(
                 f"{request.what}: {where} answered {header['nbytes']} bytes"))
         else:
-            result = torch.frombuffer(payloads[0].buffer, dtype=info.dtype) if info.numel \
-                else torch.zeros(0, dtype=info.dtype)
+            if not info.numel:
+                result = torch.zeros(0, dtype=info.dtype)
+            elif len(payloads) == 1:  # zero-copy: a view of the frame
+                result = torch.frombuffer(payloads[0].buffer, dtype=info.dtype)
+            else:  # several frames: joined into a new tensor, one copy
+                result = torch.empty(info.numel, dtype=info.dtype)
+                join_frames(payloads, result.view(torch.uint8).numpy())
             self._count(pushes=1)
             settle(info, future, result)
 
