@@ -16,7 +16,8 @@ and pull overlap the forward and backward of step t+1 instead of blocking ``step
 ``step()``), copies this step's ``.grad`` into a source buffer of its own, writes step
 t-1's aggregate into ``.grad``, pushes the source (the aggregate lands in a destination
 buffer of its own, while the next backward writes ``.grad``), and runs the optimizer.
-The first step has no aggregate yet: it pushes and applies nothing, and returns False.
+The first step has no aggregate yet: it pushes its gradient, applies nothing and
+returns False.
 The compressor chains, error feedback and momentum are those of synchronous training;
 only the step that applies each aggregate moves.
 """
@@ -54,8 +55,8 @@ class DelayedUpdate:
 
     Each parameter gets a float32 source (a copy of ``.grad``, divided in place by the
     pipeline, which may decode the aggregate into it) and a float32 destination (where
-    the aggregate lands). A round is pushed by :meth:`step` and settled by the next
-    :meth:`step` (or :meth:`settle`, which ``state_dict()`` calls)."""
+    the aggregate lands). :meth:`push_and_apply` pushes a round; the trainer's next
+    ``step()``, ``state_dict()`` or ``close()`` settles it (:meth:`settle`)."""
 
     def __init__(self, trainer: DistributedTrainer) -> None:
         self.trainer = trainer
