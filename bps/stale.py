@@ -13,10 +13,13 @@ and pull overlap the forward and backward of step t+1 instead of blocking ``step
     ...     trainer.step()                  # applies step t-1's aggregate, pushes step t's
 
 ``step()`` at step t: waits for step t-1's aggregate (in flight since the last
-``step()``), copies this step's ``.grad`` into a source buffer of its own, writes step
-t-1's aggregate into ``.grad``, pushes the source (the aggregate lands in a destination
-buffer of its own, while the next backward writes ``.grad``), and runs the optimizer.
-The first step has no aggregate yet: it pushes and applies nothing, and returns False.
+``step()``), takes this step's ``.grad`` tensor as the source and destination of its
+push (the pipeline divides it in place and the aggregate lands in it), makes the tensor
+holding step t-1's aggregate the parameter's ``.grad`` and runs the optimizer: no copy,
+and the next backward writes a fresh ``.grad`` (or, after ``zero_grad(set_to_none=
+False)``, the tensor just applied), never the one in flight. The first step has no
+aggregate yet: it pushes its gradient, applies nothing, leaves ``.grad`` None and
+returns False.
 The compressor chains, error feedback and momentum are those of synchronous training;
 only the step that applies each aggregate moves.
 """
@@ -50,23 +53,19 @@ def validate_staleness(staleness: Any, sync_every: int) -> int:
 
 
 class DelayedUpdate:
-    """The source and destination buffers and the round in flight of ``staleness=1``.
-
-    Each parameter gets a float32 source (a copy of ``.grad``, divided in place by the
-    pipeline, which may decode the aggregate into it) and a float32 destination (where
-    the aggregate lands). A round is pushed by :meth:`step` and settled by the next
-    :meth:`step` (or :meth:`settle`, which ``state_dict()`` calls)."""
+    """The round in flight of ``staleness=1``: per parameter, the tensor that was its
+    ``.grad`` when the round was pushed, source and destination of that push (divided
+    in place by the pipeline, then the aggregate). :meth:`push_and_apply` pushes a
+    round; the trainer's next ``step()``, ``state_dict()`` or ``close()`` settles it
+    (:meth:`settle`)."""
 
     def __init__(self, trainer: DistributedTrainer) -> None:
         self.trainer = trainer
-        slots = trainer._pipe.slots
-        self.sources = [torch.empty(s.param.numel(), dtype=torch.float32,
-                                    device=s.param.device) for s in slots]
-        self.dests = [torch.zeros(s.param.numel(), dtype=torch.float32,
-                                  device=s.param.device) for s in slots]
+        # per parameter, the round's tensor (flat): in flight, then the aggregate
+        self.tensors: list[torch.Tensor | None] = [None] * len(trainer._pipe.slots)
         self.lrs = [float(g["lr"]) for g in trainer.optimizer.param_groups]
         self.in_flight = False  # a round was pushed and not settled
-        self.ready = False  # the settled round's aggregate waits in ``dests``
+        self.ready = False  # the settled round's aggregate waits in ``tensors``
         self.skip: Skipped | None = None  # why the settled round is applied nowhere
         self.settled: tuple[dict, float] | None = None  # its stats, not yet recorded
         self.round_step = 0  # the settled round's step number (applied steps before it)
@@ -91,23 +90,29 @@ class DelayedUpdate:
         self.ready = self.skip is None
 
     def push_and_apply(self) -> bool:
-        """After :meth:`settle`: push this step's gradients (copies of ``.grad``) and apply
-        the settled round's aggregate; returns whether there was one to apply."""
+        """After :meth:`settle`: push this step's gradients and apply the settled round's
+        aggregate (NaN where the round was skipped); returns whether there was one to
+        apply. The tensors swap roles: ``.grad`` goes on the wire, the aggregate
+        becomes ``.grad``."""
         trainer, pipe = self.trainer, self.trainer._pipe
-        applied = self.ready
+        applied, settled = self.ready, self.ready or self.skip is not None
         self.ready, self.skip, self.settled = False, None, None
         with torch.no_grad():
-            sources = []
-            for slot, source, dest in zip(pipe.slots, self.sources, self.dests, strict=True):
-                grad = slot.param.grad
-                if grad is not None:
-                    source.copy_(grad.detach().reshape(-1))
-                sources.append(source if grad is not None else None)  # None: zeros
-                if applied:
-                    trainer._grad_view(slot.param).copy_(dest)
+            pushes = []
+            for index, slot in enumerate(pipe.slots):
+                p, aggregate = slot.param, self.tensors[index]
+                grad = p.grad
+                if grad is None:  # no gradient this step: zeros travel
+                    tensor, source = torch.zeros(p.numel(), dtype=p.dtype, device=p.device), None
+                else:
+                    tensor = grad.detach().contiguous().view(-1)
+                    source = tensor
+                p.grad = aggregate.view_as(p) if settled and aggregate is not None else None
+                self.tensors[index] = tensor
+                pushes.append((index, source, tensor))
             self.lrs = [float(g["lr"]) for g in trainer.optimizer.param_groups]
-            for index, source in enumerate(sources):
-                pipe.push(index, source, self.dests[index])
+            for index, source, tensor in pushes:
+                pipe.push(index, source, tensor)
         self.in_flight = True
         if applied:
             trainer.optimizer.step()
@@ -122,7 +127,7 @@ class DelayedUpdate:
         """The aggregate that waits to be applied (the round in flight, settled here)."""
         self.settle()
         names = [s.name for s in self.trainer._pipe.slots]
-        return {"aggregate": {n: d.clone() for n, d in zip(names, self.dests, strict=True)}
+        return {"aggregate": {n: t.clone() for n, t in zip(names, self.tensors, strict=True)}
                 if self.ready else None}
 
     def load_state_dict(self, state: dict | None) -> None:
@@ -135,5 +140,6 @@ class DelayedUpdate:
         aggregate = state["aggregate"]
         self.ready = aggregate is not None
         if aggregate is not None:
-            for slot, dest in zip(self.trainer._pipe.slots, self.dests, strict=True):
-                dest.copy_(aggregate[slot.name].reshape(-1))
+            for index, slot in enumerate(self.trainer._pipe.slots):
+                self.tensors[index] = aggregate[slot.name].to(
+                    slot.param.dtype, copy=True).reshape(-1)
