@@ -5,10 +5,18 @@ Run with torchrun's variables, for example on emulated hosts::
     bpslaunch netem --nodes 4 --rate 100mbit --torchrun -- \\
         python bench/ddp_mnist.py --hook powersgd --hidden 1100 --layers 2
 
-``--hook``: ``none`` (plain allreduce), ``fp16`` (``fp16_compress_hook``) or
+``--hook``: ``none`` (plain allreduce), ``fp16`` (``fp16_compress_hook``),
 ``powersgd`` (``powerSGD_hook``, rank ``--powersgd-rank``, error feedback and warm
-start). All gradients go into one bucket: with several buckets the PowerSGD hook
-aborted on gloo with a collective size mismatch. Rank 0 writes ``--metrics-json``
+start) or ``bps`` (:func:`bps.ddp.ps_hook` through bps's servers, with the
+compression flags of examples/mnist.py; run it under ``bpslaunch local`` or
+``bpslaunch netem --servers N``, which export torch's variables too)::
+
+    bpslaunch netem --nodes 4 --servers 4 --rate 100mbit -- python bench/ddp_mnist.py \
+        --hook bps --compressor topk --k 0.01 --ef vanilla --momentum nesterov
+
+All gradients go into one bucket (except with ``bps``, which keys each parameter
+whatever the buckets): with several buckets the PowerSGD hook aborted on gloo with a
+collective size mismatch. Rank 0 writes ``--metrics-json``
 in examples/mnist.py's format (``steps[].time``, ``epochs[].test_accuracy`` /
 ``wall_time``), so bench/slow_network.py reads both alike.
 """
@@ -31,7 +39,9 @@ from torch.nn.parallel import DistributedDataParallel
 from bps.mnist import (
     LR_SCHEDULES,
     accuracy,
+    add_compression_arguments,
     build_model,
+    compression_params,
     epoch_batches,
     load_mnist,
     lr_schedule,
@@ -43,12 +53,12 @@ SINGLE_BUCKET_MB = 1024
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="MNIST data-parallel training with torch DDP")
-    p.add_argument("--hook", choices=["none", "fp16", "powersgd"], default="none")
+    p.add_argument("--hook", choices=["none", "fp16", "powersgd", "bps"], default="none")
+    add_compression_arguments(p)  # --hook bps: its compression_params; --mu: SGD momentum
     p.add_argument("--powersgd-rank", type=int, default=1)
     p.add_argument("--epochs", type=int, default=6)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="constant")
-    p.add_argument("--mu", type=float, default=0.9, help="SGD momentum")
     p.add_argument("--batch-size", type=int, default=32, help="per worker process")
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--layers", type=int, default=1)
@@ -60,7 +70,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def register_hook(model: DistributedDataParallel, hook: str, rank: int) -> None:
+def register_hook(model: DistributedDataParallel, hook: str, rank: int,
+                  optimizer: torch.optim.Optimizer, args: argparse.Namespace):
+    """Register ``--hook``; returns the bps hook's state (None for the others)."""
+    if hook == "bps":
+        import bps.ddp
+
+        state = bps.ddp.HookState(compression_params(args), optimizer, model.module)
+        model.register_comm_hook(state, bps.ddp.ps_hook)
+        return state
     if hook == "fp16":
         model.register_comm_hook(None, default_hooks.fp16_compress_hook)
     elif hook == "powersgd":
@@ -68,20 +86,25 @@ def register_hook(model: DistributedDataParallel, hook: str, rank: int) -> None:
             process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=2,
             use_error_feedback=True, warm_start=True)
         model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.hook == "bps":
+        import bps
+
+        bps.init()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
     rank, size = dist.get_rank(), dist.get_world_size()
     (x_train, y_train), (x_test, y_test) = load_mnist(args.test_size, args.seed)
 
     torch.manual_seed(args.seed + rank)  # DDP broadcasts rank 0's parameters
-    model = DistributedDataParallel(build_model(args.hidden, args.layers),
-                                    bucket_cap_mb=SINGLE_BUCKET_MB)
-    register_hook(model, args.hook, args.powersgd_rank)
+    buckets = {} if args.hook == "bps" else {"bucket_cap_mb": SINGLE_BUCKET_MB}
+    model = DistributedDataParallel(build_model(args.hidden, args.layers), **buckets)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.mu)
+    state = register_hook(model, args.hook, args.powersgd_rank, optimizer, args)
     scheduler = lr_schedule(optimizer, args.lr_schedule,
                             args.epochs * steps_per_epoch(len(y_train), size, args.batch_size))
 
@@ -111,6 +134,12 @@ def main(argv: list[str] | None = None) -> int:
                   f"({time.perf_counter() - train_start:.1f}s)", flush=True)
     train_time = time.perf_counter() - train_start
     dist.barrier()
+    if state is not None:
+        metrics["stats"] = state.stats()
+        state.close()
+        import bps
+
+        bps.shutdown()
     dist.destroy_process_group()
     if rank == 0 and args.metrics_json:
         metrics.update(test_accuracy=metrics["epochs"][-1]["test_accuracy"],

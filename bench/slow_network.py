@@ -43,9 +43,9 @@ MNIST = REPO / "examples" / "mnist.py"
 DDP_MNIST = REPO / "bench" / "ddp_mnist.py"
 
 EF_NESTEROV = ("--ef", "vanilla", "--momentum", "nesterov")
-DEFAULT_METHODS = ("fp32", "fp16", "bf16", "onebit", "topk", "randomk", "dithering",
-                   "bytegrad", "powersgd", "powersgd2", "onebit-stale", "topk-stale",
-                   "onebit-local", "topk-local",
+DEFAULT_METHODS = ("fp32", "fp16", "bf16", "onebit", "topk", "ddp-bps-topk", "randomk",
+                   "dithering", "bytegrad", "powersgd", "powersgd2", "onebit-stale",
+                   "topk-stale", "onebit-local", "topk-local",
                    "ddp", "ddp-fp16", "ddp-powersgd", "ddp-powersgd2")
 # bps PowerSGD as DDP's hook runs here: error feedback, warm start, PowerSGD from step 2
 POWERSGD = ("--ef", "vanilla", "--warmup-steps", "2")
@@ -70,6 +70,7 @@ class Method:
     kind: str  # "bps": examples/mnist.py through bps; "ddp": bench/ddp_mnist.py
     args: tuple[str, ...]
     wire: float
+    hook: bool = False  # a "bps" method run as bench/ddp_mnist.py --hook bps (bps.ddp)
 
     @property
     def compression_args(self) -> list[str]:
@@ -123,6 +124,9 @@ def all_methods(topk: float = 0.01, randomk: float = 0.01, levels: int = 4,
                ("--compressor", "onebit", *EF_NESTEROV), 1 / 8),
         Method("topk", f"bps topk k={topk:g} + EF + Nesterov", "bps",
                ("--compressor", "topk", "--k", f"{topk:g}", *EF_NESTEROV), 8 * topk),
+        Method("ddp-bps-topk", f"DDP + bps hook, topk k={topk:g} + EF + Nesterov", "bps",
+               ("--hook", "bps", "--compressor", "topk", "--k", f"{topk:g}", *EF_NESTEROV),
+               8 * topk, hook=True),
         Method("randomk", f"bps randomk k={randomk:g} + EF + Nesterov", "bps",
                ("--compressor", "randomk", "--k", f"{randomk:g}", *EF_NESTEROV), 4 * randomk),
         Method("dithering", f"bps dithering s={levels} + EF", "bps",
@@ -255,7 +259,7 @@ def command(method: Method, args: argparse.Namespace, metrics: Path, stats: Path
         script = DDP_MNIST
     else:
         launch += ["--servers", str(args.servers)]
-        script = MNIST
+        script = DDP_MNIST if method.hook else MNIST
     return [*launch, "--", sys.executable, str(script), *job_args(args), *method.args,
             "--metrics-json", str(metrics)]
 
@@ -632,8 +636,9 @@ def record_runs(record: dict, args: argparse.Namespace) -> list[Run]:
                           args.sync_every, args.outer)
     runs = []
     for saved in record["runs"]:
-        method = Method(saved["method"], saved["label"], methods[saved["method"]].kind,
-                        tuple(saved["args"]), methods[saved["method"]].wire)
+        known = methods[saved["method"]]
+        method = Method(saved["method"], saved["label"], known.kind, tuple(saved["args"]),
+                        known.wire, known.hook)
         runs.append(Run(method, saved["metrics"], saved["netem"], saved["run_seconds"],
                         saved["exit_code"]))
     return runs
@@ -672,7 +677,9 @@ def warm_kernels(args: argparse.Namespace, methods: list[Method]) -> None:
     numel = args.compressed_partition_bytes // 4
     started = time.monotonic()
     for method in compressed:
-        params = {**compression_params(parse_compression_args(method.compression_args)),
+        flags = method.compression_args
+        flags = flags[2:] if method.hook else flags  # less --hook bps
+        params = {**compression_params(parse_compression_args(flags)),
                   "mu": 0.9, "seed": args.seed + 1}
         if params.get("compressor") == "powersgd":  # torch matrix products: nothing to compile
             continue

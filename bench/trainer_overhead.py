@@ -7,9 +7,10 @@ Usage::
 
 The parent starts a loopback cluster with ``bpslaunch local --workers 2 --servers 1``;
 both worker processes then time, one after the other, DDP over a gloo group of their
-own, bps uncompressed (fp16 on the wire, the default), bps uncompressed in fp32 and
-bps with onebit + error feedback, on a ~25M-parameter MLP (one copy per
-configuration, all alive at once). Rank 0 prints a table of
+own, bps uncompressed (fp16 on the wire, the default), bps uncompressed in fp32,
+bps with onebit + error feedback, and the same onebit + error feedback through DDP with
+the bps hook (:mod:`bps.ddp`: same pipeline, DDP's buckets in front), on a
+~25M-parameter MLP (one copy per configuration, all alive at once). Rank 0 prints a table of
 median step times and their ratio to DDP. The configurations take turns in
 interleaved rounds (a barrier before every step), so background load hits all alike.
 The whole cluster runs twice, with CURVE (the default) and with ``BPS_INSECURE=1``,
@@ -34,6 +35,13 @@ CONFIGS = {
     "bps uncompressed (fp16 wire)": {},
     "bps uncompressed (fp32 wire)": {"fp16": False},
     "bps onebit + EF": {"compressor": "onebit", "scaling": True, "ef": "vanilla"},
+}
+# DDP with bps.ddp.ps_hook, gradient_as_bucket_view (no copy of the buckets back into
+# .grad); the second keeps .grad between steps (zero_grad(set_to_none=False)), so autograd
+# accumulates into the bucket views instead of DDP copying fresh gradients into them
+HOOK_CONFIGS = {
+    "DDP + bps hook, onebit + EF": (CONFIGS["bps onebit + EF"], True),
+    "DDP + bps hook, onebit + EF, grads kept": (CONFIGS["bps onebit + EF"], False),
 }
 
 
@@ -88,8 +96,24 @@ def child(args: argparse.Namespace) -> int:
             return trainer.stats()
         return step, trainer.close
 
+    def hook_runner(params, set_to_none):
+        import bps.ddp
+
+        ddp = DistributedDataParallel(build_model(args.width), gradient_as_bucket_view=True)
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+        state = bps.ddp.HookState(params, optimizer)
+        ddp.register_comm_hook(state, bps.ddp.ps_hook)
+
+        def step():
+            optimizer.zero_grad(set_to_none=set_to_none)
+            loss_fn(ddp(x), y).backward()
+            optimizer.step()
+            return state.stats()
+        return step, state.close
+
     runners = {"torch DDP (gloo)": ddp_runner()}
     runners.update({name: bps_runner(params) for name, params in CONFIGS.items()})
+    runners.update({name: hook_runner(*config) for name, config in HOOK_CONFIGS.items()})
     numel = sum(p.numel() for p in build_model(args.width).parameters())
     times = {name: [] for name in runners}
     stats = {}

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script: make ``tests`` importable
@@ -100,7 +101,19 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
             if run.get("accumulate"):
                 with ddp.no_sync():
                     ddp(goals_of(rank, 1, shapes)).backward()
-            ddp(goals_of(rank, 0, shapes)).backward()
+            goals = goals_of(rank, 0, shapes)
+            if run.get("inf_at") == [rank, step]:  # this rank's gradient gets an inf
+                goals["big"] = goals["big"].clone()
+                goals["big"][0, 0] = float("inf")
+            try:
+                ddp(goals).backward()
+            except RuntimeError as exc:  # nonfinite "raise": backward() raises everywhere
+                report.setdefault("raised", []).append([step, str(exc)[-300:]])
+                continue
+            if not all(torch.isfinite(p.grad).all() for p in ddp.parameters()
+                       if p.grad is not None):
+                report.setdefault("nan", []).append(step)  # "skip": NaN everywhere
+                continue
             optimizer.step()
             if run.get("save_at") == step + 1:
                 torch.save({"model": module.state_dict(), "optimizer": optimizer.state_dict(),
@@ -236,8 +249,9 @@ SMALL_BUCKETS = {"bucket_cap_mb": 0.0005}  # about a tensor per bucket: DDP rebu
 def test_hook_matches_the_replay_for_every_compressor_and_ddp_feature(tmp_path):
     """2 nodes x 2 servers, one launch: each compressor (with one DDP feature each),
     warmup, a tensor topk would not shrink, no_sync accumulation, Join with uneven
-    data, an unused parameter under find_unused_parameters; each against the replay.
-    Then a second launch resumes randomk from its pickled hook state."""
+    data, an unused parameter under find_unused_parameters, an inf on one rank under
+    both non-finite policies (against the replay without that step); each against the
+    replay. Then a second launch resumes randomk from its pickled hook state."""
     topk = {**SIM_CASES["topk"], **COMMON}
     runs = [
         {"tag": "onebit", "params": {**SIM_CASES["onebit"], **COMMON}},
@@ -255,6 +269,10 @@ def test_hook_matches_the_replay_for_every_compressor_and_ddp_feature(tmp_path):
          "lrs": [0.25] * 5},
         {"tag": "unused", "params": topk, "extra": {"unused": [5]},
          "ddp": {"find_unused_parameters": True, **SMALL_BUCKETS}},
+        # an inf in rank 1's gradient at step 2: no worker applies that step
+        {"tag": "skip", "params": {**topk, "nonfinite": "skip"}, "inf_at": [1, 2],
+         "skipped": 2},
+        {"tag": "raise", "params": topk, "inf_at": [1, 2], "skipped": 2},
     ]
     result = launch({"runs": runs, "lrs": SIM_LRS}, tmp_path, workers=2, servers=2)
     assert result.returncode == 0, result.stdout[-3000:]
@@ -264,8 +282,8 @@ def test_hook_matches_the_replay_for_every_compressor_and_ddp_feature(tmp_path):
         finals = load_params(tmp_path, 2, name)
         grads = (accumulated(SHAPES) if run.get("accumulate") else
                  joined(SHAPES, run["steps"]) if run.get("join") else plain(SHAPES))
-        expected = replay(run["params"], 2, run.get("lrs", SIM_LRS), grads,
-                          run.get("compressed_from", 0))
+        lrs = [lr for i, lr in enumerate(run.get("lrs", SIM_LRS)) if i != run.get("skipped")]
+        expected = replay(run["params"], 2, lrs, grads, run.get("compressed_from", 0))
         for n in SHAPES:
             np.testing.assert_array_equal(finals[0][n], expected[n], err_msg=f"{name}: {n}")
             np.testing.assert_array_equal(finals[1][n], expected[n], err_msg=f"{name}: {n}")
@@ -275,6 +293,11 @@ def test_hook_matches_the_replay_for_every_compressor_and_ddp_feature(tmp_path):
     for final in load_params(tmp_path, 2, "unused"):  # never used: rank 0's, untouched
         np.testing.assert_array_equal(final["unused"],
                                       initial_params(0, {**SHAPES, "unused": (5,)})["unused"])
+    for r in range(2):  # "skip": NaN buckets on every rank; "raise": backward() raised
+        assert reports[r]["skip"]["nan"] == [2] and "raised" not in reports[r]["skip"]
+        [[step, message]] = reports[r]["raise"]["raised"]
+        assert step == 2 and "'big' on worker node 1 has inf or NaN" in message, message
+    assert reports[0]["skip"]["stats"]["totals"]["skipped_steps"] == 1
     stats = reports[0]["topk"]["stats"]
     assert stats["compression_ratio"] > 1.5 and stats["totals"]["steps"] == len(SIM_LRS)
 
@@ -296,6 +319,7 @@ def test_hook_matches_the_replay_for_every_compressor_and_ddp_feature(tmp_path):
             np.testing.assert_array_equal(final[n], whole[r][n], err_msg=f"resumed {n}")
 
 
+@pytest.mark.slow  # 55 s at load 15; the trainer's tests run the pipeline this way
 def test_two_local_ranks_reduce_in_fp16(tmp_path):
     """2 nodes x 2 local ranks x 2 servers, fp16 within the node and on the wire: the
     exact roundings of tests/test_trainer_comm_dtype.py's reference."""
