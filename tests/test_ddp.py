@@ -19,7 +19,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script: make ``tests`` importable
@@ -319,7 +318,6 @@ def test_hook_matches_the_replay_for_every_compressor_and_ddp_feature(tmp_path):
             np.testing.assert_array_equal(final[n], whole[r][n], err_msg=f"resumed {n}")
 
 
-@pytest.mark.slow  # 55 s at load 15; the trainer's tests run the pipeline this way
 def test_two_local_ranks_reduce_in_fp16(tmp_path):
     """2 nodes x 2 local ranks x 2 servers, fp16 within the node and on the wire: the
     exact roundings of tests/test_trainer_comm_dtype.py's reference."""
