@@ -259,6 +259,7 @@ def test_hook_matches_the_replay_for_every_compressor_and_ddp_feature(tmp_path):
          "save_at": 3},  # pickles the hook's state after step 3 (must not disturb)
         {"tag": "dithering", "params": {**SIM_CASES["dithering"], **COMMON},
          "ddp": {"static_graph": True, **SMALL_BUCKETS}},
+        {"tag": "bytegrad", "params": {**SIM_CASES["bytegrad"], **COMMON}},
         {"tag": "warmup", "params": {**SIM_CASES["onebit"], **COMMON, "warmup_steps": 2},
          "compressed_from": 2},
         {"tag": "dense", "params": {"compressor": "topk", "k": 0.6, **COMMON},

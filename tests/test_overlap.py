@@ -248,6 +248,7 @@ PERIODIC = {
                                                      "momentum": 0.5}),
     "dithering": ({**SIM_CASES["dithering"], **EF, **CHAIN_MOMENTUM}, 4,
                   {"optimizer": "nesterov", "lr": 0.6, "momentum": 0.8}),
+    "bytegrad": ({**SIM_CASES["bytegrad"], **EF, **CHAIN_MOMENTUM}, 2, None),
     "raw": ({"fp16": False}, 3, {"optimizer": "nesterov"}),
 }
 
@@ -281,6 +282,7 @@ STALE = {
     "topk": {**SIM_CASES["topk"], **EF, "momentum": "nesterov"},
     "randomk": {**SIM_CASES["randomk"], **EF},  # the optimizer keeps its momentum
     "dithering": {**SIM_CASES["dithering"], **EF, "momentum": "nesterov"},
+    "bytegrad": {**SIM_CASES["bytegrad"], **EF, "momentum": "nesterov"},
     "raw": {"fp16": False, "momentum": "nesterov"},
 }
 

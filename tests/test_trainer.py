@@ -182,6 +182,7 @@ SIM_CASES = {
     "topk": {"compressor": "topk", "k": 0.1},
     "randomk": {"compressor": "randomk", "k": 0.1},
     "dithering": {"compressor": "dithering", "k": 4},
+    "bytegrad": {"compressor": "bytegrad", "chunk": 16},
 }
 
 
@@ -194,6 +195,9 @@ def reference_codec(params: dict, numel: int):
     if name == "onebit":
         return (lambda x: ref.onebit_encode(x, True),
                 lambda p: ref.onebit_decode(p, numel, f32))
+    if name == "bytegrad":
+        return (lambda x: ref.bytegrad_encode(x, params["chunk"]),
+                lambda p: ref.bytegrad_decode(p, numel, params["chunk"], f32))
     k = max(1, int(params["k"] * numel)) if name in ("topk", "randomk") else params["k"]
     if name == "topk":
         return (lambda x: ref.topk_encode(x, k, f32),
