@@ -15,6 +15,14 @@ bps runs twice in every round: authenticated and encrypted (CURVE, the default) 
 of the plain-TCP baseline; compressed jobs with CURVE within 5% of without.
 Then the same job with onebit and with topk 1%: step time and wire bytes per step.
 Results go to stdout (a markdown table) and bench/out/ps_throughput.json.
+
+``--cpu``: instead, the CPU time (user + system, every process of the job) per step of
+each configuration, from two runs of ``--steps`` and ``4 * --steps`` steps (the
+difference over the extra steps, so start-up cancels out); alternating, median of
+``--rounds``; to bench/out/ps_cpu.json. On a host shared with other jobs this moves much
+less than step times, and CPU time / 2 bounds what a step can take on 2 idle cores::
+
+    .venv/bin/python bench/ps_throughput.py --cpu --rounds 3 --steps 2
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -188,11 +197,86 @@ def run_bps(mbytes: int, steps: int, params: dict | None, tmp: Path, tag: str,
     return {"step_s": step, "wire_bytes_per_worker": statistics.median(runs[0]["wire"])}
 
 
+def children_cpu() -> float:
+    """CPU seconds (user + system) of every finished child process and its descendants."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def cpu_per_step(run, steps: int) -> float:
+    """CPU seconds per step of ``run(steps)``: runs of ``steps`` and ``4 * steps`` steps,
+    the difference over the extra steps."""
+    start = children_cpu()
+    run(steps)
+    short = children_cpu() - start
+    run(4 * steps)
+    long = children_cpu() - start - short
+    return (long - short) / (3 * steps)
+
+
+CPU_CONFIGS = {  # name -> (kind, CURVE?, compression params)
+    "raw ZeroMQ (echo, no processing), plain TCP": ("raw", False, None),
+    "raw ZeroMQ (echo, no processing), CURVE": ("raw", True, None),
+    "bps uncompressed float32, CURVE": ("bps", True, None),
+    "bps uncompressed float32, BPS_INSECURE=1": ("bps", False, None),
+    "bps onebit + EF, CURVE": ("bps", True, {"compressor": "onebit", "scaling": True,
+                                             "ef": "vanilla"}),
+    "bps onebit + EF, BPS_INSECURE=1": ("bps", False, {"compressor": "onebit",
+                                                       "scaling": True, "ef": "vanilla"}),
+    "bps topk 1% + EF, CURVE": ("bps", True, {"compressor": "topk", "k": 0.01,
+                                              "ef": "vanilla"}),
+    "bps topk 1% + EF, BPS_INSECURE=1": ("bps", False, {"compressor": "topk", "k": 0.01,
+                                                        "ef": "vanilla"}),
+}
+
+
+def cpu_table(mbytes: int, steps: int, rounds: int, tmp: Path, key_file: str,
+              only: str = "") -> None:
+    """The ``--cpu`` table (see the module docstring); ``only``: the configurations whose
+    name contains it."""
+    runs: dict[str, list[float]] = {name: [] for name in CPU_CONFIGS if only in name}
+    load = [os.getloadavg()[0]]
+    for index in range(rounds):
+        names = list(runs) if index % 2 == 0 else list(runs)[::-1]
+        for name in names:
+            kind, curve, params = CPU_CONFIGS[name]
+            if kind == "raw":
+                def run(n: int, curve: bool = curve) -> None:
+                    run_raw(mbytes, n, tmp, key_file if curve else "")
+            else:
+                def run(n: int, curve: bool = curve, params: dict | None = params) -> None:
+                    run_bps(mbytes, n, params, tmp, "cpu", secure=curve)
+            runs[name].append(cpu_per_step(run, steps))
+    load.append(os.getloadavg()[0])
+    cpu = {name: statistics.median(v) for name, v in runs.items()}
+    print(f"2 workers x 1 server, loopback, {mbytes} MB float32 per worker per step; CPU "
+          f"seconds per step of all processes, median of {rounds} alternating rounds; load "
+          f"average {load[0]:.1f} -> {load[1]:.1f}\n")
+    print("| configuration | CPU s per step | rounds | CPU / 2 cores |")
+    print("|---|---:|---|---:|")
+    for name, value in cpu.items():
+        print(f"| {name} | {value:.3f} | {', '.join(f'{v:.3f}' for v in runs[name])} "
+              f"| {value / 2:.3f} s |")
+    if len(cpu) == len(CPU_CONFIGS):
+        raw = cpu["raw ZeroMQ (echo, no processing), plain TCP"]
+        print(f"\nCPU of raw ZeroMQ plain TCP / bps uncompressed with CURVE: "
+              f"{raw / cpu['bps uncompressed float32, CURVE']:.2f}")
+        for label in ("onebit + EF", "topk 1% + EF"):
+            extra = cpu[f"bps {label}, CURVE"] / cpu[f"bps {label}, BPS_INSECURE=1"] - 1
+            print(f"{label}: CURVE costs {extra:+.1%} CPU per step")
+    (tmp / "ps_cpu.json").write_text(json.dumps({"runs": runs, "median": cpu,
+                                                 "load": load}, indent=2))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mbytes", type=int, default=100)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--cpu", action="store_true",
+                        help="CPU seconds per step of each configuration (see the docstring)")
+    parser.add_argument("--only", default="",
+                        help="--cpu: only the configurations whose name contains this")
     parser.add_argument("--raw-server", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--raw-worker", nargs=5, help=argparse.SUPPRESS)
     parser.add_argument("--bps-worker", nargs=4, help=argparse.SUPPRESS)
@@ -219,6 +303,9 @@ def main() -> None:
     key_dir = tempfile.mkdtemp(prefix="bps-bench-key-")
     key_file = os.path.join(key_dir, "cluster.key")
     write_key_file(key_file)
+    if args.cpu:
+        cpu_table(args.mbytes, args.steps, args.rounds, tmp, key_file, args.only)
+        return
     # alternate baseline and bps runs and keep each one's best round: robust to other
     # load on the machine, and both sides see the same conditions
     rounds: dict[str, list] = {"raw": [], "raw_curve": [], "plain": [], "plain_insecure": []}

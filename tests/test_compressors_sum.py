@@ -126,14 +126,18 @@ def key_engine():
         frames = replies.recv_multipart() if replies.poll(10_000) else None
         assert frames is not None, "no reply from the key engine"
         header = decode(frames[1])
-        header["body"] = frames[2] if len(frames) > 2 else None
+        header["body"] = b"".join(frames[2:]) if len(frames) > 2 else None
         return header
 
     def request(op: Op, payload: bytes | None = None, **fields) -> dict:
-        """Handle one request as the engine's thread would; returns the first reply,
-        or raises the engine's RequestError."""
+        """Handle one request as the engine's thread would (a payload of more than 8
+        bytes in two frames, which the engine joins); returns the first reply, or raises
+        the engine's RequestError."""
         header = decode(encode(op, rid=1, **fields))
-        engine._handle(b"peer", header, None if payload is None else zmq.Frame(payload))
+        frames = None if payload is None else [zmq.Frame(payload)]
+        if payload is not None and len(payload) > 8:
+            frames = [zmq.Frame(payload[:8]), zmq.Frame(payload[8:])]
+        engine._handle(b"peer", header, frames)
         return reply()
 
     yield engine, request, reply
