@@ -114,25 +114,42 @@ class Supervisor:
                 continue
 
     def _log(self, message: str) -> None:
-        with self._write_lock:
+        # bounded: a SIGTERM's SystemExit may have left the lock held by this thread
+        locked = self._write_lock.acquire(timeout=1.0)
+        try:
             self.out.write(f"[bpslaunch] {message}\n")
             self.out.flush()
+        finally:
+            if locked:
+                self._write_lock.release()
 
     def stop_all(self) -> None:
-        """SIGTERM every live child's process group, SIGKILL what is left after ``grace``."""
+        """SIGTERM every live child's process group, SIGKILL what is left after ``grace``.
+        Every wait is bounded: a child that cannot be reaped is named and left behind."""
         live = [c for c in self.children if c.process.poll() is None]
         for child in live:
             _signal_group(child.process, signal.SIGTERM)
         for child in live:
-            try:
-                child.process.wait(timeout=self.grace)
-            except subprocess.TimeoutExpired:
-                _signal_group(child.process, signal.SIGKILL)
-                child.process.wait()
+            if self._reaped(child):
+                continue
+            _signal_group(child.process, signal.SIGKILL)
+            if not self._reaped(child):
+                self._log(f"{child.name} (pid {child.process.pid}) was not reaped within "
+                          f"{self.grace:g}s of SIGKILL; leaving it")
         for child in self.children:
             # a group may outlive its leader (e.g. processes that ignore SIGTERM)
             _signal_group(child.process, signal.SIGKILL)
             child.output.join(timeout=1.0)
+
+    def _reaped(self, child: Child) -> bool:
+        # With a timeout Popen.wait only tries its lock, never blocks on it: a SIGTERM
+        # (sys.exit in the launcher) that struck while this thread held that lock would
+        # otherwise make the teardown wait for itself forever.
+        try:
+            child.process.wait(timeout=self.grace)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
 
 
 def _die_with_parent() -> None:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+from bps.launch.supervisor import Supervisor
 from tests.ps_job import TEST_ENV, default_sigint, run_command
 
 BPSLAUNCH = [sys.executable, "-m", "bps.launch.cli"]
@@ -112,3 +115,23 @@ def test_help_and_a_bare_call_show_the_three_modes() -> None:
     for example in ("DMLC_ROLE=scheduler", "bpslaunch local --workers 2",
                     "bpslaunch netem --nodes 4"):
         assert example in helped.stdout, helped.stdout
+
+
+def test_teardown_is_bounded_when_a_child_cannot_be_waited_for() -> None:
+    # A SIGTERM turns into SystemExit wherever the launcher's main thread is; struck just
+    # after Popen.wait took its internal lock, it leaves that lock held, and a teardown
+    # that then waits without a timeout waits for itself forever.
+    out = io.StringIO()
+    supervisor = Supervisor(grace=0.5, out=out)
+    child = supervisor.spawn([sys.executable, "-c", "import time; time.sleep(120)"],
+                             dict(os.environ), "sleeper")
+    child.process._waitpid_lock.acquire()  # the state that SystemExit left behind
+    teardown = threading.Thread(target=supervisor.stop_all, daemon=True)
+    teardown.start()
+    teardown.join(timeout=60)
+    assert not teardown.is_alive(), "stop_all() hung"
+    assert "sleeper (pid" in out.getvalue() and "not reaped" in out.getvalue()
+    state = Path(f"/proc/{child.process.pid}/stat").read_text().split(")")[-1].split()[0]
+    assert state == "Z", state  # killed, left for init to reap
+    child.process._waitpid_lock.release()
+    child.process.wait(timeout=10)
