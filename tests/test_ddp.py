@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -26,16 +25,16 @@ if str(ROOT) not in sys.path:  # run as a script: make ``tests`` importable
 
 from tests.test_trainer import (  # noqa: E402
     MOMENTUM,
-    PARTITION,
     SHAPES,
     SIM_CASES,
     SIM_LRS,
     initial_params,
     load_params,
-    nesterov,
-    reference_codec,
+    plain,
+    replay,
     targets,
 )
+from tests.test_trainer import launch as trainer_launch  # noqa: E402
 
 # ----------------------------------------------------------------------------- worker side
 
@@ -148,79 +147,12 @@ def worker_main(cfg: dict) -> int:
 
 # ----------------------------------------------------------------------------- test side
 
-BPSLAUNCH = str(Path(sys.executable).parent / "bpslaunch")
-
 
 def launch(cfg: dict, tmp: Path, workers: int = 2, servers: int = 1, local_size: int = 1,
            env: dict | None = None, timeout: float = 150) -> subprocess.CompletedProcess:
     """tests/test_trainer.py's launch, running this file."""
-    cfg = {"shapes": SHAPES, **cfg, "out": str(tmp)}
-    cmd = [BPSLAUNCH, "local", "--workers", str(workers), "--servers", str(servers),
-           "--local-size", str(local_size), "--", sys.executable, __file__, json.dumps(cfg)]
-    full_env = {**os.environ, "BPS_TIMEOUT": "60", "BYTEPS_PARTITION_BYTES": "400",
-                "BPS_JOB_SEED": "4242", **(env or {})}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    return subprocess.CompletedProcess(cmd, proc.returncode, output, None)
-
-
-
-
-def replay(params: dict, nodes: int, lrs: list[float], grads, compressed_from: int | None = 0,
-           shapes: dict = SHAPES) -> dict:
-    """docs/architecture.md's pipeline in numpy, as tests/test_trainer.py's ``simulate``,
-    with node ``r``'s gradient at step ``s`` given by ``grads(s, r, w)`` (a dict of
-    float32 arrays): ``big`` is compressed (from step ``compressed_from``; None: never),
-    the rest travels raw and gets Nesterov momentum after the sum."""
-    from tests.reference_compressors import RefChain
-
-    f32 = np.float32
-    w = initial_params(0, shapes)  # rank 0's parameters, broadcast by DDP
-    numel = int(np.prod(shapes["big"]))
-    parts = [(o, min(PARTITION, numel - o)) for o in range(0, numel, PARTITION)]
-    workers = [[RefChain(*reference_codec(params, n), n, "float32", True, MOMENTUM)
-                for _, n in parts] for _ in range(nodes)]
-    servers = [RefChain(*reference_codec(params, n), n, "float32", True, None)
-               for _, n in parts]
-    local_momentum = {n: np.zeros(shape, f32) for n, shape in shapes.items()}
-    for step, lr in enumerate(lrs):
-        shares = [{n: (g / f32(nodes)).astype(f32) for n, g in grads(step, r, w).items()}
-                  for r in range(nodes)]
-        out = {}
-        for n in shapes:
-            if n == "big" and compressed_from is not None and step >= compressed_from:
-                continue
-            summed = np.zeros(shapes[n], f32)
-            for r in range(nodes):
-                summed = (summed + shares[r][n]).astype(f32)
-            out[n], local_momentum[n] = nesterov(f32(MOMENTUM), summed, local_momentum[n])
-        if "big" not in out:
-            big = np.zeros(numel, f32)
-            for i, (offset, n) in enumerate(parts):
-                summed = np.zeros(n, f32)
-                for r in range(nodes):
-                    workers[r][i].set_lr(lr)
-                    share = shares[r]["big"].reshape(-1)[offset:offset + n]
-                    decoded = workers[r][i].decode(workers[r][i].compress(share))
-                    summed = (summed + decoded.astype(f32)).astype(f32)
-                servers[i].set_lr(lr)
-                big[offset:offset + n] = servers[i].decode(servers[i].compress(summed))
-            out["big"] = big.reshape(shapes["big"])
-        for n in shapes:
-            w[n] = (w[n] - f32(lr) * out[n]).astype(f32)
-    return w
-
-
-def plain(shapes: dict):
-    """One backward per step: node r's gradient is ``w - t_r``."""
-    return lambda step, r, w: {n: (w[n] - targets(r, shapes)[n]).astype(np.float32)
-                               for n in shapes}
+    return trainer_launch(cfg, tmp, workers, servers, local_size,
+                          {"BPS_TIMEOUT": "60", **(env or {})}, timeout, script=__file__)
 
 
 def accumulated(shapes: dict):

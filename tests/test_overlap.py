@@ -11,8 +11,6 @@ the servers' sums, the outer update and the delayed application in numpy.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +23,6 @@ if str(ROOT) not in sys.path:  # run as a script: make ``tests`` importable
     sys.path.insert(0, str(ROOT))
 
 from tests.test_trainer import (  # noqa: E402
-    BPSLAUNCH,
     MOMENTUM,
     PARTITION,
     SHAPES,
@@ -36,6 +33,7 @@ from tests.test_trainer import (  # noqa: E402
     reference_codec,
     targets,
 )
+from tests.test_trainer import launch as trainer_launch  # noqa: E402
 
 NODES = 2
 LRS = [0.5, 0.25, 0.25, 0.5, 0.125, 0.25, 0.125, 0.0625]  # powers of two: lr * g exact
@@ -116,20 +114,9 @@ def worker_main(cfg: dict) -> int:
 
 def launch(cfg: dict, tmp: Path, env: dict | None = None,
            timeout: float = 180) -> subprocess.CompletedProcess:
-    cfg = {"shapes": SHAPES, **cfg, "out": str(tmp)}
-    cmd = [BPSLAUNCH, "local", "--workers", str(NODES), "--servers", "2", "--",
-           sys.executable, __file__, json.dumps(cfg)]
-    full_env = {**os.environ, "BPS_TIMEOUT": "60", "BYTEPS_PARTITION_BYTES": "400",
-                "BPS_JOB_SEED": "4242", **(env or {})}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    return subprocess.CompletedProcess(cmd, proc.returncode, output, None)
+    """tests/test_trainer.py's launch, running this file on NODES nodes and 2 servers."""
+    return trainer_launch(cfg, tmp, NODES, 2, env={"BPS_TIMEOUT": "60", **(env or {})},
+                          timeout=timeout, script=__file__)
 
 
 def load_params(tmp: Path, tag: str, rank: int) -> dict:

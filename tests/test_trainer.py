@@ -143,10 +143,12 @@ def worker_main(cfg: dict) -> int:
 
 
 def launch(cfg: dict, tmp: Path, workers: int = 2, servers: int = 1, local_size: int = 1,
-           env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+           env: dict | None = None, timeout: float = 120,
+           script: str = __file__) -> subprocess.CompletedProcess:
+    """Run ``script``'s worker_main on a ``bpslaunch local`` cluster with ``cfg``."""
     cfg = {"shapes": SHAPES, **cfg, "out": str(tmp)}
     cmd = [BPSLAUNCH, "local", "--workers", str(workers), "--servers", str(servers),
-           "--local-size", str(local_size), "--", sys.executable, __file__, json.dumps(cfg)]
+           "--local-size", str(local_size), "--", sys.executable, script, json.dumps(cfg)]
     full_env = {**os.environ, "BPS_TIMEOUT": "20", "BYTEPS_PARTITION_BYTES": "400",
                 "BPS_JOB_SEED": "4242", **(env or {})}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE,
@@ -217,11 +219,19 @@ def simulate(params: dict, nodes: int, lrs: list[float], compressed_from: int | 
     -> C; workers decode and take an SGD step. Tensors that travel raw (the small one
     always; the big one before step ``compressed_from``, or always if None) are summed
     and get the same Nesterov rule after the sum."""
+    return replay(params, nodes, lrs, plain(shapes), compressed_from, shapes)
+
+
+def replay(params: dict, nodes: int, lrs: list[float], grads, compressed_from: int | None = 0,
+           shapes: dict = SHAPES) -> dict:
+    """docs/architecture.md's pipeline in numpy (see ``simulate``), with node ``r``'s
+    gradient at step ``s`` given by ``grads(s, r, w)`` (a dict of
+    float32 arrays): ``big`` is compressed (from step ``compressed_from``; None: never),
+    the rest travels raw and gets Nesterov momentum after the sum."""
     from tests.reference_compressors import RefChain
 
     f32 = np.float32
     w = initial_params(0, shapes)  # rank 0's parameters, broadcast at construction
-    goals = [targets(r, shapes) for r in range(nodes)]
     numel = int(np.prod(shapes["big"]))
     parts = [(o, min(PARTITION, numel - o)) for o in range(0, numel, PARTITION)]
     workers = [[RefChain(*reference_codec(params, n), n, "float32", True, MOMENTUM)
@@ -230,17 +240,17 @@ def simulate(params: dict, nodes: int, lrs: list[float], compressed_from: int | 
                for _, n in parts]
     local_momentum = {n: np.zeros(shape, f32) for n, shape in shapes.items()}
     for step, lr in enumerate(lrs):
-        shares = [{n: ((w[n] - goals[r][n]) / f32(nodes)).astype(f32) for n in shapes}
+        shares = [{n: (g / f32(nodes)).astype(f32) for n, g in grads(step, r, w).items()}
                   for r in range(nodes)]
-        grads = {}
+        out = {}
         for n in shapes:
             if n == "big" and compressed_from is not None and step >= compressed_from:
                 continue
             summed = np.zeros(shapes[n], f32)
             for r in range(nodes):
                 summed = (summed + shares[r][n]).astype(f32)
-            grads[n], local_momentum[n] = nesterov(f32(MOMENTUM), summed, local_momentum[n])
-        if "big" not in grads:
+            out[n], local_momentum[n] = nesterov(f32(MOMENTUM), summed, local_momentum[n])
+        if "big" not in out:
             big = np.zeros(numel, f32)
             for i, (offset, n) in enumerate(parts):
                 summed = np.zeros(n, f32)
@@ -251,10 +261,16 @@ def simulate(params: dict, nodes: int, lrs: list[float], compressed_from: int | 
                     summed = (summed + decoded.astype(f32)).astype(f32)
                 servers[i].set_lr(lr)
                 big[offset:offset + n] = servers[i].decode(servers[i].compress(summed))
-            grads["big"] = big.reshape(shapes["big"])
+            out["big"] = big.reshape(shapes["big"])
         for n in shapes:
-            w[n] = (w[n] - f32(lr) * grads[n]).astype(f32)
+            w[n] = (w[n] - f32(lr) * out[n]).astype(f32)
     return w
+
+
+def plain(shapes: dict):
+    """One backward per step: node r's gradient is ``w - t_r``."""
+    return lambda step, r, w: {n: (w[n] - targets(r, shapes)[n]).astype(np.float32)
+                               for n in shapes}
 
 
 def test_every_compressor_matches_independent_simulation(tmp_path):

@@ -14,7 +14,6 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +37,7 @@ from tests.test_trainer import (  # noqa: E402
     reference_codec,
     targets,
 )
+from tests.test_trainer import launch as trainer_launch  # noqa: E402
 
 INJECT_STEP, INJECT_RANK, INJECT_INDEX = 2, 1, 7
 SEEN_KEYS: set = set()  # worker side: keys of the runs before
@@ -156,20 +156,9 @@ def worker_main(cfg: dict) -> int:
 
 def launch(cfg: dict, tmp: Path, workers: int = 2, servers: int = 1, local_size: int = 1,
            timeout: float = 240) -> subprocess.CompletedProcess:
-    cfg = {"shapes": SHAPES, **cfg, "out": str(tmp)}
-    cmd = [BPSLAUNCH, "local", "--workers", str(workers), "--servers", str(servers),
-           "--local-size", str(local_size), "--", sys.executable, __file__, json.dumps(cfg)]
-    env = {**os.environ, "BPS_TIMEOUT": "20", "BYTEPS_PARTITION_BYTES": "400",
-           "BPS_JOB_SEED": "4242"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    return subprocess.CompletedProcess(cmd, proc.returncode, output, None)
+    """tests/test_trainer.py's launch, running this file."""
+    return trainer_launch(cfg, tmp, workers, servers, local_size, timeout=timeout,
+                          script=__file__)
 
 
 def load_state(tmp: Path, tag: str, rank: int) -> dict:
