@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -50,8 +51,10 @@ def main() -> None:
     assert all(torch.equal(g, flat) for g in gathered), "models diverged"
     dist.destroy_process_group()
     bps.shutdown()
-    print("cluster-job ok", os.environ["RANK"], os.environ["WORLD_SIZE"],
-          os.environ["DMLC_WORKER_ID"], os.environ["BYTEPS_LOCAL_RANK"], flush=True)
+    # one write of one line: several processes share the launcher's unbuffered pipe
+    fields = ("RANK", "WORLD_SIZE", "DMLC_WORKER_ID", "BYTEPS_LOCAL_RANK")
+    sys.stdout.write("cluster-job ok " + " ".join(os.environ[f] for f in fields) + "\n")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":
