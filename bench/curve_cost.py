@@ -13,13 +13,13 @@ Usage::
    encrypts, the receiver's decrypts), plain TCP and CURVE over loopback.
 
 Rounds alternate plain and CURVE; medians are printed as a markdown table and written to
-bench/out/curve_cost.json (``--heap``: curve_cost_heap.json).
+bench/results/curve_cost.json (``--heap``: curve_cost_heap.json).
 
 ``--sweep``: instead, messages of one partition (4,096,000 B, as bps sends them) cut
 into frames of 64 KiB .. 4 MB (one ZeroMQ multipart message per partition), plain TCP
 and CURVE, contexts of 1 and 2 I/O threads, the receiver keeping the zero-copy frames
 (``frames``) or reading them into one preallocated buffer with ``recv_into``
-(``into``); written to bench/out/curve_sweep.json::
+(``into``); written to bench/results/curve_sweep.json::
 
     .venv/bin/python bench/curve_cost.py --sweep --mbytes 100 --rounds 3
 """
@@ -223,7 +223,7 @@ def sweep(mbytes: int, rounds: int) -> None:
         print(f"| {frame} B | {io} | {recv} | {m['plain']:.0f} MB/s | {m['curve']:.0f} MB/s "
               f"| {m['curve'] / m['plain']:.2f} | {m['plain/cpu']:.2f} "
               f"| {m['curve/cpu']:.2f} |")
-    out = Path(__file__).parent / "out"
+    out = Path(__file__).parent / "results"
     out.mkdir(exist_ok=True)
     (out / "curve_sweep.json").write_text(json.dumps({"runs": runs, "medians": medians},
                                                      indent=2))
@@ -267,7 +267,7 @@ def main() -> None:
     for size, r in rows.items():
         print(f"| {size} B | {r['enc']:.0f} MB/s | {r['dec']:.0f} MB/s | {r['copy']:.0f} MB/s "
               f"| {r['plain']:.0f} MB/s | {r['curve']:.0f} MB/s | {r['curve'] / r['plain']:.2f} |")
-    out = Path(__file__).parent / "out"
+    out = Path(__file__).parent / "results"
     out.mkdir(exist_ok=True)
     name = "curve_cost_heap.json" if args.heap else "curve_cost.json"
     (out / name).write_text(json.dumps({str(k): v for k, v in rows.items()}, indent=2))

@@ -14,12 +14,12 @@ bps runs twice in every round: authenticated and encrypted (CURVE, the default) 
 ``BPS_INSECURE=1``; the baseline echo runs both ways too. Targets: bps with CURVE >= 0.5
 of the plain-TCP baseline; compressed jobs with CURVE within 5% of without.
 Then the same job with onebit and with topk 1%: step time and wire bytes per step.
-Results go to stdout (a markdown table) and bench/out/ps_throughput.json.
+Results go to stdout (a markdown table) and bench/results/ps_throughput.json.
 
 ``--cpu``: instead, the CPU time (user + system, every process of the job) per step of
 each configuration, from two runs of ``--steps`` and ``4 * --steps`` steps (the
 difference over the extra steps, so start-up cancels out); alternating, median of
-``--rounds``; to bench/out/ps_cpu.json. On a host shared with other jobs this moves much
+``--rounds``; to bench/results/ps_cpu.json. On a host shared with other jobs this moves much
 less than step times, and CPU time / 2 bounds what a step can take on 2 idle cores::
 
     .venv/bin/python bench/ps_throughput.py --cpu --rounds 3 --steps 2
@@ -268,6 +268,69 @@ def cpu_table(mbytes: int, steps: int, rounds: int, tmp: Path, key_file: str,
                                                  "load": load}, indent=2))
 
 
+def throughput_table(mbytes: int, steps: int, rounds_count: int, tmp: Path,
+                     key_file: str) -> None:
+    """The default table (see the module docstring), to stdout and ps_throughput.json."""
+    # alternate baseline and bps runs and keep each one's best round: robust to other
+    # load on the machine, and both sides see the same conditions
+    rounds: dict[str, list] = {"raw": [], "raw_curve": [], "plain": [], "plain_insecure": []}
+    for _ in range(rounds_count):
+        rounds["raw"].append(run_raw(mbytes, steps, tmp))
+        rounds["raw_curve"].append(run_raw(mbytes, steps, tmp, key_file))
+        rounds["plain"].append(run_bps(mbytes, steps, None, tmp, "plain"))
+        rounds["plain_insecure"].append(run_bps(mbytes, steps, None, tmp, "plainx",
+                                                secure=False))
+    raw, raw_curve = min(rounds["raw"]), min(rounds["raw_curve"])
+    plain = min(rounds["plain"], key=lambda r: r["step_s"])
+    plain_insecure = min(rounds["plain_insecure"], key=lambda r: r["step_s"])
+    compressed = {}
+    for name, params in (("onebit", {"compressor": "onebit", "scaling": True, "ef": "vanilla"}),
+                         ("topk", {"compressor": "topk", "k": 0.01, "ef": "vanilla"})):
+        runs = {True: [], False: []}
+        for index in range(max(1, rounds_count - 1)):  # alternating order, best of each
+            for secure in ((True, False) if index % 2 == 0 else (False, True)):
+                runs[secure].append(run_bps(mbytes, steps, params, tmp,
+                                            f"{name}{int(secure)}", secure=secure))
+        compressed[name] = {secure: min(r, key=lambda x: x["step_s"])
+                            for secure, r in runs.items()}
+    moved = 2 * 2 * mbytes  # two workers, push + pull
+    rows = [("raw ZeroMQ (echo, no processing), plain TCP", raw, 2 * mbytes * 1e6),
+            ("raw ZeroMQ (echo, no processing), CURVE", raw_curve, 2 * mbytes * 1e6),
+            ("bps uncompressed float32, CURVE", plain["step_s"],
+             plain["wire_bytes_per_worker"]),
+            ("bps uncompressed float32, BPS_INSECURE=1", plain_insecure["step_s"],
+             plain_insecure["wire_bytes_per_worker"])]
+    for name, label in (("onebit", "bps onebit + EF"), ("topk", "bps topk 1% + EF")):
+        for secure, how in ((True, "CURVE"), (False, "BPS_INSECURE=1")):
+            run = compressed[name][secure]
+            rows.append((f"{label}, {how}", run["step_s"], run["wire_bytes_per_worker"]))
+    print(f"2 workers x 1 server, loopback, {mbytes} MB float32 per worker per step, "
+          f"{len(partitions(mbytes))} partitions, median of {steps} steps, best of "
+          f"{rounds_count} alternating rounds (rounds: " + "; ".join(
+              f"{name} " + ", ".join(f"{t if isinstance(t, float) else t['step_s']:.3f}"
+                                     for t in times) for name, times in rounds.items())
+          + " s)\n")
+    print("| configuration | step time (s) | push+pull throughput (MB/s) | wire bytes per "
+          "worker per step |")
+    print("|---|---|---|---|")
+    for name, step, wire in rows:
+        print(f"| {name} | {step:.3f} | {moved / step:.0f} | {wire / 1e6:.2f} MB |")
+    ratio = raw / plain["step_s"]
+    ratio_insecure = raw / plain_insecure["step_s"]
+    print(f"\nbps with CURVE / raw ZeroMQ on plain TCP (uncompressed): {ratio:.2f} "
+          f"(target >= 0.5); without CURVE: {ratio_insecure:.2f} (target >= 0.7)")
+    for name in compressed:
+        cost = compressed[name][True]["step_s"] / compressed[name][False]["step_s"] - 1
+        print(f"{name}: CURVE costs {cost:+.1%} of the step time (target within 5%)")
+    result = {"mbytes": mbytes, "steps": steps, "raw_step_s": raw,
+              "raw_curve_step_s": raw_curve, "rounds": rounds, "plain": plain,
+              "plain_insecure": plain_insecure,
+              "compressed": {n: {"curve": c[True], "insecure": c[False]}
+                             for n, c in compressed.items()},
+              "ratio": ratio, "ratio_insecure": ratio_insecure}
+    (tmp / "ps_throughput.json").write_text(json.dumps(result, indent=2))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mbytes", type=int, default=100)
@@ -294,79 +357,23 @@ def main() -> None:
         bps_worker(int(mbytes), int(steps), params, out)
         return
 
+    import shutil
     import tempfile
 
     from bps.auth import write_key_file
 
-    tmp = Path(__file__).parent / "out"
-    tmp.mkdir(exist_ok=True)
+    out = Path(__file__).parent / "results"
+    out.mkdir(exist_ok=True)
     key_dir = tempfile.mkdtemp(prefix="bps-bench-key-")
-    key_file = os.path.join(key_dir, "cluster.key")
-    write_key_file(key_file)
-    if args.cpu:
-        cpu_table(args.mbytes, args.steps, args.rounds, tmp, key_file, args.only)
-        return
-    # alternate baseline and bps runs and keep each one's best round: robust to other
-    # load on the machine, and both sides see the same conditions
-    rounds: dict[str, list] = {"raw": [], "raw_curve": [], "plain": [], "plain_insecure": []}
-    for _ in range(args.rounds):
-        rounds["raw"].append(run_raw(args.mbytes, args.steps, tmp))
-        rounds["raw_curve"].append(run_raw(args.mbytes, args.steps, tmp, key_file))
-        rounds["plain"].append(run_bps(args.mbytes, args.steps, None, tmp, "plain"))
-        rounds["plain_insecure"].append(run_bps(args.mbytes, args.steps, None, tmp, "plainx",
-                                                secure=False))
-    raw, raw_curve = min(rounds["raw"]), min(rounds["raw_curve"])
-    plain = min(rounds["plain"], key=lambda r: r["step_s"])
-    plain_insecure = min(rounds["plain_insecure"], key=lambda r: r["step_s"])
-    compressed = {}
-    for name, params in (("onebit", {"compressor": "onebit", "scaling": True, "ef": "vanilla"}),
-                         ("topk", {"compressor": "topk", "k": 0.01, "ef": "vanilla"})):
-        runs = {True: [], False: []}
-        for _ in range(max(1, args.rounds - 1)):  # alternating, best of each
-            for secure in (True, False):
-                runs[secure].append(run_bps(args.mbytes, args.steps, params, tmp,
-                                            f"{name}{int(secure)}", secure=secure))
-        compressed[name] = {secure: min(r, key=lambda x: x["step_s"])
-                            for secure, r in runs.items()}
-    moved = 2 * 2 * args.mbytes  # two workers, push + pull
-    rows = [("raw ZeroMQ (echo, no processing), plain TCP", raw, 2 * args.mbytes * 1e6),
-            ("raw ZeroMQ (echo, no processing), CURVE", raw_curve, 2 * args.mbytes * 1e6),
-            ("bps uncompressed float32, CURVE", plain["step_s"],
-             plain["wire_bytes_per_worker"]),
-            ("bps uncompressed float32, BPS_INSECURE=1", plain_insecure["step_s"],
-             plain_insecure["wire_bytes_per_worker"])]
-    for name, label in (("onebit", "bps onebit + EF"), ("topk", "bps topk 1% + EF")):
-        for secure, how in ((True, "CURVE"), (False, "BPS_INSECURE=1")):
-            run = compressed[name][secure]
-            rows.append((f"{label}, {how}", run["step_s"], run["wire_bytes_per_worker"]))
-    print(f"2 workers x 1 server, loopback, {args.mbytes} MB float32 per worker per step, "
-          f"{len(partitions(args.mbytes))} partitions, median of {args.steps} steps, best of "
-          f"{args.rounds} alternating rounds (rounds: " + "; ".join(
-              f"{name} " + ", ".join(f"{t if isinstance(t, float) else t['step_s']:.3f}"
-                                     for t in times) for name, times in rounds.items())
-          + " s)\n")
-    print("| configuration | step time (s) | push+pull throughput (MB/s) | wire bytes per "
-          "worker per step |")
-    print("|---|---|---|---|")
-    for name, step, wire in rows:
-        print(f"| {name} | {step:.3f} | {moved / step:.0f} | {wire / 1e6:.2f} MB |")
-    ratio = raw / plain["step_s"]
-    ratio_insecure = raw / plain_insecure["step_s"]
-    print(f"\nbps with CURVE / raw ZeroMQ on plain TCP (uncompressed): {ratio:.2f} "
-          f"(target >= 0.5); without CURVE: {ratio_insecure:.2f} (target >= 0.7)")
-    for name in compressed:
-        cost = compressed[name][True]["step_s"] / compressed[name][False]["step_s"] - 1
-        print(f"{name}: CURVE costs {cost:+.1%} of the step time (target within 5%)")
-    result = {"mbytes": args.mbytes, "steps": args.steps, "raw_step_s": raw,
-              "raw_curve_step_s": raw_curve, "rounds": rounds, "plain": plain,
-              "plain_insecure": plain_insecure,
-              "compressed": {n: {"curve": c[True], "insecure": c[False]}
-                             for n, c in compressed.items()},
-              "ratio": ratio, "ratio_insecure": ratio_insecure}
-    (tmp / "ps_throughput.json").write_text(json.dumps(result, indent=2))
-    import shutil
-
-    shutil.rmtree(key_dir, ignore_errors=True)
+    try:
+        key_file = os.path.join(key_dir, "cluster.key")
+        write_key_file(key_file)
+        if args.cpu:
+            cpu_table(args.mbytes, args.steps, args.rounds, out, key_file, args.only)
+        else:
+            throughput_table(args.mbytes, args.steps, args.rounds, out, key_file)
+    finally:
+        shutil.rmtree(key_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":
