@@ -141,8 +141,9 @@ class GradPipeline:
             planned and declared here, in this order, on every rank alike.
         lr: ``lr(group)``: the learning rate the chains get this step (error feedback's
             ``lr_prev / lr_now``; servers get it through the push header).
-        rescale: the factor the local momentum of raw parts is multiplied by before this
-            step's gradient is added (a GradScaler's change of scale; 1 without one).
+        rescale: the factor the momentum is multiplied by before this step's gradient is
+            added, the local momentum of raw parts and the chains' of compressed ones (a
+            GradScaler's change of scale; 1 without one).
         on_step_start: called with no argument at the first push of each step.
         on_step_done: called on the broadcast thread once every parameter's destination
             holds this step's average (before :meth:`finish`).
@@ -399,8 +400,9 @@ class GradPipeline:
                         out = tensor
                 else:
                     tensor = self._converted(part, piece, slot.wire)
-                slot.futures.append(engine.push_pull(key, tensor, self.wire_step, lr,
-                                                     priority=-index, out=out))
+                slot.futures.append(engine.push_pull(
+                    key, tensor, self.wire_step, lr, priority=-index, out=out,
+                    momentum_scale=self._rescale() if compressed else 1.0))
         self._bcast_q.put(index)
 
     def _fuse(self, part: Part, piece: torch.Tensor | None, lr: float, priority: int,

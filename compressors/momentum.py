@@ -79,6 +79,9 @@ class Momentum(Compressor):
     def set_lr(self, lr: float) -> None:
         self.inner.set_lr(lr)
 
+    def scale_momentum(self, factor: float) -> None:
+        self.momentum.mul_(factor)
+
     def compress(self, x: torch.Tensor) -> torch.Tensor:
         x = self.check_input(x)
         self.undo = None

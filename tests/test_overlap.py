@@ -32,6 +32,7 @@ from tests.test_trainer import (  # noqa: E402
     nesterov,
     reference_codec,
     targets,
+    worker_main,
 )
 from tests.test_trainer import launch as trainer_launch  # noqa: E402
 
@@ -91,22 +92,6 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
              **{n: getattr(model, n).detach().numpy() for n in shapes})
     trainer.close()
     return report
-
-
-def worker_main(cfg: dict) -> int:
-    import torch
-
-    import bps
-
-    torch.set_num_threads(1)
-    bps.init()
-    rank = bps.rank()
-    out = Path(cfg["out"])
-    shapes = {name: tuple(shape) for name, shape in cfg["shapes"].items()}
-    reports = {run["tag"]: train(cfg, run, rank, shapes, out) for run in cfg["runs"]}
-    (out / f"report{rank}.json").write_text(json.dumps(reports))
-    bps.shutdown()
-    return 0
 
 
 # ----------------------------------------------------------------------------- test side
@@ -365,4 +350,4 @@ def test_bad_overlap_arguments_fail_in_the_constructor_naming_them():
 
 
 if __name__ == "__main__":
-    sys.exit(worker_main(json.loads(sys.argv[1])))
+    sys.exit(worker_main(json.loads(sys.argv[1]), train))

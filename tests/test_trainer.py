@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -119,7 +120,10 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
     return report
 
 
-def worker_main(cfg: dict) -> int:
+def worker_main(cfg: dict, train: Callable[..., dict] = train) -> int:
+    """One worker process: ``train(cfg, run, rank, shapes, out)`` for each of
+    ``cfg["runs"]``, reports to ``report{rank}.json`` (also the worker of the other
+    trainer test files, each with its own ``train``)."""
     import torch
 
     import bps

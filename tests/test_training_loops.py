@@ -36,6 +36,7 @@ from tests.test_trainer import (  # noqa: E402
     nesterov,
     reference_codec,
     targets,
+    worker_main,
 )
 from tests.test_trainer import launch as trainer_launch  # noqa: E402
 
@@ -133,22 +134,6 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
                out / f"state{tag}{rank}.pt")
     trainer.close()
     return report
-
-
-def worker_main(cfg: dict) -> int:
-    import torch
-
-    import bps
-
-    torch.set_num_threads(1)
-    bps.init()
-    rank = bps.rank()
-    out = Path(cfg["out"])
-    shapes = {name: tuple(shape) for name, shape in cfg["shapes"].items()}
-    reports = {run["tag"]: train(cfg, run, rank, shapes, out) for run in cfg["runs"]}
-    (out / f"report{rank}.json").write_text(json.dumps(reports))
-    bps.shutdown()
-    return 0
 
 
 # ----------------------------------------------------------------------------- test side
@@ -377,9 +362,10 @@ def test_nonfinite_step_leaves_no_trace_anywhere(tmp_path):
     fp16 = {"fp16": True}  # raw float16 keys: the server's sum overflows
     runs += [{"tag": "fp16-ref", "params": fp16, "skip_steps": [INJECT_STEP]},
              {"tag": "fp16-raise", "params": fp16, "overflow": True}]
-    scaled = {"none": {"fp16": False}, "randomk": {k: v for k, v in NONFINITE_CASES[
-        "randomk"].items() if k != "momentum"}, "nesterov": {"fp16": False, "momentum":
-        "nesterov"}}  # the trainer's own Nesterov for raw tensors follows the scale
+    scaled = {"none": {"fp16": False}, "randomk": NONFINITE_CASES["randomk"],
+              "nesterov": {"fp16": False, "momentum": "nesterov"}}
+    # the chain's momentum and error feedback, and the trainer's own Nesterov for raw
+    # tensors, follow the scale
     for name, params in scaled.items():  # a GradScaler skips the step and backs off
         runs.append({"tag": f"{name}-scaler-ref", "params": params, "scaler": True,
                      "skip_steps": [INJECT_STEP]})
@@ -500,4 +486,4 @@ def test_low_precision_autocast_and_compile(tmp_path):
 
 
 if __name__ == "__main__":
-    sys.exit(worker_main(json.loads(sys.argv[1])))
+    sys.exit(worker_main(json.loads(sys.argv[1]), train))

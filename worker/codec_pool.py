@@ -37,11 +37,14 @@ class CodecPool:
 
     def compress(self, info: KeyInfo, tensor: torch.Tensor, step: int, lr: float,
                  future: concurrent.futures.Future,
-                 then: Callable[[torch.Tensor, dict | None], None]) -> None:
+                 then: Callable[[torch.Tensor, dict | None], None],
+                 momentum_scale: float = 1.0) -> None:
         """On a codec thread: ``then(payload, None)`` with the compressed ``tensor``, or
         ``then(empty, marker fields)`` where the chain refuses it as non-finite (its
-        state unchanged); any other error settles ``future``."""
-        self._pool.submit(self._compress, info, tensor, step, lr, future, then)
+        state unchanged); any other error settles ``future``. ``momentum_scale``: see
+        ``Compressor.scale_momentum``."""
+        self._pool.submit(self._compress, info, tensor, step, lr, future, then,
+                          momentum_scale)
 
     def decompress(self, request: Request, frames: list[zmq.Frame]) -> None:
         """On a codec thread: decode the aggregate of ``request`` (its payload frames)
@@ -74,10 +77,13 @@ class CodecPool:
 
     def _compress(self, info: KeyInfo, tensor: torch.Tensor, step: int, lr: float,
                   future: concurrent.futures.Future,
-                  then: Callable[[torch.Tensor, dict | None], None]) -> None:
+                  then: Callable[[torch.Tensor, dict | None], None],
+                  momentum_scale: float) -> None:
         try:
             start_ns = time.monotonic_ns()
             info.chain.set_lr(lr)
+            if momentum_scale != 1.0:
+                info.chain.scale_momentum(momentum_scale)
             try:
                 payload = info.chain.compress(tensor)
             except NonFiniteError:

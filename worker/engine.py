@@ -237,7 +237,8 @@ class WorkerEngine:
 
     def push_pull(self, key: int, tensor: torch.Tensor | None, step: int, lr: float,
                   priority: int = 0, out: torch.Tensor | None = None,
-                  mark: str | None = None, what: str = "") -> concurrent.futures.Future:
+                  mark: str | None = None, what: str = "",
+                  momentum_scale: float = 1.0) -> concurrent.futures.Future:
         """Push this node's (already averaged) partition; the future gives the aggregate,
         or a :class:`Skipped` where the server did not sum the step.
 
@@ -245,7 +246,9 @@ class WorkerEngine:
         ``tensor`` itself allowed, into which the aggregate is decoded (no new tensor);
         the future then gives ``out``. ``mark`` (``"nonfinite"`` or ``"zero"``, with
         ``tensor`` None): push that marker instead of values; ``what`` names the tensor
-        in the skip every node then receives."""
+        in the skip every node then receives. ``momentum_scale``: the factor the chain's
+        momentum is multiplied by first (a GradScaler's change of scale; compressed keys).
+        """
         info = self._keys.get(key)
         if info is None:
             raise ValueError(f"key {key}: push_pull before declare")
@@ -282,11 +285,13 @@ class WorkerEngine:
         elif key in self._rounds:
             self._codec.compress(info, flat.contiguous(), step, lr, future,
                                  lambda payload, extra: self._push_round(
-                                     info, 0, payload, step, lr, order, future, extra))
+                                     info, 0, payload, step, lr, order, future, extra),
+                                 momentum_scale)
         else:
             self._codec.compress(info, flat.contiguous(), step, lr, future,
                                  lambda payload, extra: self._io.enqueue(
-                                     info, payload, step, lr, order, future, extra))
+                                     info, payload, step, lr, order, future, extra),
+                                 momentum_scale)
         return future
 
     def rollback(self, step: int, keys: list[int]) -> None:
