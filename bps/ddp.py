@@ -75,17 +75,26 @@ class HookState:
             later as ``state.optimizer`` (for the learning rate only).
         module: optional, the model (or the DDP wrapper): names the parameters in keys,
             logs and errors; else they are ``param0``, ``param1``, ... in model order.
+        scaler: the ``torch.amp.GradScaler`` whose ``scale(loss)`` the backward passes use,
+            if any: the chains then see scaled gradients, and follow each change of
+            scale (error feedback through the learning rate, ``lr * first_scale /
+            scale``; the Nesterov momentum multiplied by the new scale over the old), as
+            ``DistributedTrainer.step(scaler=...)`` does. May be set later as
+            ``state.scaler``.
 
-    ``state_dict()`` / ``load_state_dict()`` carry the step counters, the local momentum
-    and (local rank 0) every worker and server chain's state: each rank saves its own.
+    ``state_dict()`` / ``load_state_dict()`` carry the step counters, the local momentum,
+    the scaler's first and last scales and (local rank 0) every worker and server
+    chain's state: each rank saves its own.
     The state pickles (``torch.save(state)``) without its threads and sockets, like
     ``PowerSGDState``; an unpickled state resumes exactly (set ``state.optimizer``
-    again where the learning rate changes).
+    again where the learning rate changes, and ``state.scaler``, loaded, where there is
+    one).
     """
 
     def __init__(self, compression_params: dict | None = None,
                  optimizer: torch.optim.Optimizer | None = None,
-                 module: torch.nn.Module | None = None) -> None:
+                 module: torch.nn.Module | None = None,
+                 scaler: torch.amp.GradScaler | None = None) -> None:
         params = validate_compression_params(compression_params)
         if params["momentum"] is not None:
             optimizer_mu = 0.0
@@ -100,11 +109,16 @@ class HookState:
             if optimizer is not None:
                 _momentum_off(optimizer, params["mu"])
         self._setup(params, optimizer, module, None)
+        self.scaler = scaler
 
     def _setup(self, params: dict, optimizer, module, loaded: dict | None) -> None:
         self.params = params
         self.optimizer = optimizer
         self.module = module
+        self.scaler: torch.amp.GradScaler | None = None
+        self._scale_ref: float | None = None  # the scaler's scale at the first step
+        self._scale: float | None = None  # its scale at this (or the last) step
+        self._scale_change = 1.0  # this step's scale over the last one's
         self._loaded = loaded  # a state to load once the pipeline exists
         self._pipe: GradPipeline | None = None
         self._index: dict[int, int] = {}  # id(parameter) -> pipeline index
@@ -187,6 +201,7 @@ class HookState:
                 raise ValueError(f"bps.ddp: parameter {name!r} is not in the optimizer")
             tensors.append(GradTensor(name, p, group_of.get(id(p), 0)))
         self._pipe = GradPipeline(rt, self.params, tensors, self._lr,
+                                  rescale=lambda: self._scale_change,
                                   on_step_start=self._step_start,
                                   on_step_done=self._settle, on_error=self._fail)
         self._index = {id(p): i for i, p in enumerate(params)}
@@ -195,12 +210,19 @@ class HookState:
             self._load(loaded)
 
     def _lr(self, group: int) -> float:
-        if self.optimizer is None:
-            return 1.0
-        return float(self.optimizer.param_groups[group]["lr"])
+        lr = 1.0 if self.optimizer is None else float(self.optimizer.param_groups[group]["lr"])
+        if self._scale is not None:
+            lr *= self._scale_ref / self._scale
+        return lr
 
     def _step_start(self) -> None:
         self._started_ns = time.monotonic_ns()
+        if self.scaler is not None:
+            scale = self.scaler.get_scale()
+            self._scale_change = 1.0 if self._scale is None else scale / self._scale
+            if self._scale_ref is None:
+                self._scale_ref = scale
+            self._scale = scale
         self._before = self._stats.snapshot(self._pipe._rt.engine)
 
     def _settle(self) -> None:
@@ -251,7 +273,7 @@ class HookState:
         return self._stats.report()
 
     def state_dict(self) -> dict:
-        """``{"step", "wire_step", "rank", "local_momentum", "engine"}``: everything to
+        """``{"step", "wire_step", "rank", "scale", "local_momentum", "engine"}``: everything to
         continue exactly (``local_momentum``: per parameter in model order, None where
         it has none; ``engine``: the error, momentum and RNG state of every worker and
         server chain of this state's keys, by position, on local rank 0). Each rank
@@ -259,10 +281,11 @@ class HookState:
         if self._pipe is None:
             if self._loaded is not None:
                 return dict(self._loaded)
-            return {"step": 0, "wire_step": 0, "rank": None, "local_momentum": [],
-                    "engine": None}
+            return {"step": 0, "wire_step": 0, "rank": None, "scale": (None, None),
+                    "local_momentum": [], "engine": None}
         rt = self._pipe._rt
         return {"step": self._pipe.step, "wire_step": self._pipe.wire_step, "rank": rt.rank,
+                "scale": (self._scale_ref, self._scale),
                 "local_momentum": [None if s.local_momentum is None else
                                    s.local_momentum.clone() for s in self._pipe.slots],
                 "engine": self._engine_state() if rt.engine is not None else None}
@@ -314,6 +337,7 @@ class HookState:
                                        for side in ("worker", "server")})
         self._pipe.step = int(state["step"])
         self._pipe.wire_step = int(state["wire_step"])
+        self._scale_ref, self._scale = state.get("scale", (None, None))
 
     def __getstate__(self) -> dict:
         return {"params": self.params, "state": self.state_dict()}

@@ -80,12 +80,19 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
         module.load_state_dict(checkpoint["model"])
     ddp = DistributedDataParallel(module, **run.get("ddp", {}))
     optimizer = torch.optim.SGD(ddp.parameters(), lr=lrs[0], momentum=MOMENTUM)
+    # doubles its scale every step: the chains must follow each change
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4, growth_interval=1) \
+        if run.get("scaler") else None
     if checkpoint is not None:
         state = checkpoint["hook"]  # unpickled: no threads, no sockets yet
         state.optimizer = optimizer
         optimizer.load_state_dict(checkpoint["optimizer"])
+        if scaler is not None:
+            scaler.load_state_dict(checkpoint["scaler"])
+            state.scaler = scaler
     else:
-        state = bps.ddp.HookState(run["params"], optimizer=optimizer, module=module)
+        state = bps.ddp.HookState(run["params"], optimizer=optimizer, module=module,
+                                  scaler=scaler)
     ddp.register_comm_hook(state, bps.ddp.ps_hook)
     report = {"counter": int(module.counter.item()),
               "optimizer_momentum": optimizer.param_groups[0]["momentum"]}
@@ -104,7 +111,8 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
                 goals["big"] = goals["big"].clone()
                 goals["big"][0, 0] = float("inf")
             try:
-                ddp(goals).backward()
+                loss = ddp(goals)
+                (loss if scaler is None else scaler.scale(loss)).backward()
             except RuntimeError as exc:  # nonfinite "raise": backward() raises everywhere
                 report.setdefault("raised", []).append([step, str(exc)[-300:]])
                 continue
@@ -112,11 +120,17 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
                        if p.grad is not None):
                 report.setdefault("nan", []).append(step)  # "skip": NaN everywhere
                 continue
-            optimizer.step()
+            if scaler is None:
+                optimizer.step()
+            else:
+                scaler.step(optimizer)
+                scaler.update()
             if run.get("save_at") == step + 1:
                 torch.save({"model": module.state_dict(), "optimizer": optimizer.state_dict(),
-                            "hook": state}, out / f"ckpt{tag}{rank}.pt")
+                            "hook": state, "scaler": scaler and scaler.state_dict()},
+                           out / f"ckpt{tag}{rank}.pt")
     report["stats"] = state.stats()
+    report["scale"] = None if scaler is None else scaler.get_scale()
     np.savez(out / f"params{tag}{rank}.npz",
              **{n: getattr(module, n).detach().numpy() for n in shapes})
     state.close()
@@ -181,7 +195,8 @@ def test_hook_matches_the_replay_for_every_compressor_and_ddp_feature(tmp_path):
     """2 nodes x 2 servers, one launch: each compressor (with one DDP feature each),
     warmup, a tensor topk would not shrink, no_sync accumulation, Join with uneven
     data, an unused parameter under find_unused_parameters, an inf on one rank under
-    both non-finite policies (against the replay without that step); each against the
+    both non-finite policies (against the replay without that step), a GradScaler whose
+    scale doubles every step (against the replay without one); each against the
     replay. Then a second launch resumes randomk from its pickled hook state."""
     topk = {**SIM_CASES["topk"], **COMMON}
     runs = [
@@ -205,6 +220,9 @@ def test_hook_matches_the_replay_for_every_compressor_and_ddp_feature(tmp_path):
         {"tag": "skip", "params": {**topk, "nonfinite": "skip"}, "inf_at": [1, 2],
          "skipped": 2},
         {"tag": "raise", "params": topk, "inf_at": [1, 2], "skipped": 2},
+        # scaled by 16, 32, ... 256 (powers of two): the replay without a scaler, exactly
+        {"tag": "scaler", "params": {**SIM_CASES["randomk"], **COMMON}, "scaler": True,
+         "save_at": 3},
     ]
     result = launch({"runs": runs, "lrs": SIM_LRS}, tmp_path, workers=2, servers=2)
     assert result.returncode == 0, result.stdout[-3000:]
@@ -230,25 +248,30 @@ def test_hook_matches_the_replay_for_every_compressor_and_ddp_feature(tmp_path):
         [[step, message]] = reports[r]["raise"]["raised"]
         assert step == 2 and "'big' on worker node 1 has inf or NaN" in message, message
     assert reports[0]["skip"]["stats"]["totals"]["skipped_steps"] == 1
+    assert reports[0]["scaler"]["scale"] == 2.0 ** (4 + len(SIM_LRS))
     stats = reports[0]["topk"]["stats"]
     assert stats["compression_ratio"] > 1.5 and stats["totals"]["steps"] == len(SIM_LRS)
 
     # Exact resume: fresh processes load randomk's pickled state (error, momentum and
-    # RNG state of every worker and server chain) and run steps 3 and 4 with another job
-    # seed; they end where the uninterrupted run (and the replay) ended.
+    # RNG state of every worker and server chain; the scales too, with a scaler) and run
+    # steps 3 and 4 with another job seed; they end where the uninterrupted runs (and
+    # the replay) ended.
     resumed = tmp_path / "resumed"
     resumed.mkdir()
-    for r in range(2):
-        (resumed / f"ckptrandomk{r}.pt").write_bytes((tmp_path / f"ckptrandomk{r}.pt")
-                                                     .read_bytes())
-    again = [{**runs[2], "start": 3}]
+    again = [{**run, "start": 3} for run in runs if run["tag"] in ("randomk", "scaler")]
+    for run in again:
+        for r in range(2):
+            name = f"ckpt{run['tag']}{r}.pt"
+            (resumed / name).write_bytes((tmp_path / name).read_bytes())
     result = launch({"runs": again, "lrs": SIM_LRS}, resumed, workers=2, servers=2,
                     env={"BPS_JOB_SEED": "999"})
     assert result.returncode == 0, result.stdout[-3000:]
-    whole = load_params(tmp_path, 2, "randomk")
-    for r, final in enumerate(load_params(resumed, 2, "randomk")):
-        for n in SHAPES:
-            np.testing.assert_array_equal(final[n], whole[r][n], err_msg=f"resumed {n}")
+    for run in again:
+        whole = load_params(tmp_path, 2, run["tag"])
+        for r, final in enumerate(load_params(resumed, 2, run["tag"])):
+            for n in SHAPES:
+                np.testing.assert_array_equal(final[n], whole[r][n],
+                                              err_msg=f"resumed {run['tag']}: {n}")
 
 
 def test_two_local_ranks_reduce_in_fp16(tmp_path):
