@@ -85,49 +85,7 @@ def cipher_mb_s(sodium: ctypes.CDLL, size: int, mbytes: int) -> tuple[float, flo
 
 def zmq_mb_s(size: int, mbytes: int, curve: bool) -> float:
     """One-way MB/s of ``mbytes`` MB in frames of ``size`` bytes over loopback TCP."""
-    count = max(1, mbytes * 1_000_000 // size)
-    rx_ctx, tx_ctx = zmq.Context(io_threads=1), zmq.Context(io_threads=1)
-    rx, tx = rx_ctx.socket(zmq.ROUTER), tx_ctx.socket(zmq.DEALER)
-    for sock in (rx, tx):
-        sock.setsockopt(zmq.SNDHWM, 1000)
-        sock.setsockopt(zmq.RCVHWM, 1000)
-        sock.setsockopt(zmq.LINGER, 0)
-    if curve:
-        public, secret = zmq.curve_keypair()
-        rx.curve_server = True
-        rx.curve_secretkey = secret
-        tx.curve_serverkey = public
-        tx.curve_publickey, tx.curve_secretkey = zmq.curve_keypair()
-    port = rx.bind_to_random_port("tcp://127.0.0.1")
-    tx.connect(f"tcp://127.0.0.1:{port}")
-    tx.send(b"hello")  # the handshake is not timed
-    if not rx.poll(30_000):
-        raise RuntimeError("no connection")
-    rx.recv_multipart()
-    payload = np.random.default_rng(1).integers(0, 255, size, dtype=np.uint8)
-    done = threading.Event()
-
-    def receive() -> None:
-        for _ in range(count):
-            if not rx.poll(60_000):
-                raise RuntimeError("receiver: no frame for 60 s")
-            rx.recv_multipart(copy=False)
-        done.set()
-
-    thread = threading.Thread(target=receive)
-    start = time.perf_counter()
-    thread.start()
-    for _ in range(count):
-        tx.send(payload, copy=False)
-    thread.join(timeout=300)
-    elapsed = time.perf_counter() - start
-    if not done.is_set():
-        raise RuntimeError("receiver did not finish")
-    rx.close()
-    tx.close()
-    rx_ctx.term()
-    tx_ctx.term()
-    return count * size / 1e6 / elapsed
+    return zmq_message_mb_s(size, size, mbytes, curve, io_threads=1, receive="frames")[0]
 
 
 SWEEP_FRAMES = [65536, 131072, 262144, 524288, 1 << 20, 2 << 20, 4096000]

@@ -38,3 +38,22 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 def cluster_key() -> str:
     """The path of the tests' cluster key file."""
     return os.environ["BPS_SECRET_FILE"]
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    """``cluster(workers, servers, timeout=30.0, heartbeat_timeout=4.0)``: a
+    :class:`tests.roles.Cluster` of roles to start one by one in ``tmp_path``; every
+    process it started is killed at the test's end."""
+    from tests.roles import HEARTBEAT_TIMEOUT, Cluster
+
+    made: list[Cluster] = []
+
+    def make(workers: int, servers: int, timeout: float = 30.0,
+             heartbeat_timeout: float = HEARTBEAT_TIMEOUT) -> Cluster:
+        made.append(Cluster(tmp_path, workers, servers, timeout, heartbeat_timeout))
+        return made[-1]
+
+    yield make
+    for c in made:
+        c.kill_all()

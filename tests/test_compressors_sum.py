@@ -11,12 +11,12 @@ import zmq
 
 from bps.compressors import build
 from bps.compressors.base import add_decompressed
-from bps.env import ClusterEnv
 from bps.protocol import Op, decode, encode
-from bps.server.server import ParameterServer, RequestError, _KeyEngine
+from bps.server.server import RequestError
 from tests import reference_compressors as ref
 from tests.test_compressors import DTYPES, as_values, sample
 from tests.test_compressors_chain import ref_codec
+from tests.test_server_rules import serving_key_engine
 
 SUM_PARAMS = [
     {"compressor": "onebit", "scaling": True},
@@ -110,17 +110,11 @@ def test_a_compressor_without_decompress_add_is_decoded_and_added():
 @pytest.fixture
 def key_engine():
     """A real _KeyEngine whose replies go over a real inproc PUSH/PULL pair."""
-    env = ClusterEnv.from_environ({
-        "DMLC_ROLE": "server", "DMLC_NUM_WORKER": "3", "DMLC_NUM_SERVER": "1",
-        "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": "9"})
-    ctx = zmq.Context()
-    server = ParameterServer(env, ctx)
-    replies = ctx.socket(zmq.PULL)
-    replies.bind(server.replies_address)
-    engine = _KeyEngine(server, 0)
-    engine.out = ctx.socket(zmq.PUSH)
-    engine.out.connect(server.replies_address)
+    with serving_key_engine(3) as (engine, replies):
+        yield (engine, *_requests(engine, replies))
 
+
+def _requests(engine, replies):
     def reply() -> dict:
         """The next reply header, with its payload bytes under "body"."""
         frames = replies.recv_multipart() if replies.poll(10_000) else None
@@ -140,10 +134,7 @@ def key_engine():
         engine._handle(b"peer", header, frames)
         return reply()
 
-    yield engine, request, reply
-    engine.out.close(linger=0)
-    replies.close(linger=0)
-    ctx.term()
+    return request, reply
 
 
 def test_server_sums_compressed_pushes_in_place(key_engine):

@@ -11,8 +11,6 @@ import stat
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -111,61 +109,6 @@ def test_insecure_mode_is_announced_by_every_role() -> None:
 
 # ---------------------------------------------------------------------- outsiders
 
-class Processes:
-    """Roles started one by one; every one is killed in teardown."""
-
-    def __init__(self, tmp_path: Path, workers: int, servers: int) -> None:
-        self.tmp_path = tmp_path
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.port = free_port()
-        self.env = {**os.environ, **TEST_ENV, "DMLC_NUM_WORKER": str(workers),
-                    "DMLC_NUM_SERVER": str(servers), "DMLC_PS_ROOT_URI": "127.0.0.1",
-                    "DMLC_PS_ROOT_PORT": str(self.port), "BPS_TIMEOUT": "60"}
-
-    def start(self, name: str, argv: list[str], **env: str) -> subprocess.Popen:
-        log = open(self.tmp_path / f"{name}.log", "w")  # noqa: SIM115 - closed by the OS
-        self.procs[name] = subprocess.Popen(argv, env={**self.env, **env}, stdout=log,
-                                            stderr=subprocess.STDOUT, start_new_session=True)
-        return self.procs[name]
-
-    def log(self, name: str) -> str:
-        return (self.tmp_path / f"{name}.log").read_text()
-
-    def wait_for_line(self, name: str, pattern: str, timeout: float = 60.0) -> re.Match:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            match = re.search(pattern, self.log(name))
-            if match:
-                return match
-            assert self.procs[name].poll() is None, (name, self.log(name))
-            time.sleep(0.05)  # polling a log file for a line, with a deadline
-        raise AssertionError(f"{name}: no line matching {pattern!r}:\n{self.log(name)}")
-
-    def wait_all(self, timeout: float) -> dict[str, int]:
-        return {name: proc.wait(timeout=timeout) for name, proc in self.procs.items()}
-
-    def kill_all(self) -> None:
-        import signal
-
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-
-
-@pytest.fixture
-def processes(tmp_path: Path) -> Iterator:
-    made: list[Processes] = []
-
-    def make(workers: int, servers: int) -> Processes:
-        made.append(Processes(tmp_path, workers, servers))
-        return made[-1]
-
-    yield make
-    for p in made:
-        p.kill_all()
-
-
 class Outsider:
     """DEALER sockets to one address, one per kind of outsider: plain TCP, a client that
     knows the cluster's public key but not its secret, one with another cluster's key."""
@@ -203,12 +146,12 @@ class Outsider:
         return counts
 
 
-def test_outsiders_get_nothing_and_the_job_is_unchanged(processes, tmp_path: Path) -> None:
+def test_outsiders_get_nothing_and_the_job_is_unchanged(cluster, tmp_path: Path) -> None:
     """Without the cluster key nobody gets an answer from the scheduler or a server: not
     to HELLO as worker 1 before the real one (a hijack at startup), REGISTER, PUSH, PULL,
     GET_STATE, SET_STATE, BARRIER, FINALIZE or FAILED; the job's aggregates are exactly
     the numpy sums. A member's second HELLO for worker 1 is refused and logged."""
-    p = processes(workers=2, servers=1)
+    p = cluster(workers=2, servers=1, timeout=60.0, heartbeat_timeout=10.0)
     key = read_key_file(os.environ["BPS_SECRET_FILE"])
     ctx = zmq.Context()
     insider = ctx.socket(zmq.DEALER)
@@ -293,7 +236,7 @@ def test_fuzzed_frames_from_a_key_holder_change_nothing(tmp_path: Path) -> None:
     assert "similar lines suppressed" in output  # the refusals' log is rate-limited
 
 
-def test_a_node_with_another_key_is_told_to_check_its_key_file(processes, tmp_path: Path
+def test_a_node_with_another_key_is_told_to_check_its_key_file(cluster, tmp_path: Path
                                                                ) -> None:
     """A server whose BPS_SECRET_FILE holds another cluster's key never gets through the
     handshake; its rendezvous fails after BPS_TIMEOUT saying what to check."""
@@ -301,8 +244,7 @@ def test_a_node_with_another_key_is_told_to_check_its_key_file(processes, tmp_pa
 
     other = tmp_path / "other.key"
     write_key_file(str(other))
-    p = processes(workers=1, servers=1)
-    p.env.update(BPS_TIMEOUT="3", BPS_HEARTBEAT_TIMEOUT="2")
+    p = cluster(workers=1, servers=1, timeout=3.0, heartbeat_timeout=2.0)
     p.start("scheduler", BPSLAUNCH, DMLC_ROLE="scheduler")
     p.start("server0", BPSLAUNCH, DMLC_ROLE="server", BPS_SECRET_FILE=str(other))
     code = p.procs["server0"].wait(timeout=EXIT_WITHIN)

@@ -4,6 +4,7 @@ one of the step in progress, one learning rate per step, bounded key sizes."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 
 import pytest
@@ -16,20 +17,35 @@ from bps.server.server import ParameterServer, RequestError, _KeyEngine
 NUMEL = 16
 
 
-@pytest.fixture
-def push() -> Iterator:
-    env = ClusterEnv.from_environ({
-        "DMLC_ROLE": "server", "DMLC_NUM_WORKER": "2", "DMLC_NUM_SERVER": "1",
-        "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": "9",
-        "BYTEPS_PARTITION_BYTES": "65536"})
+@contextlib.contextmanager
+def serving_key_engine(workers: int, **env: str) -> Iterator[tuple[_KeyEngine, zmq.Socket]]:
+    """A real _KeyEngine of a server for ``workers`` workers (``env``: more variables),
+    and the inproc PULL socket its replies arrive on (routing id, header, payload...)."""
+    cluster = ClusterEnv.from_environ({
+        "DMLC_ROLE": "server", "DMLC_NUM_WORKER": str(workers), "DMLC_NUM_SERVER": "1",
+        "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": "9", **env})
     ctx = zmq.Context()
-    server = ParameterServer(env, ctx)
+    server = ParameterServer(cluster, ctx)
     replies = ctx.socket(zmq.PULL)
     replies.bind(server.replies_address)
     engine = _KeyEngine(server, 0)
     engine.out = ctx.socket(zmq.PUSH)
     engine.out.connect(server.replies_address)
+    try:
+        yield engine, replies
+    finally:
+        engine.out.close(linger=0)
+        replies.close(linger=0)
+        ctx.term()
 
+
+@pytest.fixture
+def push() -> Iterator:
+    with serving_key_engine(2, BYTEPS_PARTITION_BYTES="65536") as (engine, replies):
+        yield _pusher(engine, replies)
+
+
+def _pusher(engine: _KeyEngine, replies: zmq.Socket):
     def request(op: Op, payload: bytes | None = None, replied: bool = True,
                 **fields) -> list[dict]:
         """Handle one request as the engine thread would; its replies (ACK, DATA...),
@@ -49,10 +65,7 @@ def push() -> Iterator:
 
     request(Op.REGISTER, key=1, numel=NUMEL, dtype="float32", name="w", params=None, node=0)
     push_.request = request
-    yield push_
-    engine.out.close(linger=0)
-    replies.close(linger=0)
-    ctx.term()
+    return push_
 
 
 def test_a_worker_has_one_waiting_push_per_key(push) -> None:
