@@ -97,8 +97,8 @@ class Cluster:
             return chain.compress(grad)
         array = grad.numpy()
         momentum = chain.momentum.numpy()  # updated in place, as the old chain did
-        nesterov_step(array, momentum, array.dtype.type(chain.mu), self.lookahead[p].numpy(),
-                      momentum)
+        mu = array.dtype.type(chain.mu)
+        nesterov_step(array, momentum, mu, mu, self.lookahead[p].numpy(), momentum)
         return chain.inner.compress(self.lookahead[p])
 
     def _sum(self, server, pushes: list, p: int, new: bool) -> torch.Tensor:

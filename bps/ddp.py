@@ -78,9 +78,10 @@ class HookState:
         scaler: the ``torch.amp.GradScaler`` whose ``scale(loss)`` the backward passes use,
             if any: the chains then see scaled gradients, and follow each change of
             scale (error feedback through the learning rate, ``lr * first_scale /
-            scale``; the Nesterov momentum multiplied by the new scale over the old), as
-            ``DistributedTrainer.step(scaler=...)`` does. May be set later as
-            ``state.scaler``.
+            scale``; the Nesterov momentum multiplied by the new scale over the last
+            applied step's), as
+            ``DistributedTrainer.step(scaler=...)`` does. May also be set as
+            ``state.scaler``, before the first step (an unpickled state: again, loaded).
 
     ``state_dict()`` / ``load_state_dict()`` carry the step counters, the local momentum,
     the scaler's first and last scales and (local rank 0) every worker and server
@@ -117,8 +118,9 @@ class HookState:
         self.module = module
         self.scaler: torch.amp.GradScaler | None = None
         self._scale_ref: float | None = None  # the scaler's scale at the first step
-        self._scale: float | None = None  # its scale at this (or the last) step
-        self._scale_change = 1.0  # this step's scale over the last one's
+        self._scale: float | None = None  # its scale at this step
+        self._applied_scale: float | None = None  # its scale at the last applied step
+        self._scale_change = 1.0  # this step's scale over the last applied step's
         self._loaded = loaded  # a state to load once the pipeline exists
         self._pipe: GradPipeline | None = None
         self._index: dict[int, int] = {}  # id(parameter) -> pipeline index
@@ -217,9 +219,13 @@ class HookState:
 
     def _step_start(self) -> None:
         self._started_ns = time.monotonic_ns()
+        if self.scaler is None and self._scale_ref is not None:
+            raise ValueError("bps.ddp: this HookState was saved with a GradScaler: set "
+                             "state.scaler (loaded) before the first step")
         if self.scaler is not None:
             scale = self.scaler.get_scale()
-            self._scale_change = 1.0 if self._scale is None else scale / self._scale
+            self._scale_change = 1.0 if self._applied_scale is None \
+                else scale / self._applied_scale
             if self._scale_ref is None:
                 self._scale_ref = scale
             self._scale = scale
@@ -235,6 +241,8 @@ class HookState:
         self._stats.record(pipe._rt.engine, self._before, step, pipe.raw_bytes,
                            (time.monotonic_ns() - self._started_ns) / 1e9, 1, nonfinite)
         pipe.end_step(skip is None)
+        if skip is None:  # a skipped step leaves every chain at the scale before it
+            self._applied_scale = self._scale
         with self._lock:
             futures, self._futures = self._futures, []
         error = None
@@ -285,7 +293,7 @@ class HookState:
                     "local_momentum": [], "engine": None}
         rt = self._pipe._rt
         return {"step": self._pipe.step, "wire_step": self._pipe.wire_step, "rank": rt.rank,
-                "scale": (self._scale_ref, self._scale),
+                "scale": (self._scale_ref, self._applied_scale),
                 "local_momentum": [None if s.local_momentum is None else
                                    s.local_momentum.clone() for s in self._pipe.slots],
                 "engine": self._engine_state() if rt.engine is not None else None}
@@ -337,7 +345,7 @@ class HookState:
                                        for side in ("worker", "server")})
         self._pipe.step = int(state["step"])
         self._pipe.wire_step = int(state["wire_step"])
-        self._scale_ref, self._scale = state.get("scale", (None, None))
+        self._scale_ref, self._applied_scale = state.get("scale", (None, None))
 
     def __getstate__(self) -> dict:
         return {"params": self.params, "state": self.state_dict()}

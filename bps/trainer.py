@@ -125,7 +125,7 @@ class DistributedTrainer:
         self._skip: Skipped | None = None  # why this step is skipped (None: applied)
         self._scaler = None  # the GradScaler that step() was given
         self._scale_ref: float | None = None  # its scale at the first step
-        self._last_scale: float | None = None  # its scale at the step before
+        self._last_scale: float | None = None  # its scale at the last applied step
         self._joining = False  # inside join(): each step counts the nodes with data
         self._joined = False  # this worker ran out of data: it pushes zero markers
         self._join_future: concurrent.futures.Future | None = None
@@ -271,7 +271,8 @@ class DistributedTrainer:
         return p.grad.view(-1)
 
     def _scale_change(self) -> float:
-        """The GradScaler's scale over its scale at the step before (1 without one)."""
+        """The GradScaler's scale over its scale at the last applied step (1 without one):
+        the momentum and error feedback hold gradients at that scale."""
         if self._scaler is None or self._last_scale is None:
             return 1.0
         return self._scaler.get_scale() / self._last_scale
@@ -343,7 +344,8 @@ class DistributedTrainer:
             if skip is None or skip.reason == "nonfinite":  # NaN .grad: the scaler skips
                 scaler.step(self.optimizer)
                 scaler.update()
-            self._last_scale = scale
+            if skip is None:  # a skipped step leaves every chain at the scale before it
+                self._last_scale = scale
         elif self._periodic is not None:
             self._periodic.apply(applied)
         elif applied and not self._joined:

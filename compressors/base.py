@@ -189,10 +189,11 @@ class Compressor:
         """Learning rate of the current step (used by error feedback)."""
 
     def scale_momentum(self, factor: float) -> None:
-        """Multiply the momentum the chain carries by ``factor`` before the next
-        ``compress`` (a GradScaler's change of loss scale: the gradients that follow are
-        ``factor`` times larger). Only :class:`Momentum` has any; error feedback follows
-        the scale through ``set_lr``'s learning rate instead."""
+        """Have the next ``compress`` take the momentum the chain carries ``factor`` times
+        larger (a GradScaler's change of loss scale: the gradients that follow are
+        ``factor`` times larger); ``rollback`` returns to it unscaled. Only
+        :class:`Momentum` has any; error feedback follows the scale through ``set_lr``'s
+        learning rate instead."""
 
     def cancel(self) -> None:
         """Undo a ``set_lr`` whose ``compress`` is not coming (a decorator refused the

@@ -33,13 +33,15 @@ from .base import (
 
 
 @njit(nogil=True, cache=True)
-def nesterov_step(grad, momentum, mu, lookahead, momentum_out):
-    """``momentum_out = mu * momentum + grad``; ``lookahead = grad + mu * momentum_out``,
+def nesterov_step(grad, momentum, decay, mu, lookahead, momentum_out):
+    """``momentum_out = decay * momentum + grad``; ``lookahead = grad + mu * momentum_out``,
     one pass, each operation rounded to the arrays' dtype as torch's element-wise ops
-    round; returns whether every lookahead value is finite."""
+    round; returns whether every lookahead value is finite. ``decay`` is ``mu``, times
+    the change of scale of the gradients where they changed scale (see
+    ``Momentum.scale_momentum``)."""
     bad = 0
     for i in range(grad.size):
-        m = momentum[i] * mu + grad[i]
+        m = momentum[i] * decay + grad[i]
         momentum_out[i] = m
         value = grad[i] + mu * m
         lookahead[i] = value
@@ -48,13 +50,13 @@ def nesterov_step(grad, momentum, mu, lookahead, momentum_out):
 
 
 @njit(nogil=True, cache=True)
-def nesterov_step_corrected(grad, momentum, mu, ratio, error, momentum_out, out):
+def nesterov_step_corrected(grad, momentum, decay, mu, ratio, error, momentum_out, out):
     """nesterov_step with error feedback's ``g' = lookahead + ratio * error`` written into
     ``out`` in the same pass (one pass less, no lookahead array); rounded as the two
     separate kernels round; returns whether every value of ``g'`` is finite."""
     bad = 0
     for i in range(grad.size):
-        m = momentum[i] * mu + grad[i]
+        m = momentum[i] * decay + grad[i]
         momentum_out[i] = m
         value = (grad[i] + mu * m) + ratio * error[i]
         out[i] = value
@@ -75,18 +77,23 @@ class Momentum(Compressor):
         self.spare: torch.Tensor | None = None  # the other momentum buffer (first use)
         self.lookahead: torch.Tensor | None = None  # g' when the inner chain takes a tensor
         self.undo: torch.Tensor | None = None  # the momentum before the last compress
+        self.factor = 1.0  # scale_momentum's, for the next compress only
 
     def set_lr(self, lr: float) -> None:
         self.inner.set_lr(lr)
 
     def scale_momentum(self, factor: float) -> None:
-        self.momentum.mul_(factor)
+        """The next ``compress`` builds ``m = factor * mu * m + g``: the momentum follows
+        gradients that came ``factor`` times larger. ``rollback`` (or a refused input)
+        returns to the momentum as it was, unscaled."""
+        self.factor = float(factor)
 
     def compress(self, x: torch.Tensor) -> torch.Tensor:
         x = self.check_input(x)
         self.undo = None
+        decay, self.factor = self.mu * self.factor, 1.0
         if self.dtype not in KERNEL_FLOAT_DTYPES:  # float16/bfloat16: torch rounds each op
-            momentum = self.momentum * self.mu + x
+            momentum = self.momentum * decay + x
             lookahead = x + self.mu * momentum
             if not bool(torch.isfinite(lookahead).all()):
                 raise self._nonfinite()
@@ -98,11 +105,13 @@ class Momentum(Compressor):
         if hasattr(self.inner, "compress_corrected"):  # error feedback: one pass for both
             payload = self.inner.compress_corrected(
                 lambda error, ratio, corrected: nesterov_step_corrected(
-                    grad, momentum, mu, grad.dtype.type(ratio), error, out, corrected))
+                    grad, momentum, grad.dtype.type(decay), mu, grad.dtype.type(ratio),
+                    error, out, corrected))
             return self._commit(self.spare, payload)
         if self.lookahead is None:
             self.lookahead = torch.empty(self.numel, dtype=self.dtype)
-        if not nesterov_step(grad, momentum, mu, self.lookahead.numpy(), out):
+        if not nesterov_step(grad, momentum, grad.dtype.type(decay), mu,
+                             self.lookahead.numpy(), out):
             raise self._nonfinite()
         return self._commit(self.spare, self.inner.compress(self.lookahead))
 

@@ -34,6 +34,7 @@ class Output:
     def __init__(self, proc: subprocess.Popen, path: Path) -> None:
         self.path = path
         self.lines: list[tuple[float, str]] = []
+        self.ended = False  # the process closed its output
         self.changed = threading.Condition()
         self.thread = threading.Thread(target=self._read, args=(proc,), daemon=True)
         self.thread.start()
@@ -47,6 +48,7 @@ class Output:
                     self.lines.append((time.monotonic(), line))
                     self.changed.notify_all()
         with self.changed:
+            self.ended = True
             self.changed.notify_all()
 
     def first(self, *texts: str) -> float | None:
@@ -59,8 +61,8 @@ class Output:
         """Wait up to ``timeout`` for a line containing ``text``; False at EOF/timeout."""
         with self.changed:
             return self.changed.wait_for(
-                lambda: any(text in line for _, line in self.lines)
-                or not self.thread.is_alive(), timeout) and self.first(text) is not None
+                lambda: any(text in line for _, line in self.lines) or self.ended,
+                timeout) and self.first(text) is not None
 
     def search(self, pattern: str, timeout: float) -> re.Match | None:
         """Wait up to ``timeout`` for a line matching the regex ``pattern``; its match, or
@@ -70,8 +72,7 @@ class Output:
                         None)
 
         with self.changed:
-            self.changed.wait_for(lambda: found() is not None or not self.thread.is_alive(),
-                                  timeout)
+            self.changed.wait_for(lambda: found() is not None or self.ended, timeout)
             return found()
 
 

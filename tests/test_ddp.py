@@ -89,7 +89,8 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
         optimizer.load_state_dict(checkpoint["optimizer"])
         if scaler is not None:
             scaler.load_state_dict(checkpoint["scaler"])
-            state.scaler = scaler
+            if not run.get("drop_scaler"):  # else the hook refuses the first step
+                state.scaler = scaler
     else:
         state = bps.ddp.HookState(run["params"], optimizer=optimizer, module=module,
                                   scaler=scaler)
@@ -113,12 +114,19 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
             try:
                 loss = ddp(goals)
                 (loss if scaler is None else scaler.scale(loss)).backward()
-            except RuntimeError as exc:  # nonfinite "raise": backward() raises everywhere
+            # nonfinite "raise": backward() raises everywhere (a RuntimeError); a state
+            # without its scaler: the hook's ValueError
+            except (RuntimeError, ValueError) as exc:
                 report.setdefault("raised", []).append([step, str(exc)[-300:]])
+                if run.get("drop_scaler"):
+                    break
                 continue
             if not all(torch.isfinite(p.grad).all() for p in ddp.parameters()
                        if p.grad is not None):
                 report.setdefault("nan", []).append(step)  # "skip": NaN everywhere
+                if scaler is not None:  # it finds the NaN, skips and backs off
+                    scaler.step(optimizer)
+                    scaler.update()
                 continue
             if scaler is None:
                 optimizer.step()
@@ -223,6 +231,9 @@ def test_hook_matches_the_replay_for_every_compressor_and_ddp_feature(tmp_path):
         # scaled by 16, 32, ... 256 (powers of two): the replay without a scaler, exactly
         {"tag": "scaler", "params": {**SIM_CASES["randomk"], **COMMON}, "scaler": True,
          "save_at": 3},
+        # the scale doubles for step 2, which an inf skips: no chain keeps that change
+        {"tag": "scaler-skip", "params": {**SIM_CASES["randomk"], **COMMON, "nonfinite": "skip"},
+         "scaler": True, "inf_at": [1, 2], "skipped": 2},
     ]
     result = launch({"runs": runs, "lrs": SIM_LRS}, tmp_path, workers=2, servers=2)
     assert result.returncode == 0, result.stdout[-3000:]
@@ -249,6 +260,7 @@ def test_hook_matches_the_replay_for_every_compressor_and_ddp_feature(tmp_path):
         assert step == 2 and "'big' on worker node 1 has inf or NaN" in message, message
     assert reports[0]["skip"]["stats"]["totals"]["skipped_steps"] == 1
     assert reports[0]["scaler"]["scale"] == 2.0 ** (4 + len(SIM_LRS))
+    assert reports[0]["scaler-skip"]["scale"] == 2.0 ** (4 + len(SIM_LRS) - 2)
     stats = reports[0]["topk"]["stats"]
     assert stats["compression_ratio"] > 1.5 and stats["totals"]["steps"] == len(SIM_LRS)
 
@@ -263,9 +275,18 @@ def test_hook_matches_the_replay_for_every_compressor_and_ddp_feature(tmp_path):
         for r in range(2):
             name = f"ckpt{run['tag']}{r}.pt"
             (resumed / name).write_bytes((tmp_path / name).read_bytes())
-    result = launch({"runs": again, "lrs": SIM_LRS}, resumed, workers=2, servers=2,
-                    env={"BPS_JOB_SEED": "999"})
+    # the scaler's checkpoint, but the loop forgets to give the state its scaler
+    forgot = {**again[1], "tag": "forgot", "drop_scaler": True}
+    for r in range(2):
+        (resumed / f"ckptforgot{r}.pt").write_bytes((tmp_path / f"ckptscaler{r}.pt")
+                                                    .read_bytes())
+    result = launch({"runs": [*again, forgot], "lrs": SIM_LRS}, resumed, workers=2,
+                    servers=2, env={"BPS_JOB_SEED": "999"})
     assert result.returncode == 0, result.stdout[-3000:]
+    for r in range(2):
+        report = json.loads((resumed / f"report{r}.json").read_text())
+        [[step, message]] = report["forgot"]["raised"]
+        assert step == 3 and "saved with a GradScaler: set state.scaler" in message, message
     for run in again:
         whole = load_params(tmp_path, 2, run["tag"])
         for r, final in enumerate(load_params(resumed, 2, run["tag"])):

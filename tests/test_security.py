@@ -151,7 +151,8 @@ def test_outsiders_get_nothing_and_the_job_is_unchanged(cluster, tmp_path: Path)
     to HELLO as worker 1 before the real one (a hijack at startup), REGISTER, PUSH, PULL,
     GET_STATE, SET_STATE, BARRIER, FINALIZE or FAILED; the job's aggregates are exactly
     the numpy sums. A member's second HELLO for worker 1 is refused and logged."""
-    p = cluster(workers=2, servers=1, timeout=60.0, heartbeat_timeout=10.0)
+    p = cluster(workers=2, servers=1, timeout=60.0,
+                heartbeat_timeout=float(TEST_ENV["BPS_HEARTBEAT_TIMEOUT"]))
     key = read_key_file(os.environ["BPS_SECRET_FILE"])
     ctx = zmq.Context()
     insider = ctx.socket(zmq.DEALER)

@@ -87,7 +87,9 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg["lrs"][0], momentum=MOMENTUM)
     trainer = bps.DistributedTrainer(model, optimizer, run["params"],
                                      backward_passes_per_step=passes)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) if run.get("scaler") else None
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10,
+                                  growth_interval=run.get("growth_interval", 2000)) \
+        if run.get("scaler") else None
     goals = [{n: torch.from_numpy(t).to(dtype) for n, t in micro_targets(rank, j, shapes).items()}
              for j in range(passes)]
     inject = run.get("inject", False) and rank == run.get("inject_rank", INJECT_RANK)
@@ -366,11 +368,13 @@ def test_nonfinite_step_leaves_no_trace_anywhere(tmp_path):
               "nesterov": {"fp16": False, "momentum": "nesterov"}}
     # the chain's momentum and error feedback, and the trainer's own Nesterov for raw
     # tensors, follow the scale
-    for name, params in scaled.items():  # a GradScaler skips the step and backs off
-        runs.append({"tag": f"{name}-scaler-ref", "params": params, "scaler": True,
+    # A GradScaler skips the step and backs off; its scale has just doubled for that
+    # step (growth_interval=INJECT_STEP), so nothing may keep that change
+    grows = {"scaler": True, "growth_interval": INJECT_STEP}
+    for name, params in scaled.items():
+        runs.append({"tag": f"{name}-scaler-ref", "params": params, **grows,
                      "skip_steps": [INJECT_STEP]})
-        runs.append({"tag": f"{name}-scaler", "params": params, "scaler": True,
-                     "inject": True})
+        runs.append({"tag": f"{name}-scaler", "params": params, **grows, "inject": True})
         runs.append({"tag": f"{name}-unscaled-ref", "params": params,
                      "skip_steps": [INJECT_STEP]})
     result = launch({"runs": runs, "lrs": SIM_LRS, "stop": len(SIM_LRS)}, tmp_path,

@@ -82,8 +82,7 @@ class CodecPool:
         try:
             start_ns = time.monotonic_ns()
             info.chain.set_lr(lr)
-            if momentum_scale != 1.0:
-                info.chain.scale_momentum(momentum_scale)
+            info.chain.scale_momentum(momentum_scale)
             try:
                 payload = info.chain.compress(tensor)
             except NonFiniteError:
