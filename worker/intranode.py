@@ -44,7 +44,15 @@ class LocalChannel:
         )
         self._nccl = None
 
+    def close(self) -> None:
+        """Destroy this channel's process groups and its hold on the store now: left to
+        the end of the interpreter, gloo's teardown aborts about every other process
+        ("terminate called without an active exception", exit code 134)."""
+        self._gloo = self._nccl = self._store = None
+
     def _backend(self, tensor: torch.Tensor):
+        if self._gloo is None:
+            raise IntraNodeError(f"intra-node channel {self.name!r} is closed (bps.shutdown())")
         if not tensor.is_cuda:
             return self._gloo
         if self._nccl is None:
@@ -146,6 +154,10 @@ class LocalGroup:
         return self._channels[name]
 
     def close(self) -> None:
+        """Destroy every channel's process groups, then the store (see
+        :meth:`LocalChannel.close`); collectives on them raise afterwards."""
+        for channel in self._channels.values():
+            channel.close()
         self._channels.clear()
         self._store = None
 
