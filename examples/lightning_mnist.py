@@ -114,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
                        "compression_ratio": stats.get("compression_ratio"),
                        "checksum": checksum}, f)
     state.close()
+    if torch.distributed.is_initialized():  # now: left to the exit, gloo may abort (134)
+        torch.distributed.destroy_process_group()
     bps.shutdown()
     return 0
 
