@@ -121,6 +121,23 @@ def broadcast_model(rt, model: torch.nn.Module, source: int = 0) -> None:
     """Overwrite every rank's parameters and buffers with those of node ``source``'s
     local rank 0 (rank 0 by default; ``DistributedTrainer.join`` passes the node that
     stepped last)."""
+    _overwrite_model(model, lambda flat, dtype: node0_to_all(rt, flat, f"init.{dtype}",
+                                                             source))
+
+
+def broadcast_model_in_node(channel, model: torch.nn.Module, local_rank: int) -> None:
+    """Overwrite the parameters and buffers of every local rank of this node with local
+    rank ``local_rank``'s, over the intra-node ``channel``."""
+    def from_local_rank(flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        channel.broadcast(flat, root=local_rank)
+        return flat
+
+    _overwrite_model(model, from_local_rank)
+
+
+def _overwrite_model(model: torch.nn.Module, exchange) -> None:
+    """Parameters and buffers flattened into one float32 and one float64 tensor, each
+    replaced by ``exchange(flat, dtype)``'s result."""
     tensors = [p.data for p in model.parameters()] + list(model.buffers())
     for dtype in (torch.float32, torch.float64):
         # float64 carries float64 and integer tensors exactly (|x| < 2**53).
@@ -129,7 +146,7 @@ def broadcast_model(rt, model: torch.nn.Module, source: int = 0) -> None:
         if not chosen:
             continue
         flat = torch.cat([t.detach().reshape(-1).to("cpu", dtype) for t in chosen])
-        flat = node0_to_all(rt, flat, f"init.{dtype}", source)
+        flat = exchange(flat, dtype)
         offset = 0
         with torch.no_grad():
             for t in chosen:

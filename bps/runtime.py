@@ -92,7 +92,7 @@ class Runtime:
                 self.engine.barrier()
             self.engine.close(failure=failure)
             self.engine = None
-        self.group.close()
+        self.group.close(destroy=failure is None)
         if self.tracer is not None:
             self.tracer.save()
 

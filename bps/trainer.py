@@ -48,7 +48,12 @@ from bps.grad_pipeline import (  # noqa: F401 - _BucketSlice, _forward: re-expor
     _BucketSlice,
     _forward,
 )
-from bps.model_sync import ModelMismatchError, broadcast_model, check_same_model
+from bps.model_sync import (
+    ModelMismatchError,
+    broadcast_model,
+    broadcast_model_in_node,
+    check_same_model,
+)
 from bps.periodic import PeriodicAveraging, validate_sync_every
 from bps.stale import DelayedUpdate, validate_staleness
 from bps.trainer_stats import StepStats
@@ -131,6 +136,13 @@ class DistributedTrainer:
         self._join_future: concurrent.futures.Future | None = None
         self._active: list[int] = []  # the nodes with data this step (in join())
         self._last_active = 0  # the lowest of them in the last step any node had data
+        # several local ranks in join(): a row per local rank (1.0 if it has data this
+        # step, then its chain learning rate per parameter group; known at the step's
+        # first push), the lowest rank with data in the last step the node had any,
+        # and the channel that tells them apart
+        self._local_active: torch.Tensor | None = None
+        self._last_local_active = 0
+        self._join_ch = None
         self._stats = StepStats()
         self._engine_before: dict = {}
         self._tracer = self._rt.tracer  # bps.trace: None unless BYTEPS_TRACE_ON=1
@@ -239,11 +251,34 @@ class DistributedTrainer:
             self._push(index)
 
     def _push(self, index: int) -> None:
-        """A gradient is final: push ``.grad`` (zeros where it has none; a zero marker
-        once joined); the average lands in ``.grad`` itself."""
+        """A gradient is final: push ``.grad`` (zeros where it has none, or once joined;
+        a zero marker where every local rank of the node has joined); the average
+        lands in ``.grad`` itself."""
         param = self._pipe.slots[index].param
         source = None if self._joined else param.grad
-        self._pipe.push(index, source, self._grad_view(param), joined=self._joined)
+        node_joined = self._joined
+        if self._joining and self._rt.local_size > 1:
+            node_joined = not bool(self._node_active().any())
+        self._pipe.push(index, source, self._grad_view(param), joined=node_joined)
+
+    def _node_active(self) -> torch.Tensor:
+        """In join() with several local ranks: which local ranks of this node still have
+        data this step (1.0 each), agreed at the step's first push on every local rank
+        (a joined rank's first push comes from synchronize()). Each active rank also
+        tells its chain learning rates, which a joined local rank 0 pushes with."""
+        if self._local_active is None:
+            groups = len(self.optimizer.param_groups)
+            rows = torch.zeros(self._rt.local_size, 1 + groups, dtype=torch.float64)
+            if not self._joined:
+                rows[self._rt.local_rank, 0] = 1.0
+                rows[self._rt.local_rank, 1:] = torch.tensor(
+                    [self._own_chain_lr(g) for g in range(groups)], dtype=torch.float64)
+            self._join_ch.reduce(rows)
+            self._join_ch.broadcast(rows)
+            self._local_active = rows
+            if rows[:, 0].any():
+                self._last_local_active = int(rows[:, 0].nonzero()[0])
+        return self._local_active[:, 0]
 
     def _step_start(self) -> None:
         """The step's first push: stats count this step's traffic only."""
@@ -257,6 +292,13 @@ class DistributedTrainer:
             return self._periodic.lr
         if self._delayed is not None:  # the step's that pushed the round in flight
             return self._delayed.chain_lr(group)
+        if self._joined and self._local_active is not None and self._local_active[:, 0].any():
+            # a joined rank runs no loop that sets it: the node's first rank with data
+            row = int(self._local_active[:, 0].nonzero()[0])
+            return float(self._local_active[row, 1 + group])
+        return self._own_chain_lr(group)
+
+    def _own_chain_lr(self, group: int) -> float:
         lr = float(self.optimizer.param_groups[group]["lr"])
         if self._scaler is not None and self._scale_ref is not None:
             lr *= self._scale_ref / self._scaler.get_scale()
@@ -296,14 +338,19 @@ class DistributedTrainer:
             self._push(index)
         if self._joining and self._rt.engine is not None:
             flag = torch.zeros(self._rt.engine.num_workers, dtype=torch.float32)
-            flag[self._rt.node_id] = 0.0 if self._joined else 1.0
+            flag[self._rt.node_id] = float(self._node_active().sum()) \
+                if self._rt.local_size > 1 else 0.0 if self._joined else 1.0
             self._join_future = self._rt.engine.push_pull(self._join_key, flag,
                                                           self._wire_step, 0.0)
         self._pipe.wait()
         skip = self._pipe.finish()
-        if self._join_future is not None:
-            counts = self._join_future.result(timeout=self._rt.env.timeout * 2)
-            self._join_future = None
+        if self._joining:
+            counts = torch.zeros(self._rt.num_nodes, dtype=torch.float32)
+            if self._join_future is not None:
+                counts = self._join_future.result(timeout=self._rt.env.timeout * 2)
+                self._join_future = None
+            if self._rt.local_size > 1:  # local rank 0's counts, to its node
+                self._join_ch.broadcast(counts)
             self._active = [node for node, c in enumerate(counts.tolist()) if c]
             if self._active:
                 self._last_active = self._active[0]
@@ -365,6 +412,7 @@ class DistributedTrainer:
         self._samples = 0
         step = self._step
         self._seen = [0] * len(self._seen)
+        self._local_active = None
         self._pipe.end_step(skip is None)
         self._synced, self._skip = None, None
         if nonfinite and scaler is None:
@@ -425,14 +473,13 @@ class DistributedTrainer:
             ...         loss_fn(model(x), y).backward()
             ...         trainer.step()
         """
-        if self._rt.local_size > 1:
-            raise NotImplementedError("trainer.join() needs one process per worker node "
-                                      "(BYTEPS_LOCAL_SIZE=1)")
         if self._periodic is not None or self._delayed is not None:
             raise NotImplementedError("trainer.join() is not supported with sync_every > 1 "
                                       "or staleness=1")
         if self._pipe.started or any(self._seen):
             raise RuntimeError("trainer.join() must be entered between steps")
+        if self._rt.local_size > 1 and self._join_ch is None:  # every local rank is here
+            self._join_ch = self._rt.group.channel(self._rt.unique_name("join"))
         self._joining, self._active = True, []
         try:
             yield self
@@ -444,6 +491,8 @@ class DistributedTrainer:
                     log.warning("bps: while joined: %s", exc)
                 if not self._active:
                     break
+            if self._join_ch is not None:  # the node's freshest model to its local rank 0
+                broadcast_model_in_node(self._join_ch, self.model, self._last_local_active)
             broadcast_model(self._rt, self.model, source=self._last_active)
         finally:
             self._joining = self._joined = False

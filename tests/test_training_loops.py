@@ -184,17 +184,21 @@ def assert_identical(a: object, b: object, where: str = "") -> None:
 
 
 def simulate(params: dict | None, nodes: int, lrs: list[float], passes: int = 1,
-             steps_per_rank: list[int] | None = None, shapes: dict = SHAPES) -> dict:
+             steps_per_rank: list[int] | None = None, shapes: dict = SHAPES,
+             local_size: int = 1) -> dict:
     """SPEC §1's pipeline in numpy (as tests/test_trainer.simulate), with ``passes``
-    micro-batches summed in float32 per step, in backward order, and nodes that ran out
-    of steps contributing nothing (the divisor stays ``nodes``). ``params`` None:
-    uncompressed float32 wire, no momentum."""
+    micro-batches summed in float32 per step, in backward order, ``local_size`` ranks
+    per node summed in float32 within the node, and ranks that ran out of steps
+    contributing nothing (the divisor stays the number of ranks; a node none of whose
+    ranks has data pushes nothing). ``params`` None: uncompressed float32 wire, no
+    momentum."""
     from tests.reference_compressors import RefChain
 
     f32 = np.float32
+    ranks = nodes * local_size
     w = initial_params(0, shapes)
-    goals = [[micro_targets(r, j, shapes) for j in range(passes)] for r in range(nodes)]
-    steps_per_rank = steps_per_rank or [len(lrs)] * nodes
+    goals = [[micro_targets(r, j, shapes) for j in range(passes)] for r in range(ranks)]
+    steps_per_rank = steps_per_rank or [len(lrs)] * ranks
     numel = int(np.prod(shapes["big"]))
     parts = [(o, min(PARTITION, numel - o)) for o in range(0, numel, PARTITION)]
     compressed = params is not None and params.get("compressor") is not None
@@ -208,15 +212,17 @@ def simulate(params: dict | None, nodes: int, lrs: list[float], passes: int = 1,
     optimizer_momentum = {n: None for n in shapes}
     for step in range(max(steps_per_rank)):
         lr = lrs[step]
-        active = [r for r in range(nodes) if step < steps_per_rank[r]]
-        shares = {}
-        for r in active:
-            shares[r] = {}
+        active_ranks = [r for r in range(ranks) if step < steps_per_rank[r]]
+        active = sorted({r // local_size for r in active_ranks})
+        shares: dict[int, dict] = {}  # per node, the sum of its ranks' shares
+        for r in active_ranks:
+            node = shares.setdefault(r // local_size, {})
             for n in shapes:
                 acc = (w[n] - goals[r][0][n]).astype(f32)
                 for j in range(1, passes):
                     acc = (acc + (w[n] - goals[r][j][n]).astype(f32)).astype(f32)
-                shares[r][n] = (acc / f32(nodes)).astype(f32)
+                share = (acc / f32(ranks)).astype(f32)
+                node[n] = share if n not in node else (node[n] + share).astype(f32)
         grads = {}
         for n in shapes:
             if n == "big" and compressed:
@@ -454,6 +460,27 @@ def test_join_with_unequal_shards(tmp_path):
                 np.testing.assert_array_equal(final["params"][n].numpy(), expected[n],
                                               err_msg=f"{run['tag']} rank {rank}: {n}")
             assert final["trainer"]["step"] == max(lengths)
+
+
+def test_join_with_several_local_ranks(tmp_path):
+    # 2 nodes x 2 local ranks with 2, 5, 3 and 4 batches: a joined rank adds zeros to its
+    # node's sum, a node whose ranks have all joined pushes nothing, and the last step's
+    # only rank with data is local rank 1 of node 0, whose model every rank ends with
+    lengths = [2, 5, 3, 4]
+    runs = [{"tag": "onebit", "params": {**SIM_CASES["onebit"], **COMMON}, "join": True,
+             "steps_per_rank": lengths},
+            {"tag": "raw", "params": {"fp16": False}, "join": True, "steps_per_rank": lengths}]
+    result = launch({"runs": runs, "lrs": SIM_LRS, "stop": len(SIM_LRS)}, tmp_path,
+                    workers=2, servers=2, local_size=2, timeout=150)
+    assert result.returncode == 0, result.stdout[-3000:]
+    for run in runs:
+        expected = simulate(run["params"] if run["tag"] != "raw" else None, 2, SIM_LRS,
+                            steps_per_rank=lengths, local_size=2)
+        for rank in range(4):
+            final = load_state(tmp_path, run["tag"], rank)
+            for n in SHAPES:
+                np.testing.assert_array_equal(final["params"][n].numpy(), expected[n],
+                                              err_msg=f"{run['tag']} rank {rank}: {n}")
 
 
 def test_low_precision_autocast_and_compile(tmp_path):

@@ -83,12 +83,12 @@ class LocalChannel:
         opts.rootTensor = 0
         self._wait(self._backend(tensor).reduce([tensor], opts), "reduce", tensor)
 
-    def broadcast(self, tensor: torch.Tensor) -> None:
-        """Overwrite ``tensor`` on every local rank with local rank 0's ``tensor``."""
+    def broadcast(self, tensor: torch.Tensor, root: int = 0) -> None:
+        """Overwrite ``tensor`` on every local rank with local rank ``root``'s ``tensor``."""
         if self.size == 1:
             return
         opts = dist.BroadcastOptions()
-        opts.rootRank = 0
+        opts.rootRank = root
         opts.rootTensor = 0
         self._wait(self._backend(tensor).broadcast([tensor], opts), "broadcast", tensor)
 
@@ -153,11 +153,14 @@ class LocalGroup:
                 )
         return self._channels[name]
 
-    def close(self) -> None:
+    def close(self, destroy: bool = True) -> None:
         """Destroy every channel's process groups, then the store (see
-        :meth:`LocalChannel.close`); collectives on them raise afterwards."""
-        for channel in self._channels.values():
-            channel.close()
+        :meth:`LocalChannel.close`); collectives on them raise afterwards. ``destroy``
+        False (a process giving up): only let go of them, as a gloo group with a
+        collective still waiting on a dead peer would block its destruction."""
+        if destroy:
+            for channel in self._channels.values():
+                channel.close()
         self._channels.clear()
         self._store = None
 
