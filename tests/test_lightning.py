@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.ps_job import run_command
 
 # find_spec, not importorskip: importing lightning here would cost this process seconds
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("lightning") is None,
@@ -26,16 +25,8 @@ def test_lightning_ddp_strategy_trains_through_the_hook(tmp_path):
     cmd = [BPSLAUNCH, "local", "--workers", "2", "--servers", "1", "--", sys.executable,
            str(ROOT / "examples" / "lightning_mnist.py"), "--max-steps", "3",
            "--hidden", "64", "--metrics-json", str(metrics)]
-    env = {**os.environ, "BPS_TIMEOUT": "60"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, output[-3000:]
+    code, output = run_command(cmd, {"BPS_TIMEOUT": "60"}, timeout=240)
+    assert code == 0, output[-3000:]
     ranks = [json.loads(Path(f"{metrics}.{r}").read_text()) for r in range(2)]
     for report in ranks:
         assert report["steps"] == 3 and report["hook_steps"] == 3  # every step via bps
