@@ -54,6 +54,7 @@ import torch.distributed as dist
 from bps import runtime as bps_runtime
 from bps.config import validate_compression_params
 from bps.grad_pipeline import GradPipeline, GradTensor
+from bps.loss_scale import LossScale
 from bps.trainer import NonFiniteGradientError
 from bps.trainer_stats import StepStats
 
@@ -117,10 +118,8 @@ class HookState:
         self.optimizer = optimizer
         self.module = module
         self.scaler: torch.amp.GradScaler | None = None
-        self._scale_ref: float | None = None  # the scaler's scale at the first step
+        self._loss_scale = LossScale()  # how the chains follow the scaler's scale
         self._scale: float | None = None  # its scale at this step
-        self._applied_scale: float | None = None  # its scale at the last applied step
-        self._scale_change = 1.0  # this step's scale over the last applied step's
         self._loaded = loaded  # a state to load once the pipeline exists
         self._pipe: GradPipeline | None = None
         self._index: dict[int, int] = {}  # id(parameter) -> pipeline index
@@ -203,7 +202,7 @@ class HookState:
                 raise ValueError(f"bps.ddp: parameter {name!r} is not in the optimizer")
             tensors.append(GradTensor(name, p, group_of.get(id(p), 0)))
         self._pipe = GradPipeline(rt, self.params, tensors, self._lr,
-                                  rescale=lambda: self._scale_change,
+                                  rescale=lambda: self._loss_scale.change(self._scale),
                                   on_step_start=self._step_start,
                                   on_step_done=self._settle, on_error=self._fail)
         self._index = {id(p): i for i, p in enumerate(params)}
@@ -213,22 +212,15 @@ class HookState:
 
     def _lr(self, group: int) -> float:
         lr = 1.0 if self.optimizer is None else float(self.optimizer.param_groups[group]["lr"])
-        if self._scale is not None:
-            lr *= self._scale_ref / self._scale
-        return lr
+        return lr * self._loss_scale.lr_factor(self._scale)
 
     def _step_start(self) -> None:
         self._started_ns = time.monotonic_ns()
-        if self.scaler is None and self._scale_ref is not None:
+        if self.scaler is None and self._loss_scale.first is not None:
             raise ValueError("bps.ddp: this HookState was saved with a GradScaler: set "
                              "state.scaler (loaded) before the first step")
-        if self.scaler is not None:
-            scale = self.scaler.get_scale()
-            self._scale_change = 1.0 if self._applied_scale is None \
-                else scale / self._applied_scale
-            if self._scale_ref is None:
-                self._scale_ref = scale
-            self._scale = scale
+        if self.scaler is not None:  # read once: the pipeline's threads use it
+            self._scale = self.scaler.get_scale()
         self._before = self._stats.snapshot(self._pipe._rt.engine)
 
     def _settle(self) -> None:
@@ -241,8 +233,8 @@ class HookState:
         self._stats.record(pipe._rt.engine, self._before, step, pipe.raw_bytes,
                            (time.monotonic_ns() - self._started_ns) / 1e9, 1, nonfinite)
         pipe.end_step(skip is None)
-        if skip is None:  # a skipped step leaves every chain at the scale before it
-            self._applied_scale = self._scale
+        if self._scale is not None:
+            self._loss_scale.settle(self._scale, applied=skip is None)
         with self._lock:
             futures, self._futures = self._futures, []
         error = None
@@ -293,7 +285,7 @@ class HookState:
                     "local_momentum": [], "engine": None}
         rt = self._pipe._rt
         return {"step": self._pipe.step, "wire_step": self._pipe.wire_step, "rank": rt.rank,
-                "scale": (self._scale_ref, self._applied_scale),
+                "scale": self._loss_scale.state(),
                 "local_momentum": [None if s.local_momentum is None else
                                    s.local_momentum.clone() for s in self._pipe.slots],
                 "engine": self._engine_state() if rt.engine is not None else None}
@@ -345,7 +337,7 @@ class HookState:
                                        for side in ("worker", "server")})
         self._pipe.step = int(state["step"])
         self._pipe.wire_step = int(state["wire_step"])
-        self._scale_ref, self._applied_scale = state.get("scale", (None, None))
+        self._loss_scale.load(state.get("scale", (None, None)))
 
     def __getstate__(self) -> dict:
         return {"params": self.params, "state": self.state_dict()}

@@ -48,6 +48,7 @@ from bps.grad_pipeline import (  # noqa: F401 - _BucketSlice, _forward: re-expor
     _BucketSlice,
     _forward,
 )
+from bps.loss_scale import LossScale
 from bps.model_sync import (
     ModelMismatchError,
     broadcast_model,
@@ -129,8 +130,7 @@ class DistributedTrainer:
         self._synced: bool | None = None  # this step's outcome, once synchronize() ran
         self._skip: Skipped | None = None  # why this step is skipped (None: applied)
         self._scaler = None  # the GradScaler that step() was given
-        self._scale_ref: float | None = None  # its scale at the first step
-        self._last_scale: float | None = None  # its scale at the last applied step
+        self._loss_scale = LossScale()  # how the chains follow its scale
         self._joining = False  # inside join(): each step counts the nodes with data
         self._joined = False  # this worker ran out of data: it pushes zero markers
         self._join_future: concurrent.futures.Future | None = None
@@ -300,9 +300,11 @@ class DistributedTrainer:
 
     def _own_chain_lr(self, group: int) -> float:
         lr = float(self.optimizer.param_groups[group]["lr"])
-        if self._scaler is not None and self._scale_ref is not None:
-            lr *= self._scale_ref / self._scaler.get_scale()
-        return lr
+        return lr * self._loss_scale.lr_factor(self._scale())
+
+    def _scale(self) -> float | None:
+        """The GradScaler's scale now (None before step() was given one)."""
+        return None if self._scaler is None else self._scaler.get_scale()
 
     @staticmethod
     def _grad_view(p: torch.Tensor) -> torch.Tensor:
@@ -315,9 +317,7 @@ class DistributedTrainer:
     def _scale_change(self) -> float:
         """The GradScaler's scale over its scale at the last applied step (1 without one):
         the momentum and error feedback hold gradients at that scale."""
-        if self._scaler is None or self._last_scale is None:
-            return 1.0
-        return self._scaler.get_scale() / self._last_scale
+        return self._loss_scale.change(self._scale())
 
     def synchronize(self) -> bool:
         """Wait until every gradient of this step is averaged and written into ``.grad``.
@@ -381,18 +381,16 @@ class DistributedTrainer:
             scaler = None  # the pseudo-gradient is not scaled
         if scaler is not None:
             self._scaler = scaler
-            if self._scale_ref is None:
-                self._scale_ref = scaler.get_scale()
         applied = self.synchronize()
         synced_ns = time.monotonic_ns()
         skip = self._skip
-        if scaler is not None and not self._joined:
+        if scaler is not None:
             scale = scaler.get_scale()
-            if skip is None or skip.reason == "nonfinite":  # NaN .grad: the scaler skips
+            # NaN .grad: the scaler skips the step (a joined worker steps nothing)
+            if not self._joined and (skip is None or skip.reason == "nonfinite"):
                 scaler.step(self.optimizer)
                 scaler.update()
-            if skip is None:  # a skipped step leaves every chain at the scale before it
-                self._last_scale = scale
+            self._loss_scale.settle(scale, applied=skip is None and not self._joined)
         elif self._periodic is not None:
             self._periodic.apply(applied)
         elif applied and not self._joined:
@@ -549,7 +547,7 @@ class DistributedTrainer:
         return {
             "step": self._step,
             "wire_step": self._wire_step,
-            "scale": (self._scale_ref, self._last_scale),
+            "scale": self._loss_scale.state(),
             "rank": self._rt.rank,
             "optimizer": self.optimizer.state_dict(),
             "local_momentum": self._pipe.momentum_state(),
@@ -571,7 +569,7 @@ class DistributedTrainer:
             self._rt.engine.load_state_dict(state["engine"])
         self._pipe.step = int(state["step"])
         self._pipe.wire_step = int(state.get("wire_step", self._pipe.step))
-        self._scale_ref, self._last_scale = state.get("scale", (None, None))
+        self._loss_scale.load(state.get("scale", (None, None)))
         if self._periodic is not None:
             self._periodic.load_state_dict(state.get("periodic"))
         if self._delayed is not None:

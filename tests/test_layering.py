@@ -6,7 +6,7 @@
     worker       bps.worker.*        server   bps.server.*   (neither loads the other)
     launch       bps.launch.*
     top          bps.runtime, bps.grad_pipeline, bps.trainer, bps.ddp, bps.model_sync,
-                 bps.trainer_stats, bps.mnist, bps.periodic, bps.stale
+                 bps.trainer_stats, bps.mnist, bps.periodic, bps.stale, bps.loss_scale
 
 Each layer's modules are imported in a fresh interpreter, one after another, and every
 ``bps`` module loaded on the way is checked against the layers that layer may use.
@@ -25,7 +25,8 @@ import pytest
 BOTTOM = ["bps", "bps.env", "bps.protocol", "bps.memory", "bps.trace", "bps.config",
           "bps.ratelimit", "bps.auth", "bps.scheduler_client"]
 TOP = ["bps.runtime", "bps.grad_pipeline", "bps.trainer", "bps.ddp", "bps.model_sync",
-       "bps.trainer_stats", "bps.mnist", "bps.periodic", "bps.stale"]
+       "bps.trainer_stats", "bps.mnist", "bps.periodic", "bps.stale",
+       "bps.loss_scale"]
 
 IMPORT_EACH = """
 import importlib, json, sys
