@@ -136,11 +136,12 @@ class DistributedTrainer:
         self._join_future: concurrent.futures.Future | None = None
         self._active: list[int] = []  # the nodes with data this step (in join())
         self._last_active = 0  # the lowest of them in the last step any node had data
-        # several local ranks in join(): a row per local rank (1.0 if it has data this
-        # step, then its chain learning rate per parameter group; known at the step's
-        # first push), the lowest rank with data in the last step the node had any,
-        # and the channel that tells them apart
+        # several local ranks in join(), known at the step's first push: which local
+        # ranks have data this step (1.0 each), the chain learning rates of the lowest
+        # of them (None: none has), that rank in the last step the node had any, and
+        # the channel that tells them apart
         self._local_active: torch.Tensor | None = None
+        self._node_lrs: list[float] | None = None
         self._last_local_active = 0
         self._join_ch = None
         self._stats = StepStats()
@@ -275,10 +276,13 @@ class DistributedTrainer:
                     [self._own_chain_lr(g) for g in range(groups)], dtype=torch.float64)
             self._join_ch.reduce(rows)
             self._join_ch.broadcast(rows)
-            self._local_active = rows
-            if rows[:, 0].any():
-                self._last_local_active = int(rows[:, 0].nonzero()[0])
-        return self._local_active[:, 0]
+            self._local_active = rows[:, 0]
+            self._node_lrs = None
+            if self._local_active.any():
+                first = int(self._local_active.nonzero()[0])
+                self._node_lrs = rows[first, 1:].tolist()
+                self._last_local_active = first
+        return self._local_active
 
     def _step_start(self) -> None:
         """The step's first push: stats count this step's traffic only."""
@@ -292,10 +296,9 @@ class DistributedTrainer:
             return self._periodic.lr
         if self._delayed is not None:  # the step's that pushed the round in flight
             return self._delayed.chain_lr(group)
-        if self._joined and self._local_active is not None and self._local_active[:, 0].any():
+        if self._joined and self._node_lrs is not None:
             # a joined rank runs no loop that sets it: the node's first rank with data
-            row = int(self._local_active[:, 0].nonzero()[0])
-            return float(self._local_active[row, 1 + group])
+            return self._node_lrs[group]
         return self._own_chain_lr(group)
 
     def _own_chain_lr(self, group: int) -> float:
@@ -339,7 +342,7 @@ class DistributedTrainer:
         if self._joining and self._rt.engine is not None:
             flag = torch.zeros(self._rt.engine.num_workers, dtype=torch.float32)
             flag[self._rt.node_id] = float(self._node_active().sum()) \
-                if self._rt.local_size > 1 else 0.0 if self._joined else 1.0
+                if self._rt.local_size > 1 else float(not self._joined)
             self._join_future = self._rt.engine.push_pull(self._join_key, flag,
                                                           self._wire_step, 0.0)
         self._pipe.wait()
