@@ -131,6 +131,7 @@ class DistributedTrainer:
         self._skip: Skipped | None = None  # why this step is skipped (None: applied)
         self._scaler = None  # the GradScaler that step() was given
         self._loss_scale = LossScale()  # how the chains follow its scale
+        self._scale: float | None = None  # its scale this step, read at the first push
         self._joining = False  # inside join(): each step counts the nodes with data
         self._joined = False  # this worker ran out of data: it pushes zero markers
         self._join_future: concurrent.futures.Future | None = None
@@ -285,8 +286,10 @@ class DistributedTrainer:
         return self._local_active
 
     def _step_start(self) -> None:
-        """The step's first push: stats count this step's traffic only."""
+        """The step's first push: stats count this step's traffic only; the scaler's
+        scale is read once (on CUDA each read waits for the device)."""
         self._engine_before = self._stats.snapshot(self._rt.engine)
+        self._scale = None if self._scaler is None else self._scaler.get_scale()
 
     def _chain_lr(self, group: int) -> float:
         """The group's learning rate, over the GradScaler's scale relative to its first
@@ -303,11 +306,7 @@ class DistributedTrainer:
 
     def _own_chain_lr(self, group: int) -> float:
         lr = float(self.optimizer.param_groups[group]["lr"])
-        return lr * self._loss_scale.lr_factor(self._scale())
-
-    def _scale(self) -> float | None:
-        """The GradScaler's scale now (None before step() was given one)."""
-        return None if self._scaler is None else self._scaler.get_scale()
+        return lr * self._loss_scale.lr_factor(self._scale)
 
     @staticmethod
     def _grad_view(p: torch.Tensor) -> torch.Tensor:
@@ -320,7 +319,7 @@ class DistributedTrainer:
     def _scale_change(self) -> float:
         """The GradScaler's scale over its scale at the last applied step (1 without one):
         the momentum and error feedback hold gradients at that scale."""
-        return self._loss_scale.change(self._scale())
+        return self._loss_scale.change(self._scale)
 
     def synchronize(self) -> bool:
         """Wait until every gradient of this step is averaged and written into ``.grad``.
