@@ -52,6 +52,8 @@ import numpy as np
 import torch
 
 from bps.compressors.finite import FLOAT16_LIMIT, divide_checked, tensor_finite
+from bps.worker import device_path
+from bps.worker.device_path import record_ready
 from bps.worker.engine import Skipped
 from bps.worker.planning import (
     Bucket,
@@ -127,6 +129,7 @@ class _Slot:
     ready: bool = False  # pushed this step
     nonfinite: bool = False  # this step's gradient has inf or NaN entries
     skipped: Skipped | None = None  # the servers did not sum this step
+    ready_event: torch.cuda.Event | None = None  # the device path: ``share`` is written
     futures: list = field(default_factory=list)
 
 
@@ -175,6 +178,10 @@ class GradPipeline:
         self._cond = threading.Condition()
         self._tracer = rt.tracer
         self.buckets: list[Bucket] = []
+        self.device = self._device_of(tensors)
+        # CUDA gradients (or any, with BPS_DEVICE_KERNELS=1): the chains run on the
+        # device and only payloads cross PCIe (bps.worker.device_path)
+        self.on_device = self.device.type == "cuda" or device_path.forced()
         self.slots = self._build_slots(tensors)
         self._order = list(reversed(range(len(self.slots))))  # roughly backward order
         # Own channels: several pipelines in one process must not interleave collectives.
@@ -193,6 +200,17 @@ class GradPipeline:
             thread.start()
 
     # -- construction ----------------------------------------------------------------
+
+    @staticmethod
+    def _device_of(tensors: list[GradTensor]) -> torch.device:
+        """The one device of every parameter (the device path needs them together)."""
+        devices = {t.param.device for t in tensors}
+        if len(devices) > 1:
+            where = ", ".join(sorted(f"{t.name!r} on {t.param.device}" for t in tensors
+                                     if t.param.device != tensors[0].param.device)[:3])
+            raise ValueError(f"bps averages the gradients of parameters on one device; "
+                             f"{tensors[0].name!r} is on {tensors[0].param.device}, {where}")
+        return devices.pop() if devices else torch.device("cpu")
 
     def _build_slots(self, tensors: list[GradTensor]) -> list[_Slot]:
         """A slot per tensor; its keys planned (:mod:`bps.worker.planning`) and declared
@@ -234,13 +252,17 @@ class GradPipeline:
             self.buckets += buckets
         keys, batches = plan_batches(keys)  # powersgd: same-shape matrices on one key
         self.buckets += batches
+        if self.on_device:
+            for bucket in self.buckets:
+                bucket.buffer = bucket.buffer.to(self.device)
         engine = rt.engine
         servers = plan_key_servers(keys, engine.num_servers) if engine else [None] * len(keys)
         for plan, server in zip(keys, servers, strict=True):
             key = rt.allocate_keys(1)
             if engine is not None:
                 engine.declare(key, plan.numel, plan.dtype, plan.params, name=plan.name,
-                               server=server)
+                               server=server,
+                               device=self.device if self.on_device else None)
             setattr(plan.part, plan.field, key)
         return slots
 
@@ -289,6 +311,8 @@ class GradPipeline:
         with torch.no_grad():
             if joined:
                 slot.share = None  # pushes zero markers
+            elif self.on_device:
+                slot.share = self._divide_on_device(slot, grad, size)
             elif self._rt.local_size == 1 and grad is not None and grad.is_contiguous() \
                     and grad.dtype == torch.float32 and not grad.is_cuda:
                 # A lone local rank pushes straight from the source: each partition's
@@ -308,9 +332,6 @@ class GradPipeline:
                         torch.div(grad.detach().reshape(-1), size, out=slot.send)
                     else:  # divide in float32 first, so the fp16 copy cannot overflow
                         slot.send.copy_(grad.detach().reshape(-1).float().div(size))
-                elif grad.is_cuda:
-                    slot.send.copy_(grad.detach().reshape(-1)).div_(size)
-                    slot.nonfinite = not tensor_finite(slot.send, self._limit(slot))
                 elif grad.dtype == torch.float32 and grad.is_contiguous():
                     slot.nonfinite = not divide_checked(
                         grad.detach().view(-1).numpy(), size, self._limit(slot),
@@ -321,6 +342,34 @@ class GradPipeline:
                                                         self._limit(slot))
                 slot.share = slot.send
         self._reduce_q.put(index)
+
+    def _divide_on_device(self, slot: _Slot, grad: torch.Tensor | None,
+                          size: int) -> torch.Tensor:
+        """This rank's share of a device-path gradient, divided by the number of workers on
+        the stream that produced it; an event marks when it is ready. No host round trip:
+        inf and NaN are found where each key is compressed or copied down."""
+        numel = slot.param.numel()
+        node_dtype = self._node_dtype(slot)
+        if grad is not None and self._rt.local_size == 1 and grad.is_contiguous() \
+                and grad.dtype == torch.float32:
+            share = grad.detach().view(-1).div_(size)  # consumed in place, as on the host
+        else:
+            if slot.send is None:
+                slot.send = torch.empty(numel, dtype=node_dtype, device=slot.param.device)
+            share = slot.send
+            if grad is None:
+                share.zero_()
+            elif share.dtype == grad.dtype:
+                torch.div(grad.detach().reshape(-1), size, out=share)
+            else:  # divide in float32 first, so a float16 share cannot overflow
+                share.copy_(grad.detach().reshape(-1).float().div(size))
+        slot.ready_event = record_ready(share.device)
+        return share
+
+    def _node_dtype(self, slot: _Slot) -> torch.dtype:
+        """The dtype the node's local ranks sum a slot in."""
+        return slot.wire if self._rt.local_size > 1 and self.wire_dtype != torch.float32 \
+            else torch.float32
 
     def _limit(self, slot: _Slot) -> np.float32:
         """The magnitude this step's gradient must stay under: float16's range where a
@@ -365,6 +414,9 @@ class GradPipeline:
 
     def _reduce_and_push(self, index: int) -> None:
         slot = self.slots[index]
+        if self.on_device:
+            self._reduce_and_push_on_device(index, slot)
+            return
         if slot.share is not None:
             self._reduce_ch.reduce(slot.share)
         engine = self._rt.engine
@@ -405,6 +457,48 @@ class GradPipeline:
                     momentum_scale=self._rescale() if compressed else 1.0))
         self._bcast_q.put(index)
 
+    def _reduce_and_push_on_device(self, index: int, slot: _Slot) -> None:
+        """The device path of :meth:`_reduce_and_push`: the node's sum stays on the device
+        (NCCL), each part is cast or handed to its chain there, and every push carries an
+        event after which its input is ready; aggregates are decoded on the device straight
+        into the destination (local rank 0's ``recv`` on a node of several)."""
+        share = slot.share
+        if share is not None and slot.ready_event is not None:
+            torch.cuda.current_stream(self.device).wait_event(slot.ready_event)
+        if share is not None:
+            self._reduce_ch.reduce(share)
+        engine = self._rt.engine
+        if engine is not None:
+            lr = float(self._lr(slot.group))
+            warm = self.step < self.params["warmup_steps"]
+            target = slot.dest if self._rt.local_size == 1 else slot.recv
+            slot.futures = []
+            pushes = []
+            for part in slot.parts:
+                piece = None if share is None else share[part.offset:part.offset + part.length]
+                if part.bucket is not None and not (warm and part.raw_key is not None):
+                    slot.futures.append(self._fuse(part, piece, lr, -index,
+                                                   None if piece is not None else "zero",
+                                                   slot.name))
+                    continue
+                compressed = part.compressed_key is not None and not warm
+                key = part.compressed_key if compressed else part.raw_key
+                if piece is None:
+                    slot.futures.append(engine.push_pull(key, None, self.wire_step, lr,
+                                                         priority=-index, mark="zero",
+                                                         what=slot.name))
+                    continue
+                tensor = self._converted(part, piece, torch.float32 if compressed
+                                         else slot.wire)
+                out = target[part.offset:part.offset + part.length]
+                pushes.append((key, tensor, out, compressed))
+            ready = record_ready(self.device)  # after the node's sum and the casts
+            for key, tensor, out, compressed in pushes:
+                slot.futures.append(engine.push_pull(
+                    key, tensor, self.wire_step, lr, priority=-index, out=out, ready=ready,
+                    what=slot.name, momentum_scale=self._rescale() if compressed else 1.0))
+        self._bcast_q.put(index)
+
     def _fuse(self, part: Part, piece: torch.Tensor | None, lr: float, priority: int,
               mark: str | None, name: str) -> _BucketSlice:
         """Copy ``piece`` into its bucket; the last member of the step pushes the bucket
@@ -428,6 +522,10 @@ class GradPipeline:
                 future = engine.push_pull(bucket.key, None, self.wire_step, lr,
                                           priority=priority, mark=bucket.mark[0],
                                           what=bucket.mark[1])
+            elif self.on_device:  # the aggregate comes back into the bucket
+                future = engine.push_pull(bucket.key, bucket.buffer, self.wire_step, lr,
+                                          priority=priority, out=bucket.buffer,
+                                          ready=record_ready(self.device))
             else:
                 future = engine.push_pull(bucket.key, bucket.buffer, self.wire_step, lr,
                                           priority=priority)
@@ -441,8 +539,9 @@ class GradPipeline:
         every step would cost a page fault per 4 KiB."""
         if piece.dtype == dtype:
             return piece
-        if part.converted is None or part.converted.dtype != dtype:
-            part.converted = torch.empty(part.length, dtype=dtype)
+        if part.converted is None or part.converted.dtype != dtype \
+                or part.converted.device != piece.device:
+            part.converted = torch.empty(part.length, dtype=dtype, device=piece.device)
         return part.converted.copy_(piece)
 
     def _broadcast_loop(self) -> None:

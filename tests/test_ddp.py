@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script: make ``tests`` importable
@@ -295,7 +296,9 @@ def test_hook_matches_the_replay_for_every_compressor_and_ddp_feature(tmp_path):
                                               err_msg=f"resumed {run['tag']}: {n}")
 
 
-def test_two_local_ranks_reduce_in_fp16(tmp_path):
+@pytest.mark.parametrize("env", [pytest.param({}, id="host"),
+                                 pytest.param({"BPS_DEVICE_KERNELS": "1"}, id="device-forced")])
+def test_two_local_ranks_reduce_in_fp16(tmp_path, env):
     """2 nodes x 2 local ranks x 2 servers, fp16 within the node and on the wire: the
     exact roundings of tests/test_trainer_comm_dtype.py's reference."""
     from tests.test_trainer_comm_dtype import LRS, reference
@@ -304,7 +307,7 @@ def test_two_local_ranks_reduce_in_fp16(tmp_path):
     runs = [{"tag": "fp16", "params": {"momentum": "nesterov", "comm_dtype": "fp16"},
              "ddp": SMALL_BUCKETS}]
     result = launch({"runs": runs, "lrs": LRS, "shapes": FP16_SHAPES}, tmp_path, workers=2,
-                    servers=2, local_size=2, env={"BYTEPS_PARTITION_BYTES": "4000"})
+                    servers=2, local_size=2, env={"BYTEPS_PARTITION_BYTES": "4000", **env})
     assert result.returncode == 0, result.stdout[-3000:]
     expected = reference("fp16")
     for rank, final in enumerate(load_params(tmp_path, 4, "fp16")):

@@ -18,6 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 BPSLAUNCH = str(Path(sys.executable).parent / "bpslaunch")
@@ -81,7 +83,8 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
     import bps
 
     tag = run.get("tag", "")
-    model = make_model(rank, shapes)
+    device = torch.device(cfg.get("device", "cpu"))
+    model = make_model(rank, shapes).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg["lrs"][0], momentum=MOMENTUM)
     trainer = bps.DistributedTrainer(model, optimizer, run["params"])
     report = {"counter": int(model.counter.item()),
@@ -91,7 +94,7 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
         checkpoint = torch.load(out / f"ckpt{rank}.pt", weights_only=False)
         model.load_state_dict(checkpoint["model"])
         trainer.load_state_dict(checkpoint["trainer"])
-    goal = {name: torch.from_numpy(t) for name, t in targets(rank, shapes).items()}
+    goal = {name: torch.from_numpy(t).to(device) for name, t in targets(rank, shapes).items()}
     engine = bps.runtime.get().engine
     for step in range(start, cfg["stop"]):
         for group in optimizer.param_groups:
@@ -115,7 +118,7 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
             torch.save({"model": model.state_dict(), "trainer": trainer.state_dict()},
                        out / f"ckpt{rank}.pt")
     np.savez(out / f"params{tag}{rank}.npz",
-             **{n: getattr(model, n).detach().numpy() for n in shapes})
+             **{n: getattr(model, n).detach().cpu().numpy() for n in shapes})
     trainer.close()
     return report
 
@@ -277,7 +280,19 @@ def plain(shapes: dict):
                                for n in shapes}
 
 
-def test_every_compressor_matches_independent_simulation(tmp_path):
+# where the chains run: numba on the host; torch kernels and the staging of the device
+# path forced onto CPU tensors; a CUDA model (two nodes sharing the GPU)
+PATHS = [
+    pytest.param({}, id="host"),
+    pytest.param({"env": {"BPS_DEVICE_KERNELS": "1"}}, id="device-forced"),
+    pytest.param({"cfg": {"device": "cuda"}}, id="cuda", marks=[
+        pytest.mark.cuda,
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]),
+]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_every_compressor_matches_independent_simulation(tmp_path, path):
     common = {"ef": "vanilla", "momentum": "nesterov", "fp16": False, "min_compress_bytes": 1000}
     runs = [{"tag": name, "params": {**case, **common}, "compressed_from": 0}
             for name, case in SIM_CASES.items()]
@@ -291,7 +306,8 @@ def test_every_compressor_matches_independent_simulation(tmp_path):
     # because they add the pushes in node order, whichever arrives first. 4 pushes per
     # step: 3 partitions of big, and small and bias fused
     result = launch({"runs": runs, "lrs": SIM_LRS, "stop": len(SIM_LRS),
-                     "pushes_per_step": 4}, tmp_path, workers=3, servers=2)
+                     "pushes_per_step": 4, **path.get("cfg", {})}, tmp_path, workers=3,
+                    servers=2, env=path.get("env"))
     assert result.returncode == 0, result.stdout[-3000:]
     reports = load_reports(tmp_path, 3)[0]
     for run in runs:

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script: make ``tests`` importable
@@ -142,9 +143,9 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
 
 
 def launch(cfg: dict, tmp: Path, workers: int = 2, servers: int = 1, local_size: int = 1,
-           timeout: float = 240) -> subprocess.CompletedProcess:
+           timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
     """tests/test_trainer.py's launch, running this file."""
-    return trainer_launch(cfg, tmp, workers, servers, local_size, timeout=timeout,
+    return trainer_launch(cfg, tmp, workers, servers, local_size, env=env, timeout=timeout,
                           script=__file__)
 
 
@@ -357,7 +358,9 @@ NONFINITE_CASES = {
 }
 
 
-def test_nonfinite_step_leaves_no_trace_anywhere(tmp_path):
+@pytest.mark.parametrize("env", [pytest.param(None, id="host"),
+                                 pytest.param({"BPS_DEVICE_KERNELS": "1"}, id="device-forced")])
+def test_nonfinite_step_leaves_no_trace_anywhere(tmp_path, env):
     # Per compressor and policy, a run where rank 1's gradient has an inf at step 2
     # against a run that never takes step 2: every parameter, optimizer buffer, local
     # momentum and worker and server chain state (error, momentum, RNG) is bit-identical.
@@ -384,7 +387,7 @@ def test_nonfinite_step_leaves_no_trace_anywhere(tmp_path):
         runs.append({"tag": f"{name}-unscaled-ref", "params": params,
                      "skip_steps": [INJECT_STEP]})
     result = launch({"runs": runs, "lrs": SIM_LRS, "stop": len(SIM_LRS)}, tmp_path,
-                    workers=3, servers=2)
+                    workers=3, servers=2, env=env)
     assert result.returncode == 0, result.stdout[-3000:]
     reports = load_reports(tmp_path, 3)
     for run in runs:

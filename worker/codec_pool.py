@@ -21,7 +21,8 @@ import zmq
 from bps.compressors.base import NonFiniteError
 from bps.protocol import join_frames
 from bps.trace import Tracer
-from bps.worker.send_queues import KeyInfo, Request, settle, trace_stage
+from bps.worker.device_path import decode_into, on_side_stream, wait_side_stream
+from bps.worker.send_queues import KeyInfo, Request, info_label, settle, trace_stage
 
 CODEC_THREADS = min(4, os.cpu_count() or 1)
 
@@ -45,6 +46,19 @@ class CodecPool:
         ``Compressor.scale_momentum``."""
         self._pool.submit(self._compress, info, tensor, step, lr, future, then,
                           momentum_scale)
+
+    def compress_device(self, info: KeyInfo, tensor: torch.Tensor,
+                        ready: torch.cuda.Event | None, step: int, lr: float,
+                        future: concurrent.futures.Future,
+                        then: Callable[[torch.Tensor, dict | None], None],
+                        momentum_scale: float = 1.0, what: str = "") -> None:
+        """:meth:`compress` for a key on the device path (``info.staging``): on a codec
+        thread's side stream, after ``ready``, the chain compresses on the device and only
+        its payload is copied to the key's pinned buffer; a raw key is checked for inf and
+        NaN and copied down as it is (a ``nonfinite`` marker instead where it has one,
+        naming ``what``, else the key)."""
+        self._pool.submit(self._compress_device, info, tensor, ready, step, lr, future, then,
+                          momentum_scale, what or info.name)
 
     def decompress(self, request: Request, frames: list[zmq.Frame]) -> None:
         """On a codec thread: decode the aggregate of ``request`` (its payload frames)
@@ -72,6 +86,28 @@ class CodecPool:
         except BaseException as exc:
             settle(info, future, error=exc)
 
+    def _decode_on_device(self, info: KeyInfo, data: torch.Tensor) -> torch.Tensor:
+        """A pulled aggregate of a device-path key, copied up and decoded on the device
+        into ``info.out`` (a raw key's values cast into it); waits for the side stream."""
+        staging = info.staging
+        with on_side_stream(staging.device, None):
+            if info.chain is None:
+                if data.numel() != info.numel * info.dtype.itemsize:
+                    raise ValueError(f"{info_label(info)}: the server answered "
+                                     f"{data.numel()} bytes, expected "
+                                     f"{info.numel * info.dtype.itemsize}")
+                up = staging.to_device(data, info.dtype)
+                result = up if info.out is None else info.out.copy_(up)
+            elif staging.host_chain:
+                result = decode_into(info.chain, data, info.out)
+            else:
+                result = decode_into(info.chain, staging.to_device(data), info.out)
+            wait_side_stream(staging.device)
+        if staging.device.type == "cuda":
+            self._count(pcie_bytes=data.numel() if not staging.host_chain
+                        else result.numel() * result.element_size())
+        return result
+
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
@@ -81,20 +117,71 @@ class CodecPool:
                   momentum_scale: float) -> None:
         try:
             start_ns = time.monotonic_ns()
-            info.chain.set_lr(lr)
-            info.chain.scale_momentum(momentum_scale)
-            try:
-                payload = info.chain.compress(tensor)
-            except NonFiniteError:
-                info.chain.cancel()
+            payload = self._run_chain(info, tensor, step, lr, momentum_scale)
+            if payload is None:
                 then(torch.zeros(0, dtype=torch.uint8), {"mark": "nonfinite", "what": info.name})
                 return
-            info.compressed_step = step
-            end_ns = time.monotonic_ns()
-            self._count(compress_s=(end_ns - start_ns) / 1e9)
-            if self._tracer is not None:
-                self._tracer.complete("compress", info.name, step, start_ns, end_ns,
-                                      bytes=payload.numel() * payload.element_size())
+            self._compressed(info, step, start_ns, payload)
+            then(payload, None)
+        except BaseException as exc:
+            settle(info, future, error=exc)
+
+    @staticmethod
+    def _run_chain(info: KeyInfo, tensor: torch.Tensor, step: int, lr: float,
+                   momentum_scale: float) -> torch.Tensor | None:
+        """The key's chain on ``tensor``: its payload, or None where the chain refused the
+        input as non-finite (its state unchanged)."""
+        info.chain.set_lr(lr)
+        info.chain.scale_momentum(momentum_scale)
+        try:
+            payload = info.chain.compress(tensor)
+        except NonFiniteError:
+            info.chain.cancel()
+            return None
+        info.compressed_step = step
+        return payload
+
+    def _compressed(self, info: KeyInfo, step: int, start_ns: int,
+                    payload: torch.Tensor) -> None:
+        end_ns = time.monotonic_ns()
+        self._count(compress_s=(end_ns - start_ns) / 1e9)
+        if self._tracer is not None:
+            self._tracer.complete("compress", info.name, step, start_ns, end_ns,
+                                  bytes=payload.numel() * payload.element_size())
+
+    def _compress_device(self, info: KeyInfo, tensor: torch.Tensor,
+                         ready: torch.cuda.Event | None, step: int, lr: float,
+                         future: concurrent.futures.Future,
+                         then: Callable[[torch.Tensor, dict | None], None],
+                         momentum_scale: float, what: str) -> None:
+        try:
+            start_ns = time.monotonic_ns()
+            staging = info.staging
+            with on_side_stream(staging.device, ready):
+                if info.chain is None:  # raw: copied down with its verdict, one wait
+                    bad = staging.nonfinite_flag(tensor)
+                    payload = staging.to_host(tensor)
+                    wait_side_stream(staging.device)
+                    nonfinite = bool(bad[0])
+                elif staging.host_chain:  # no device kernels: down, then the host chain
+                    host = staging.to_host(tensor)
+                    wait_side_stream(staging.device)
+                    payload = self._run_chain(info, host, step, lr, momentum_scale)
+                    nonfinite = payload is None
+                else:
+                    payload = self._run_chain(info, tensor, step, lr, momentum_scale)
+                    nonfinite = payload is None
+                    if not nonfinite:
+                        payload = staging.to_host(payload)
+                        wait_side_stream(staging.device)
+            if nonfinite:
+                then(torch.zeros(0, dtype=torch.uint8), {"mark": "nonfinite", "what": what})
+                return
+            if tensor.is_cuda:
+                down = payload if info.chain is None or not staging.host_chain else tensor
+                self._count(pcie_bytes=down.numel() * down.element_size())
+            if info.chain is not None:
+                self._compressed(info, step, start_ns, payload)
             then(payload, None)
         except BaseException as exc:
             settle(info, future, error=exc)
@@ -107,7 +194,11 @@ class CodecPool:
             else:
                 data = torch.frombuffer(frames[0].buffer, dtype=torch.uint8) \
                     if len(frames[0]) else torch.zeros(0, dtype=torch.uint8)
-            result = request.info.chain.decompress(data, request.info.out)
+            info = request.info
+            if info.staging is None:
+                result = info.chain.decompress(data, info.out)
+            else:
+                result = self._decode_on_device(info, data)
             end_ns = time.monotonic_ns()
             self._count(decompress_s=(end_ns - start_ns) / 1e9, pushes=1)
             trace_stage(self._tracer, "decompress", request, start_ns, end_ns)

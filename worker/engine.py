@@ -63,6 +63,7 @@ from bps.protocol import MARKS, ClusterError, Op, dtype_name
 from bps.scheduler_client import SchedulerClient
 from bps.trace import Tracer
 from bps.worker.codec_pool import CodecPool
+from bps.worker.device_path import KeyStaging, decode_into, on_side_stream, wait_side_stream
 from bps.worker.io_loop import IOLoop, log
 from bps.worker.partition import Placement
 from bps.worker.send_queues import KeyInfo, Skipped, info_label, new_future, send_order
@@ -82,7 +83,8 @@ class EngineStats:
     ``bytes_pushed`` / ``bytes_pulled``: header + payload bytes sent to / received from
     servers. ``compress_s`` / ``decompress_s``: seconds spent in the worker chains (summed
     over codec threads). ``comm_s``: wall seconds during which at least one push was in
-    flight. ``pushes``: completed push_pulls.
+    flight. ``pushes``: completed push_pulls. ``pcie_bytes``: bytes the device path
+    copied between a GPU and the host (payloads down, aggregates up).
     """
 
     bytes_pushed: int = 0
@@ -91,6 +93,7 @@ class EngineStats:
     decompress_s: float = 0.0
     comm_s: float = 0.0
     pushes: int = 0
+    pcie_bytes: int = 0
 
     def __sub__(self, other: EngineStats) -> EngineStats:
         return EngineStats(*(getattr(self, f.name) - getattr(other, f.name)
@@ -117,6 +120,7 @@ class WorkerEngine:
         self._keys: dict[int, KeyInfo] = {}
         self._rounds: dict[int, list[KeyInfo]] = {}  # multi-round keys: a raw key per round
         self._barrier_seq = itertools.count()
+        self._host_chain_logged: set[str] = set()
         self._stats_lock = threading.Lock()
         self._stats = {f.name: f.default for f in fields(EngineStats)}
         self._codec = CodecPool(self._add_stats, tracer)
@@ -150,10 +154,15 @@ class WorkerEngine:
             return EngineStats(**self._stats)
 
     def declare(self, key: int, numel: int, dtype: torch.dtype, params: dict | None,
-                name: str = "", server: int | None = None) -> None:
+                name: str = "", server: int | None = None,
+                device: torch.device | None = None) -> None:
         """Register ``key`` with its server (blocking). ``params`` None: raw key.
         ``server``: the server index to hold it (``plan_servers``; every worker must
         pass the same), else the least-loaded one by raw bytes in declaration order.
+        ``device``: the key's tensors live there (a GPU, or the CPU on the forced device
+        path): its chain is built there where the compressor has device kernels, and
+        payloads cross to the host through the key's staging buffers
+        (:mod:`bps.worker.device_path`).
 
         Raises ValueError for bad arguments, RemoteError when the server refuses (for
         instance another worker declared the key with a different numel/dtype/params).
@@ -166,16 +175,15 @@ class WorkerEngine:
         if key in self._keys:
             raise ValueError(f"key {key} ({name!r}) declared twice")
         chain = None
+        staging = None if device is None else KeyStaging(torch.device(device))
         if params is not None:
-            from bps.compressors import build
-
-            chain = build(params, numel, dtype, role="worker")
+            chain = self._build_chain(params, numel, dtype, staging)
             if hasattr(chain, "set_workers"):
                 chain.set_workers(self.num_workers)
             if getattr(chain, "rounds", 1) > 1:  # only its rounds travel (each declared)
                 self._declare_rounds(key, chain, name, server)
                 self._keys[key] = KeyInfo(key, numel, dtype, name, self._rounds[key][0].server,
-                                          chain)
+                                          chain, staging=staging)
                 return
         largest = (self.env.max_message_bytes - 64) // 2
         if numel * dtype.itemsize > largest:
@@ -183,7 +191,7 @@ class WorkerEngine:
                              f"than a key may be ({largest} bytes: half of "
                              f"BPS_MAX_MESSAGE_BYTES, which follows BYTEPS_PARTITION_BYTES)")
         server = self.placement.place(key, numel * dtype.itemsize, server)
-        info = KeyInfo(key, numel, dtype, name, server, chain)
+        info = KeyInfo(key, numel, dtype, name, server, chain, staging=staging)
         fields_ = {"key": key, "numel": numel, "dtype": wire_dtype, "name": name,
                    "params": params, "node": self.node_id}
         try:
@@ -194,6 +202,28 @@ class WorkerEngine:
             self.placement.unplace(key, numel * dtype.itemsize)
             raise
         self._keys[key] = info
+
+    def _build_chain(self, params: dict, numel: int, dtype: torch.dtype,
+                     staging: KeyStaging | None) -> Any:
+        """The key's worker chain: on the staging's device where the compressor has device
+        kernels, else on the host (a registered compressor without them: logged once)."""
+        from bps.compressors import build
+        try:  # TEMP until the device kernels land
+            from bps.compressors import supports_device
+        except ImportError:
+            def supports_device(params):
+                return False
+
+        if staging is None:
+            return build(params, numel, dtype, role="worker")
+        if supports_device(params):
+            return build(params, numel, dtype, role="worker", device=staging.device)
+        staging.host_chain = True
+        if params["compressor"] not in self._host_chain_logged:
+            self._host_chain_logged.add(params["compressor"])
+            log.warning("compressor %r has no device kernels: its keys are copied to the "
+                        "host uncompressed and compressed there", params["compressor"])
+        return build(params, numel, dtype, role="worker")
 
     def _declare_rounds(self, key: int, chain: Any, name: str, server: int | None) -> None:
         """A compressor with several rounds: round r travels as a raw float32 key of
@@ -226,9 +256,20 @@ class WorkerEngine:
         def next_round(summed: torch.Tensor | Skipped) -> torch.Tensor | Skipped | None:
             if isinstance(summed, Skipped):
                 return summed
-            if round_ + 1 == info.chain.rounds:
-                return info.chain.decompress(summed, info.out)
-            payload = info.chain.compress_round(round_ + 1, summed)
+            staging = info.staging
+            if staging is None or staging.host_chain:
+                if round_ + 1 == info.chain.rounds:
+                    return decode_into(info.chain, summed, info.out)
+                payload = info.chain.compress_round(round_ + 1, summed)
+            else:  # up to the device, the next round's payload back down
+                with on_side_stream(staging.device, None):
+                    summed = staging.to_device(summed.view(torch.uint8), torch.float32)
+                    if round_ + 1 == info.chain.rounds:
+                        result = decode_into(info.chain, summed, info.out)
+                        wait_side_stream(staging.device)
+                        return result
+                    payload = staging.to_host(info.chain.compress_round(round_ + 1, summed))
+                    wait_side_stream(staging.device)
             self._push_round(info, round_ + 1, payload, step, lr, order, future)
             return None
 
@@ -238,7 +279,8 @@ class WorkerEngine:
     def push_pull(self, key: int, tensor: torch.Tensor | None, step: int, lr: float,
                   priority: int = 0, out: torch.Tensor | None = None,
                   mark: str | None = None, what: str = "",
-                  momentum_scale: float = 1.0) -> concurrent.futures.Future:
+                  momentum_scale: float = 1.0, ready: torch.cuda.Event | None = None
+                  ) -> concurrent.futures.Future:
         """Push this node's (already averaged) partition; the future gives the aggregate,
         or a :class:`Skipped` where the server did not sum the step.
 
@@ -248,6 +290,11 @@ class WorkerEngine:
         ``tensor`` None): push that marker instead of values; ``what`` names the tensor
         in the skip every node then receives. ``momentum_scale``: the factor the chain's
         momentum is multiplied by first (a GradScaler's change of scale; compressed keys).
+
+        A key declared with a ``device`` takes its ``tensor`` there, and ``out`` (raw keys
+        too) is any float tensor of the declared numel on that device, cast into;
+        ``ready``: a CUDA event after which ``tensor`` holds its values (the work is done
+        on a side stream of a codec thread, never on the caller's).
         """
         info = self._keys.get(key)
         if info is None:
@@ -258,11 +305,19 @@ class WorkerEngine:
         if mark is None and (flat.numel() != info.numel or flat.dtype != info.dtype):
             raise ValueError(f"{info_label(info)}: tensor has numel={flat.numel()} dtype="
                              f"{flat.dtype}, declared numel={info.numel} dtype={info.dtype}")
-        if out is not None and (info.chain is None or out.numel() != info.numel
-                                or out.dtype != info.dtype or out.device.type != "cpu"
-                                or not out.is_contiguous()):
+        if out is not None and info.staging is not None:
+            if out.numel() != info.numel or not out.is_floating_point() \
+                    or out.device != info.staging.device or not out.is_contiguous():
+                raise ValueError(f"{info_label(info)}: out must be a contiguous float tensor "
+                                 f"of numel={info.numel} on {info.staging.device}")
+        elif out is not None and (info.chain is None or out.numel() != info.numel
+                                  or out.dtype != info.dtype or out.device.type != "cpu"
+                                  or not out.is_contiguous()):
             raise ValueError(f"{info_label(info)}: out must be a contiguous CPU tensor of "
                              f"numel={info.numel} dtype={info.dtype}, for a compressed key")
+        if mark is None and info.staging is not None and flat.device != info.staging.device:
+            raise ValueError(f"{info_label(info)}: tensor is on {flat.device}, the key was "
+                             f"declared on {info.staging.device}")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"{info_label(info)}: step={step!r} must be an int >= 0")
         self._io.raise_if_failed()
@@ -280,6 +335,16 @@ class WorkerEngine:
                              {"mark": mark, "what": what})
         elif mark is not None:
             self._io.enqueue(info, flat, step, lr, order, future, {"mark": mark, "what": what})
+        elif info.staging is not None and key in self._rounds:
+            self._codec.compress_device(info, flat.contiguous(), ready, step, lr, future,
+                                        lambda payload, extra: self._push_round(
+                                            info, 0, payload, step, lr, order, future, extra),
+                                        momentum_scale, what)
+        elif info.staging is not None:
+            self._codec.compress_device(info, flat.contiguous(), ready, step, lr, future,
+                                        lambda payload, extra: self._io.enqueue(
+                                            info, payload, step, lr, order, future, extra),
+                                        momentum_scale, what)
         elif info.chain is None:
             self._io.enqueue(info, flat.contiguous(), step, lr, order, future)
         elif key in self._rounds:

@@ -351,7 +351,7 @@ class IOLoop:
             self._count(pushes=1)
             settle(info, future, Skipped(str(header["skip"]), int(header.get("skip_node", -1)),
                                          str(header.get("skip_what", "")), info_label(info)))
-        elif info.chain is not None:
+        elif info.chain is not None or info.staging is not None:  # decoded on a codec thread
             self._decode_reply(request, payloads)
         elif header["nbytes"] != info.numel * info.dtype.itemsize:
             settle(info, future, error=ClusterError(

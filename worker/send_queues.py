@@ -35,6 +35,7 @@ class KeyInfo:
     busy: bool = False
     out: torch.Tensor | None = None  # where the in-flight push_pull decodes its aggregate
     compressed_step: int = -1  # the last step the chain compressed (rollback undoes it)
+    staging: Any = None  # the device path: a worker.device_path.KeyStaging
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,157 @@
+"""Moving a key's payloads between its device and the wire, off the step's critical path.
+
+When a gradient lives on a GPU, the node's chain runs there (``bps.compressors.build(...,
+device=)``) and only payloads cross PCIe: each codec thread works on a side CUDA stream of
+its own, ordered after the gradient by an event recorded on the stream that produced it,
+and copies through page-locked host buffers that each key allocates once and reuses.
+A pulled aggregate goes the other way: its bytes are staged in the key's pinned buffer,
+copied up on the side stream and decoded on the device into the destination.
+
+The codec thread waits for its side stream (an event's ``synchronize``); the threads that
+run the model never do.
+
+Example (the forced path on CPU tensors, ``BPS_DEVICE_KERNELS=1``, as the tests run it)::
+
+    >>> import torch
+    >>> staging = KeyStaging(torch.device("cpu"))
+    >>> with on_side_stream(torch.device("cpu"), ready=None):
+    ...     host = staging.to_host(torch.arange(4, dtype=torch.float16))
+    >>> host.tolist()
+    [0.0, 1.0, 2.0, 3.0]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Iterator
+
+import torch
+
+__all__ = ["KeyStaging", "decode_into", "forced", "on_side_stream", "record_ready",
+           "uses_device_path", "wait_side_stream"]
+
+_local = threading.local()
+
+
+def forced() -> bool:
+    """``BPS_DEVICE_KERNELS=1``: CPU tensors take the device path too (torch kernels,
+    staging buffers), so the suite exercises it without a GPU."""
+    return os.environ.get("BPS_DEVICE_KERNELS", "") == "1"
+
+
+def uses_device_path(tensor: torch.Tensor) -> bool:
+    """Whether a tensor's pushes go through the device path."""
+    return tensor.is_cuda or forced()
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    streams = getattr(_local, "streams", None)
+    if streams is None:
+        streams = _local.streams = {}
+    stream = streams.get(device.index)
+    if stream is None:
+        stream = streams[device.index] = torch.cuda.Stream(device)
+    return stream
+
+
+@contextlib.contextmanager
+def on_side_stream(device: torch.device, ready: torch.cuda.Event | None) -> Iterator[None]:
+    """Run the body on this thread's side stream of ``device``, after ``ready`` (an event
+    recorded where the input was produced); a no-op context on the CPU."""
+    if device.type != "cuda":
+        yield
+        return
+    stream = _side_stream(device)
+    if ready is not None:
+        stream.wait_event(ready)
+    with torch.cuda.stream(stream):
+        yield
+
+
+def record_ready(device: torch.device) -> torch.cuda.Event | None:
+    """An event on the current stream of ``device`` (None on the CPU): work queued so
+    far, such as a gradient's division, is done when it completes."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+def wait_side_stream(device: torch.device) -> None:
+    """Block this (codec) thread until its side stream's work so far is done."""
+    if device.type == "cuda":
+        event = torch.cuda.Event()
+        event.record(_side_stream(device))
+        event.synchronize()
+
+
+class KeyStaging:
+    """A key's host and device buffers for crossing PCIe, made on first use and reused
+    (page-locked on a GPU host: an asynchronous copy needs it, and a fresh pageable
+    buffer costs a page fault per 4 KiB). One push_pull of a key is in flight at a time,
+    and its pushed bytes have left the worker before its reply arrives, so one set of
+    buffers per key suffices."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.host_chain = False  # the key's chain runs on the host (no device kernels)
+        self._host: torch.Tensor | None = None
+        self._up: torch.Tensor | None = None
+        self._flag: torch.Tensor | None = None
+
+    def _host_bytes(self, nbytes: int) -> torch.Tensor:
+        if self._host is None or self._host.numel() < nbytes:
+            pin = self.device.type == "cuda"
+            self._host = torch.empty(max(nbytes, 64), dtype=torch.uint8, pin_memory=pin)
+        return self._host[:nbytes]
+
+    def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Queue the copy of a device tensor into the key's host buffer on the current
+        stream; returns the host view (valid once the stream reached it). A CPU tensor is
+        returned as it is."""
+        if not tensor.is_cuda:
+            return tensor
+        flat = tensor.reshape(-1)
+        host = self._host_bytes(flat.numel() * flat.element_size()).view(flat.dtype)
+        host.copy_(flat, non_blocking=True)
+        return host
+
+    def nonfinite_flag(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Queue whether ``tensor`` has an inf or NaN: a one-element bool tensor on the
+        host, valid once the stream reached it (one byte crosses PCIe)."""
+        bad = torch.logical_not(torch.isfinite(tensor).all()).reshape(1)
+        if not tensor.is_cuda:
+            return bad
+        if self._flag is None:
+            self._flag = torch.empty(1, dtype=torch.bool, pin_memory=True)
+        self._flag.copy_(bad, non_blocking=True)
+        return self._flag
+
+    def to_device(self, data: torch.Tensor, dtype: torch.dtype = torch.uint8,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+        """The host bytes ``data`` (a uint8 tensor, e.g. a view of a ZeroMQ frame) as a
+        tensor of ``dtype`` on the key's device: staged through the pinned buffer, then
+        copied up on the current stream into ``out`` (or the key's own device buffer)."""
+        if self.device.type != "cuda":
+            values = data.view(dtype)
+            return values if out is None else out.copy_(values)
+        host = self._host_bytes(data.numel())
+        host.copy_(data)
+        values = host.view(dtype)
+        if out is None:
+            if self._up is None or self._up.numel() < data.numel():
+                self._up = torch.empty(data.numel(), dtype=torch.uint8, device=self.device)
+            out = self._up[:data.numel()].view(dtype)
+        return out.copy_(values, non_blocking=True)
+
+
+def decode_into(chain, payload: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """``chain.decompress(payload)`` written into ``out``, which may have another float
+    dtype (a node's float16 sum) or live elsewhere (a host chain's result for a device
+    destination): then decoded first and cast or copied into it."""
+    if out is None or (out.dtype == chain.dtype and out.device == payload.device):
+        return chain.decompress(payload, out)
+    return out.copy_(chain.decompress(payload))
