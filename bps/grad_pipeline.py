@@ -426,7 +426,7 @@ class GradPipeline:
             if slot.share is None:
                 mark = "zero"
             else:
-                share = slot.share.cpu() if slot.share.is_cuda else slot.share
+                share = slot.share
                 if self._rt.local_size > 1:  # the node's sum: every local rank's inf is in it
                     slot.nonfinite = not tensor_finite(share, self._limit(slot))
                 mark = "nonfinite" if slot.nonfinite else None
