@@ -98,8 +98,8 @@ class ByteGradTorch(TorchKernels, ByteGrad):
         payload = torch.empty(self.payload_size, dtype=torch.uint8, device=self.device)
         payload[: 8 * self.num_chunks] = torch.stack([lo, hi], 1).reshape(-1).view(torch.uint8)
         quantise(values, lo, hi, self.chunk, payload[8 * self.num_chunks :])
-        first = (code != OK).to(torch.uint8).argmax()  # the first refused chunk (or 0)
-        return payload, torch.stack([code[first].to(torch.int64), first]), lo, hi
+        first = (code != OK).to(torch.uint8).argmax().reshape(1)  # the first refused (or 0)
+        return payload, torch.cat([code[first].to(torch.int64), first]), lo, hi
 
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         payload, status, _, _ = self._encode(self.check_input(x))

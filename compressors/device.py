@@ -73,9 +73,8 @@ def status_tensor(code: int, device: torch.device, detail: int = -1) -> torch.Te
 
 def flag_status(bad: torch.Tensor, code: int, detail: torch.Tensor | int = -1) -> torch.Tensor:
     """``(code, detail)`` where the 0-dim bool ``bad`` is True, else ``(OK, -1)``."""
-    detail = torch.as_tensor(detail, dtype=torch.int64, device=bad.device)
-    return torch.stack([torch.where(bad, code, OK).to(torch.int64),
-                        torch.where(bad, detail, -1)])
+    codes = torch.where(bad, code, OK).to(torch.int64)  # Python scalars: no host transfer
+    return torch.stack([codes, torch.where(bad, detail, -1).to(torch.int64)])
 
 
 def first_bad(status: torch.Tensor, later: torch.Tensor) -> torch.Tensor:
@@ -145,6 +144,18 @@ class TorchKernels(StagedChain, Compressor):
 
     def status_error(self, code: int, detail: int) -> Exception:
         return self.nonfinite_input()
+
+    def nonfinite_input(self) -> NonFiniteError:
+        return NonFiniteError(f"{self.algorithm()}: compress input (numel={self.numel}, "
+                              f"{self.dtype}) has inf or NaN entries")
+
+    def bad_payload(self, what: str) -> ValueError:
+        return ValueError(f"{self.algorithm()} payload for numel={self.numel}, "
+                          f"dtype={self.dtype} is invalid: {what}")
+
+    def algorithm(self) -> str:
+        """The name messages give: the host class's (they speak of the same payload)."""
+        return type(self).__name__.removesuffix("Torch")
 
     def device_payload(self, payload: Payload) -> torch.Tensor:
         """The payload as a 1-D uint8 tensor on the chain's device of the right size

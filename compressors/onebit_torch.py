@@ -21,9 +21,11 @@ from .base import Payload
 from .device import INPUT_NONFINITE, TorchKernels, flag_status, int_view
 from .onebit import OneBit
 
-# a byte holds 8 sign bits MSB-first; a little-endian uint32 word holds its 4 bytes last-first
-_BYTE_WEIGHTS = (128, 64, 32, 16, 8, 4, 2, 1)
-_SHIFTS = (7, 6, 5, 4, 3, 2, 1, 0)
+
+def msb_first_shifts(device: torch.device) -> torch.Tensor:
+    """7, 6, ..., 0 as uint8 on ``device`` (made there: no host transfer). A byte holds 8
+    sign bits MSB-first; a little-endian uint32 word holds its 4 bytes last-first."""
+    return torch.arange(7, -1, -1, dtype=torch.uint8, device=device)
 
 
 def pack_signs(x: torch.Tensor, num_words: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,7 +41,7 @@ def pack_signs(x: torch.Tensor, num_words: int) -> tuple[torch.Tensor, torch.Ten
     else:
         bits = torch.zeros(32 * num_words, dtype=torch.uint8, device=x.device)
         bits[: x.numel()] = negative
-    weights = torch.tensor(_BYTE_WEIGHTS, dtype=torch.uint8).to(x.device, non_blocking=True)
+    weights = torch.ones(8, dtype=torch.uint8, device=x.device) << msb_first_shifts(x.device)
     packed = (bits.view(num_words, 4, 8) * weights).sum(-1, dtype=torch.uint8)
     return packed.flip(1).reshape(-1), negative
 
@@ -50,7 +52,7 @@ def unpack_signs(words: torch.Tensor, numel: int) -> torch.Tensor:
         >>> unpack_signs(torch.tensor([0, 0, 0, 128], dtype=torch.uint8), 2).tolist()
         [True, False]
     """
-    shifts = torch.tensor(_SHIFTS, dtype=torch.uint8).to(words.device, non_blocking=True)
+    shifts = msb_first_shifts(words.device)
     msb_first = words.view(-1, 4).flip(1).unsqueeze(-1)
     return ((msb_first >> shifts) & 1).reshape(-1)[:numel].bool()
 
