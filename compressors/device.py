@@ -82,10 +82,10 @@ def first_bad(status: torch.Tensor, later: torch.Tensor) -> torch.Tensor:
     return torch.where(status[0] != OK, status, later)
 
 
-def to_device_async(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host array on ``device`` without a host sync: through pinned memory for CUDA
-    (the caching host allocator keeps the pinned block until the copy is done)."""
-    tensor = torch.from_numpy(array)
+def to_device_async(array: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host array or tensor on ``device`` without a host sync: through pinned memory
+    for CUDA (the caching host allocator keeps the pinned block until the copy is done)."""
+    tensor = torch.from_numpy(array) if isinstance(array, np.ndarray) else array
     if device.type == "cpu":
         return tensor
     return tensor.pin_memory().to(device, non_blocking=True)

@@ -35,6 +35,7 @@ from .momentum import Momentum
 from .onebit import OneBit
 from .onebit_torch import OneBitTorch
 from .powersgd import PowerSGD
+from .powersgd_torch import PowerSGDTorch
 from .randomk import RandomK
 from .randomk_torch import RandomKTorch
 from .rng import DEFAULT_SEED
@@ -67,7 +68,8 @@ _BUILTIN: dict[str, tuple[type[Compressor], Options]] = {
 
 # the classes that declare device_kernels and their twins with torch kernels
 _TORCH_TWINS: dict[type[Compressor], type[Compressor]] = {
-    OneBit: OneBitTorch, TopK: TopKTorch, RandomK: RandomKTorch, ByteGrad: ByteGradTorch}
+    OneBit: OneBitTorch, TopK: TopKTorch, RandomK: RandomKTorch, ByteGrad: ByteGradTorch,
+    PowerSGD: PowerSGDTorch}
 
 
 def _builtin_factory(cls: type[Compressor], options: Options) -> Factory:

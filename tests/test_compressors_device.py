@@ -2,7 +2,8 @@
 
 Each test runs on CPU tensors (torch kernels forced by BPS_DEVICE_KERNELS=1) and, where
 a GPU is present, on CUDA (marked ``cuda``). The only values allowed to differ are
-onebit's scale (a float64 sum in another order: within 1 float32 ulp).
+onebit's scale (a float64 sum in another order: within 1 float32 ulp) and, on a GPU,
+powersgd's factors (matmuls and norms summed in another order: POWERSGD_RTOL).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ CHAINS = {"bare": {}, "ef": {"ef": "vanilla"}, "momentum": {"momentum": "nestero
           "ef+momentum": {"ef": "vanilla", "momentum": "nesterov", "mu": 0.9}}
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 LRS = [0.5, 0.25, 0.25, 0.125, 0.5, 0.5]
+POWERSGD_RTOL = 1e-4  # of the largest magnitude of a round's vector, on a GPU
 
 
 @pytest.fixture
@@ -296,7 +298,7 @@ def test_supports_device_and_refusals(monkeypatch):
     for name in ("onebit", "topk", "randomk", "bytegrad"):
         assert supports_device(CASES[name])
     assert not supports_device({"compressor": "dithering", "k": 2})
-    assert not supports_device({"compressor": "powersgd", "rank": 1})
+    assert supports_device({"compressor": "powersgd", "rank": 1})
     with pytest.raises(TypeError, match="'dithering' has no torch kernels"):
         build({"compressor": "dithering", "k": 2}, 10, device="meta")
     monkeypatch.setenv("BPS_DEVICE_KERNELS", "1")
@@ -346,3 +348,56 @@ def test_one_host_sync_per_compress_and_decompress(make, name):
             torch.cuda.set_sync_debug_mode("default")
         assert len(compress_syncs) <= 1, [str(w.message) for w in compress_syncs]
         assert len(decompress_syncs) <= 1, [str(w.message) for w in decompress_syncs]
+
+
+def assert_powersgd_close(host: torch.Tensor, device: torch.Tensor, where: str) -> None:
+    """Exact on the CPU; within POWERSGD_RTOL of the largest magnitude on a GPU."""
+    device = device.cpu()
+    if where == "cpu":
+        assert torch.equal(bits(host), bits(device))
+    else:
+        host, device = host.view(torch.float32), device.view(torch.float32)
+        scale = float(host.abs().max()) or 1.0
+        assert float((host - device).abs().max()) <= POWERSGD_RTOL * scale
+
+
+def powersgd_step(chain, x: torch.Tensor, workers: int = 2) -> tuple:
+    """One step of ``workers`` identical workers: (round 0, round 1, decoded) payloads."""
+    where = chain.device
+    p = chain.compress(x.to(where))
+    q = chain.compress_round(1, p.view(torch.float32) * workers)
+    out = torch.empty(x.numel(), device=where)
+    assert chain.decompress(q.view(torch.float32) * workers, out) is out
+    return p, q, out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("options", [
+    {"rank": 1}, {"rank": 2, "warm_start": False}, {"rank": 3, "ef": None},
+    {"rank": 2, "orthogonalization_epsilon": 1e-8}], ids=["r1", "r2-cold", "r3-no-ef", "eps"])
+def test_powersgd_matches_host(make, options, device):
+    params = {"compressor": "powersgd", "ef": "vanilla", "shape": [30, 20], **options}
+    host, dev = make(params, 600, torch.float32, None), make(params, 600, torch.float32,
+                                                             device)
+    assert type(dev).__name__ == "PowerSGDTorch"
+    for chain in (host, dev):
+        chain.set_workers(2)
+    for step, x in enumerate(gradients(600, torch.float32, 5)):
+        if step == 2:  # refused with nothing changed
+            before = copy.deepcopy(host.state_dict())
+            for chain in (host, dev):
+                with pytest.raises(NonFiniteError):
+                    chain.compress(poisoned(x).to(chain.device))
+                assert_same_state(before, chain.state_dict())
+        if step == 3:  # a step rolled back
+            before = copy.deepcopy(host.state_dict())
+            for chain in (host, dev):
+                powersgd_step(chain, x)
+                chain.rollback()
+                assert_same_state(before, chain.state_dict())
+        for a, b in zip(powersgd_step(host, x), powersgd_step(dev, x), strict=True):
+            assert_powersgd_close(a, b, device)
+        if device == "cpu":
+            assert_same_state(host.state_dict(), dev.state_dict())
+        else:
+            dev.load_state_dict(host.state_dict())  # no drift from rounding
