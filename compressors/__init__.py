@@ -12,7 +12,14 @@
 from .base import Compressor, payload_tensor
 from .error_feedback import ErrorFeedback
 from .momentum import Momentum
-from .registry import build, payload_bound, register, registered_names, unregister
+from .registry import (
+    build,
+    payload_bound,
+    register,
+    registered_names,
+    supports_device,
+    unregister,
+)
 from .wire import state_from_wire, state_to_wire
 
 __all__ = [
@@ -26,5 +33,6 @@ __all__ = [
     "registered_names",
     "state_from_wire",
     "state_to_wire",
+    "supports_device",
     "unregister",
 ]

@@ -12,6 +12,7 @@ element width serves float16, bfloat16, float32 and float64.
 from __future__ import annotations
 
 import warnings
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -146,6 +147,11 @@ class Compressor:
     # is a float32 vector of ``round_numel(r)`` elements that the servers sum as it is;
     # such a compressor keeps its own error (build adds no ErrorFeedback around it).
     rounds = 1
+    # Declared ability: the class has a twin with torch kernels that build() uses for a
+    # chain on a device (or with BPS_DEVICE_KERNELS=1); see compressors/device.py.
+    device_kernels: ClassVar[bool] = False
+    # where the chain's buffers, inputs, outputs and payloads live (torch-kernel chains)
+    device: torch.device = torch.device("cpu")
 
     def __init__(self, numel: int, dtype: torch.dtype = torch.float32):
         if isinstance(numel, bool) or not isinstance(numel, int) or numel < 1:
@@ -235,25 +241,29 @@ class Compressor:
                 f"compress expects a 1-D {self.dtype} tensor of {self.numel} elements, "
                 f"got {x.dtype} with shape {tuple(x.shape)}"
             )
-        if x.device.type != "cpu":
-            raise ValueError(f"compress expects a CPU tensor, got {x.device}")
+        if x.device != self.device:
+            raise ValueError(f"compress expects {self.where()}, got {x.device}")
         return x.contiguous()
+
+    def where(self) -> str:
+        """Where the chain's tensors live, for messages: "a CPU tensor" or "a tensor on ..."."""
+        return "a CPU tensor" if self.device.type == "cpu" else f"a tensor on {self.device}"
 
     def output(self, out: torch.Tensor | None, name: str = "out") -> torch.Tensor:
         if out is None:
-            return torch.empty(self.numel, dtype=self.dtype)
+            return torch.empty(self.numel, dtype=self.dtype, device=self.device)
         if (
             not isinstance(out, torch.Tensor)
             or out.dim() != 1
             or out.numel() != self.numel
             or out.dtype != self.dtype
-            or out.device.type != "cpu"
+            or out.device != self.device
             or not out.is_contiguous()
         ):
             raise ValueError(
-                f"{name} must be a contiguous 1-D CPU {self.dtype} tensor of {self.numel} "
-                f"elements, got {getattr(out, 'dtype', type(out).__name__)} "
-                f"with shape {tuple(getattr(out, 'shape', ()))}"
+                f"{name} must be a contiguous 1-D {self.dtype} tensor of {self.numel} "
+                f"elements ({self.where()}), got {getattr(out, 'dtype', type(out).__name__)} "
+                f"with shape {tuple(getattr(out, 'shape', ()))} on {getattr(out, 'device', None)}"
             )
         return out
 

@@ -178,6 +178,8 @@ def split_chunks(numel: int, chunk: int) -> list[tuple[int, int]]:
 class ByteGrad(Compressor):
     """Min-max 8-bit quantisation: one uint8 code per element, (lo, hi) per chunk."""
 
+    device_kernels = True  # its twin: bytegrad_torch.ByteGradTorch
+
     def __init__(self, numel: int, dtype: torch.dtype = torch.float32,
                  chunk: int = DEFAULT_CHUNK):
         super().__init__(numel, dtype)

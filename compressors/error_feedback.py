@@ -38,6 +38,7 @@ from .base import (
     check_state_keys,
     load_buffer,
 )
+from .device import CHAIN_NONFINITE, StagedChain, TorchKernels, first_bad, flag_status, is_staged
 
 
 @njit(nogil=True, cache=True)
@@ -52,13 +53,29 @@ def add_scaled_error(x, ratio, error, out):
     return bad == 0
 
 
-class ErrorFeedback(Compressor):
+def add_scaled_error_torch(x: torch.Tensor, ratio: float, error: torch.Tensor,
+                           out: torch.Tensor) -> torch.Tensor:
+    """``out = x + ratio * error`` with torch ops, each rounded to the tensors' dtype (a
+    multiply, then an add: never fused), as ``add_scaled_error`` rounds; ``out`` must not
+    alias ``x``. The chains on a device and the float16/bfloat16 host chains use it.
+
+        >>> add_scaled_error_torch(torch.ones(2), 0.5, torch.tensor([2.0, -4.0]),
+        ...                        torch.empty(2))
+        tensor([ 2., -1.])
+    """
+    torch.mul(error, ratio, out=out)
+    return out.add_(x)
+
+
+class ErrorFeedback(StagedChain, Compressor):
     """Adds the compression error of the previous step before compressing."""
 
     def __init__(self, inner: Compressor):
         super().__init__(inner.numel, inner.dtype)
         self.inner = inner
-        self.error = torch.zeros(inner.numel, dtype=inner.dtype)
+        self.device = inner.device
+        self.staged = is_staged(inner)  # the inner chain has torch kernels: so has this one
+        self.error = torch.zeros(inner.numel, dtype=inner.dtype, device=self.device)
         self.spare: torch.Tensor | None = None  # the other buffer (made on first use)
         self.lr_prev: float | None = None
         self.lr_now: float | None = None
@@ -80,6 +97,8 @@ class ErrorFeedback(Compressor):
         return 1.0 if self.lr_now is None else self.lr_prev / self.lr_now
 
     def compress(self, x: torch.Tensor) -> torch.Tensor:
+        if self.staged:
+            return self.run_staged(x)
         x = self.check_input(x)
         self.undo = None
         if self.dtype in KERNEL_FLOAT_DTYPES:
@@ -88,11 +107,47 @@ class ErrorFeedback(Compressor):
                 lambda error, ratio, out: add_scaled_error(array, array.dtype.type(ratio),
                                                            error, out))
         # float16/bfloat16: torch rounds each op
-        ratio = self.ratio
-        corrected = x + self.error if ratio == 1.0 else x + ratio * self.error
+        corrected = add_scaled_error_torch(x, self.ratio, self.error, self._spare())
         if not bool(torch.isfinite(corrected).all()):
             self._refuse()
         return self._send(corrected)
+
+    def _spare(self) -> torch.Tensor:
+        if self.spare is None:
+            self.spare = torch.empty_like(self.error)
+        return self.spare
+
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The staged half of ``compress`` (a chain with torch kernels): ``g'`` into the
+        spare buffer, the inner chain's payload and the residual in it, no state
+        changed and no host sync; ``commit`` or ``discard`` follows."""
+        x = self.check_input(x)
+        self.undo = None
+        corrected = add_scaled_error_torch(x, self.ratio, self.error, self._spare())
+        refused = flag_status(~torch.isfinite(corrected).all(), CHAIN_NONFINITE)
+        if isinstance(self.inner, TorchKernels):
+            payload, status = self.inner.encode_residual(corrected)
+        else:  # a decorator in between: encode, then decode its payload
+            payload, status = self.inner.encode(corrected)
+            corrected.sub_(self.inner.decompress(payload))
+        return payload, first_bad(refused, status)
+
+    def commit(self) -> None:
+        self.inner.commit()
+        lrs = self.lr_before if self.lr_before is not None else (self.lr_prev, self.lr_now)
+        self.undo = (lrs, self.error)
+        self.lr_before = None
+        self.spare, self.error = self.error, self.spare
+
+    def discard(self) -> None:
+        self.inner.discard()
+        self._restore_lr()
+
+    def status_error(self, code: int, detail: int) -> Exception:
+        if code == CHAIN_NONFINITE:
+            return NonFiniteError(f"error feedback: the corrected gradient (numel={self.numel}) "
+                                  "has inf or NaN entries")
+        return self.inner.status_error(code, detail)
 
     def compress_corrected(self, build: Callable[[np.ndarray, float, np.ndarray], bool]
                            ) -> torch.Tensor:
@@ -115,9 +170,7 @@ class ErrorFeedback(Compressor):
         if self.dtype not in KERNEL_FLOAT_DTYPES:
             raise TypeError(f"compress_corrected needs a float32/float64 chain, not {self.dtype}")
         self.undo = None
-        if self.spare is None:
-            self.spare = torch.empty_like(self.error)
-        if not build(self.error.numpy(), self.ratio, self.spare.numpy()):
+        if not build(self.error.numpy(), self.ratio, self._spare().numpy()):
             self._refuse()
         return self._send(self.spare)
 

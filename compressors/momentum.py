@@ -30,6 +30,7 @@ from .base import (
     check_state_keys,
     load_buffer,
 )
+from .device import CHAIN_NONFINITE, StagedChain, first_bad, flag_status, is_staged
 
 
 @njit(nogil=True, cache=True)
@@ -64,7 +65,23 @@ def nesterov_step_corrected(grad, momentum, decay, mu, ratio, error, momentum_ou
     return bad == 0
 
 
-class Momentum(Compressor):
+def nesterov_step_torch(grad: torch.Tensor, momentum: torch.Tensor, decay: float, mu: float,
+                        lookahead: torch.Tensor, momentum_out: torch.Tensor) -> torch.Tensor:
+    """``momentum_out = decay * momentum + grad``; ``lookahead = grad + mu * momentum_out``
+    with torch ops, each rounded to the tensors' dtype (never fused), as
+    ``nesterov_step`` rounds; returns ``lookahead``. The chains on a device and the
+    float16/bfloat16 host chains use it.
+
+        >>> m, look = torch.empty(1), torch.empty(1)
+        >>> nesterov_step_torch(torch.ones(1), torch.ones(1), 0.5, 0.5, look, m), m
+        (tensor([1.7500]), tensor([1.5000]))
+    """
+    torch.mul(momentum, decay, out=momentum_out).add_(grad)
+    torch.mul(momentum_out, mu, out=lookahead)
+    return lookahead.add_(grad)
+
+
+class Momentum(StagedChain, Compressor):
     """Applies Nesterov momentum to the gradient, then the inner chain."""
 
     def __init__(self, inner: Compressor, mu: float):
@@ -73,7 +90,9 @@ class Momentum(Compressor):
             raise ValueError(f"momentum mu must be in [0, 1), got {mu!r}")
         self.inner = inner
         self.mu = float(mu)
-        self.momentum = torch.zeros(inner.numel, dtype=inner.dtype)
+        self.device = inner.device
+        self.staged = is_staged(inner)  # the inner chain has torch kernels: so has this one
+        self.momentum = torch.zeros(inner.numel, dtype=inner.dtype, device=self.device)
         self.spare: torch.Tensor | None = None  # the other momentum buffer (first use)
         self.lookahead: torch.Tensor | None = None  # g' when the inner chain takes a tensor
         self.undo: torch.Tensor | None = None  # the momentum before the last compress
@@ -89,17 +108,18 @@ class Momentum(Compressor):
         self.factor = float(factor)
 
     def compress(self, x: torch.Tensor) -> torch.Tensor:
+        if self.staged:
+            return self.run_staged(x)
         x = self.check_input(x)
         self.undo = None
         decay, self.factor = self.mu * self.factor, 1.0
+        self._buffers()
         if self.dtype not in KERNEL_FLOAT_DTYPES:  # float16/bfloat16: torch rounds each op
-            momentum = self.momentum * decay + x
-            lookahead = x + self.mu * momentum
+            lookahead = nesterov_step_torch(x, self.momentum, decay, self.mu, self.lookahead,
+                                            self.spare)
             if not bool(torch.isfinite(lookahead).all()):
                 raise self._nonfinite()
-            return self._commit(momentum, self.inner.compress(lookahead))
-        if self.spare is None:
-            self.spare = torch.empty_like(self.momentum)
+            return self._commit(self.spare, self.inner.compress(lookahead))
         grad, momentum, out = x.numpy(), self.momentum.numpy(), self.spare.numpy()
         mu = grad.dtype.type(self.mu)
         if hasattr(self.inner, "compress_corrected"):  # error feedback: one pass for both
@@ -108,12 +128,45 @@ class Momentum(Compressor):
                     grad, momentum, grad.dtype.type(decay), mu, grad.dtype.type(ratio),
                     error, out, corrected))
             return self._commit(self.spare, payload)
-        if self.lookahead is None:
-            self.lookahead = torch.empty(self.numel, dtype=self.dtype)
         if not nesterov_step(grad, momentum, grad.dtype.type(decay), mu,
                              self.lookahead.numpy(), out):
             raise self._nonfinite()
         return self._commit(self.spare, self.inner.compress(self.lookahead))
+
+    def _buffers(self) -> None:
+        """The spare momentum buffer and the lookahead (made on first use)."""
+        if self.spare is None:
+            self.spare = torch.empty_like(self.momentum)
+        if self.lookahead is None:
+            self.lookahead = torch.empty_like(self.momentum)
+
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The staged half of ``compress`` (a chain with torch kernels): the new momentum
+        into the spare buffer, the lookahead through the inner chain's ``encode``; no
+        state changed (but ``scale_momentum``'s factor, used up as on the host) and no
+        host sync; ``commit`` or ``discard`` follows."""
+        x = self.check_input(x)
+        self.undo = None
+        decay, self.factor = self.mu * self.factor, 1.0
+        self._buffers()
+        lookahead = nesterov_step_torch(x, self.momentum, decay, self.mu, self.lookahead,
+                                        self.spare)
+        refused = flag_status(~torch.isfinite(lookahead).all(), CHAIN_NONFINITE)
+        payload, status = self.inner.encode(lookahead)
+        return payload, first_bad(refused, status)
+
+    def commit(self) -> None:
+        self.inner.commit()
+        self._commit(self.spare, None)
+
+    def discard(self) -> None:
+        self.inner.discard()
+
+    def status_error(self, code: int, detail: int) -> Exception:
+        if code == CHAIN_NONFINITE:
+            return NonFiniteError(f"momentum: the gradient (numel={self.numel}) has inf or "
+                                  "NaN entries")
+        return self.inner.status_error(code, detail)
 
     def cancel(self) -> None:
         self.inner.cancel()

@@ -87,6 +87,8 @@ def subtract_signs(corrected, words, scale):
 class OneBit(Compressor):
     """Sign compression: 1 bit per element plus a float32 scale."""
 
+    device_kernels = True  # its twin: onebit_torch.OneBitTorch
+
     def __init__(self, numel: int, dtype: torch.dtype = torch.float32, scaling: bool = False):
         super().__init__(numel, dtype)
         self.scaling = scaling

@@ -84,6 +84,7 @@ class PowerSGD(Compressor):
     """Rank-r PowerSGD over two server rounds; keeps its own error and warm-start Q."""
 
     rounds = 2
+    device_kernels = True  # its twin: powersgd_torch.PowerSGDTorch
 
     def __init__(self, numel: int, dtype: torch.dtype = torch.float32,
                  shape: tuple | list | None = None, rank: int = 1, ef: bool = True,

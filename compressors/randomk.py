@@ -92,6 +92,8 @@ def zero_random(state, count, out):
 class RandomK(Compressor):
     """Keeps k uniformly drawn entries; the payload carries the RNG state, not indices."""
 
+    device_kernels = True  # its twin: randomk_torch.RandomKTorch
+
     def __init__(self, numel: int, dtype: torch.dtype = torch.float32, k: int = 1,
                  seed: int = 1):
         super().__init__(numel, dtype)

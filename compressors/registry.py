@@ -27,14 +27,20 @@ from bps.config import (
 
 from .base import Compressor, check_dtype
 from .bytegrad import ByteGrad
+from .bytegrad_torch import ByteGradTorch
+from .device import forced_by_env, resolve_device
 from .dithering import Dithering
 from .error_feedback import ErrorFeedback
 from .momentum import Momentum
 from .onebit import OneBit
+from .onebit_torch import OneBitTorch
 from .powersgd import PowerSGD
+from .powersgd_torch import PowerSGDTorch
 from .randomk import RandomK
+from .randomk_torch import RandomKTorch
 from .rng import DEFAULT_SEED
 from .topk import TopK
+from .topk_torch import TopKTorch
 
 Factory = Callable[[dict, int, torch.dtype], Compressor]
 Options = Callable[[dict, int], dict]
@@ -58,6 +64,12 @@ _BUILTIN: dict[str, tuple[type[Compressor], Options]] = {
         "warm_start": p["warm_start"], "epsilon": p["orthogonalization_epsilon"],
         "seed": _seed(p)}),
 }
+
+
+# the classes that declare device_kernels and their twins with torch kernels
+_TORCH_TWINS: dict[type[Compressor], type[Compressor]] = {
+    OneBit: OneBitTorch, TopK: TopKTorch, RandomK: RandomKTorch, ByteGrad: ByteGradTorch,
+    PowerSGD: PowerSGDTorch}
 
 
 def _builtin_factory(cls: type[Compressor], options: Options) -> Factory:
@@ -113,15 +125,43 @@ def payload_bound(params: dict, numel: int, dtype: torch.dtype = torch.float32) 
     return cls.max_payload_bytes(numel, dtype, **options(params, numel))
 
 
+def supports_device(params: dict | None) -> bool:
+    """Whether ``params``'s worker chain can run on a device with torch kernels (its
+    compressor's class declares ``device_kernels``); ask before ``build(..., device=)``
+    and keep the host chain where it cannot.
+
+        >>> supports_device({"compressor": "topk", "k": 0.01}), supports_device(
+        ...     {"compressor": "dithering", "k": 2})
+        (True, False)
+    """
+    params = validate_compression_params(params)
+    entry = _BUILTIN.get(params["compressor"])
+    return entry is not None and entry[0].device_kernels and entry[0] in _TORCH_TWINS
+
+
 def build(params: dict | None, numel: int, dtype: torch.dtype = torch.float32,
-          role: str = "worker") -> Compressor:
+          role: str = "worker", device: torch.device | str | None = None) -> Compressor:
     """The compressor chain for one partition.
 
     Workers get ``Momentum(ErrorFeedback(C))``, servers ``ErrorFeedback(C)``, each
     decorator only where configured. ``params`` is validated here; it must name a
     ``compressor``, and ``mu`` must be set when ``momentum`` is (the trainer fills it
     from the optimizer). A missing ``seed`` means DEFAULT_SEED (1).
+
+    ``device`` (default cpu) is where the chain's buffers live. A worker chain for a
+    device other than the CPU runs torch kernels there (compressors/device.py), as it
+    does on the CPU with ``BPS_DEVICE_KERNELS=1``; a compressor without them
+    (``supports_device`` False) raises TypeError for a device, and keeps its host
+    kernels under the switch. Server chains are host chains.
     """
+    device = resolve_device(device)
+    if role == "worker" and device.type != "cpu" and not supports_device(params):
+        raise TypeError(f"compressor {(params or {}).get('compressor')!r} has no torch "
+                        f"kernels: its chain cannot run on {device} (ask supports_device "
+                        "first and keep the host chain)")
+    if role == "server" and device.type != "cpu":
+        raise ValueError(f"server chains run on the CPU, got device {device}")
+    torch_kernels = role == "worker" and (device.type != "cpu" or forced_by_env())
     params = validate_compression_params(params)
     if role not in ("worker", "server"):
         raise ValueError(f"role must be 'worker' or 'server', got {role!r}")
@@ -134,7 +174,11 @@ def build(params: dict | None, numel: int, dtype: torch.dtype = torch.float32,
     if role == "worker" and params["momentum"] is not None and params["mu"] is None:
         raise ValueError("compression_params['mu'] is None but momentum 'nesterov' is set: "
                          "pass mu (a float in [0, 1), usually the optimizer's momentum)")
-    chain = _FACTORIES[params["compressor"]](params, numel, dtype)
+    if torch_kernels and supports_device(params):
+        cls, options = _BUILTIN[params["compressor"]]
+        chain = _TORCH_TWINS[cls](numel, dtype, device=device, **options(params, numel))
+    else:
+        chain = _FACTORIES[params["compressor"]](params, numel, dtype)
     if not isinstance(chain, Compressor):
         raise TypeError(f"factory of {params['compressor']!r} returned "
                         f"{type(chain).__name__}, expected a Compressor")

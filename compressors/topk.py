@@ -214,6 +214,8 @@ def select_topk(x: np.ndarray, k: int, indices: np.ndarray, selected: np.ndarray
 class TopK(Compressor):
     """Keeps the k entries of largest magnitude, as (int32 index, value) pairs."""
 
+    device_kernels = True  # its twin: topk_torch.TopKTorch
+
     def __init__(self, numel: int, dtype: torch.dtype = torch.float32, k: int = 1):
         super().__init__(numel, dtype)
         if not 1 <= k <= numel:

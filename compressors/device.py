@@ -1,0 +1,175 @@
+"""Chains that run on the gradient's device: torch kernels with one host sync per compress.
+
+A compressor with torch kernels (``onebit_torch``, ``topk_torch``, ``randomk_torch``,
+``bytegrad_torch``) and the decorators around it compress in two halves:
+``encode(x) -> (payload, status)`` computes everything into spare buffers and changes
+no state; ``status`` is a 2-element int64 tensor on the device, ``(code, detail)``. The
+caller reads it once (the only host sync), then ``commit()`` makes the new state
+current, or ``discard()`` drops it and raises the error the code names::
+
+    OK                  0
+    CHAIN_NONFINITE     1    a decorator's g' (Nesterov lookahead, error feedback) has inf/NaN
+    INPUT_NONFINITE     2    the compressor's input has inf/NaN (detail: a chunk, or -1)
+    RANGE_OVERFLOW      3    bytegrad: a chunk's max - min overflows float32 (detail: the chunk)
+
+``BPS_DEVICE_KERNELS=1`` has ``build`` use these kernels on CPU tensors too (tests, debugging).
+
+Example::
+
+    >>> import torch
+    >>> from bps.compressors.topk_torch import TopKTorch
+    >>> chain = TopKTorch(numel=4, dtype=torch.float32, k=2, device="cpu")
+    >>> payload, status = chain.encode(torch.tensor([1.0, -3.0, 0.5, 2.0]))
+    >>> status.tolist()       # read once: OK, so commit
+    [0, -1]
+    >>> chain.commit()
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+from .base import Compressor, NonFiniteError, Payload, payload_tensor
+
+ENV_SWITCH = "BPS_DEVICE_KERNELS"
+OK, CHAIN_NONFINITE, INPUT_NONFINITE, RANGE_OVERFLOW = 0, 1, 2, 3
+_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def forced_by_env(environ: dict | None = None) -> bool:
+    """Whether ``BPS_DEVICE_KERNELS`` is 1: torch kernels also for CPU tensors.
+
+        >>> forced_by_env({"BPS_DEVICE_KERNELS": "1"}), forced_by_env({})
+        (True, False)
+    """
+    value = (os.environ if environ is None else environ).get(ENV_SWITCH, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"environment variable {ENV_SWITCH} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def resolve_device(device: torch.device | str | None) -> torch.device:
+    """``device`` as a torch.device with an index for CUDA (the current device if none)."""
+    device = torch.device("cpu" if device is None else device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def int_view(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's raw bits as a signed int tensor of the same width (no copy)."""
+    return tensor.view(_INT_OF_WIDTH[tensor.element_size()])
+
+
+def status_tensor(code: int, device: torch.device, detail: int = -1) -> torch.Tensor:
+    """A constant ``(code, detail)`` status on ``device`` (no host sync)."""
+    status = torch.full((2,), detail, dtype=torch.int64, device=device)
+    status[0] = code  # a fill on the device, no host transfer
+    return status
+
+
+def flag_status(bad: torch.Tensor, code: int, detail: torch.Tensor | int = -1) -> torch.Tensor:
+    """``(code, detail)`` where the 0-dim bool ``bad`` is True, else ``(OK, -1)``."""
+    codes = torch.where(bad, code, OK).to(torch.int64)  # Python scalars: no host transfer
+    return torch.stack([codes, torch.where(bad, detail, -1).to(torch.int64)])
+
+
+def first_bad(status: torch.Tensor, later: torch.Tensor) -> torch.Tensor:
+    """``status`` if it is not OK, else ``later``: the first stage that refused wins."""
+    return torch.where(status[0] != OK, status, later)
+
+
+def to_device_async(array: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host array or tensor on ``device`` without a host sync: through pinned memory
+    for CUDA (the caching host allocator keeps the pinned block until the copy is done)."""
+    tensor = torch.from_numpy(array) if isinstance(array, np.ndarray) else array
+    if device.type == "cpu":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+class StagedChain:
+    """The staged protocol of device chains (see the module docstring); ``compress``
+    runs ``encode``, reads the status once and commits or discards."""
+
+    device: torch.device
+
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def commit(self) -> None:
+        """Make the state that the last ``encode`` staged current."""
+
+    def discard(self) -> None:
+        """Drop what the last ``encode`` staged (and undo this step's ``set_lr``)."""
+
+    def status_error(self, code: int, detail: int) -> Exception:
+        """The error a non-OK status code stands for."""
+        return NonFiniteError(f"{type(self).__name__}: compress input (numel={self.numel}, "
+                              f"{self.dtype}) has inf or NaN entries")
+
+    def run_staged(self, x: torch.Tensor) -> torch.Tensor:
+        payload, status = self.encode(x)
+        code, detail = status.tolist()  # the one host sync of a compress
+        if code != OK:
+            self.discard()
+            raise self.status_error(code, detail)
+        self.commit()
+        return payload
+
+
+def is_staged(chain: object) -> bool:
+    """Whether ``chain`` compresses with torch kernels in two halves (a device chain)."""
+    return isinstance(chain, StagedChain) and getattr(chain, "staged", True)
+
+
+class TorchKernels(StagedChain, Compressor):
+    """Base of the compressors with torch kernels: inputs, outputs and payloads live on
+    ``device``; ``compress`` is encode, one status read, commit."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device | str | None):
+        Compressor.__init__(self, numel, dtype)
+        self.device = resolve_device(device)
+
+    def compress(self, x: torch.Tensor) -> torch.Tensor:
+        return self.run_staged(x)
+
+    def encode_residual(self, corrected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``encode(corrected)``, then ``corrected -= decompress(payload)`` in place
+        (error feedback's residual; ``corrected`` is a scratch buffer of the chain)."""
+        raise NotImplementedError
+
+    def status_error(self, code: int, detail: int) -> Exception:
+        return self.nonfinite_input()
+
+    def nonfinite_input(self) -> NonFiniteError:
+        return NonFiniteError(f"{self.algorithm()}: compress input (numel={self.numel}, "
+                              f"{self.dtype}) has inf or NaN entries")
+
+    def bad_payload(self, what: str) -> ValueError:
+        return ValueError(f"{self.algorithm()} payload for numel={self.numel}, "
+                          f"dtype={self.dtype} is invalid: {what}")
+
+    def algorithm(self) -> str:
+        """The name messages give: the host class's (they speak of the same payload)."""
+        return type(self).__name__.removesuffix("Torch")
+
+    def device_payload(self, payload: Payload) -> torch.Tensor:
+        """The payload as a 1-D uint8 tensor on the chain's device of the right size
+        (bytes-like payloads are copied there)."""
+        if isinstance(payload, torch.Tensor):
+            if payload.dtype != torch.uint8 or payload.dim() != 1:
+                raise ValueError(f"payload tensor must be 1-D torch.uint8, got {payload.dtype} "
+                                 f"with shape {tuple(payload.shape)}")
+            if payload.device != self.device:
+                raise ValueError(f"payload tensor must be on {self.device}, "
+                                 f"got {payload.device}")
+        else:
+            payload = payload_tensor(payload).to(self.device)
+        if payload.numel() != self.payload_size:
+            raise self.bad_payload(f"{payload.numel()} bytes, expected exactly "
+                                   f"{self.payload_size}")
+        return payload.contiguous()
