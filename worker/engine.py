@@ -207,12 +207,7 @@ class WorkerEngine:
                      staging: KeyStaging | None) -> Any:
         """The key's worker chain: on the staging's device where the compressor has device
         kernels, else on the host (a registered compressor without them: logged once)."""
-        from bps.compressors import build
-        try:  # TEMP until the device kernels land
-            from bps.compressors import supports_device
-        except ImportError:
-            def supports_device(params):
-                return False
+        from bps.compressors import build, supports_device
 
         if staging is None:
             return build(params, numel, dtype, role="worker")
