@@ -147,9 +147,9 @@ def run_cluster(args: argparse.Namespace, secure: bool) -> dict | None:
     """One loopback cluster running every configuration; its rank 0's results."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        launcher = str(Path(sys.executable).parent / "bpslaunch")
-        cmd = [launcher, "local", "--workers", "2", "--servers", "1", "--",
-               sys.executable, os.path.abspath(__file__), "--child", "--out", out,
+        cmd = [sys.executable, "-m", "bps.launch.cli", "local", "--workers", "2",
+               "--servers", "1", "--", sys.executable, os.path.abspath(__file__), "--child",
+               "--out", out,
                "--ddp-port", str(free_port()), "--steps", str(args.steps),
                "--warmup", str(args.warmup), "--rounds", str(args.rounds),
                "--batch", str(args.batch),

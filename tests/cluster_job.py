@@ -1,7 +1,9 @@
 """The worker program of the cluster-launch tests (tests/test_cluster_launch.py).
 
 Not a test module. Every process calls ``bps.init()`` and torch's
-``dist.init_process_group()`` with no arguments, checks that both see the same job
+``dist.init_process_group("gloo")`` with nothing else (the rendezvous comes from the
+variables the launcher exported; gloo named, since on a GPU host the default is NCCL
+alone, which refuses these CPU tensors), checks that both see the same job
 (rank, size), takes two DistributedTrainer steps and checks each against the mean
 gradient that the user's own torch.distributed group computes (an independent
 all-reduce). Prints ``cluster-job ok RANK SIZE NODE LOCAL_RANK`` at the end::
@@ -23,7 +25,7 @@ import bps
 
 def main() -> None:
     bps.init()
-    dist.init_process_group(timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     assert (dist.get_rank(), dist.get_world_size()) == (bps.rank(), bps.size()), \
         (dist.get_rank(), dist.get_world_size(), bps.rank(), bps.size())
     torch.manual_seed(0)  # the same initial model everywhere

@@ -1,6 +1,8 @@
 """Every test process and every cluster it starts share one cluster key (CURVE), made
 here in a private temporary directory when pytest starts: processes started one by one
-(not through ``bpslaunch local``, which makes its own) find it in ``BPS_SECRET_FILE``."""
+(not through ``bpslaunch local``, which makes its own) find it in ``BPS_SECRET_FILE``.
+
+Tests marked ``cuda`` skip where torch sees no CUDA device."""
 
 from __future__ import annotations
 
@@ -22,6 +24,20 @@ def pytest_configure(config: pytest.Config) -> None:
     _saved.update(folder=folder, previous=os.environ.get("BPS_SECRET_FILE"))
     os.environ["BPS_SECRET_FILE"] = path
     os.environ.pop("BPS_INSECURE", None)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``cuda`` skip, with the reason, where torch sees no CUDA device."""
+    cuda_tests = [item for item in items if item.get_closest_marker("cuda")]
+    if not cuda_tests:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device; torch.cuda.is_available() is False")
+    for item in cuda_tests:
+        item.add_marker(skip)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import sys
 import threading
 
 import msgpack
@@ -514,6 +515,9 @@ def main() -> None:
 if __name__ == "__main__":
     main()
 
+
+# the launcher of the interpreter running the tests, wherever its scripts were installed
+BPSLAUNCH = [sys.executable, "-m", "bps.launch.cli"]
 
 TEST_ENV = {"BPS_TIMEOUT": "20", "BPS_HEARTBEAT_INTERVAL": "0.2", "BPS_HEARTBEAT_TIMEOUT": "6",
             "BYTEPS_PARTITION_BYTES": "65536", "BPS_SERVER_THREADS": "2",

@@ -2,8 +2,9 @@
 
 Each end-to-end test sets one launcher's variables for real processes on loopback and
 runs tests/cluster_job.py to completion: ``bps.init()``, the user's own
-``dist.init_process_group()`` with no arguments, and DistributedTrainer steps checked
-against the mean gradient computed over that default group.
+``dist.init_process_group("gloo")`` with no rendezvous arguments, and DistributedTrainer
+steps checked against the mean gradient computed over that default group. On a GPU host,
+the backend string docs/runtime.md gives for CPU and CUDA tensors is checked too.
 """
 
 from __future__ import annotations
@@ -19,11 +20,10 @@ import pytest
 
 from bps.env import EnvError, derive_worker_env, launch_style, parse_nodelist
 from bps.launch.role import free_port
-from tests.ps_job import TEST_ENV, run_command
+from tests.ps_job import BPSLAUNCH, TEST_ENV, run_command
 
 JOB = str(Path(__file__).with_name("cluster_job.py"))
 PY = sys.executable
-BPSLAUNCH = [PY, "-m", "bps.launch.cli"]
 TORCHRUN = [PY, "-m", "torch.distributed.run"]
 # several launchers of torch processes share two cores: generous but finite waits
 JOB_ENV = {**TEST_ENV, "BPS_TIMEOUT": "60", "BPS_HEARTBEAT_TIMEOUT": "15"}
@@ -157,7 +157,8 @@ def test_bpslaunch_names_a_bad_cluster_variable() -> None:
 # -- real jobs on loopback ------------------------------------------------------------
 
 def test_local_job_gives_workers_torch_distributed_variables() -> None:
-    """bpslaunch local: dist.init_process_group() with no arguments next to bps.init()."""
+    """bpslaunch local: dist.init_process_group("gloo") next to bps.init(), the rendezvous
+    from the launcher's variables."""
     code, output = run_command(BPSLAUNCH + ["local", "--workers", "2", "--servers", "1",
                                             "--local-size", "2", "--", PY, JOB],
                                JOB_ENV, timeout=180)
@@ -197,6 +198,29 @@ def test_pytorchjob_job() -> None:
                          "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
             for pod in range(2)]
     finished(run_all(jobs, timeout=240), 2)
+
+
+MIXED_BACKEND_JOB = """
+import datetime, sys
+import torch, torch.distributed as dist
+dist.init_process_group("cpu:gloo,cuda:nccl", timeout=datetime.timedelta(seconds=60))
+value = torch.full((4,), float(dist.get_rank() + 1))
+dist.all_reduce(value)  # a CPU tensor: gloo, where the default group alone would be NCCL
+assert value.tolist() == [3.0] * 4, value
+dist.destroy_process_group()
+sys.stdout.write("cluster-job ok %d\\n" % int(sys.argv[1]))
+"""
+
+
+@pytest.mark.cuda
+def test_the_gpu_backend_string_serves_cpu_tensors() -> None:
+    """docs/runtime.md's ``backend="cpu:gloo,cuda:nccl"`` on a GPU host: CPU tensors
+    reduce over gloo next to NCCL (two ranks on one GPU: NCCL itself stays unused)."""
+    port = free_port()
+    jobs = [([PY, "-c", MIXED_BACKEND_JOB, str(rank)],
+             {**JOB_ENV, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+              "MASTER_PORT": str(port)}) for rank in range(2)]
+    finished(run_all(jobs, timeout=120), 2)
 
 
 def test_a_failing_process_stops_every_launcher() -> None:

@@ -13,6 +13,7 @@ from bps.compressors import build, state_from_wire, state_to_wire
 from bps.compressors.powersgd import PowerSGD, orthogonalize, should_compress
 from bps.config import validate_compression_params
 from bps.worker.planning import plan_batches, plan_tensor
+from tests.ps_job import BPSLAUNCH
 
 
 @pytest.mark.parametrize("shape", [(1, 30, 1), (1, 30, 2), (3, 20, 2), (2, 17, 4)])
@@ -196,10 +197,8 @@ def test_a_powersgd_matrix_larger_than_a_key_travels_as_its_rounds():
     import os
     import subprocess
     import sys
-    from pathlib import Path
 
-    launcher = str(Path(sys.executable).with_name("bpslaunch"))
-    done = subprocess.run([launcher, "local", "--workers", "1", "--servers", "1", "--",
+    done = subprocess.run([*BPSLAUNCH, "local", "--workers", "1", "--servers", "1", "--",
                            sys.executable, "-c", LARGE_MATRIX_JOB], capture_output=True,
                           text=True, timeout=120,
                           env={**os.environ, "BPS_MAX_MESSAGE_BYTES": "65536",

@@ -2,8 +2,8 @@
 
 This file is also the worker script: ``python tests/test_ddp.py CONFIG_JSON`` is what
 every worker process runs under ``bpslaunch local``; it calls
-``dist.init_process_group()`` with no arguments (bpslaunch exports RANK, WORLD_SIZE,
-MASTER_*). The model is tests/test_trainer.py's (loss ``0.5 * ||w - t||^2``, so the
+``dist.init_process_group("gloo")`` with no rendezvous arguments (bpslaunch exports RANK,
+WORLD_SIZE, MASTER_*). The model is tests/test_trainer.py's (loss ``0.5 * ||w - t||^2``, so the
 gradient is ``w - t`` exactly), wrapped in DDP, so every result is compared with an
 independent numpy replay of the same partitions through the reference chains.
 """
@@ -154,7 +154,7 @@ def worker_main(cfg: dict) -> int:
 
     torch.set_num_threads(1)
     bps.init()
-    dist.init_process_group()
+    dist.init_process_group("gloo")  # CPU tensors: not the NCCL a GPU host defaults to
     rank = dist.get_rank()
     out = Path(cfg["out"])
     shapes = {name: tuple(shape) for name, shape in cfg["shapes"].items()}

@@ -12,9 +12,8 @@ import time
 from pathlib import Path
 
 from bps.launch.supervisor import Supervisor
-from tests.ps_job import TEST_ENV, default_sigint, run_command
+from tests.ps_job import BPSLAUNCH, TEST_ENV, default_sigint, run_command
 
-BPSLAUNCH = [sys.executable, "-m", "bps.launch.cli"]
 PY = sys.executable
 
 

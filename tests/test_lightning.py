@@ -10,19 +10,18 @@ from pathlib import Path
 
 import pytest
 
-from tests.ps_job import run_command
+from tests.ps_job import BPSLAUNCH, run_command
 
 # find_spec, not importorskip: importing lightning here would cost this process seconds
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("lightning") is None,
                                 reason="lightning is not installed (the test extra has it)")
 
 ROOT = Path(__file__).resolve().parent.parent
-BPSLAUNCH = str(Path(sys.executable).parent / "bpslaunch")
 
 
 def test_lightning_ddp_strategy_trains_through_the_hook(tmp_path):
     metrics = tmp_path / "m"
-    cmd = [BPSLAUNCH, "local", "--workers", "2", "--servers", "1", "--", sys.executable,
+    cmd = [*BPSLAUNCH, "local", "--workers", "2", "--servers", "1", "--", sys.executable,
            str(ROOT / "examples" / "lightning_mnist.py"), "--max-steps", "3",
            "--hidden", "64", "--metrics-json", str(metrics)]
     code, output = run_command(cmd, {"BPS_TIMEOUT": "60"}, timeout=240)

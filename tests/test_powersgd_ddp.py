@@ -30,7 +30,6 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-BPSLAUNCH = str(Path(sys.executable).parent / "bpslaunch")
 STEPS, START, LR, MOMENTUM, SEED = 10, 2, 0.1, 0.9, 7
 WORKERS = 2
 
@@ -168,8 +167,10 @@ def run_ddp(rank_r: int, out: Path, batched: bool = False) -> None:
 
 
 def run_bps(rank_r: int, out: Path, batched: bool = False) -> str:
+    from tests.ps_job import BPSLAUNCH
+
     cfg = json.dumps({"rank": rank_r, "batched": batched, "out": str(out)})
-    cmd = [BPSLAUNCH, "local", "--workers", str(WORKERS), "--servers", "2", "--",
+    cmd = [*BPSLAUNCH, "local", "--workers", str(WORKERS), "--servers", "2", "--",
            sys.executable, __file__, cfg]
     env = {**os.environ, "BPS_TIMEOUT": "30", "BPS_JOB_SEED": "4242"}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,

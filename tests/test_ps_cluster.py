@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.ps_job import (
+    BPSLAUNCH,
     MISMATCH_KEY,
     ORDER_KEY,
     STEPS,
@@ -22,7 +23,6 @@ from tests.ps_job import (
 )
 
 JOB = str(Path(__file__).with_name("ps_job.py"))
-BPSLAUNCH = [sys.executable, "-m", "bps.launch.cli"]
 
 
 def run_cluster(tmp_path: Path, workers: int, servers: int, case: str,

@@ -27,11 +27,10 @@ from bps.auth import (
 )
 from bps.launch.role import free_port
 from bps.protocol import Op, encode, new_token
-from tests.ps_job import TEST_ENV, run_command
+from tests.ps_job import BPSLAUNCH, TEST_ENV, run_command
 from tests.test_ps_cluster import check_raw_aggregates
 
 JOB = str(Path(__file__).with_name("ps_job.py"))
-BPSLAUNCH = [sys.executable, "-m", "bps.launch.cli"]
 EXIT_WITHIN = 120.0
 
 

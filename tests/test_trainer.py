@@ -22,7 +22,6 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-BPSLAUNCH = str(Path(sys.executable).parent / "bpslaunch")
 # big: compressed, 3 partitions; small and bias: raw, fused into one key (next to each
 # other in backward order)
 SHAPES = {"big": (30, 10), "small": (7,), "bias": (4,)}
@@ -153,8 +152,10 @@ def launch(cfg: dict, tmp: Path, workers: int = 2, servers: int = 1, local_size:
            env: dict | None = None, timeout: float = 120,
            script: str = __file__) -> subprocess.CompletedProcess:
     """Run ``script``'s worker_main on a ``bpslaunch local`` cluster with ``cfg``."""
+    from tests.ps_job import BPSLAUNCH
+
     cfg = {"shapes": SHAPES, **cfg, "out": str(tmp)}
-    cmd = [BPSLAUNCH, "local", "--workers", str(workers), "--servers", str(servers),
+    cmd = [*BPSLAUNCH, "local", "--workers", str(workers), "--servers", str(servers),
            "--local-size", str(local_size), "--", sys.executable, script, json.dumps(cfg)]
     full_env = {**os.environ, "BPS_TIMEOUT": "20", "BYTEPS_PARTITION_BYTES": "400",
                 "BPS_JOB_SEED": "4242", **(env or {})}

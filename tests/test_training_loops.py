@@ -25,8 +25,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script: make ``tests`` importable
     sys.path.insert(0, str(ROOT))
 
+from tests.ps_job import BPSLAUNCH  # noqa: E402
 from tests.test_trainer import (  # noqa: E402
-    BPSLAUNCH,
     MOMENTUM,
     PARTITION,
     SHAPES,
@@ -300,7 +300,7 @@ def test_second_backward_without_accumulation_keeps_its_error(tmp_path):
         "    print('REFUSED', exc)\n"
         "t.step(); t.close(); bps.shutdown()\n"
     )
-    result = subprocess.run([BPSLAUNCH, "local", "--workers", "1", "--servers", "1", "--",
+    result = subprocess.run([*BPSLAUNCH, "local", "--workers", "1", "--servers", "1", "--",
                              sys.executable, "-c", script], cwd=ROOT, capture_output=True,
                             text=True, timeout=120, env={**os.environ, "BPS_TIMEOUT": "20"})
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
@@ -339,7 +339,7 @@ bps.shutdown()
 
 
 def test_servers_refuse_nonfinite_pushes_naming_the_node():
-    result = subprocess.run([BPSLAUNCH, "local", "--workers", "1", "--servers", "1", "--",
+    result = subprocess.run([*BPSLAUNCH, "local", "--workers", "1", "--servers", "1", "--",
                              sys.executable, "-c", SERVER_REFUSAL], cwd=ROOT,
                             capture_output=True, text=True, timeout=120,
                             env={**os.environ, "BPS_TIMEOUT": "20"})
