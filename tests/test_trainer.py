@@ -19,7 +19,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 # big: compressed, 3 partitions; small and bias: raw, fused into one key (next to each
@@ -286,9 +285,7 @@ def plain(shapes: dict):
 PATHS = [
     pytest.param({}, id="host"),
     pytest.param({"env": {"BPS_DEVICE_KERNELS": "1"}}, id="device-forced"),
-    pytest.param({"cfg": {"device": "cuda"}}, id="cuda", marks=[
-        pytest.mark.cuda,
-        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]),
+    pytest.param({"cfg": {"device": "cuda"}}, id="cuda", marks=pytest.mark.cuda),
 ]
 
 
@@ -318,8 +315,15 @@ def test_every_compressor_matches_independent_simulation(tmp_path, path):
             for n in SHAPES:
                 np.testing.assert_array_equal(finals[rank][n], finals[0][n], err_msg=name)
         expected = simulate(run["params"], 3, SIM_LRS, run["compressed_from"])
+        # on a GPU, onebit's scale (a float64 sum of |x|) is added in another order: it
+        # may round 1 float32 ulp apart (docs/compression.md); all else is exact
+        sums_on_gpu = "device" in path.get("cfg", {}) and run["params"]["compressor"] == "onebit"
         for n in SHAPES:
-            np.testing.assert_array_equal(finals[0][n], expected[n], err_msg=f"{name}: {n}")
+            if sums_on_gpu:
+                np.testing.assert_allclose(finals[0][n], expected[n], rtol=1e-5, atol=1e-6,
+                                           err_msg=f"{name}: {n}")
+            else:
+                np.testing.assert_array_equal(finals[0][n], expected[n], err_msg=f"{name}: {n}")
         report = reports[name]
         assert report["optimizer_momentum"] == 0.0 and report["counter"] == 1
         assert [s["pushes"] for s in report["steps"]] == [4] * len(SIM_LRS), name

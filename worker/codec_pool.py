@@ -86,25 +86,33 @@ class CodecPool:
         except BaseException as exc:
             settle(info, future, error=exc)
 
-    def _decode_on_device(self, info: KeyInfo, data: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _joined(frames: list[zmq.Frame]) -> torch.Tensor:
+        """A reply's payload frames as one uint8 tensor (a view of a lone frame)."""
+        if len(frames) > 1:
+            return torch.from_numpy(join_frames(frames))
+        return torch.frombuffer(frames[0].buffer, dtype=torch.uint8) \
+            if len(frames[0]) else torch.zeros(0, dtype=torch.uint8)
+
+    def _decode_on_device(self, info: KeyInfo, frames: list[zmq.Frame]) -> torch.Tensor:
         """A pulled aggregate of a device-path key, copied up and decoded on the device
         into ``info.out`` (a raw key's values cast into it); waits for the side stream."""
         staging = info.staging
+        nbytes = sum(len(frame) for frame in frames)
         with on_side_stream(staging.device, None):
             if info.chain is None:
-                if data.numel() != info.numel * info.dtype.itemsize:
-                    raise ValueError(f"{info_label(info)}: the server answered "
-                                     f"{data.numel()} bytes, expected "
-                                     f"{info.numel * info.dtype.itemsize}")
-                up = staging.to_device(data, info.dtype)
+                if nbytes != info.numel * info.dtype.itemsize:
+                    raise ValueError(f"{info_label(info)}: the server answered {nbytes} "
+                                     f"bytes, expected {info.numel * info.dtype.itemsize}")
+                up = staging.to_device(frames, info.dtype)
                 result = up if info.out is None else info.out.copy_(up)
             elif staging.host_chain:
-                result = decode_into(info.chain, data, info.out)
+                result = decode_into(info.chain, self._joined(frames), info.out)
             else:
-                result = decode_into(info.chain, staging.to_device(data), info.out)
+                result = decode_into(info.chain, staging.to_device(frames), info.out)
             wait_side_stream(staging.device)
         if staging.device.type == "cuda":
-            self._count(pcie_bytes=data.numel() if not staging.host_chain
+            self._count(pcie_bytes=nbytes if not staging.host_chain
                         else result.numel() * result.element_size())
         return result
 
@@ -189,16 +197,11 @@ class CodecPool:
     def _decompress(self, request: Request, frames: list[zmq.Frame]) -> None:
         try:
             start_ns = time.monotonic_ns()
-            if len(frames) > 1:
-                data = torch.from_numpy(join_frames(frames))
-            else:
-                data = torch.frombuffer(frames[0].buffer, dtype=torch.uint8) \
-                    if len(frames[0]) else torch.zeros(0, dtype=torch.uint8)
             info = request.info
-            if info.staging is None:
-                result = info.chain.decompress(data, info.out)
+            if info.staging is not None:
+                result = self._decode_on_device(info, frames)
             else:
-                result = self._decode_on_device(info, data)
+                result = info.chain.decompress(self._joined(frames), info.out)
             end_ns = time.monotonic_ns()
             self._count(decompress_s=(end_ns - start_ns) / 1e9, pushes=1)
             trace_stage(self._tracer, "decompress", request, start_ns, end_ns)

@@ -27,7 +27,10 @@ import os
 import threading
 from collections.abc import Iterator
 
+import numpy as np
 import torch
+
+from bps.protocol import join_frames
 
 __all__ = ["KeyStaging", "decode_into", "forced", "on_side_stream", "record_ready",
            "uses_device_path", "wait_side_stream"]
@@ -108,6 +111,10 @@ class KeyStaging:
             self._host = torch.empty(max(nbytes, 64), dtype=torch.uint8, pin_memory=pin)
         return self._host[:nbytes]
 
+    def host_bytes(self, nbytes: int) -> torch.Tensor:
+        """The key's host buffer, ``nbytes`` long (page-locked on a GPU host)."""
+        return self._host_bytes(nbytes)
+
     def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         """Queue the copy of a device tensor into the key's host buffer on the current
         stream; returns the host view (valid once the stream reached it). A CPU tensor is
@@ -130,23 +137,32 @@ class KeyStaging:
         self._flag.copy_(bad, non_blocking=True)
         return self._flag
 
-    def to_device(self, data: torch.Tensor, dtype: torch.dtype = torch.uint8,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
-        """The host bytes ``data`` (a uint8 tensor, e.g. a view of a ZeroMQ frame) as a
-        tensor of ``dtype`` on the key's device: staged through the pinned buffer, then
-        copied up on the current stream into ``out`` (or the key's own device buffer)."""
+    def to_device(self, data: np.ndarray | list, dtype: torch.dtype = torch.uint8
+                  ) -> torch.Tensor:
+        """Host bytes (a uint8 array, or the ``zmq.Frame``s of a reply) as a tensor of
+        ``dtype`` on the key's device, queued on the current stream: gathered into the
+        pinned buffer (numpy copies, one thread: torch's CPU copies would start an
+        OpenMP team on every codec thread at once), then copied up asynchronously into
+        the key's device buffer, which the next call overwrites. On the CPU: the bytes
+        themselves (frames joined into a new array)."""
+        if isinstance(data, list):
+            nbytes = sum(len(frame) for frame in data)
+        else:
+            nbytes = data.size
         if self.device.type != "cuda":
-            values = data.view(dtype)
-            return values if out is None else out.copy_(values)
-        host = self._host_bytes(data.numel())
-        host.copy_(data)
-        values = host.view(dtype)
-        if out is None:
-            if self._up is None or self._up.numel() < data.numel():
-                self._up = torch.empty(data.numel(), dtype=torch.uint8, device=self.device)
-            out = self._up[:data.numel()].view(dtype)
-        return out.copy_(values, non_blocking=True)
-
+            array = join_frames(data) if isinstance(data, list) else data
+            return torch.from_numpy(array).view(dtype) if nbytes else \
+                torch.zeros(0, dtype=dtype)
+        host = self._host_bytes(nbytes)
+        if isinstance(data, list):
+            join_frames(data, host.numpy())
+        else:
+            np.copyto(host.numpy(), data)
+        if self._up is None or self._up.numel() < nbytes:
+            self._up = torch.empty(max(nbytes, 64), dtype=torch.uint8, device=self.device)
+        up = self._up[:nbytes]
+        up.copy_(host, non_blocking=True)
+        return up.view(dtype)
 
 def decode_into(chain, payload: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     """``chain.decompress(payload)`` written into ``out``, which may have another float

@@ -258,7 +258,8 @@ class WorkerEngine:
                 payload = info.chain.compress_round(round_ + 1, summed)
             else:  # up to the device, the next round's payload back down
                 with on_side_stream(staging.device, None):
-                    summed = staging.to_device(summed.view(torch.uint8), torch.float32)
+                    summed = staging.to_device(summed.view(torch.uint8).numpy(),
+                                               torch.float32)
                     if round_ + 1 == info.chain.rounds:
                         result = decode_into(info.chain, summed, info.out)
                         wait_side_stream(staging.device)
