@@ -19,6 +19,7 @@ import torch
 import zmq
 
 from bps.compressors.base import NonFiniteError
+from bps.compressors.device import OK, is_staged
 from bps.protocol import join_frames
 from bps.trace import Tracer
 from bps.worker.device_path import decode_into, on_side_stream, wait_side_stream
@@ -149,6 +150,30 @@ class CodecPool:
         info.compressed_step = step
         return payload
 
+    @staticmethod
+    def _run_staged(info: KeyInfo, tensor: torch.Tensor, step: int, lr: float,
+                    momentum_scale: float) -> torch.Tensor | None:
+        """:meth:`_run_chain` for a device chain (``bps.compressors.device``): its payload
+        and status are copied down together, so one wait serves both; the staged state
+        is then committed, or discarded where the status refuses the input."""
+        chain, staging = info.chain, info.staging
+        chain.set_lr(lr)
+        chain.scale_momentum(momentum_scale)
+        payload, status = chain.encode(tensor)
+        payload, status = staging.to_host(payload), staging.status_to_host(status)
+        wait_side_stream(staging.device)
+        code, detail = status.tolist()
+        if code != OK:
+            chain.discard()
+            error = chain.status_error(code, detail)
+            if not isinstance(error, NonFiniteError):
+                raise error
+            chain.cancel()
+            return None
+        chain.commit()
+        info.compressed_step = step
+        return payload
+
     def _compressed(self, info: KeyInfo, step: int, start_ns: int,
                     payload: torch.Tensor) -> None:
         end_ns = time.monotonic_ns()
@@ -175,6 +200,9 @@ class CodecPool:
                     host = staging.to_host(tensor)
                     wait_side_stream(staging.device)
                     payload = self._run_chain(info, host, step, lr, momentum_scale)
+                    nonfinite = payload is None
+                elif is_staged(info.chain):  # payload and verdict down, one wait
+                    payload = self._run_staged(info, tensor, step, lr, momentum_scale)
                     nonfinite = payload is None
                 else:
                     payload = self._run_chain(info, tensor, step, lr, momentum_scale)

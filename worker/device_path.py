@@ -104,6 +104,7 @@ class KeyStaging:
         self._host: torch.Tensor | None = None
         self._up: torch.Tensor | None = None
         self._flag: torch.Tensor | None = None
+        self._status: torch.Tensor | None = None
 
     def _host_bytes(self, nbytes: int) -> torch.Tensor:
         if self._host is None or self._host.numel() < nbytes:
@@ -124,6 +125,17 @@ class KeyStaging:
         flat = tensor.reshape(-1)
         host = self._host_bytes(flat.numel() * flat.element_size()).view(flat.dtype)
         host.copy_(flat, non_blocking=True)
+        return host
+
+    def status_to_host(self, status: torch.Tensor) -> torch.Tensor:
+        """Queue the copy of a device chain's small int64 status into a pinned buffer of
+        its own (valid once the stream reached it); a CPU status as it is."""
+        if not status.is_cuda:
+            return status
+        if self._status is None or self._status.numel() < status.numel():
+            self._status = torch.empty(status.numel(), dtype=status.dtype, pin_memory=True)
+        host = self._status[:status.numel()]
+        host.copy_(status, non_blocking=True)
         return host
 
     def nonfinite_flag(self, tensor: torch.Tensor) -> torch.Tensor:
