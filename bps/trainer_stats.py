@@ -30,7 +30,7 @@ class StepStats:
         counters = engine.stats
         return {"bytes_pushed": counters.bytes_pushed, "bytes_pulled": counters.bytes_pulled,
                 "compress_time": counters.compress_s + counters.decompress_s,
-                "comm_time": counters.comm_s}
+                "comm_time": counters.comm_s, "server_time": counters.server_s}
 
     def record(self, engine: Any, before: dict, step: int, raw_bytes: int,
                wait: float, passes: int = 1, skipped: bool = False,
@@ -55,6 +55,7 @@ class StepStats:
             else 0.0,
             "compress_time": float(delta("compress_time")),
             "comm_time": float(delta("comm_time")),
+            "server_time": float(delta("server_time")),
             "wait_time": wait,
             "backward_passes": passes,
             "skipped": skipped,

@@ -9,8 +9,11 @@ Usage::
 One I/O thread owns the ROUTER socket and the scheduler link; it checks every header
 (``bps.protocol.decode`` plus the payload frames' count and sizes,
 ``bps.protocol.check_payload``) and hands messages to
-``BPS_SERVER_THREADS`` engine threads, each owning a disjoint set of keys, so different
-keys are decoded and summed in parallel (torch ops and numba kernels release the GIL).
+``BPS_SERVER_THREADS`` engine threads (default: the host's cores shared by the job's
+servers on it), each owning a disjoint set of keys, so different keys are decoded,
+summed and re-encoded in parallel (torch ops and numba kernels release the GIL; a large
+partition's kernels also run in chunks on ``bps.compressors.threads``' pool). Each step's
+reply carries ``server_s``, the seconds the key's engine spent on it.
 Engine threads send replies back through an inproc socket; the I/O thread forwards them.
 
 Per key and step: each worker node's push is decompressed and added to the step's sum
@@ -85,6 +88,7 @@ from bps.protocol import (
 )
 from bps.ratelimit import RateLimitedLog
 from bps.scheduler_client import SchedulerClient, failure_reason
+from bps.server.role import engine_threads, host_cores
 
 log = logging.getLogger("bps.server")
 refusals = RateLimitedLog(log)
@@ -116,6 +120,7 @@ class _Step:
     lr: float = 0.0
     first_lr: tuple[int, float] | None = None  # (node, lr) of the first push to arrive
     first_push_ns: int = 0  # when traced (bps.trace): the first push's arrival
+    busy_ns: int = 0  # spent decoding and adding this step's pushes
     nonfinite: tuple[int, str] | None = None  # (node, what) of the first nonfinite mark
 
     def pushed(self, node: int) -> bool:
@@ -141,6 +146,7 @@ class _Key:
     last_payload: torch.Tensor | None = None
     last_skip: dict | None = None  # the skip fields of the last step's DATA, if skipped
     committed_step: int = -1  # the step the chain compressed last (ABORT can undo it)
+    last_server_s: float = 0.0  # seconds the last step took to decode, sum and re-encode
     scratch: torch.Tensor | None = None  # a push widened for the sum, reused every step
     decoded: torch.Tensor | None = None  # a compressed push decoded for the sum, reused
     joined: torch.Tensor | None = None  # a raw push in several frames joined, reused
@@ -428,6 +434,17 @@ class _KeyEngine(threading.Thread):
 
     def _add_push(self, state: _Key, pending: _Step, header: dict,
                   payload: list[zmq.Frame]) -> None:
+        """Decode a push and add it to the step's sum; the time goes to ``busy_ns``."""
+        start_ns = time.monotonic_ns()
+        self._add_values(state, pending, header, payload)
+        end_ns = time.monotonic_ns()
+        pending.busy_ns += end_ns - start_ns
+        if self.server.tracer is not None and pending.first_push_ns:
+            self.server.tracer.complete("decode", state.name, header["step"], start_ns, end_ns,
+                                        node=header["node"])
+
+    def _add_values(self, state: _Key, pending: _Step, header: dict,
+                    payload: list[zmq.Frame]) -> None:
         node = header["node"]
         if "mark" in header:  # nothing to add
             if header["mark"] == "nonfinite" and pending.nonfinite is None:
@@ -485,16 +502,17 @@ class _KeyEngine(threading.Thread):
                 return
             del state.steps[step]
             state.last_step = step
+            state.last_server_s = pending.busy_ns / 1e9
             if pending.nonfinite is not None or pending.total is None:
                 self._skip(state, step, pending)
                 continue
+            summed_ns = time.monotonic_ns()
             total = pending.total.to(state.dtype)
             if state.chain is None and state.dtype == torch.float16 and not tensor_finite(total):
                 # finite pushes whose sum overflows float16: skipped like an inf pushed
                 pending.nonfinite = (-1, state.name)
                 self._skip(state, step, pending)
                 continue
-            summed_ns = time.monotonic_ns() if pending.first_push_ns else 0  # traced only
             if state.chain is not None:
                 if pending.lr > 0:
                     state.chain.set_lr(pending.lr)
@@ -502,12 +520,14 @@ class _KeyEngine(threading.Thread):
                 state.committed_step = step
                 if state.sums_in_place() and not _shares_memory(summed, total):
                     state.spare.append(summed)
+            encoded_ns = time.monotonic_ns()
+            state.last_server_s += (encoded_ns - summed_ns) / 1e9
             tracer = self.server.tracer
             if tracer is not None and pending.first_push_ns:
-                tracer.complete("sum", state.name, step, pending.first_push_ns, summed_ns)
+                tracer.complete("sum", state.name, step, pending.first_push_ns, summed_ns,
+                                server_s=state.last_server_s)
                 if state.chain is not None:
-                    tracer.complete("compress", state.name, step, summed_ns,
-                                    time.monotonic_ns(),
+                    tracer.complete("compress", state.name, step, summed_ns, encoded_ns,
                                     bytes=total.numel() * total.element_size())
             state.last_payload, state.last_skip = total, None
             state.state_blob = None
@@ -528,7 +548,8 @@ class _KeyEngine(threading.Thread):
         skip = state.last_skip or {}
         for ident, rid in waiters:
             self._reply(ident, encode(Op.DATA, rid=rid, key=state.key, step=step,
-                                      nbytes=body.nbytes, **skip), body)
+                                      nbytes=body.nbytes, server_s=state.last_server_s,
+                                      **skip), body)
 
     def _set_state(self, state: _Key, payload: list[zmq.Frame]) -> None:
         if any(s.started() for s in state.steps.values()):
@@ -547,6 +568,7 @@ class _KeyEngine(threading.Thread):
         state.steps.clear()
         state.last_step, state.last_payload, state.last_skip = -1, None, None
         state.committed_step = -1
+        state.last_server_s = 0.0
         state.state_blob = None
 
 
@@ -590,13 +612,17 @@ class ParameterServer:
         link = SchedulerClient(self.ctx, self.env, "server", address, key=key)
         log.info("server listening on %s (%s), waiting for the rendezvous", address,
                  "CURVE" if key is not None else "INSECURE: plain TCP")
-        engines = [_KeyEngine(self, i) for i in range(self.env.server_threads)]
+        engines: list[_KeyEngine] = []
         try:
             welcome = link.rendezvous()
+            threads = self.env.server_threads or engine_threads(host_cores(),
+                                                                welcome["servers"], address)
+            engines += [_KeyEngine(self, i) for i in range(threads)]
             self.num_workers = welcome["num_workers"]
             self.members = {bytes(token): node for node, token in enumerate(welcome["members"])}
             self.tracer = trace.from_env(self.env, f"server{welcome['node_id']}")
-            log.info("server %d serving on %s", welcome["node_id"], address)
+            log.info("server %d serving on %s with %d engine threads", welcome["node_id"],
+                     address, threads)
             for engine in engines:
                 engine.start()
             return self._loop(router, replies, link, engines)

@@ -82,7 +82,9 @@ class EngineStats:
     ``bytes_pushed`` / ``bytes_pulled``: header + payload bytes sent to / received from
     servers. ``compress_s`` / ``decompress_s``: seconds spent in the worker chains (summed
     over codec threads). ``comm_s``: wall seconds during which at least one push was in
-    flight. ``pushes``: completed push_pulls.
+    flight. ``pushes``: completed push_pulls. ``server_s``: seconds the servers spent
+    decoding, summing and re-encoding this node's keys (their replies' ``server_s``,
+    summed over keys: engine-thread seconds, which run in parallel, not wall time).
     """
 
     bytes_pushed: int = 0
@@ -91,6 +93,7 @@ class EngineStats:
     decompress_s: float = 0.0
     comm_s: float = 0.0
     pushes: int = 0
+    server_s: float = 0.0
 
     def __sub__(self, other: EngineStats) -> EngineStats:
         return EngineStats(*(getattr(self, f.name) - getattr(other, f.name)
