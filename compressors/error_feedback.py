@@ -38,6 +38,7 @@ from .base import (
     check_state_keys,
     load_buffer,
 )
+from .threads import chunk_bounds, run_chunks
 
 
 @njit(nogil=True, cache=True)
@@ -58,6 +59,7 @@ class ErrorFeedback(Compressor):
     def __init__(self, inner: Compressor):
         super().__init__(inner.numel, inner.dtype)
         self.inner = inner
+        self.bounds = chunk_bounds(inner.numel)  # a large input runs on several threads
         self.error = torch.zeros(inner.numel, dtype=inner.dtype)
         self.spare: torch.Tensor | None = None  # the other buffer (made on first use)
         self.lr_prev: float | None = None
@@ -84,9 +86,13 @@ class ErrorFeedback(Compressor):
         self.undo = None
         if self.dtype in KERNEL_FLOAT_DTYPES:
             array = x.numpy()
-            return self.compress_corrected(
-                lambda error, ratio, out: add_scaled_error(array, array.dtype.type(ratio),
-                                                           error, out))
+
+            def build(error: np.ndarray, ratio: float, out: np.ndarray) -> bool:
+                factor = array.dtype.type(ratio)
+                return all(run_chunks(lambda lo, hi: add_scaled_error(
+                    array[lo:hi], factor, error[lo:hi], out[lo:hi]), self.bounds))
+
+            return self.compress_corrected(build)
         # float16/bfloat16: torch rounds each op
         ratio = self.ratio
         corrected = x + self.error if ratio == 1.0 else x + ratio * self.error

@@ -69,6 +69,7 @@ from bps import trace
 from bps.auth import Guard, load_key
 from bps.compressors.base import add_decompressed
 from bps.compressors.finite import tensor_finite
+from bps.compressors.threads import chunk_bounds, run_chunks
 from bps.env import ClusterEnv
 from bps.memory import keep_buffers_in_heap
 from bps.protocol import (
@@ -186,6 +187,18 @@ def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether a payload still refers to the sum it was compressed from (a registered
     compressor may return a view of its input)."""
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _add_in_chunks(total: torch.Tensor, values: torch.Tensor,
+                   scratch: torch.Tensor | None = None) -> None:
+    """``total += values`` (widened into ``scratch`` first where given), a large tensor in
+    chunks on several threads (torch releases the GIL; the server runs torch on one
+    thread). Elementwise, so the result is the same bits as one ``add_``."""
+    def add(lo: int, hi: int) -> None:
+        part = values[lo:hi] if scratch is None else scratch[lo:hi].copy_(values[lo:hi])
+        total[lo:hi].add_(part)
+
+    run_chunks(add, chunk_bounds(total.numel()))
 
 
 def _as_bytes(tensor: torch.Tensor) -> memoryview:
@@ -474,11 +487,11 @@ class _KeyEngine(threading.Thread):
             pending.total = values.to(state.accumulate_dtype(self.server.num_workers))
             pending.lr = float(header["lr"])
         elif values.dtype == pending.total.dtype:
-            pending.total.add_(values)
+            _add_in_chunks(pending.total, values)
         else:  # widen first: torch's mixed-dtype add_ is ~4x slower than copy + add_
             if state.scratch is None:
                 state.scratch = torch.empty(state.numel, dtype=pending.total.dtype)
-            pending.total.add_(state.scratch.copy_(values))
+            _add_in_chunks(pending.total, values, state.scratch)
 
     def _pull(self, state: _Key, ident: bytes, header: dict) -> None:
         step = header["step"]
