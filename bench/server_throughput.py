@@ -1,0 +1,208 @@
+"""Server throughput: how fast one server decodes, sums and re-encodes 2 nodes' pushes.
+
+Usage::
+
+    .venv/bin/python bench/server_throughput.py            # 1, 2, 4, ... threads up to the cores
+    .venv/bin/python bench/server_throughput.py --threads 1 8 --keys 32 --steps 5
+
+Drives a real :class:`bps.server.server.ParameterServer`'s engine threads (``_KeyEngine``:
+their inboxes, the real decode, node-order sum, error feedback and re-encode, replies on
+the inproc socket) with the pushes of 2 worker nodes, without the network or the I/O
+thread: the compute a server does per step, as ``BPS_SERVER_THREADS`` engine threads
+share it. Each of ``--keys`` keys is one partition of BYTEPS_PARTITION_BYTES (default
+4,096,000: 1,024,000 float32 elements, 2,048,000 float16); each node's pushes are its
+worker chain's payloads of random gradients. Per compressor (with error feedback on
+both ends, as a job runs it) and thread count: the median wall time of ``--steps``
+steps after one warm-up step, the partition bytes aggregated per second (``GB/s``: keys
+x partition bytes / step time), the process's CPU time in the step (all threads: on a
+busy host it moves less than the wall time) and the ``server_s`` the replies carried
+(engine-thread seconds, summed over keys). Results: stdout (markdown) and
+bench/results/server_throughput.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+import zmq
+
+from bps.compressors import build
+from bps.env import ClusterEnv
+from bps.protocol import Op, decode, dtype_name, encode, server_seconds
+from bps.server.role import host_cores
+from bps.server.server import ParameterServer, _KeyEngine
+
+WORKERS = 2
+REPLY_TIMEOUT_MS = 120_000  # a step that takes longer fails, naming the keys not answered
+CASES = {  # name -> (compression_params or None for raw keys, dtype)
+    "onebit": ({"compressor": "onebit", "scaling": True, "ef": "vanilla"}, torch.float32),
+    "topk 1%": ({"compressor": "topk", "k": 0.01, "ef": "vanilla"}, torch.float32),
+    "bytegrad": ({"compressor": "bytegrad", "ef": "vanilla"}, torch.float32),
+    "randomk 1%": ({"compressor": "randomk", "k": 0.01, "ef": "vanilla", "seed": 7},
+                   torch.float32),
+    "fp16 raw": (None, torch.float16),
+}
+
+
+class Rig:
+    """A server with ``threads`` engine threads and ``keys`` registered keys of ``numel``
+    elements; :meth:`step` hands it every push of one step and waits for every reply."""
+
+    def __init__(self, threads: int, keys: int, numel: int, dtype: torch.dtype,
+                 params: dict | None, partition_bytes: int) -> None:
+        env = ClusterEnv.from_environ({
+            "DMLC_ROLE": "server", "DMLC_NUM_WORKER": str(WORKERS), "DMLC_NUM_SERVER": "1",
+            "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": "9",
+            "BYTEPS_PARTITION_BYTES": str(partition_bytes)})
+        self.ctx = zmq.Context()
+        self.server = ParameterServer(env, self.ctx)
+        self.server.num_workers = WORKERS
+        self.replies = self.ctx.socket(zmq.PULL)
+        self.replies.bind(self.server.replies_address)
+        self.engines = [_KeyEngine(self.server, i) for i in range(threads)]
+        for engine in self.engines:
+            engine.start()
+        self.keys, self.numel, self.dtype = list(range(keys)), numel, dtype
+        self.rid = 0
+        for key in self.keys:
+            self._put(key, Op.REGISTER, None, numel=numel, dtype=dtype_name(dtype),
+                      name=f"p{key}", params=params, node=0)
+        self._collect(Op.OK, len(self.keys))
+
+    def _put(self, key: int, op: Op, payload: list | None, **fields: object) -> None:
+        self.rid += 1
+        header = decode(encode(op, rid=self.rid, key=key, **fields))
+        header["peer"] = "bench"
+        self.engines[key % len(self.engines)].inbox.put((b"bench", header, payload))
+
+    def _collect(self, op: Op, count: int) -> list[dict]:
+        """The next ``count`` replies of ``op`` (ACKs are skipped); an ERROR raises."""
+        got: list[dict] = []
+        while len(got) < count:
+            if not self.replies.poll(REPLY_TIMEOUT_MS):
+                raise TimeoutError(f"no reply for {REPLY_TIMEOUT_MS / 1000:.0f} s: "
+                                   f"{count - len(got)} {op.name} replies missing")
+            header = decode(self.replies.recv_multipart(copy=False)[1].bytes)
+            if header["op"] == Op.ERROR:
+                raise RuntimeError(header["msg"])
+            if header["op"] == op:
+                got.append(header)
+        return got
+
+    def step(self, step: int, payloads: list[list[bytes]]) -> tuple[float, float, float]:
+        """Push every node's payload of every key; (wall seconds until every DATA reply
+        arrived, this process's CPU seconds in that time, the replies' server_s summed
+        over keys)."""
+        # fresh frames (not timed): a raw key's sum is taken in its first push's frame
+        frames = [[zmq.Frame(body, copy=True) for body in node] for node in payloads]
+        start, cpu = time.perf_counter(), time.process_time()
+        for node, bodies in enumerate(frames):
+            for key, frame in zip(self.keys, bodies, strict=True):
+                self._put(key, Op.PUSH, [frame], step=step, node=node,
+                          dtype=dtype_name(self.dtype), numel=self.numel,
+                          nbytes=len(frame), lr=0.1)
+        replies = self._collect(Op.DATA, WORKERS * len(self.keys))
+        wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+        return wall, cpu, sum(server_seconds(r) for r in replies) / WORKERS
+
+    def close(self) -> None:
+        for engine in self.engines:
+            engine.inbox.put(None)
+        for engine in self.engines:
+            engine.join(timeout=30)
+        self.replies.close(linger=0)
+        self.ctx.term()
+
+
+def worker_payloads(params: dict | None, dtype: torch.dtype, keys: int, numel: int
+                    ) -> list[list[bytes]]:
+    """Each node's push of each key: its worker chain's payload of a random gradient."""
+    gen = torch.Generator().manual_seed(1)
+    payloads = []
+    for _ in range(WORKERS):
+        node = []
+        for _ in range(keys):
+            grad = (torch.randn(numel, generator=gen) * 1e-2).to(dtype)
+            if params is None:
+                node.append(grad.numpy().tobytes())
+            else:
+                chain = build(params, numel, dtype, role="worker")
+                chain.set_lr(0.1)
+                node.append(chain.compress(grad).numpy().tobytes())
+        payloads.append(node)
+    return payloads
+
+
+def thread_counts(cores: int) -> list[int]:
+    """1, 2, 4, ... below ``cores``, then ``cores``."""
+    counts = [1 << i for i in range(cores.bit_length()) if 1 << i < cores]
+    return counts + [cores]
+
+
+def host_line() -> str:
+    model = next((line.split(":", 1)[1].strip() for line in
+                  Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), platform.processor())
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True, cwd=Path(__file__).parent).stdout.strip()
+    return (f"{model}, {host_cores()} cores usable, torch {torch.__version__}, commit "
+            f"{commit or '?'}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--threads", type=int, nargs="+", default=None,
+                        help="engine thread counts (default: 1, 2, 4, ... up to the cores)")
+    parser.add_argument("--keys", type=int, default=None,
+                        help="partitions per step (default: 2 x the most threads, >= 8)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per case")
+    parser.add_argument("--partition-bytes", type=int, default=4096000)
+    parser.add_argument("--cases", nargs="+", choices=sorted(CASES), default=list(CASES))
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # as the server runs: the parallelism is the engines'
+    counts = args.threads or thread_counts(host_cores())
+    keys = args.keys or max(8, 2 * max(counts))
+    print(f"host: {host_line()}")
+    print(f"{keys} keys of {args.partition_bytes} bytes, {WORKERS} worker nodes, median of "
+          f"{args.steps} steps\n")
+    print("| case | threads | ms/step | GB/s | CPU ms/step | server_s ms/step | speed-up |")
+    print("|---|---|---|---|---|---|---|")
+    results = []
+    began = time.perf_counter()
+    for name in args.cases:
+        params, dtype = CASES[name]
+        numel = args.partition_bytes // dtype.itemsize
+        payloads = worker_payloads(params, dtype, keys, numel)
+        first = None
+        for threads in counts:
+            rig = Rig(threads, keys, numel, dtype, params, args.partition_bytes)
+            try:
+                runs = [rig.step(step, payloads) for step in range(args.steps + 1)][1:]
+            finally:
+                rig.close()
+            wall, cpu, busy = (statistics.median(run[i] for run in runs) for i in range(3))
+            first = first or wall
+            rate = keys * args.partition_bytes / wall / 1e9
+            print(f"| {name} | {threads} | {wall * 1e3:.1f} | {rate:.2f} | {cpu * 1e3:.0f} | "
+                  f"{busy * 1e3:.0f} | {first / wall:.2f}x |", flush=True)
+            results.append({"case": name, "threads": threads, "keys": keys,
+                            "partition_bytes": args.partition_bytes, "step_s": wall,
+                            "cpu_s": cpu, "gb_per_s": rate, "server_s": busy})
+    print(f"\n{time.perf_counter() - began:.0f} s in all")
+    out = Path(__file__).parent / "results"
+    out.mkdir(exist_ok=True)
+    (out / "server_throughput.json").write_text(json.dumps(
+        {"host": host_line(), "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()
