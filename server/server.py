@@ -10,7 +10,8 @@ One I/O thread owns the ROUTER socket and the scheduler link; it checks every he
 (``bps.protocol.decode`` plus the payload frames' count and sizes,
 ``bps.protocol.check_payload``) and hands messages to
 ``BPS_SERVER_THREADS`` engine threads (default: the host's cores shared by the job's
-servers on it), each owning a disjoint set of keys, so different keys are decoded,
+servers on it), each owning a disjoint set of keys (a new key goes to the one with
+the fewest elements so far, ``_LeastLoaded``), so different keys are decoded,
 summed and re-encoded in parallel (torch ops and numba kernels release the GIL; a large
 partition's kernels also run in chunks on ``bps.compressors.threads``' pool). Each step's
 reply carries ``server_s``, the seconds the key's engine spent on it.
@@ -53,7 +54,6 @@ push, so it always arrives before that key's next step can complete.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import queue
 import threading
@@ -97,6 +97,7 @@ refusals = RateLimitedLog(log)
 MAX_KEY = 2**63
 MAX_NUMEL = 2**31 - 1
 MAX_PENDING_STEPS = 16
+KEY_COST = 65536  # a key-step's fixed Python work, in elements' worth of kernel time
 STEP_WINDOW = 1  # a push's step may differ by at most this from the pending pushes' steps
 PEER_QUEUE = 1024  # replies queued for one connection that does not read (then dropped)
 PEER_INBOUND = 64  # requests ZeroMQ queues per connection before it stops reading it
@@ -585,6 +586,29 @@ class _KeyEngine(threading.Thread):
         state.state_blob = None
 
 
+class _LeastLoaded:
+    """Picks the engine thread of a new key: the one with the least work so far, in
+    elements plus :data:`KEY_COST` per key, ties to the lowest-numbered. Keys of
+    different sizes (a tensor's last partition, small raw tensors) then spread evenly.
+
+        >>> pick = _LeastLoaded(["e0", "e1"])
+        >>> [pick({"numel": n}) for n in (1_000_000, 10, 10, 10, 1_000_000)]
+        ['e0', 'e1', 'e1', 'e1', 'e1']
+        >>> pick.loads
+        [1065536, 1262174]
+    """
+
+    def __init__(self, engines: list) -> None:
+        self.engines = engines
+        self.loads = [0] * len(engines)
+
+    def __call__(self, header: dict) -> Any:
+        index = min(range(len(self.loads)), key=self.loads.__getitem__)
+        numel = header.get("numel", 0)  # refused later if out of range: clamped here
+        self.loads[index] += KEY_COST + min(max(numel, 0), MAX_NUMEL)
+        return self.engines[index]
+
+
 class ParameterServer:
     """One server process; :meth:`run` returns the exit code."""
 
@@ -634,7 +658,7 @@ class ParameterServer:
             self.num_workers = welcome["num_workers"]
             self.members = {bytes(token): node for node, token in enumerate(welcome["members"])}
             self.tracer = trace.from_env(self.env, f"server{welcome['node_id']}")
-            log.info("server %d serving on %s with %d engine threads", welcome["node_id"],
+            log.info("server %d serving on %s, engine threads: %d", welcome["node_id"],
                      address, threads)
             for engine in engines:
                 engine.start()
@@ -669,7 +693,7 @@ class ParameterServer:
     def _loop(self, router: Any, replies: Any, link: SchedulerClient,
               engines: list[_KeyEngine]) -> int:
         owner: dict[int, _KeyEngine] = {}
-        next_engine = itertools.cycle(engines)
+        next_engine = _LeastLoaded(engines)
         poller = zmq.Poller()
         for sock in (router, replies, link.sock):
             poller.register(sock, zmq.POLLIN)
@@ -721,7 +745,7 @@ class ParameterServer:
             if engine is None:
                 if header["op"] != Op.REGISTER:
                     raise ProtocolError(f"key {header['key']}: unknown key (not declared)")
-                engine = owner[header["key"]] = next(next_engine)
+                engine = owner[header["key"]] = next_engine(header)
         except ProtocolError as exc:
             msg = error_text(str(exc))
             refusals.warning("refused a message from %s: %s", peer, msg)

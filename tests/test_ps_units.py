@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import bps.server.role
+import bps.server.server
 from bps.env import ClusterEnv, EnvError
 from bps.protocol import (
     MIN_FRAME_BYTES,
@@ -29,6 +30,7 @@ from bps.protocol import (
     server_seconds,
 )
 from bps.server.role import engine_threads, host_cores
+from bps.server.server import KEY_COST, MAX_NUMEL, _LeastLoaded
 from bps.worker.partition import Placement, partition, plan_servers
 from bps.worker.send_queues import SendQueues, send_order
 
@@ -62,6 +64,24 @@ def test_server_threads_share_the_host_among_its_servers() -> None:
     assert engine_threads(1024, servers, servers[3]) == 64  # BPS_SERVER_THREADS' bound
     assert 1 <= host_cores() <= (os.cpu_count() or 1)
     assert doctest.testmod(bps.server.role).failed == 0
+
+
+def test_new_keys_go_to_the_least_loaded_engine_thread() -> None:
+    engines = ["e0", "e1", "e2"]
+    pick = _LeastLoaded(engines)
+    # a layer's weight, then its bias and a norm's weight: round-robin would give every
+    # weight to e0
+    sizes = [1_000_000, 5, 5] * 6
+    owners = [pick({"numel": numel}) for numel in sizes]
+    weights = [owner for owner, numel in zip(owners, sizes, strict=True) if numel > 5]
+    assert sorted(weights) == sorted(engines * 2)
+    assert sum(pick.loads) == sum(sizes) + KEY_COST * len(sizes)
+    # greedy least-loaded: no engine ends above another by more than the largest key
+    assert max(pick.loads) - min(pick.loads) <= KEY_COST + max(sizes)
+    lightest = pick.loads.index(min(pick.loads))
+    assert pick({"numel": 2**62}) == engines[lightest]
+    assert pick.loads[lightest] <= 2_000_000 + 9 * KEY_COST + MAX_NUMEL  # bogus: MAX_NUMEL
+    assert doctest.testmod(bps.server.server).failed == 0
 
 
 def test_a_reply_server_time_is_read_only_when_it_is_a_time() -> None:
