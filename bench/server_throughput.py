@@ -21,8 +21,8 @@ steps after one warm-up step and the best one, the partition bytes aggregated pe
 second (``GB/s``: keys x partition bytes / median step time), the speed-up of the
 median over one thread's, the process's CPU time in the step (all threads: on a
 busy host it moves less than the wall time) and the ``server_s`` the replies carried
-(engine-thread seconds, summed over keys). Results: stdout (markdown) and
-bench/results/server_throughput.json.
+(engine-thread seconds, summed over keys). Results: stdout (markdown) and ``--json``
+(default bench/results/server_throughput.json).
 """
 
 from __future__ import annotations
@@ -77,6 +77,7 @@ class Rig:
             engine.start()
         self.keys, self.numel, self.dtype = list(range(keys)), numel, dtype
         self.rid = 0
+        self.aggregates: dict[int, list[zmq.Frame]] = {}  # the last step's, per key
         for key in self.keys:
             self._put(key, Op.REGISTER, None, numel=numel, dtype=dtype_name(dtype),
                       name=f"p{key}", params=params, node=0)
@@ -88,18 +89,20 @@ class Rig:
         header["peer"] = "bench"
         self.engines[key % len(self.engines)].inbox.put((b"bench", header, payload))
 
-    def _collect(self, op: Op, count: int) -> list[dict]:
-        """The next ``count`` replies of ``op`` (ACKs are skipped); an ERROR raises."""
-        got: list[dict] = []
+    def _collect(self, op: Op, count: int) -> list[tuple[dict, list[zmq.Frame]]]:
+        """The next ``count`` replies of ``op`` (ACKs are skipped) with their payload
+        frames; an ERROR raises."""
+        got: list[tuple[dict, list[zmq.Frame]]] = []
         while len(got) < count:
             if not self.replies.poll(REPLY_TIMEOUT_MS):
                 raise TimeoutError(f"no reply for {REPLY_TIMEOUT_MS / 1000:.0f} s: "
                                    f"{count - len(got)} {op.name} replies missing")
-            header = decode(self.replies.recv_multipart(copy=False)[1].bytes)
+            frames = self.replies.recv_multipart(copy=False)
+            header = decode(frames[1].bytes)
             if header["op"] == Op.ERROR:
                 raise RuntimeError(header["msg"])
             if header["op"] == op:
-                got.append(header)
+                got.append((header, frames[2:]))
         return got
 
     def step(self, step: int, payloads: list[list[bytes]]) -> tuple[float, float, float]:
@@ -116,7 +119,8 @@ class Rig:
                           nbytes=len(frame), lr=0.1)
         replies = self._collect(Op.DATA, WORKERS * len(self.keys))
         wall, cpu = time.perf_counter() - start, time.process_time() - cpu
-        return wall, cpu, sum(server_seconds(r) for r in replies) / WORKERS
+        self.aggregates = {header["key"]: frames for header, frames in replies}
+        return wall, cpu, sum(server_seconds(header) for header, _ in replies) / WORKERS
 
     def close(self) -> None:
         for engine in self.engines:
@@ -171,6 +175,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="timed steps per case")
     parser.add_argument("--partition-bytes", type=int, default=4096000)
     parser.add_argument("--cases", nargs="+", choices=sorted(CASES), default=list(CASES))
+    parser.add_argument("--json", type=Path,
+                        default=Path(__file__).parent / "results" / "server_throughput.json")
     args = parser.parse_args()
     torch.set_num_threads(1)  # as the server runs: the parallelism is the engines'
     counts = args.threads or thread_counts(host_cores())
@@ -205,10 +211,8 @@ def main() -> None:
                             "best_step_s": best, "cpu_s": cpu, "gb_per_s": rate,
                             "server_s": busy})
     print(f"\n{time.perf_counter() - began:.0f} s in all")
-    out = Path(__file__).parent / "results"
-    out.mkdir(exist_ok=True)
-    (out / "server_throughput.json").write_text(json.dumps(
-        {"host": host_line(), "results": results}, indent=1))
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({"host": host_line(), "results": results}, indent=1))
 
 
 if __name__ == "__main__":
