@@ -43,7 +43,7 @@ from bps.compressors import build
 from bps.env import ClusterEnv
 from bps.protocol import Op, decode, dtype_name, encode, server_seconds
 from bps.server.role import host_cores
-from bps.server.server import ParameterServer, _KeyEngine
+from bps.server.server import ParameterServer, _KeyEngine, _LeastLoaded
 
 WORKERS = 2
 REPLY_TIMEOUT_MS = 120_000  # a step that takes longer fails, naming the keys not answered
@@ -76,33 +76,40 @@ class Rig:
         for engine in self.engines:
             engine.start()
         self.keys, self.numel, self.dtype = list(range(keys)), numel, dtype
+        pick = _LeastLoaded(self.engines)  # as the server's I/O thread deals keys
+        self.owner = {key: pick({"numel": numel}) for key in self.keys}
         self.rid = 0
         self.aggregates: dict[int, list[zmq.Frame]] = {}  # the last step's, per key
         for key in self.keys:
             self._put(key, Op.REGISTER, None, numel=numel, dtype=dtype_name(dtype),
                       name=f"p{key}", params=params, node=0)
-        self._collect(Op.OK, len(self.keys))
+        self._collect(Op.OK, 1)
 
     def _put(self, key: int, op: Op, payload: list | None, **fields: object) -> None:
         self.rid += 1
         header = decode(encode(op, rid=self.rid, key=key, **fields))
         header["peer"] = "bench"
-        self.engines[key % len(self.engines)].inbox.put((b"bench", header, payload))
+        self.owner[key].inbox.put((b"bench", header, payload))
 
-    def _collect(self, op: Op, count: int) -> list[tuple[dict, list[zmq.Frame]]]:
-        """The next ``count`` replies of ``op`` (ACKs are skipped) with their payload
-        frames; an ERROR raises."""
+    def _collect(self, op: Op, each: int) -> list[tuple[dict, list[zmq.Frame]]]:
+        """``each`` replies of ``op`` per key (ACKs are skipped) with their payload
+        frames; an ERROR raises, and so does a wait of REPLY_TIMEOUT_MS, naming the keys."""
         got: list[tuple[dict, list[zmq.Frame]]] = []
-        while len(got) < count:
+        waiting = dict.fromkeys(self.keys, each)
+        while waiting:
             if not self.replies.poll(REPLY_TIMEOUT_MS):
-                raise TimeoutError(f"no reply for {REPLY_TIMEOUT_MS / 1000:.0f} s: "
-                                   f"{count - len(got)} {op.name} replies missing")
+                raise TimeoutError(f"no reply for {REPLY_TIMEOUT_MS / 1000:.0f} s: keys "
+                                   f"{sorted(waiting)} still wait for {op.name}")
             frames = self.replies.recv_multipart(copy=False)
             header = decode(frames[1].bytes)
             if header["op"] == Op.ERROR:
                 raise RuntimeError(header["msg"])
             if header["op"] == op:
                 got.append((header, frames[2:]))
+                key = header["key"] if "key" in header else next(iter(waiting))  # OK: none
+                waiting[key] -= 1
+                if not waiting[key]:
+                    del waiting[key]
         return got
 
     def step(self, step: int, payloads: list[list[bytes]]) -> tuple[float, float, float]:
@@ -117,7 +124,7 @@ class Rig:
                 self._put(key, Op.PUSH, [frame], step=step, node=node,
                           dtype=dtype_name(self.dtype), numel=self.numel,
                           nbytes=len(frame), lr=0.1)
-        replies = self._collect(Op.DATA, WORKERS * len(self.keys))
+        replies = self._collect(Op.DATA, WORKERS)
         wall, cpu = time.perf_counter() - start, time.process_time() - cpu
         self.aggregates = {header["key"]: frames for header, frames in replies}
         return wall, cpu, sum(server_seconds(header) for header, _ in replies) / WORKERS
