@@ -17,7 +17,9 @@ bps's own variables:
 * ``DMLC_NODE_HOST`` (default 127.0.0.1): the address this process binds and advertises.
 * ``BPS_SERVER_ID`` (servers, optional): this server's rank; unset: registration order.
 * ``BPS_JOB_SEED`` (scheduler only, optional): the job seed; random if unset.
-* ``BPS_SERVER_THREADS`` (servers, default 4): engine threads summing different keys.
+* ``BPS_SERVER_THREADS`` (servers, default: the cores this process may run on divided
+  among the servers on its host, see ``bps.server.role.engine_threads``): engine threads
+  decoding, summing and re-encoding different keys.
 * ``BPS_MAX_INFLIGHT`` (workers, default 16): pushes per server not yet acknowledged;
   further partitions wait in the priority queue.
 * ``BPS_MALLOC_TUNE`` (servers and worker engines, default 1): ``0`` leaves glibc's
@@ -65,6 +67,7 @@ ROLES = ("scheduler", "server", "worker")
 DEFAULT_PARTITION_BYTES = 4096000
 DEFAULT_MIN_COMPRESS_BYTES = 65536
 DEFAULT_FRAME_BYTES = 131072  # with CURVE; without it every payload is one frame
+MAX_SERVER_THREADS = 64  # engine threads of one server
 
 
 class EnvError(ValueError):
@@ -160,7 +163,7 @@ class ClusterEnv:
     heartbeat_timeout: float = 10.0
     node_host: str = "127.0.0.1"
     job_seed: int | None = None
-    server_threads: int = 4
+    server_threads: int | None = None  # None: follow the host's cores
     max_inflight: int = 16
     local_master_addr: str | None = None
     local_master_port: int | None = None
@@ -231,7 +234,8 @@ class ClusterEnv:
             heartbeat_timeout=hb_timeout,
             node_host=_get(env, "DMLC_NODE_HOST", "127.0.0.1"),
             job_seed=None if not seed else _int(env, "BPS_JOB_SEED", None, 1, 2**64 - 1),
-            server_threads=_int(env, "BPS_SERVER_THREADS", 4, 1, 64),
+            server_threads=_int(env, "BPS_SERVER_THREADS", None, 1, MAX_SERVER_THREADS)
+            if _get(env, "BPS_SERVER_THREADS", "") else None,
             max_inflight=_int(env, "BPS_MAX_INFLIGHT", 16, 1),
             local_master_addr=env.get("BPS_LOCAL_MASTER_ADDR") or None,
             local_master_port=None if not master_port

@@ -31,6 +31,9 @@ Worker <-> server ops (the reply echoes ``rid``):
   summed (frees the worker's send credit), then ``DATA`` (the step's aggregate, sent
   once every worker node pushed that step); or ``ERROR``
 * ``PULL`` key step -> ``DATA`` of that step (the last completed one or a pending one)
+* A step's ``DATA`` carries ``server_s``: the seconds the server spent decoding, summing
+  and re-encoding that step of the key (``server_seconds`` reads it; a reader may ignore
+  it).
 * A ``PUSH`` may carry ``mark``: ``"nonfinite"`` (the worker's gradient has inf or NaN
   entries; ``what`` names it) or ``"zero"`` (a worker that joined contributes nothing),
   with an empty payload. A step of a key with a non-finite mark, or with nothing but
@@ -133,6 +136,19 @@ FIELDS: dict[Op, dict[str, tuple[type, ...]]] = {
 }
 
 MARKS = ("nonfinite", "zero")  # a PUSH's optional ``mark``
+
+
+def server_seconds(header: dict) -> float:
+    """A ``DATA`` header's optional ``server_s``; 0.0 where it is absent or not a finite
+    number >= 0.
+
+        >>> server_seconds({"server_s": 0.25}), server_seconds({})
+        (0.25, 0.0)
+    """
+    value = header.get("server_s")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return 0.0
+    return float(value) if 0 <= value < math.inf else 0.0
 
 DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64")
 

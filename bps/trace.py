@@ -14,7 +14,10 @@ where that is later) and writes
   until the reply: the other nodes' pushes, the server's sum and the transfer back) and
   ``decompress``;
 * servers (``server<id>``): per partition ``sum`` (first push received until every node's
-  push is added), ``compress`` (the sum, for the pull) and an instant ``push`` per node.
+  push is added; its ``server_s``: the seconds of the ``decode`` spans and the
+  ``compress`` span together, what the workers' stats count as ``server_time``),
+  ``decode`` (one node's push decoded and added to the sum), ``compress`` (the sum, for
+  the pull) and an instant ``push`` per node.
 
 Timestamps are CLOCK_MONOTONIC, which every process of one machine shares (network
 namespaces included), so the files of one ``bpslaunch local`` or ``bpslaunch netem`` job

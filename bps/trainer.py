@@ -526,8 +526,10 @@ class DistributedTrainer:
         float32; ``compression_ratio``: ``2 * raw_bytes / (pushed + pulled)``;
         ``compress_time``: seconds spent compressing and decompressing on this node;
         ``comm_time``: wall seconds during which at least one push was in flight;
-        ``wait_time``: seconds ``step()`` blocked; ``backward_passes``: backward passes
-        per step (each partition travels once per step however many passes);
+        ``server_time``: seconds the servers spent decoding, summing and re-encoding this
+        node's partitions (summed over partitions); ``wait_time``: seconds ``step()``
+        blocked; ``backward_passes``: backward passes per step (each partition travels
+        once per step however many passes);
         ``samples``: the node's samples in the step (the first dimension of the model's
         first tensor input, summed over this process's training forwards, times the
         local ranks); ``bytes_per_sample``: ``(pushed + pulled) / samples``; ``skipped``:

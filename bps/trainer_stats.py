@@ -30,7 +30,8 @@ class StepStats:
         counters = engine.stats
         return {"bytes_pushed": counters.bytes_pushed, "bytes_pulled": counters.bytes_pulled,
                 "compress_time": counters.compress_s + counters.decompress_s,
-                "comm_time": counters.comm_s, "pcie_bytes": counters.pcie_bytes}
+                "comm_time": counters.comm_s, "pcie_bytes": counters.pcie_bytes,
+                "server_time": counters.server_s}
 
     def record(self, engine: Any, before: dict, step: int, raw_bytes: int,
                wait: float, passes: int = 1, skipped: bool = False,
@@ -56,6 +57,7 @@ class StepStats:
             "compress_time": float(delta("compress_time")),
             "comm_time": float(delta("comm_time")),
             "pcie_bytes": int(delta("pcie_bytes")),
+            "server_time": float(delta("server_time")),
             "wait_time": wait,
             "backward_passes": passes,
             "skipped": skipped,

@@ -39,6 +39,7 @@ from .base import (
     load_buffer,
 )
 from .device import CHAIN_NONFINITE, StagedChain, TorchKernels, first_bad, flag_status, is_staged
+from .threads import chunk_bounds, run_chunks
 
 
 @njit(nogil=True, cache=True)
@@ -75,6 +76,7 @@ class ErrorFeedback(StagedChain, Compressor):
         self.inner = inner
         self.device = inner.device
         self.staged = is_staged(inner)  # the inner chain has torch kernels: so has this one
+        self.bounds = chunk_bounds(inner.numel)  # a large input runs on several threads
         self.error = torch.zeros(inner.numel, dtype=inner.dtype, device=self.device)
         self.spare: torch.Tensor | None = None  # the other buffer (made on first use)
         self.lr_prev: float | None = None
@@ -103,9 +105,13 @@ class ErrorFeedback(StagedChain, Compressor):
         self.undo = None
         if self.dtype in KERNEL_FLOAT_DTYPES:
             array = x.numpy()
-            return self.compress_corrected(
-                lambda error, ratio, out: add_scaled_error(array, array.dtype.type(ratio),
-                                                           error, out))
+
+            def build(error: np.ndarray, ratio: float, out: np.ndarray) -> bool:
+                factor = array.dtype.type(ratio)
+                return all(run_chunks(lambda lo, hi: add_scaled_error(
+                    array[lo:hi], factor, error[lo:hi], out[lo:hi]), self.bounds))
+
+            return self.compress_corrected(build)
         # float16/bfloat16: torch rounds each op
         corrected = add_scaled_error_torch(x, self.ratio, self.error, self._spare())
         if not bool(torch.isfinite(corrected).all()):

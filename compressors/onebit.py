@@ -155,8 +155,14 @@ class OneBit(Compressor):
             return super().decompress_add(payload, total, scratch)
         words, scale = self._parse(payload)
         array = self.output(total, "total").numpy()
-        subtract_signs(array, words, -array.dtype.type(scale))  # adds -scale / +scale
+        self._subtract_signs(array, words, -array.dtype.type(scale))  # adds -scale / +scale
         return total
+
+    def _subtract_signs(self, array: np.ndarray, words: np.ndarray, scale: np.floating
+                        ) -> None:
+        """``subtract_signs`` over the chunks of a large array on several threads."""
+        run_chunks(lambda lo, hi: subtract_signs(array[lo:hi], words[lo // 32 :], scale),
+                   self.bounds)
 
     def fast_update_error(self, corrected: torch.Tensor, payload: Payload) -> torch.Tensor:
         """corrected -= decompress(payload), in one pass for float32/float64."""
@@ -164,5 +170,5 @@ class OneBit(Compressor):
             return corrected.sub_(self.decompress(payload))
         words, scale = self._parse(payload)
         array = corrected.numpy()
-        subtract_signs(array, words, array.dtype.type(scale))
+        self._subtract_signs(array, words, array.dtype.type(scale))
         return corrected

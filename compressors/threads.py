@@ -17,7 +17,8 @@ import numpy as np
 
 MIN_CHUNK = 1 << 20  # elements: below this, thread hand-off costs more than it saves
 ALIGN = 32  # chunk bounds are multiples of 32 elements (one onebit word)
-THREADS = max(1, min(8, os.cpu_count() or 1))
+THREADS = max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                      else os.cpu_count() or 1))  # the cores this process may run on
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 

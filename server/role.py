@@ -10,14 +10,41 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 from collections.abc import Sequence
+from urllib.parse import urlsplit
 
 from bps.auth import AuthError
-from bps.env import ClusterEnv, EnvError
+from bps.env import MAX_SERVER_THREADS, ClusterEnv, EnvError
 
 EXIT_BAD_ENV = 2
+
+
+def host_cores() -> int:
+    """The cores this process may run on (its CPU affinity: a container's or taskset's
+    limit, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def engine_threads(cores: int, servers: Sequence[str], address: str) -> int:
+    """A server's default engine threads: ``cores`` shared evenly by the servers of the
+    job (their addresses, ``servers``) on the host of ``address``; at least 1.
+
+        >>> engine_threads(16, ["tcp://127.0.0.1:5001", "tcp://127.0.0.1:5002"],
+        ...                "tcp://127.0.0.1:5002")
+        8
+        >>> engine_threads(16, ["tcp://10.0.0.1:5001", "tcp://10.0.0.2:5001"],
+        ...                "tcp://10.0.0.2:5001")
+        16
+    """
+    host = urlsplit(address).hostname
+    here = sum(urlsplit(server).hostname == host for server in servers)
+    return max(1, min(MAX_SERVER_THREADS, cores // max(1, here)))
 
 
 def setup_process() -> None:

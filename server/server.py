@@ -9,8 +9,12 @@ Usage::
 One I/O thread owns the ROUTER socket and the scheduler link; it checks every header
 (``bps.protocol.decode`` plus the payload frames' count and sizes,
 ``bps.protocol.check_payload``) and hands messages to
-``BPS_SERVER_THREADS`` engine threads, each owning a disjoint set of keys, so different
-keys are decoded and summed in parallel (torch ops and numba kernels release the GIL).
+``BPS_SERVER_THREADS`` engine threads (default: the host's cores shared by the job's
+servers on it), each owning a disjoint set of keys (a new key goes to the one with
+the fewest elements so far, ``_LeastLoaded``), so different keys are decoded,
+summed and re-encoded in parallel (torch ops and numba kernels release the GIL; a large
+partition's kernels also run in chunks on ``bps.compressors.threads``' pool). Each step's
+reply carries ``server_s``, the seconds the key's engine spent on it.
 Engine threads send replies back through an inproc socket; the I/O thread forwards them.
 
 Per key and step: each worker node's push is decompressed and added to the step's sum
@@ -50,7 +54,6 @@ push, so it always arrives before that key's next step can complete.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import queue
 import threading
@@ -66,6 +69,7 @@ from bps import trace
 from bps.auth import Guard, load_key
 from bps.compressors.base import add_decompressed
 from bps.compressors.finite import tensor_finite
+from bps.compressors.threads import chunk_bounds, run_chunks
 from bps.env import ClusterEnv
 from bps.memory import keep_buffers_in_heap
 from bps.protocol import (
@@ -85,6 +89,7 @@ from bps.protocol import (
 )
 from bps.ratelimit import RateLimitedLog
 from bps.scheduler_client import SchedulerClient, failure_reason
+from bps.server.role import engine_threads, host_cores
 
 log = logging.getLogger("bps.server")
 refusals = RateLimitedLog(log)
@@ -92,6 +97,7 @@ refusals = RateLimitedLog(log)
 MAX_KEY = 2**63
 MAX_NUMEL = 2**31 - 1
 MAX_PENDING_STEPS = 16
+KEY_COST = 65536  # a key-step's fixed Python work, in elements' worth of kernel time
 STEP_WINDOW = 1  # a push's step may differ by at most this from the pending pushes' steps
 PEER_QUEUE = 1024  # replies queued for one connection that does not read (then dropped)
 PEER_INBOUND = 64  # requests ZeroMQ queues per connection before it stops reading it
@@ -116,6 +122,7 @@ class _Step:
     lr: float = 0.0
     first_lr: tuple[int, float] | None = None  # (node, lr) of the first push to arrive
     first_push_ns: int = 0  # when traced (bps.trace): the first push's arrival
+    busy_ns: int = 0  # spent decoding and adding this step's pushes
     nonfinite: tuple[int, str] | None = None  # (node, what) of the first nonfinite mark
 
     def pushed(self, node: int) -> bool:
@@ -141,6 +148,7 @@ class _Key:
     last_payload: torch.Tensor | None = None
     last_skip: dict | None = None  # the skip fields of the last step's DATA, if skipped
     committed_step: int = -1  # the step the chain compressed last (ABORT can undo it)
+    last_server_s: float = 0.0  # seconds the last step took to decode, sum and re-encode
     scratch: torch.Tensor | None = None  # a push widened for the sum, reused every step
     decoded: torch.Tensor | None = None  # a compressed push decoded for the sum, reused
     joined: torch.Tensor | None = None  # a raw push in several frames joined, reused
@@ -180,6 +188,18 @@ def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether a payload still refers to the sum it was compressed from (a registered
     compressor may return a view of its input)."""
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _add_in_chunks(total: torch.Tensor, values: torch.Tensor,
+                   scratch: torch.Tensor | None = None) -> None:
+    """``total += values`` (widened into ``scratch`` first where given), a large tensor in
+    chunks on several threads (torch releases the GIL; the server runs torch on one
+    thread). Elementwise, so the result is the same bits as one ``add_``."""
+    def add(lo: int, hi: int) -> None:
+        part = values[lo:hi] if scratch is None else scratch[lo:hi].copy_(values[lo:hi])
+        total[lo:hi].add_(part)
+
+    run_chunks(add, chunk_bounds(total.numel()))
 
 
 def _as_bytes(tensor: torch.Tensor) -> memoryview:
@@ -428,6 +448,17 @@ class _KeyEngine(threading.Thread):
 
     def _add_push(self, state: _Key, pending: _Step, header: dict,
                   payload: list[zmq.Frame]) -> None:
+        """Decode a push and add it to the step's sum; the time goes to ``busy_ns``."""
+        start_ns = time.monotonic_ns()
+        self._add_values(state, pending, header, payload)
+        end_ns = time.monotonic_ns()
+        pending.busy_ns += end_ns - start_ns
+        if self.server.tracer is not None and pending.first_push_ns:
+            self.server.tracer.complete("decode", state.name, header["step"], start_ns, end_ns,
+                                        node=header["node"])
+
+    def _add_values(self, state: _Key, pending: _Step, header: dict,
+                    payload: list[zmq.Frame]) -> None:
         node = header["node"]
         if "mark" in header:  # nothing to add
             if header["mark"] == "nonfinite" and pending.nonfinite is None:
@@ -457,11 +488,11 @@ class _KeyEngine(threading.Thread):
             pending.total = values.to(state.accumulate_dtype(self.server.num_workers))
             pending.lr = float(header["lr"])
         elif values.dtype == pending.total.dtype:
-            pending.total.add_(values)
+            _add_in_chunks(pending.total, values)
         else:  # widen first: torch's mixed-dtype add_ is ~4x slower than copy + add_
             if state.scratch is None:
                 state.scratch = torch.empty(state.numel, dtype=pending.total.dtype)
-            pending.total.add_(state.scratch.copy_(values))
+            _add_in_chunks(pending.total, values, state.scratch)
 
     def _pull(self, state: _Key, ident: bytes, header: dict) -> None:
         step = header["step"]
@@ -485,16 +516,17 @@ class _KeyEngine(threading.Thread):
                 return
             del state.steps[step]
             state.last_step = step
+            state.last_server_s = pending.busy_ns / 1e9
             if pending.nonfinite is not None or pending.total is None:
                 self._skip(state, step, pending)
                 continue
+            summed_ns = time.monotonic_ns()
             total = pending.total.to(state.dtype)
             if state.chain is None and state.dtype == torch.float16 and not tensor_finite(total):
                 # finite pushes whose sum overflows float16: skipped like an inf pushed
                 pending.nonfinite = (-1, state.name)
                 self._skip(state, step, pending)
                 continue
-            summed_ns = time.monotonic_ns() if pending.first_push_ns else 0  # traced only
             if state.chain is not None:
                 if pending.lr > 0:
                     state.chain.set_lr(pending.lr)
@@ -502,12 +534,14 @@ class _KeyEngine(threading.Thread):
                 state.committed_step = step
                 if state.sums_in_place() and not _shares_memory(summed, total):
                     state.spare.append(summed)
+            encoded_ns = time.monotonic_ns()
+            state.last_server_s += (encoded_ns - summed_ns) / 1e9
             tracer = self.server.tracer
             if tracer is not None and pending.first_push_ns:
-                tracer.complete("sum", state.name, step, pending.first_push_ns, summed_ns)
+                tracer.complete("sum", state.name, step, pending.first_push_ns, summed_ns,
+                                server_s=state.last_server_s)
                 if state.chain is not None:
-                    tracer.complete("compress", state.name, step, summed_ns,
-                                    time.monotonic_ns(),
+                    tracer.complete("compress", state.name, step, summed_ns, encoded_ns,
                                     bytes=total.numel() * total.element_size())
             state.last_payload, state.last_skip = total, None
             state.state_blob = None
@@ -528,7 +562,8 @@ class _KeyEngine(threading.Thread):
         skip = state.last_skip or {}
         for ident, rid in waiters:
             self._reply(ident, encode(Op.DATA, rid=rid, key=state.key, step=step,
-                                      nbytes=body.nbytes, **skip), body)
+                                      nbytes=body.nbytes, server_s=state.last_server_s,
+                                      **skip), body)
 
     def _set_state(self, state: _Key, payload: list[zmq.Frame]) -> None:
         if any(s.started() for s in state.steps.values()):
@@ -547,7 +582,31 @@ class _KeyEngine(threading.Thread):
         state.steps.clear()
         state.last_step, state.last_payload, state.last_skip = -1, None, None
         state.committed_step = -1
+        state.last_server_s = 0.0
         state.state_blob = None
+
+
+class _LeastLoaded:
+    """Picks the engine thread of a new key: the one with the least work so far, in
+    elements plus :data:`KEY_COST` per key, ties to the lowest-numbered. Keys of
+    different sizes (a tensor's last partition, small raw tensors) then spread evenly.
+
+        >>> pick = _LeastLoaded(["e0", "e1"])
+        >>> [pick({"numel": n}) for n in (1_000_000, 10, 10, 10, 1_000_000)]
+        ['e0', 'e1', 'e1', 'e1', 'e1']
+        >>> pick.loads
+        [1065536, 1262174]
+    """
+
+    def __init__(self, engines: list) -> None:
+        self.engines = engines
+        self.loads = [0] * len(engines)
+
+    def __call__(self, header: dict) -> Any:
+        index = min(range(len(self.loads)), key=self.loads.__getitem__)
+        numel = header.get("numel", 0)  # refused later if out of range: clamped here
+        self.loads[index] += KEY_COST + min(max(numel, 0), MAX_NUMEL)
+        return self.engines[index]
 
 
 class ParameterServer:
@@ -590,13 +649,17 @@ class ParameterServer:
         link = SchedulerClient(self.ctx, self.env, "server", address, key=key)
         log.info("server listening on %s (%s), waiting for the rendezvous", address,
                  "CURVE" if key is not None else "INSECURE: plain TCP")
-        engines = [_KeyEngine(self, i) for i in range(self.env.server_threads)]
+        engines: list[_KeyEngine] = []
         try:
             welcome = link.rendezvous()
+            threads = self.env.server_threads or engine_threads(host_cores(),
+                                                                welcome["servers"], address)
+            engines += [_KeyEngine(self, i) for i in range(threads)]
             self.num_workers = welcome["num_workers"]
             self.members = {bytes(token): node for node, token in enumerate(welcome["members"])}
             self.tracer = trace.from_env(self.env, f"server{welcome['node_id']}")
-            log.info("server %d serving on %s", welcome["node_id"], address)
+            log.info("server %d serving on %s, engine threads: %d", welcome["node_id"],
+                     address, threads)
             for engine in engines:
                 engine.start()
             return self._loop(router, replies, link, engines)
@@ -630,7 +693,7 @@ class ParameterServer:
     def _loop(self, router: Any, replies: Any, link: SchedulerClient,
               engines: list[_KeyEngine]) -> int:
         owner: dict[int, _KeyEngine] = {}
-        next_engine = itertools.cycle(engines)
+        next_engine = _LeastLoaded(engines)
         poller = zmq.Poller()
         for sock in (router, replies, link.sock):
             poller.register(sock, zmq.POLLIN)
@@ -682,7 +745,7 @@ class ParameterServer:
             if engine is None:
                 if header["op"] != Op.REGISTER:
                     raise ProtocolError(f"key {header['key']}: unknown key (not declared)")
-                engine = owner[header["key"]] = next(next_engine)
+                engine = owner[header["key"]] = next_engine(header)
         except ProtocolError as exc:
             msg = error_text(str(exc))
             refusals.warning("refused a message from %s: %s", peer, msg)

@@ -168,3 +168,41 @@ def test_server_sums_compressed_pushes_in_place(key_engine):
             data = reply()
             assert data["op"] == Op.DATA and bytes(data["body"]) == expected, f"step {step}"
     assert len(engine.keys[5].spare) == 1  # one sum buffer, reused every step
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_a_large_partition_in_chunks_gives_the_bits_of_one_pass(monkeypatch, dtype):
+    """The server's error feedback, onebit's sum and re-encode, and a raw sum run a large
+    partition in chunks on several threads: the same bits as one pass, and the sum is
+    the reference decoder's."""
+    from bps.compressors import threads
+    from bps.server.server import _add_in_chunks
+
+    numel, torch_dtype = 1000, ref.TORCH_DTYPE[dtype]
+    params = {"compressor": "onebit", "scaling": True, "ef": "vanilla"}
+    one_pass = build(params, numel, torch_dtype, role="server")
+    monkeypatch.setattr(threads, "MIN_CHUNK", 64)
+    monkeypatch.setattr(threads, "THREADS", 4)
+    chunked = build(params, numel, torch_dtype, role="server")
+    assert len(chunked.bounds) == 4 and len(chunked.inner.bounds) == 4
+    assert len(one_pass.bounds) == 1
+    _, ref_decode = ref_codec({"compressor": "onebit", "scaling": True}, numel, dtype)
+    totals = [sample(numel, dtype, seed=1) for _ in range(2)]
+    for step, lr in enumerate([0.1, 0.05, 0.05]):  # a change of lr scales the error
+        x = sample(numel, dtype, seed=20 + step)
+        payloads = []
+        for chain, total in zip((one_pass, chunked), totals, strict=True):
+            chain.set_lr(lr)
+            payloads.append(chain.compress(x.clone()).numpy().tobytes())
+            expected = expected_sum(total, ref_decode(payloads[-1]), dtype)
+            chain.decompress_add(payloads[-1], total)
+            np.testing.assert_array_equal(as_values(total), expected, err_msg=f"step {step}")
+        assert payloads[0] == payloads[1], f"step {step}"
+        assert torch.equal(one_pass.error, chunked.error), f"step {step}"
+
+    half = sample(numel, "float16", seed=4).to(torch.float16)
+    for scratch in (None, torch.empty(numel, dtype=torch.float32)):
+        total = sample(numel, "float32", seed=5) if scratch is not None else half.clone()
+        expected = total + (half.float() if scratch is not None else half)
+        _add_in_chunks(total, half, scratch)
+        assert torch.equal(total, expected)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import doctest
 import itertools
 import math
+import os
 import re
 
 import msgpack
@@ -12,6 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import bps.server.role
+import bps.server.server
 from bps.env import ClusterEnv, EnvError
 from bps.protocol import (
     MIN_FRAME_BYTES,
@@ -23,7 +27,10 @@ from bps.protocol import (
     encode,
     join_frames,
     payload_frames,
+    server_seconds,
 )
+from bps.server.role import engine_threads, host_cores
+from bps.server.server import KEY_COST, MAX_NUMEL, _LeastLoaded
 from bps.worker.partition import Placement, partition, plan_servers
 from bps.worker.send_queues import SendQueues, send_order
 
@@ -44,6 +51,45 @@ def test_env_defaults() -> None:
     assert short.node_host == "10.1.0.7"
     assert env.frame_bytes == 131072  # CURVE: payloads in frames of 128 KiB
     assert ClusterEnv.from_environ({**BASE, "BPS_INSECURE": "1"}).frame_bytes == 0
+    assert env.server_threads is None  # the server follows its host's cores
+    assert ClusterEnv.from_environ({**BASE, "BPS_SERVER_THREADS": "3"}).server_threads == 3
+
+
+def test_server_threads_share_the_host_among_its_servers() -> None:
+    here = [f"tcp://10.0.0.1:{port}" for port in (5001, 5002, 5003)]
+    servers = [*here, "tcp://10.0.0.2:5001"]
+    assert engine_threads(16, servers, here[1]) == 5  # 3 servers share 16 cores
+    assert engine_threads(16, servers, servers[3]) == 16
+    assert engine_threads(2, servers, here[0]) == 1  # never none
+    assert engine_threads(1024, servers, servers[3]) == 64  # BPS_SERVER_THREADS' bound
+    assert 1 <= host_cores() <= (os.cpu_count() or 1)
+    assert doctest.testmod(bps.server.role).failed == 0
+
+
+def test_new_keys_go_to_the_least_loaded_engine_thread() -> None:
+    engines = ["e0", "e1", "e2"]
+    pick = _LeastLoaded(engines)
+    # a layer's weight, then its bias and a norm's weight: round-robin would give every
+    # weight to e0
+    sizes = [1_000_000, 5, 5] * 6
+    owners = [pick({"numel": numel}) for numel in sizes]
+    weights = [owner for owner, numel in zip(owners, sizes, strict=True) if numel > 5]
+    assert sorted(weights) == sorted(engines * 2)
+    assert sum(pick.loads) == sum(sizes) + KEY_COST * len(sizes)
+    # greedy least-loaded: no engine ends above another by more than the largest key
+    assert max(pick.loads) - min(pick.loads) <= KEY_COST + max(sizes)
+    lightest = pick.loads.index(min(pick.loads))
+    assert pick({"numel": 2**62}) == engines[lightest]
+    assert pick.loads[lightest] <= 2_000_000 + 9 * KEY_COST + MAX_NUMEL  # bogus: MAX_NUMEL
+    assert doctest.testmod(bps.server.server).failed == 0
+
+
+def test_a_reply_server_time_is_read_only_when_it_is_a_time() -> None:
+    assert server_seconds(decode(encode(Op.DATA, rid=1, key=2, step=0, nbytes=0,
+                                        server_s=0.125))) == 0.125
+    for bad in ({}, {"server_s": "1"}, {"server_s": True}, {"server_s": -1.0},
+                {"server_s": math.inf}, {"server_s": math.nan}):
+        assert server_seconds(bad) == 0.0, bad
 
 
 @pytest.mark.parametrize(("change", "fragment"), [
@@ -57,6 +103,8 @@ def test_env_defaults() -> None:
     ({"BPS_TIMEOUT": "nan"}, "BPS_TIMEOUT='nan'"),
     ({"BPS_HEARTBEAT_INTERVAL": "2", "BPS_HEARTBEAT_TIMEOUT": "1"}, "BPS_HEARTBEAT_TIMEOUT=1.0"),
     ({"BPS_FRAME_BYTES": "100"}, "BPS_FRAME_BYTES=100 must be 0"),
+    ({"BPS_SERVER_THREADS": "0"}, "BPS_SERVER_THREADS=0 out of range"),
+    ({"BPS_SERVER_THREADS": "many"}, "BPS_SERVER_THREADS='many' is not an integer"),
 ])
 def test_env_errors_name_the_variable(change: dict, fragment: str) -> None:
     environ = {k: v for k, v in {**BASE, **change}.items() if v is not None}

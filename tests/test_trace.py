@@ -15,8 +15,9 @@ import pytest
 
 import bps.trace
 from bps.env import ClusterEnv, EnvError
+from bps.server.role import host_cores
 from bps.trace import Tracer, covered_ms, per_step_ms
-from tests.test_trainer import launch
+from tests.test_trainer import launch, load_reports
 
 BASE_ENV = {"DMLC_ROLE": "worker", "DMLC_WORKER_ID": "0", "DMLC_NUM_WORKER": "2",
             "DMLC_NUM_SERVER": "1", "DMLC_PS_ROOT_URI": "127.0.0.1",
@@ -97,11 +98,14 @@ def test_cluster_timeline_lines_up_across_processes(tmp_path: Path) -> None:
                     env={"BYTEPS_TRACE_ON": "1", "BYTEPS_TRACE_DIR": str(traces),
                          "BYTEPS_TRACE_START_STEP": "1", "BYTEPS_TRACE_END_STEP": "3"})
     assert result.returncode == 0, result.stdout[-3000:]
+    # no BPS_SERVER_THREADS: the 2 servers on this host share its cores
+    assert result.stdout.count(f"engine threads: {max(1, host_cores() // 2)}\n") == 2
     files = sorted(p.name for p in traces.glob("*.json"))
     assert files == ["server0.json", "server1.json", "worker0.json", "worker1.json"]
 
     spans: dict[tuple, list] = defaultdict(list)  # (process, kind, name, step) -> spans
     instants: dict[tuple, list] = defaultdict(list)
+    server_seconds: dict[tuple, list] = defaultdict(list)  # (server, name, step) -> sum's
     for path in traces.glob("*.json"):
         for e in json.loads(path.read_text())["traceEvents"]:
             if e["ph"] == "M":
@@ -109,6 +113,8 @@ def test_cluster_timeline_lines_up_across_processes(tmp_path: Path) -> None:
             key = (path.stem, e["cat"], e["name"].partition(" ")[2], e["args"]["step"])
             if e["ph"] == "X":
                 spans[key].append((e["ts"], e["ts"] + e["dur"]))
+                if e["cat"] == "sum":
+                    server_seconds[(path.stem, key[2], key[3])].append(e["args"]["server_s"])
             else:
                 instants[key].append(e["args"])
     assert {key[3] for key in spans} == {1, 2, 3}
@@ -144,6 +150,22 @@ def test_cluster_timeline_lines_up_across_processes(tmp_path: Path) -> None:
                             min(r[1] for r in replied)), (server, name, step)
             nodes = sorted(a["node"] for a in instants[(server, "push", name, step)])
             assert nodes == [0, 1]
+            decoded = spans[(server, "decode", name, step)]
+            assert len(decoded) == 2 and all(in_order(summed[0], *span, summed[1])
+                                             for span in decoded), (server, name, step)
+            # the server's time: its decode spans and its compress span, nothing else
+            busy_us = sum(end - start for start, end in [*decoded, compressed])
+            (seconds,) = server_seconds[(server, name, step)]
+            assert seconds * 1e6 == pytest.approx(busy_us, abs=0.01), (server, name, step)
+
+    # each worker's stats() count, per step, the server time of every partition it pushed
+    reports = load_reports(tmp_path, 2)
+    for step in (1, 2, 3):
+        total = sum(seconds for (_, _, step_), values in server_seconds.items()
+                    if step_ == step for seconds in values)
+        assert total > 0
+        for report in reports:
+            assert report[""]["steps"][step]["server_time"] == pytest.approx(total, rel=1e-9)
 
     merged = subprocess.run([sys.executable, "-m", "bps.trace", str(traces)],
                             capture_output=True, text=True, timeout=60)

@@ -84,7 +84,10 @@ class EngineStats:
     servers. ``compress_s`` / ``decompress_s``: seconds spent in the worker chains (summed
     over codec threads). ``comm_s``: wall seconds during which at least one push was in
     flight. ``pushes``: completed push_pulls. ``pcie_bytes``: bytes the device path
-    copied between a GPU and the host (payloads down, aggregates up).
+    copied between a GPU and the host (payloads down, aggregates up). ``server_s``:
+    seconds the servers spent decoding, summing and re-encoding this node's keys (their
+    replies' ``server_s``, summed over keys: engine-thread seconds, which run in
+    parallel, not wall time).
     """
 
     bytes_pushed: int = 0
@@ -94,6 +97,7 @@ class EngineStats:
     comm_s: float = 0.0
     pushes: int = 0
     pcie_bytes: int = 0
+    server_s: float = 0.0
 
     def __sub__(self, other: EngineStats) -> EngineStats:
         return EngineStats(*(getattr(self, f.name) - getattr(other, f.name)

@@ -42,6 +42,7 @@ from bps.protocol import (
     join_frames,
     new_socket,
     payload_frames,
+    server_seconds,
 )
 from bps.scheduler_client import SchedulerClient
 from bps.trace import Tracer
@@ -320,6 +321,7 @@ class IOLoop:
             if request.op == Op.PUSH:
                 trace_stage(self._tracer, "aggregate", request, request.acked_ns,
                             time.monotonic_ns(), bytes=header.get("nbytes", 0))
+                self._count(server_s=server_seconds(header))
                 self._pushes_pending -= 1
                 if self._pushes_pending == 0:
                     self._count(comm_s=time.perf_counter() - self._busy_since)
