@@ -135,3 +135,30 @@ def test_teardown_is_bounded_when_a_child_cannot_be_waited_for() -> None:
     assert state == "Z", state  # killed, left for init to reap
     child.process._waitpid_lock.release()
     child.process.wait(timeout=10)
+
+
+FORGETS_SHUTDOWN = """
+import sys, torch, bps
+bps.init()
+model = torch.nn.Linear(8, 1)
+trainer = bps.DistributedTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1))
+for _ in range(3):
+    trainer.zero_grad()
+    model(torch.ones(4, 8)).sum().backward()
+    trainer.step()
+print("trained", flush=True)
+if bps.rank() == 1:
+    sys.exit(0)
+"""
+
+
+def test_a_job_that_forgets_shutdown_succeeds_with_a_warning() -> None:
+    """Training finished, no bps.shutdown(): the end of the script (rank 0) and
+    sys.exit(0) (rank 1) leave as shutdown() would; the job exits 0, no ERROR line."""
+    code, output = run_command(BPSLAUNCH + ["local", "--workers", "2", "--servers", "1", "--",
+                                            PY, "-c", FORGETS_SHUTDOWN], TEST_ENV, timeout=120)
+    assert code == 0, output
+    assert output.count("trained") == 2, output
+    assert "ended without bps.shutdown()" in output, output
+    assert "ERROR" not in output and "failed" not in output, output
+    assert "all workers finished" in output, output
