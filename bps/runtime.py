@@ -201,6 +201,10 @@ def _close_at_exit() -> None:
             runtime.close(barrier=False, failure=reason)
         except Exception as exc:  # noqa: BLE001 - best effort at interpreter exit
             log.debug("closing bps at exit: %s", exc)
+        if runtime.local_size > 1:
+            # the node's gloo group, left undestroyed (its peers may be gone), would abort
+            # the interpreter's teardown ("terminate called without an active exception")
+            _exit_now(_failure_code())
         return
     if runtime.rank == 0:
         log.warning("bps: the script ended without bps.shutdown(); leaving the cluster "
@@ -209,11 +213,25 @@ def _close_at_exit() -> None:
         runtime.close(barrier=True)
     except Exception as exc:  # noqa: BLE001 - the job failed after all: say so, exit 1
         log.error("bps: leaving the cluster at exit failed: %s", exc)
-        _wait_services()
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
+        _exit_now(1)
+
+
+def _failure_code() -> int:
+    """The exit status the interpreter would give the failure being reported."""
+    if _exit_reason == "terminated by SIGTERM":
+        return 128 + signal.SIGTERM
+    if _exit_reason is not None:
+        return 128 + signal.SIGINT if _exit_reason.startswith("KeyboardInterrupt") else 1
+    return _exit_status if isinstance(_exit_status, int) else 1
+
+
+def _exit_now(code: int) -> None:
+    """End the process with ``code`` once the services and the output are settled."""
+    _wait_services()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _watch_exits() -> None:

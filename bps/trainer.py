@@ -547,7 +547,8 @@ class DistributedTrainer:
                 return
 
     def stats(self) -> dict:
-        """Figures of the last step, on local rank 0 (other local ranks report zero bytes).
+        """Figures of the last step, on local rank 0 (other local ranks report zero bytes
+        and ``compression_ratio`` None).
 
         ``bytes_pushed`` / ``bytes_pulled``: payload bytes this node sent to and received
         from the servers; ``raw_bytes``: what one direction would carry uncompressed in
