@@ -120,6 +120,13 @@ class DistributedTrainer:
                 "compression_params['mu']: that momentum acts on the pseudo-gradient, "
                 "and the optimizer keeps its own for the local steps")
         self._rt = bps_runtime.get()
+        if (outer_spec is not None and outer_spec.nesterov and sync_every < 16
+                and not {"lr", "momentum"} & set(outer or {}) and self._rt.rank == 0):
+            log.warning("bps: outer Nesterov at its defaults (lr %g, momentum %g, DiLoCo's, "
+                        "for hundreds of local steps) overshoots with sync_every=%d; "
+                        "lr 1.0 and momentum 0.5 match the plain mean there "
+                        "(docs/trainer.md, periodic averaging)", outer_spec.lr,
+                        outer_spec.momentum, sync_every)
         self.model = model
         self.optimizer = optimizer
         self._fill_run_defaults(params)

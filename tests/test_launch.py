@@ -208,7 +208,8 @@ def test_a_failing_local_rank_leaves_no_stray_abort() -> None:
     none aborts in the teardown of its node's gloo group ("terminate called ...")."""
     code, output = run_command(BPSLAUNCH + ["local", "--workers", "2", "--servers", "1",
                                             "--local-size", "2", "--", PY, "-c",
-                                            LOCAL_RANK_RAISES], TEST_ENV, timeout=120)
+                                            LOCAL_RANK_RAISES],
+                               {**TEST_ENV, "BPS_TIMEOUT": "60"}, timeout=180)
     assert code != 0, output
     assert "RuntimeError: boom" in output, output
     assert "terminate called" not in output and "Aborted" not in output, output
