@@ -5,15 +5,19 @@ before any communication starts::
 
     >>> from bps.config import validate_compression_params, resolve_k
     >>> p = validate_compression_params({"compressor": "topk", "k": 0.01, "ef": "vanilla"})
-    >>> p["scaling"], p["partition"], p["mu"]
-    (False, 'linear', None)
+    >>> p["k"], p["partition"], p["mu"]
+    (0.01, 'linear', None)
+    >>> validate_compression_params({"compressor": "onebit"})["scaling"]
+    True
     >>> resolve_k(p, 1000)
     10
 
-``mu`` and ``seed`` stay ``None`` when absent: the trainer fills them in (optimizer
-momentum, job seed) before building chains. The accepted compressor names are the
-built-in ones plus those :func:`bps.compressors.register` adds (it calls
-:func:`accept_compressor`), so this module imports nothing of the compressors.
+A key that does not apply to the configuration (``k`` with onebit, ``scaling`` with
+topk, ``ef`` without a compressor, ...) is refused with a ``ValueError`` naming it,
+unless it holds its default. ``mu`` and ``seed`` stay ``None`` when absent: the trainer
+fills them in (optimizer momentum, job seed) before building chains. The accepted
+compressor names are the built-in ones plus those :func:`bps.compressors.register` adds
+(it calls :func:`accept_compressor`), so this module imports nothing of the compressors.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ MAX_CHUNK = 2**31 - 1
 DEFAULTS: dict[str, Any] = {
     "compressor": None,
     "k": None,
-    "scaling": False,
+    "scaling": None,  # onebit: True (scaled signs); BytePS's plain signs: False
     "ef": None,
     "momentum": None,
     "mu": None,
@@ -61,6 +65,20 @@ DEFAULTS: dict[str, Any] = {
 }
 POWERSGD_KEYS = ("rank", "warm_start", "orthogonalization_epsilon", "min_compression_rate",
                  "batch_tensors_with_same_shape", "shape")
+# The built-in compressors each key is for; a key given with another one (or with none)
+# is refused unless it holds its default. A registered compressor's factory reads what
+# it needs, so it is given every key. ``seed`` (the job's) and ``min_compress_bytes``,
+# ``comm_dtype``, ``fp16``, ``nonfinite``, ``momentum`` apply to any configuration.
+KEY_APPLIES_TO: dict[str, tuple[str, ...]] = {
+    "k": ("topk", "randomk", "dithering"),
+    "scaling": ("onebit",),
+    "partition": ("dithering",),
+    "normalize": ("dithering",),
+    "chunk": ("bytegrad",),
+    **{key: ("powersgd",) for key in POWERSGD_KEYS},
+    "ef": BUILTIN_COMPRESSORS,
+    "warmup_steps": BUILTIN_COMPRESSORS,
+}
 COMM_DTYPES = ("fp16", "bf16", "fp32")
 
 
@@ -160,19 +178,31 @@ def _check_k(params: dict) -> None:
 
 
 def _check_chunk(params: dict) -> None:
-    """``chunk``: bytegrad's elements per (lo, hi) pair; refused with another built-in."""
-    name, chunk = params["compressor"], params["chunk"]
-    if chunk is None:
-        if name == "bytegrad":
+    """``chunk``: bytegrad's elements per (lo, hi) pair."""
+    if params["chunk"] is None:
+        if params["compressor"] == "bytegrad":
             params["chunk"] = BYTEGRAD_CHUNK
         return
-    if name in BUILTIN_COMPRESSORS and name != "bytegrad":
-        raise ValueError(f"compression_params['chunk'] = {chunk!r} is only used by "
-                         f"compressor 'bytegrad', not {name!r}: remove it")
-    if name is None:
-        raise ValueError(f"compression_params['chunk'] = {chunk!r} needs a compressor "
-                         "('bytegrad')")
     _check_int(params, "chunk", 1, MAX_CHUNK + 1)
+
+
+def _check_applies(params: dict, given: dict) -> None:
+    """Refuse a key given with a value other than its default where it does nothing:
+    one rule for every key of :data:`KEY_APPLIES_TO` (``mu``: only with ``momentum``)."""
+    name = params["compressor"]
+    if name is not None and name not in BUILTIN_COMPRESSORS:
+        return
+    for key, names in KEY_APPLIES_TO.items():
+        if key in given and given[key] != DEFAULTS[key] and name not in names:
+            users = " or ".join(repr(n) for n in names)
+            which = "no compressor" if name is None else f"compressor {name!r}"
+            raise ValueError(f"compression_params[{key!r}] = {given[key]!r} does not apply "
+                             f"to {which}: it is only used by compressor {users}; "
+                             "remove it")
+    if given.get("mu") is not None and params["momentum"] is None:
+        raise ValueError(f"compression_params['mu'] = {given['mu']!r} does not apply "
+                         "without compression_params['momentum'] = 'nesterov': remove it "
+                         "(the optimizer's own momentum stays in the optimizer)")
 
 
 def _check_comm_dtype(params: dict, given: dict) -> None:
@@ -203,15 +233,10 @@ def _check_real(params: dict, key: str, lo: float) -> None:
     params[key] = float(value)
 
 
-def _check_powersgd(params: dict, given: dict) -> None:
-    """powersgd's keys: ``rank`` required with it; none of its keys with another
-    built-in compressor; no chain momentum (use the optimizer's, as with DDP's hook)."""
-    name = params["compressor"]
-    if name != "powersgd":
-        extra = [key for key in POWERSGD_KEYS if key in given and given[key] != DEFAULTS[key]]
-        if extra and (name is None or name in BUILTIN_COMPRESSORS):
-            raise ValueError(f"compression_params[{extra[0]!r}] = {given[extra[0]]!r} is only "
-                             f"used by compressor 'powersgd', not {name!r}: remove it")
+def _check_powersgd(params: dict) -> None:
+    """powersgd's keys: ``rank`` required with it; no chain momentum (use the
+    optimizer's, as with DDP's hook)."""
+    if params["compressor"] != "powersgd":
         return
     if params["rank"] is None:
         raise ValueError("compression_params['rank'] is required for compressor 'powersgd': "
@@ -265,7 +290,10 @@ def validate_compression_params(params: dict | None) -> dict:
     _check_choice(out, "partition", ("linear", "natural"), allow_none=False)
     _check_choice(out, "normalize", ("max", "l2"), allow_none=False)
     _check_choice(out, "nonfinite", ("raise", "skip"), allow_none=False)
-    _check_bool(out, "scaling")
+    if out["scaling"] is None:
+        out["scaling"] = True if out["compressor"] == "onebit" else None
+    else:
+        _check_bool(out, "scaling")
     _check_comm_dtype(out, params)
     _check_k(out)
     if out["mu"] is not None:
@@ -283,7 +311,8 @@ def validate_compression_params(params: dict | None) -> dict:
         _check_int(out, "min_compress_bytes", 0)
     _check_int(out, "warmup_steps", 0)
     _check_chunk(out)
-    _check_powersgd(out, params)
+    _check_powersgd(out)
+    _check_applies(out, params)
     return out
 
 

@@ -3,10 +3,12 @@
 One :class:`Runtime` per process: the cluster environment, the node-local group of
 local ranks and, on local rank 0 only, the push/pull engine that talks to the servers.
 
-A process that ends without ``bps.shutdown()`` (an uncaught exception, Ctrl-C, SIGTERM,
-``sys.exit``, or the end of the script) reports FAILED to the scheduler with the reason,
-so every other process stops at once with an error naming this node, instead of waiting
-for a step that will never come.
+A process that ends without ``bps.shutdown()`` because it failed (an uncaught exception,
+Ctrl-C, SIGTERM, ``sys.exit`` with a non-zero status) reports FAILED to the scheduler with
+the reason, so every other process stops at once with an error naming this node, instead
+of waiting for a step that will never come. One that ends normally (the end of the
+script, ``sys.exit(0)``) has finished: it logs a warning and leaves as ``bps.shutdown()``
+would, so the job succeeds.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import threading
 
 from bps import trace
 from bps.env import ClusterEnv, EnvError, derive_worker_env
+from bps.launch.supervisor import JOINED_DIR_VARIABLE
 from bps.worker.intranode import LocalGroup
 
 log = logging.getLogger("bps")
@@ -99,6 +102,7 @@ class Runtime:
 
 _runtime: Runtime | None = None
 _exit_reason: str | None = None  # why the process is ending, where known
+_exit_status: object = None  # the argument of the sys.exit() that ends the process
 
 
 def init() -> Runtime:
@@ -119,6 +123,10 @@ def init() -> Runtime:
             f"BPS_LOCAL_MASTER_PORT (the node-local rendezvous). {LAUNCH_HINT}"
         )
     _runtime = Runtime(env)
+    joined_dir = os.environ.get(JOINED_DIR_VARIABLE)
+    if joined_dir and os.path.isdir(joined_dir):
+        with open(os.path.join(joined_dir, str(_runtime.rank)), "w"):
+            pass
     atexit.register(_close_at_exit)
     _watch_exits()
     return _runtime
@@ -178,15 +186,52 @@ def shutdown() -> None:
 
 
 def _close_at_exit() -> None:
+    """At exit without ``bps.shutdown()``: a failing process reports FAILED; one that
+    ends normally has finished and leaves as ``shutdown()`` would (with a warning)."""
     global _runtime
-    if _runtime is not None:
-        runtime, _runtime = _runtime, None
-        reason = _exit_reason or ("the process exited without calling bps.shutdown() "
-                                  "(sys.exit, or the end of the script)")
+    if _runtime is None:
+        return
+    runtime, _runtime = _runtime, None
+    reason = _exit_reason
+    if reason is None and _exit_status not in (None, 0):
+        reason = (f"the process exited without calling bps.shutdown() "
+                  f"(sys.exit({_exit_status!r}))")
+    if reason is not None:
         try:
             runtime.close(barrier=False, failure=reason)
         except Exception as exc:  # noqa: BLE001 - best effort at interpreter exit
             log.debug("closing bps at exit: %s", exc)
+        if runtime.local_size > 1:
+            # the node's gloo group, left undestroyed (its peers may be gone), would abort
+            # the interpreter's teardown ("terminate called without an active exception")
+            _exit_now(_failure_code())
+        return
+    if runtime.rank == 0:
+        log.warning("bps: the script ended without bps.shutdown(); leaving the cluster "
+                    "as it would (call it after training to wait for the other workers)")
+    try:
+        runtime.close(barrier=True)
+    except Exception as exc:  # noqa: BLE001 - the job failed after all: say so, exit 1
+        log.error("bps: leaving the cluster at exit failed: %s", exc)
+        _exit_now(1)
+
+
+def _failure_code() -> int:
+    """The exit status the interpreter would give the failure being reported."""
+    if _exit_reason == "terminated by SIGTERM":
+        return 128 + signal.SIGTERM
+    if _exit_reason is not None:
+        return 128 + signal.SIGINT if _exit_reason.startswith("KeyboardInterrupt") else 1
+    return _exit_status if isinstance(_exit_status, int) else 1
+
+
+def _exit_now(code: int) -> None:
+    """End the process with ``code`` once the services and the output are settled."""
+    _wait_services()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _watch_exits() -> None:
@@ -201,6 +246,16 @@ def _watch_exits() -> None:
         previous(kind, value, traceback)
 
     sys.excepthook = hook
+    if not getattr(sys.exit, "_bps_watch", False):
+        real_exit = sys.exit
+
+        def exit_and_remember(status: object = None) -> None:
+            global _exit_status
+            _exit_status = status
+            real_exit(status)
+
+        exit_and_remember._bps_watch = True
+        sys.exit = exit_and_remember
     if threading.current_thread() is threading.main_thread() and \
             signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _on_sigterm)

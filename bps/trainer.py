@@ -120,6 +120,13 @@ class DistributedTrainer:
                 "compression_params['mu']: that momentum acts on the pseudo-gradient, "
                 "and the optimizer keeps its own for the local steps")
         self._rt = bps_runtime.get()
+        if (outer_spec is not None and outer_spec.nesterov and sync_every < 16
+                and not {"lr", "momentum"} & set(outer or {}) and self._rt.rank == 0):
+            log.warning("bps: outer Nesterov at its defaults (lr %g, momentum %g, DiLoCo's, "
+                        "for hundreds of local steps) overshoots with sync_every=%d; "
+                        "lr 1.0 and momentum 0.5 match the plain mean there "
+                        "(docs/trainer.md, periodic averaging)", outer_spec.lr,
+                        outer_spec.momentum, sync_every)
         self.model = model
         self.optimizer = optimizer
         self._fill_run_defaults(params)
@@ -150,6 +157,9 @@ class DistributedTrainer:
         self._tracer = self._rt.tracer  # bps.trace: None unless BYTEPS_TRACE_ON=1
         self._last_step_end_ns: int | None = None
         self._samples = 0  # samples this process's training forwards took this step
+        self._in_step = False  # inside step(): the optimizer steps as the trainer says
+        self._outside_steps = 0  # optimizer.step() calls outside step() since the last
+        self._optimizer_hook = optimizer.register_step_post_hook(self._optimizer_stepped)
 
         check_same_model(self._rt, model)
         broadcast_model(self._rt, model)
@@ -244,13 +254,30 @@ class DistributedTrainer:
         """A backward pass finished this gradient; the last pass of the step pushes it."""
         self._seen[index] += 1
         if self._seen[index] > self._passes or self._pipe.pushed(index):
-            raise RuntimeError(
-                f"gradient of {self._pipe.slots[index].name!r} became ready "
-                f"{self._seen[index]} times in one step: this trainer takes "
-                f"backward_passes_per_step={self._passes} backward() per trainer.step() "
-                "(set it to accumulate gradients over several passes)")
+            raise RuntimeError(self._extra_backward_message(index))
         if self._seen[index] == self._passes:
             self._push(index)
+
+    def _extra_backward_message(self, index: int) -> str:
+        """Why a gradient became ready once more than a step takes: what the loop did."""
+        name = self._pipe.slots[index].name
+        passes = f"{self._passes} backward() pass" + ("es" if self._passes > 1 else "")
+        if self._outside_steps:
+            return (f"backward() ran again without trainer.step() (gradient of {name!r}), "
+                    f"and optimizer.step() was called {self._outside_steps} time(s) outside "
+                    "the trainer since its last step: call trainer.step() instead of "
+                    "optimizer.step(); it waits for the averaged gradients, then steps the "
+                    "optimizer")
+        return (f"backward() ran again without trainer.step() (gradient of {name!r} became "
+                f"ready {self._seen[index]} times in one step): this trainer takes "
+                f"{passes} per trainer.step() (backward_passes_per_step={self._passes}; "
+                "set it to accumulate gradients over several passes)")
+
+    def _optimizer_stepped(self, optimizer: torch.optim.Optimizer, args: tuple,
+                           kwargs: dict) -> None:
+        """The optimizer's step hook: count the steps taken outside ``trainer.step()``."""
+        if not self._in_step:
+            self._outside_steps += 1
 
     def _push(self, index: int) -> None:
         """A gradient is final: push ``.grad`` (zeros where it has none, or once joined;
@@ -370,6 +397,14 @@ class DistributedTrainer:
         non-finite gradient on any worker is skipped everywhere; without a scaler,
         ``compression_params['nonfinite']`` says whether that raises
         :class:`NonFiniteGradientError` (``"raise"``, the default) or logs a warning."""
+        self._in_step = True
+        try:
+            return self._run_step(scaler)
+        finally:
+            self._in_step = False
+            self._outside_steps = 0
+
+    def _run_step(self, scaler: torch.amp.GradScaler | None) -> bool:
         if self._delayed is not None:
             return self._delayed_step(scaler)
         called_ns = time.monotonic_ns()
@@ -519,7 +554,8 @@ class DistributedTrainer:
                 return
 
     def stats(self) -> dict:
-        """Figures of the last step, on local rank 0 (other local ranks report zero bytes).
+        """Figures of the last step, on local rank 0 (other local ranks report zero bytes
+        and ``compression_ratio`` None).
 
         ``bytes_pushed`` / ``bytes_pulled``: payload bytes this node sent to and received
         from the servers; ``raw_bytes``: what one direction would carry uncompressed in
@@ -587,4 +623,5 @@ class DistributedTrainer:
         for hook in self._hooks:
             hook.remove()
         self._sample_hook.remove()
+        self._optimizer_hook.remove()
         self._pipe.close()

@@ -52,8 +52,9 @@ class StepStats:
             "bytes_pushed": pushed,
             "bytes_pulled": pulled,
             "raw_bytes": raw_bytes,
-            "compression_ratio": (2 * raw_bytes / (pushed + pulled)) if pushed + pulled
-            else 0.0,
+            # None (n/a) off local rank 0: the node's traffic is counted there alone
+            "compression_ratio": None if engine is None else
+            (2 * raw_bytes / (pushed + pulled)) if pushed + pulled else 0.0,
             "compress_time": float(delta("compress_time")),
             "comm_time": float(delta("comm_time")),
             "pcie_bytes": int(delta("pcie_bytes")),

@@ -23,11 +23,12 @@ import argparse
 import os
 import signal
 import sys
+import tempfile
 from collections.abc import Sequence
 
 from bps.auth import job_credentials
 from bps.launch.role import free_port, local_rank_envs
-from bps.launch.supervisor import Supervisor
+from bps.launch.supervisor import JOINED_DIR_VARIABLE, Supervisor, command_problem
 
 
 def parse_args(args: Sequence[str]) -> argparse.Namespace:
@@ -46,6 +47,9 @@ def parse_args(args: Sequence[str]) -> argparse.Namespace:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1")
     if not ns.command:
         parser.error("missing the command to run: bpslaunch local [options] -- CMD...")
+    problem = command_problem(ns.command)
+    if problem:
+        parser.error(problem)
     return ns
 
 
@@ -59,8 +63,10 @@ def main(args: Sequence[str]) -> int:
                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     role_cmd = [sys.executable, "-m", "bps.launch.cli"]
-    with job_credentials(os.environ) as credentials, Supervisor() as supervisor:
+    with job_credentials(os.environ) as credentials, Supervisor() as supervisor, \
+            tempfile.TemporaryDirectory(prefix="bps-joined-") as joined_dir:
         base.update(credentials)
+        base[JOINED_DIR_VARIABLE] = joined_dir  # bps.init() leaves a file there
         supervisor.spawn(role_cmd, {**base, "DMLC_ROLE": "scheduler"}, "scheduler",
                          service=True)
         for server in range(ns.servers):
@@ -72,7 +78,7 @@ def main(args: Sequence[str]) -> int:
             for rank, env in enumerate(local_rank_envs(node_env, ns.local_size)):
                 supervisor.spawn(ns.command, env, f"worker{node}.{rank}")
         try:
-            return supervisor.wait()
+            return supervisor.wait(joined=lambda: bool(os.listdir(joined_dir)))
         except KeyboardInterrupt:
             print("[bpslaunch] interrupted; stopping all processes", file=sys.stderr)
             return 128 + signal.SIGINT

@@ -31,7 +31,7 @@ import time
 from bps.auth import job_credentials
 from bps.launch.link_shape import LinkShape, NetnsError
 from bps.launch.netns import EmulatedCluster, clean_stale, require_privileges
-from bps.launch.supervisor import Supervisor
+from bps.launch.supervisor import Supervisor, command_problem
 
 SCHEDULER_PORT = 9000  # every namespace is fresh, so fixed ports cannot clash
 TORCH_MASTER_PORT = 29500
@@ -76,6 +76,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("no command given: bpslaunch netem [OPTIONS] -- CMD...")
+    problem = command_problem(command)
+    if problem:
+        parser.error(problem)
     args.command = command
     if args.nodes < 1:
         parser.error(f"--nodes must be >= 1, got {args.nodes}")

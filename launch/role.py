@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 
 from bps.auth import AuthError, load_key
 from bps.env import ClusterEnv, EnvError, launch_style
-from bps.launch.supervisor import Supervisor
+from bps.launch.supervisor import Supervisor, command_problem
 from bps.server.role import EXIT_BAD_ENV, serve, setup_process
 
 
@@ -87,6 +87,10 @@ def main(args: Sequence[str]) -> int:
         return serve(env)
     if not args:
         print("bpslaunch: error: DMLC_ROLE=worker needs a command to run", file=sys.stderr)
+        return EXIT_BAD_ENV
+    problem = command_problem(args)
+    if problem:
+        print(f"bpslaunch: error: {problem}", file=sys.stderr)
         return EXIT_BAD_ENV
     with Supervisor() as supervisor:
         for rank, child_env in enumerate(local_rank_envs(os.environ, env.local_size)):

@@ -24,13 +24,18 @@ from __future__ import annotations
 import ctypes
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO
+
+# set by `bpslaunch local`: a directory where each worker process that joins the cluster
+# (bps.init()) leaves a file, so a script without bps.init() ends without waiting
+JOINED_DIR_VARIABLE = "BPS_JOINED_DIR"
 
 
 @dataclass
@@ -39,6 +44,24 @@ class Child:
     process: subprocess.Popen
     service: bool
     output: threading.Thread
+
+
+def command_problem(argv: Sequence[str], path: str | None = None) -> str | None:
+    """Why ``argv`` cannot be started (``None``: it can), said before anything starts.
+
+        >>> command_problem(["sh", "-c", "true"]) is None
+        True
+        >>> command_problem(["/no/such/pyhton", "x.py"]).split(" (")[0]
+        "command not found: '/no/such/pyhton'"
+    """
+    program = argv[0]
+    if shutil.which(program, path=path) is not None:
+        return None
+    if os.sep in program and os.path.exists(program):
+        return f"command is not executable: {program!r}"
+    hint = "no such file" if os.sep in program else \
+        "not on PATH; for the project's .venv: . .venv/bin/activate"
+    return f"command not found: {program!r} ({hint}; a typo?)"
 
 
 def exit_code(returncode: int) -> int:
@@ -55,6 +78,7 @@ class Supervisor:
         self.children: list[Child] = []
         self._exits: queue.Queue = queue.Queue()
         self._write_lock = threading.Lock()
+        self._muted: set[str] = set()  # children whose output is dropped from now on
 
     def __enter__(self) -> Supervisor:
         return self
@@ -77,18 +101,29 @@ class Supervisor:
     def _pump(self, name: str, process: subprocess.Popen) -> None:
         for raw in iter(process.stdout.readline, b""):
             line = raw.decode("utf-8", "replace").rstrip("\n")
+            if name in self._muted:
+                continue
             with self._write_lock:
                 self.out.write(f"[{name}] {line}\n")
                 self.out.flush()
         process.wait()
         self._exits.put(process)
 
-    def wait(self) -> int:
-        """Block until the job ends; returns the exit code (see the module docstring)."""
+    def wait(self, joined: Callable[[], bool] | None = None) -> int:
+        """Block until the job ends; returns the exit code (see the module docstring).
+
+        ``joined``: whether any worker joined the cluster; where none did once every
+        worker exited 0 (a script without ``bps.init()``), the services, which would wait
+        for them, are stopped at once and their output dropped."""
         by_process = {id(c.process): c for c in self.children}
         running = {id(c.process) for c in self.children}
         workers = {id(c.process) for c in self.children if not c.service}
         while running:
+            if workers and not (workers & running) and joined is not None and not joined():
+                self._log("no worker called bps.init(); stopping the scheduler and servers")
+                self._muted.update(c.name for c in self.children if c.service)
+                self.stop_all()
+                return 0
             timeout = self.grace if not (workers & running) else None
             try:
                 process = self._exits.get(timeout=timeout) if timeout else self._get()

@@ -217,7 +217,7 @@ def test_dithering_draws_one_number_per_element_even_for_zeros():
 
 
 @pytest.mark.parametrize("params", [
-    {"compressor": "onebit", "scaling": True}, {"compressor": "onebit"},
+    {"compressor": "onebit", "scaling": True}, {"compressor": "onebit", "scaling": False},
     {"compressor": "topk", "k": 3}, {"compressor": "randomk", "k": 3},
     {"compressor": "dithering", "k": 4}, {"compressor": "dithering", "k": 3,
                                           "partition": "natural", "normalize": "l2"},

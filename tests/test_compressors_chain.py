@@ -28,7 +28,7 @@ def ref_codec(params: dict, numel: int, dtype: str):
     """(encode, decode) of the reference for one compressor (encode carries the RNG)."""
     name, k = params["compressor"], params.get("k")
     if name == "onebit":
-        return (lambda x: ref.onebit_encode(x, params.get("scaling", False)),
+        return (lambda x: ref.onebit_encode(x, params.get("scaling", True)),
                 lambda p: ref.onebit_decode(p, numel, dtype))
     count = (max(1, int(k * numel)) if isinstance(k, float) else min(k, numel)) if k else 0
     if name == "topk":

@@ -20,7 +20,7 @@ from tests.test_server_rules import serving_key_engine
 
 SUM_PARAMS = [
     {"compressor": "onebit", "scaling": True},
-    {"compressor": "onebit"},
+    {"compressor": "onebit", "scaling": False},
     {"compressor": "topk", "k": 5},
     {"compressor": "randomk", "k": 300, "seed": 9},  # 300 draws from 97: many repeats
     {"compressor": "dithering", "k": 4, "seed": 5},

@@ -15,7 +15,7 @@ def test_defaults_fill_every_key(monkeypatch):
     monkeypatch.delenv("BYTEPS_MIN_COMPRESS_BYTES", raising=False)
     out = validate_compression_params(None)
     assert set(out) == DOCUMENTED_KEYS
-    assert out == {"compressor": None, "k": None, "scaling": False, "ef": None,
+    assert out == {"compressor": None, "k": None, "scaling": None, "ef": None,
                    "momentum": None, "mu": None, "seed": None, "partition": "linear",
                    "normalize": "max", "fp16": True, "min_compress_bytes": 65536,
                    "warmup_steps": 0, "chunk": None, "comm_dtype": "fp16", "rank": None,
@@ -40,7 +40,7 @@ def test_min_compress_bytes_from_environment(monkeypatch):
 
 
 def test_full_valid_dict():
-    params = {"compressor": "dithering", "k": 4, "scaling": True, "ef": "vanilla",
+    params = {"compressor": "dithering", "k": 4, "scaling": None, "ef": "vanilla",
               "momentum": "nesterov", "mu": 0.9, "seed": 2**64 - 1, "partition": "natural",
               "normalize": "l2", "fp16": False, "min_compress_bytes": 0, "warmup_steps": 3,
               "chunk": None, "comm_dtype": "fp32", "rank": None, "warm_start": True,
@@ -102,7 +102,7 @@ BAD = [
     ({"compressor": "bytegrad", "chunk": 2.0}, TypeError, ["chunk", "2.0", "int"]),
     ({"compressor": "bytegrad", "chunk": True}, TypeError, ["chunk", "True"]),
     ({"compressor": "topk", "k": 3, "chunk": 64}, ValueError, ["chunk", "bytegrad", "topk"]),
-    ({"chunk": 64}, ValueError, ["chunk", "needs a compressor"]),
+    ({"chunk": 64}, ValueError, ["chunk", "no compressor", "'bytegrad'"]),
     ({"comm_dtype": "half"}, ValueError, ["comm_dtype", "half", "'bf16'"]),
     ({"comm_dtype": 16}, TypeError, ["comm_dtype", "16"]),
     ({"comm_dtype": "bf16", "fp16": True}, ValueError, ["fp16", "contradicts", "'bf16'"]),
@@ -117,6 +117,73 @@ def test_bad_params_raise_naming_key_value_and_accepted(params, exc, words):
         validate_compression_params(params)
     for word in words:
         assert word in str(info.value), (word, str(info.value))
+
+
+def test_onebit_scales_its_signs_unless_told_not_to():
+    assert validate_compression_params({"compressor": "onebit"})["scaling"] is True
+    plain = validate_compression_params({"compressor": "onebit", "scaling": False})
+    assert plain["scaling"] is False
+    assert validate_compression_params(plain) == plain  # a validated dict validates again
+
+
+NOT_APPLYING = [
+    # (params, the key refused, what it is for)
+    ({"compressor": "onebit", "k": 0.01}, "k", "'topk' or 'randomk' or 'dithering'"),
+    ({"compressor": "topk", "k": 3, "scaling": True}, "scaling", "'onebit'"),
+    ({"compressor": "topk", "k": 3, "scaling": False}, "scaling", "'onebit'"),
+    ({"compressor": "bytegrad", "partition": "natural"}, "partition", "'dithering'"),
+    ({"compressor": "randomk", "k": 3, "normalize": "l2"}, "normalize", "'dithering'"),
+    ({"compressor": "onebit", "chunk": 16}, "chunk", "'bytegrad'"),
+    ({"compressor": "dithering", "k": 2, "rank": 2}, "rank", "'powersgd'"),
+    ({"compressor": "onebit", "warm_start": False}, "warm_start", "'powersgd'"),
+    ({"ef": "vanilla"}, "ef", "'onebit'"),
+    ({"warmup_steps": 5}, "warmup_steps", "'onebit'"),
+    ({"scaling": True}, "scaling", "'onebit'"),
+    ({"k": 3}, "k", "'topk'"),
+]
+
+
+@pytest.mark.parametrize("params, key, users", NOT_APPLYING,
+                         ids=[str(b[0]) for b in NOT_APPLYING])
+def test_keys_that_do_not_apply_are_refused(params, key, users):
+    with pytest.raises(ValueError) as info:
+        validate_compression_params(params)
+    message = str(info.value)
+    assert f"compression_params[{key!r}]" in message and "does not apply" in message
+    assert users in message, message
+    which = f"compressor {params['compressor']!r}" if "compressor" in params else "no compressor"
+    assert which in message, message
+
+
+def test_mu_without_momentum_is_refused():
+    with pytest.raises(ValueError, match=r"'mu'.*does not apply.*'momentum'"):
+        validate_compression_params({"compressor": "topk", "k": 3, "mu": 0.9})
+    ok = validate_compression_params({"compressor": "topk", "k": 3, "mu": 0.9,
+                                      "momentum": "nesterov"})
+    assert ok["mu"] == 0.9
+
+
+def test_keys_at_their_default_and_job_wide_keys_are_accepted_anywhere():
+    shared = {"scaling": None, "k": None, "chunk": None, "rank": None, "warm_start": True,
+              "partition": "linear", "normalize": "max", "warmup_steps": 0, "seed": 7,
+              "min_compress_bytes": 0, "comm_dtype": "bf16", "nonfinite": "skip",
+              "momentum": "nesterov", "mu": 0.5}
+    out = validate_compression_params(shared)  # no compressor: momentum still applies
+    assert (out["seed"], out["momentum"], out["mu"]) == (7, "nesterov", 0.5)
+    assert validate_compression_params({**shared, "compressor": "onebit"})["scaling"] is True
+
+
+def test_a_registered_compressor_gets_every_key():
+    from bps.compressors import register, unregister
+    from bps.compressors.onebit import OneBit
+
+    register("signs", lambda p, n, dt: OneBit(n, dt, scaling=p["k"] is None))
+    try:
+        out = validate_compression_params({"compressor": "signs", "k": 3, "chunk": 8,
+                                           "scaling": True, "partition": "natural"})
+        assert (out["k"], out["chunk"], out["partition"]) == (3, 8, "natural")
+    finally:
+        unregister("signs")
 
 
 @pytest.mark.parametrize("given, comm, fp16", [

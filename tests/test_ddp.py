@@ -313,6 +313,11 @@ def test_two_local_ranks_reduce_in_fp16(tmp_path, env):
     for rank, final in enumerate(load_params(tmp_path, 4, "fp16")):
         for n in FP16_SHAPES:
             np.testing.assert_array_equal(final[n], expected[n], err_msg=f"{n} {rank}")
+    # the node's figures are on its local rank 0; the other says n/a, not a ratio of 0
+    ratios = [json.loads((tmp_path / f"report{r}.json").read_text())["fp16"]["stats"]
+              ["compression_ratio"] for r in range(4)]
+    assert ratios[1] is None and ratios[3] is None, ratios
+    assert ratios[0] > 1.5 and ratios[2] > 1.5, ratios  # fp16 halves float32
 
 
 if __name__ == "__main__":

@@ -134,3 +134,81 @@ def test_teardown_is_bounded_when_a_child_cannot_be_waited_for() -> None:
     assert state == "Z", state  # killed, left for init to reap
     child.process._waitpid_lock.release()
     child.process.wait(timeout=10)
+
+
+FORGETS_SHUTDOWN = """
+import sys, torch, bps
+bps.init()
+model = torch.nn.Linear(8, 1)
+trainer = bps.DistributedTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1))
+for _ in range(3):
+    trainer.zero_grad()
+    model(torch.ones(4, 8)).sum().backward()
+    trainer.step()
+print("trained", flush=True)
+if bps.rank() == 1:
+    sys.exit(0)
+"""
+
+
+def test_a_job_that_forgets_shutdown_succeeds_with_a_warning() -> None:
+    """Training finished, no bps.shutdown(): the end of the script (rank 0) and
+    sys.exit(0) (rank 1) leave as shutdown() would; the job exits 0, no ERROR line."""
+    code, output = run_command(BPSLAUNCH + ["local", "--workers", "2", "--servers", "1", "--",
+                                            PY, "-c", FORGETS_SHUTDOWN], TEST_ENV, timeout=120)
+    assert code == 0, output
+    assert output.count("trained") == 2, output
+    assert "ended without bps.shutdown()" in output, output
+    assert "ERROR" not in output and "failed" not in output, output
+    assert "all workers finished" in output, output
+
+
+def test_a_mistyped_command_is_refused_before_anything_starts() -> None:
+    for program, hint in ((".venv/bin/pyhton", "no such file"), ("pyhton", "activate")):
+        code, output = run_command(BPSLAUNCH + ["local", "--", program, "x.py"], TEST_ENV,
+                                   timeout=60)
+        assert code == 2, output
+        assert f"bpslaunch local: error: command not found: {program!r}" in output, output
+        assert hint in output and "Traceback" not in output and "[scheduler]" not in output
+
+
+def test_a_script_without_bps_init_ends_at_once_and_quietly() -> None:
+    """No worker joins: the scheduler and servers, which would wait for them, are
+    stopped as soon as the workers exit 0, without the grace period or their ERRORs."""
+    started = time.monotonic()
+    code, output = run_command(BPSLAUNCH + ["local", "--workers", "2", "--servers", "1", "--",
+                                            PY, "-c", "print('hello')"], TEST_ENV, timeout=60)
+    elapsed = time.monotonic() - started
+    assert code == 0, output
+    assert output.count("hello") == 2, output
+    assert "no worker called bps.init()" in output, output
+    assert "ERROR" not in output and "SIGTERM" not in output, output
+    assert "services still running" not in output, output  # not the grace period's stop
+    assert elapsed < Supervisor().grace + 30, (elapsed, output)
+
+
+LOCAL_RANK_RAISES = """
+import torch, bps
+bps.init()
+model = torch.nn.Linear(8, 1)
+trainer = bps.DistributedTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1))
+for step in range(2):
+    if step == 1 and bps.rank() == 1:
+        raise RuntimeError("boom")
+    trainer.zero_grad()
+    model(torch.ones(4, 8)).sum().backward()
+    trainer.step()
+bps.shutdown()
+"""
+
+
+def test_a_failing_local_rank_leaves_no_stray_abort() -> None:
+    """2 nodes x 2 local ranks, rank 1 raises: every process names the failure and ends;
+    none aborts in the teardown of its node's gloo group ("terminate called ...")."""
+    code, output = run_command(BPSLAUNCH + ["local", "--workers", "2", "--servers", "1",
+                                            "--local-size", "2", "--", PY, "-c",
+                                            LOCAL_RANK_RAISES],
+                               {**TEST_ENV, "BPS_TIMEOUT": "60"}, timeout=180)
+    assert code != 0, output
+    assert "RuntimeError: boom" in output, output
+    assert "terminate called" not in output and "Aborted" not in output, output

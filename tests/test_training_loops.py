@@ -305,6 +305,36 @@ def test_second_backward_without_accumulation_keeps_its_error(tmp_path):
                             text=True, timeout=120, env={**os.environ, "BPS_TIMEOUT": "20"})
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "REFUSED" in result.stdout and "backward_passes_per_step" in result.stdout
+    assert "backward() ran again without trainer.step()" in result.stdout
+    assert "optimizer.step() was called" not in result.stdout  # it was not
+
+
+def test_optimizer_step_instead_of_trainer_step_is_named(tmp_path):
+    """DDP's habit: optimizer.step() where trainer.step() belongs. The second backward()
+    fails saying so, and the process exits with that error alone."""
+    script = (
+        "import torch, bps\n"
+        "bps.init()\n"
+        "m = torch.nn.Sequential(torch.nn.Linear(300, 64), torch.nn.ReLU(),\n"
+        "                        torch.nn.Linear(64, 3))\n"
+        "opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)\n"
+        "t = bps.DistributedTrainer(m, opt, {'compressor': 'onebit', 'ef': 'vanilla',\n"
+        "                                    'momentum': 'nesterov', 'min_compress_bytes': 0})\n"
+        "for _ in range(3):\n"
+        "    opt.zero_grad()\n"
+        "    m(torch.ones(4, 300)).sum().backward()\n"
+        "    opt.step()\n"
+        "bps.shutdown()\n"
+    )
+    result = subprocess.run([BPSLAUNCH, "local", "--workers", "1", "--servers", "1", "--",
+                             sys.executable, "-c", script], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120, env={**os.environ, "BPS_TIMEOUT": "20"})
+    out = result.stdout + result.stderr
+    assert result.returncode != 0, out[-3000:]
+    assert "backward() ran again without trainer.step()" in out, out[-3000:]
+    assert "optimizer.step() was called 1 time(s) outside the trainer" in out, out[-3000:]
+    assert "call trainer.step() instead of optimizer.step()" in out, out[-3000:]
+    assert out.count("Traceback") == 1 and "futures" not in out, out[-3000:]
 
 
 SERVER_REFUSAL = """

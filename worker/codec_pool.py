@@ -20,7 +20,7 @@ import zmq
 
 from bps.compressors.base import NonFiniteError
 from bps.compressors.device import OK, is_staged
-from bps.protocol import join_frames
+from bps.protocol import ClusterError, join_frames
 from bps.trace import Tracer
 from bps.worker.device_path import decode_into, on_side_stream, wait_side_stream
 from bps.worker.send_queues import KeyInfo, Request, info_label, settle, trace_stage
@@ -45,8 +45,8 @@ class CodecPool:
         ``then(empty, marker fields)`` where the chain refuses it as non-finite (its
         state unchanged); any other error settles ``future``. ``momentum_scale``: see
         ``Compressor.scale_momentum``."""
-        self._pool.submit(self._compress, info, tensor, step, lr, future, then,
-                          momentum_scale)
+        self._submit(info, future, self._compress, info, tensor, step, lr, future, then,
+                     momentum_scale)
 
     def compress_device(self, info: KeyInfo, tensor: torch.Tensor,
                         ready: torch.cuda.Event | None, step: int, lr: float,
@@ -58,13 +58,13 @@ class CodecPool:
         its payload is copied to the key's pinned buffer; a raw key is checked for inf and
         NaN and copied down as it is (a ``nonfinite`` marker instead where it has one,
         naming ``what``, else the key)."""
-        self._pool.submit(self._compress_device, info, tensor, ready, step, lr, future, then,
-                          momentum_scale, what or info.name)
+        self._submit(info, future, self._compress_device, info, tensor, ready, step, lr,
+                     future, then, momentum_scale, what or info.name)
 
     def decompress(self, request: Request, frames: list[zmq.Frame]) -> None:
         """On a codec thread: decode the aggregate of ``request`` (its payload frames)
         and settle its future."""
-        self._pool.submit(self._decompress, request, frames)
+        self._submit(request.info, request.future, self._decompress, request, frames)
 
     def then(self, info: KeyInfo, future: concurrent.futures.Future,
              done: concurrent.futures.Future,
@@ -72,7 +72,17 @@ class CodecPool:
         """On a codec thread, once ``done`` (one round of a multi-round key) resolved:
         ``step(its sum)``; a tensor it returns settles ``future`` (the last round), an
         error in ``done`` or ``step`` fails it."""
-        self._pool.submit(self._then, info, future, done, step)
+        self._submit(info, future, self._then, info, future, done, step)
+
+    def _submit(self, info: KeyInfo, future: concurrent.futures.Future,
+                work: Callable[..., None], *args: object) -> None:
+        """Run ``work(*args)`` on a codec thread; once the pool or the interpreter is
+        shutting down (a reply that arrives as the process exits), fail ``future``
+        instead of the caller's thread."""
+        try:
+            self._pool.submit(work, *args)
+        except RuntimeError as exc:  # cannot schedule new futures after (interpreter) shutdown
+            settle(info, future, error=ClusterError(f"engine closed: {exc}"))
 
     def _then(self, info: KeyInfo, future: concurrent.futures.Future,
               done: concurrent.futures.Future,
