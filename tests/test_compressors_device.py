@@ -9,6 +9,8 @@ powersgd's factors (matmuls and norms summed in another order: POWERSGD_RTOL).
 from __future__ import annotations
 
 import copy
+import doctest
+import importlib
 import warnings
 
 import numpy as np
@@ -401,3 +403,10 @@ def test_powersgd_matches_host(make, options, device):
             assert_same_state(host.state_dict(), dev.state_dict())
         else:
             dev.load_state_dict(host.state_dict())  # no drift from rounding
+
+
+@pytest.mark.parametrize("module", ["device", "onebit_torch", "topk_torch", "randomk_torch",
+                                    "bytegrad_torch", "powersgd_torch"])
+def test_docstring_examples(module):
+    result = doctest.testmod(importlib.import_module(f"bps.compressors.{module}"))
+    assert result.failed == 0 and result.attempted > 0
