@@ -10,8 +10,8 @@ stream: the payload is a CPU uint8 tensor. Decoding copies the payload to the ho
 decodes there and copies the values up.
 
 Bytes are the host's for ``normalize="max"``; with ``"l2"`` the scale is a float64 sum
-in torch's order (docs/compression.md). A chain with error feedback or momentum reads
-its non-finite flag after the copy: two host syncs per compress.
+in torch's order (docs/compression.md). The status is known on the host after the copy;
+a chain with error feedback or momentum reads its own flags after it: a second sync.
 
 Example::
 
@@ -30,7 +30,7 @@ import torch
 from numba import njit
 
 from .base import KERNEL_FLOAT_DTYPES, Payload
-from .device import INPUT_NONFINITE, OK, TorchKernels, status_tensor, to_device_async
+from .device import INPUT_NONFINITE, OK, TorchKernels, to_device_async
 from .dithering import TRAILER, Dithering
 from .rng import UINT64_MAX_F64, jump, jump_table
 
@@ -164,14 +164,14 @@ class DitheringTorch(TorchKernels, Dithering):
         host = torch.cat([level_bytes, scale.reshape(1).view(torch.uint8)]).cpu().numpy()
         scale_value = float(host[-8:].view(np.float64)[0])
         if not math.isfinite(scale_value):
-            return None, status_tensor(INPUT_NONFINITE, self.device), levels, scale_value
+            return None, torch.tensor([INPUT_NONFINITE, -1]), levels, scale_value
         payload = torch.empty(self.max_stream_bytes + TRAILER, dtype=torch.uint8)
         words = payload.numpy()[: payload.numel() // 4 * 4].view(np.uint32)
         level_array = host[:-8].view(self.level_dtype)
         nbits = self.code_levels(level_array, words) if scale_value > 0.0 else 0
         self.pending = jump(self.rng[0], self.rng[1], self.numel, jump_table())
         payload = self.finish(payload, nbits, scale_value)
-        return payload, status_tensor(OK, self.device), levels, scale_value
+        return payload, torch.tensor([OK, -1]), levels, scale_value
 
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         payload, status, _, _ = self._encode(self.check_input(x))
