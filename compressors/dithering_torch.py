@@ -24,6 +24,7 @@ Example::
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 import torch
@@ -65,6 +66,19 @@ def span_images(spans, steps, table):
     return out
 
 
+_IMAGES: dict = {}  # (spans, device) -> span_images there: 32 MB for SUB, shared by chains
+_IMAGES_LOCK = threading.Lock()
+
+
+def shared_images(spans: int, device: torch.device) -> torch.Tensor:
+    """``span_images(spans, STEPS)`` on ``device``, made once per process and device."""
+    with _IMAGES_LOCK:
+        if (spans, device) not in _IMAGES:
+            images = torch.from_numpy(span_images(spans, STEPS, jump_table()))
+            _IMAGES[spans, device] = images.to(device)
+        return _IMAGES[spans, device]
+
+
 def shift_right(t: torch.Tensor, k: int) -> torch.Tensor:
     """The logical right shift of int64 bits."""
     return (t >> k) & ((1 << (64 - k)) - 1)
@@ -77,16 +91,19 @@ def unpack_bits(states: torch.Tensor) -> torch.Tensor:
 
 
 def pack_bits(bits: torch.Tensor) -> torch.Tensor:
-    """(count, 2) int64 states of (count, 128) 0/1 int64 bits."""
-    shifts = torch.arange(64, device=bits.device)
-    return (bits.view(-1, 2, 64) << shifts).sum(-1)
+    """(count, 2) int64 states of (count, 128) 0/1 uint8 bits: 8 bits to a byte (bit k of
+    a little-endian int64 is bit k % 8 of its byte k // 8), the bytes viewed as int64."""
+    weights = torch.ones(8, dtype=torch.uint8, device=bits.device) << torch.arange(
+        8, dtype=torch.uint8, device=bits.device)
+    packed = (bits.view(-1, 16, 8) * weights).sum(-1, dtype=torch.uint8)
+    return packed.view(torch.int64)
 
 
 def draw_all(blocks: torch.Tensor, images: torch.Tensor, numel: int) -> torch.Tensor:
     """The first ``numel`` draws (int64 bits of the uint64s) from the generators that
     start at ``blocks`` (host-jumped, one per SUB spans) and ``images`` (span_images)."""
     counts = unpack_bits(blocks) @ images  # GF(2): the parity of each sum is the bit
-    states = pack_bits(counts.to(torch.int64) & 1)
+    states = pack_bits(counts.to(torch.uint8) & 1)  # counts <= 128
     a, b = states[:, 0], states[:, 1]
     draws = torch.empty((a.numel(), STEPS), dtype=torch.int64, device=a.device)
     for j in range(STEPS):  # xorshift128+, as rng.xorshift_step
@@ -139,13 +156,12 @@ class DitheringTorch(TorchKernels, Dithering):
         spans = -(-numel // STEPS)
         self.sub = min(SUB, spans)
         self.block_count = -(-spans // self.sub)
-        self.images: torch.Tensor | None = None  # span_images on the device (first use)
+        self.images: torch.Tensor | None = None  # shared_images (first use)
         self.pending: tuple | None = None  # the RNG state after the last encode
 
     def _levels(self, values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         if self.images is None:
-            self.images = span_images(self.sub, STEPS, jump_table())
-            self.images = torch.from_numpy(self.images).to(self.device)
+            self.images = shared_images(self.sub, self.device)
         a, b = self.rng
         blocks = block_starts(a, b, self.block_count, self.sub * STEPS, jump_table())
         blocks = to_device_async(blocks.view(np.int64), self.device)
