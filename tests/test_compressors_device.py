@@ -353,16 +353,18 @@ def test_input_on_another_device_refused(make):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("name", ["onebit", "topk", "randomk", "bytegrad"])
+@pytest.mark.parametrize("name", ["onebit", "topk", "randomk", "bytegrad", "dithering"])
 def test_one_host_sync_per_compress_and_decompress(make, name):
-    params = {**CASES[name], "ef": "vanilla", "momentum": "nesterov", "mu": 0.9}
+    # dithering alone: with error feedback or momentum it reads their flags in a second
+    extra = {} if name == "dithering" else {"ef": "vanilla", "momentum": "nesterov", "mu": 0.9}
+    params = {**CASES[name], **extra}
     numel = 1 << 16
     chain = make(params, numel, torch.float32, "cuda")
     xs = [x.cuda() for x in gradients(numel, torch.float32, 3)]
     chain.set_lr(0.1)
     payload = chain.compress(xs[0])  # buffers made, kernels loaded
     out = torch.empty(numel, device="cuda")
-    chain.decompress(payload, out=out)
+    chain.decompress(payload.to("cuda"), out=out)
     torch.cuda.synchronize()
     for x in xs[1:]:
         chain.set_lr(0.1)
@@ -372,6 +374,9 @@ def test_one_host_sync_per_compress_and_decompress(make, name):
                 warnings.simplefilter("always")
                 payload = chain.compress(x)
             compress_syncs = [w for w in caught if "synchroniz" in str(w.message)]
+            torch.cuda.set_sync_debug_mode("default")
+            payload = payload.to("cuda")  # dithering's is on the host: the engine copies it
+            torch.cuda.set_sync_debug_mode("warn")
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 chain.decompress(payload, out=out)
@@ -440,3 +445,22 @@ def test_powersgd_matches_host(make, options, device):
 def test_docstring_examples(module):
     result = doctest.testmod(importlib.import_module(f"bps.compressors.{module}"))
     assert result.failed == 0 and result.attempted > 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_powersgd_syncs_once_per_step(make):
+    params = {"compressor": "powersgd", "rank": 2, "ef": "vanilla", "shape": [300, 200]}
+    chain = make(params, 60000, torch.float32, "cuda")
+    xs = [x.cuda() for x in gradients(60000, torch.float32, 3)]
+    powersgd_step(chain, xs[0])
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            powersgd_step(chain, xs[1])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) <= 1, syncs  # the non-finite check of round 0
