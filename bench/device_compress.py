@@ -30,6 +30,7 @@ CASES = {
     "topk": {"compressor": "topk", "k": 0.01},
     "randomk": {"compressor": "randomk", "k": 0.01},
     "bytegrad": {"compressor": "bytegrad"},
+    "dithering": {"compressor": "dithering", "k": 4},
 }
 CHAINS = {"bare": {}, "ef+mom": {"ef": "vanilla", "momentum": "nesterov", "mu": 0.9}}
 

@@ -72,7 +72,12 @@ def quantise(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, chunk: int,
 
 def dequantise(codes: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
                chunk: int) -> torch.Tensor:
-    """y = lo + (q + 0.5) * w per element, float32, each op rounded."""
+    """y = lo + (q + 0.5) * w per element, float32, each op rounded.
+
+        >>> dequantise(torch.tensor([0, 255], dtype=torch.uint8), torch.tensor([0.0]),
+        ...            torch.tensor([256.0]), 2)
+        tensor([  0.5000, 255.5000])
+    """
     w = (hi - lo) * INV256
     out = torch.empty(codes.numel(), dtype=torch.float32, device=codes.device)
     first = 0

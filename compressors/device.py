@@ -64,13 +64,6 @@ def int_view(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(_INT_OF_WIDTH[tensor.element_size()])
 
 
-def status_tensor(code: int, device: torch.device, detail: int = -1) -> torch.Tensor:
-    """A constant ``(code, detail)`` status on ``device`` (no host sync)."""
-    status = torch.full((2,), detail, dtype=torch.int64, device=device)
-    status[0] = code  # a fill on the device, no host transfer
-    return status
-
-
 def flag_status(bad: torch.Tensor, code: int, detail: torch.Tensor | int = -1) -> torch.Tensor:
     """``(code, detail)`` where the 0-dim bool ``bad`` is True, else ``(OK, -1)``."""
     codes = torch.where(bad, code, OK).to(torch.int64)  # Python scalars: no host transfer
@@ -78,7 +71,11 @@ def flag_status(bad: torch.Tensor, code: int, detail: torch.Tensor | int = -1) -
 
 
 def first_bad(status: torch.Tensor, later: torch.Tensor) -> torch.Tensor:
-    """``status`` if it is not OK, else ``later``: the first stage that refused wins."""
+    """``status`` if it is not OK, else ``later``: the first stage that refused wins.
+    ``later`` may be a host tensor (a stage that synced already): it goes up without a
+    sync."""
+    if later.device != status.device:
+        later = later.to(status.device, non_blocking=True)
     return torch.where(status[0] != OK, status, later)
 
 

@@ -76,6 +76,8 @@ def bits_per_element(top: int) -> int:
 class Dithering(Compressor):
     """Stochastic rounding of |x|/scale onto s linear or 2**(s-1) natural levels."""
 
+    device_kernels = True  # its twin: dithering_torch.DitheringTorch
+
     def __init__(self, numel: int, dtype: torch.dtype = torch.float32, levels: int = 2,
                  natural: bool = False, l2: bool = False, seed: int = 1):
         super().__init__(numel, dtype)
@@ -164,9 +166,13 @@ class Dithering(Compressor):
         # scale 0: every q is 0 and the residual is the input
         nbits = self.encode(values, scale, words, dequantised, unit) if scale > 0.0 else 0
         self.rng[0], self.rng[1] = jump(a, b, self.numel, jump_table())
+        return self.finish(payload, nbits, scale)
+
+    def finish(self, payload: torch.Tensor, nbits: int, scale: float) -> torch.Tensor:
+        """The payload of an ``nbits`` stream at its start: the trailer written after it."""
         size = (nbits + 7) // 8
-        trailer = np.array([nbits], dtype=np.uint64).view(np.uint8)
-        buffer[size : size + 8] = trailer
+        buffer = payload.numpy()
+        buffer[size : size + 8] = np.array([nbits], dtype=np.uint64).view(np.uint8)
         buffer[size + 8 : size + 16] = np.array([scale], dtype=np.float64).view(np.uint8)
         return payload[: size + TRAILER]
 
@@ -181,21 +187,34 @@ class Dithering(Compressor):
         others into scratch arrays; their streams are then appended with the first gap
         re-coded relative to the last nonzero index before the chunk."""
         levels = self.buffer("levels", self.numel, self.level_dtype)
-        top = float(2 ** (self.levels - 1)) if self.natural else float(self.levels)
         a, b = self.rng
 
         def work(lo: int, hi: int) -> tuple:
-            quantise_range(values, lo, hi, a, b, scale, top, self.natural, dequantised, unit,
-                           levels)
-            out = words if lo == 0 else self.buffer(
-                f"stream{lo}", (hi - lo) * self.bits_per_element // 32 + 4, np.uint32)
-            chunk = levels[lo:hi]
-            if chunk.dtype != np.int8:
-                return code_chunk(chunk, SMALL_CODES, out)
-            windows = chunk[: chunk.size // WINDOW * WINDOW].view(np.uint32)
-            return code_windows(chunk, windows, WINDOW_CODES, GAP_CODES, SMALL_CODES, out)
+            quantise_range(values, lo, hi, a, b, scale, self.divisor, self.natural,
+                           dequantised, unit, levels)
+            return self.code_range(levels, lo, hi, words)
 
-        results = run_chunks(work, self.bounds)
+        return self.splice(run_chunks(work, self.bounds), words)
+
+    def code_levels(self, levels: np.ndarray, words: np.ndarray) -> int:
+        """Code signed ``levels`` (``level_dtype``, numel of them) into ``words``, one
+        chunk per thread; returns the bit count (device chains quantise elsewhere)."""
+        return self.splice(run_chunks(lambda lo, hi: self.code_range(levels, lo, hi, words),
+                                      self.bounds), words)
+
+    def code_range(self, levels: np.ndarray, lo: int, hi: int, words: np.ndarray) -> tuple:
+        """Code ``levels[lo:hi]`` on its own: into ``words`` for the first chunk, else a
+        scratch stream; returns (bits, first nonzero, last nonzero) as the coders do."""
+        out = words if lo == 0 else self.buffer(
+            f"stream{lo}", (hi - lo) * self.bits_per_element // 32 + 4, np.uint32)
+        chunk = levels[lo:hi]
+        if chunk.dtype != np.int8:
+            return code_chunk(chunk, SMALL_CODES, out)
+        windows = chunk[: chunk.size // WINDOW * WINDOW].view(np.uint32)
+        return code_windows(chunk, windows, WINDOW_CODES, GAP_CODES, SMALL_CODES, out)
+
+    def splice(self, results: list, words: np.ndarray) -> int:
+        """Append the chunks' streams to the first one's in ``words``; the bit count."""
         nbits, _, last = results[0]
         for (lo, _), (bits, first, chunk_last) in zip(self.bounds[1:], results[1:], strict=True):
             if first >= 0:

@@ -115,7 +115,7 @@ class Momentum(StagedChain, Compressor):
         decay, self.factor = self.mu * self.factor, 1.0
         self._buffers()
         if self.dtype not in KERNEL_FLOAT_DTYPES:  # float16/bfloat16: torch rounds each op
-            lookahead = nesterov_step_torch(x, self.momentum, decay, self.mu, self.lookahead,
+            lookahead = nesterov_step_torch(x, self.momentum, decay, self.mu, self._lookahead(),
                                             self.spare)
             if not bool(torch.isfinite(lookahead).all()):
                 raise self._nonfinite()
@@ -129,16 +129,20 @@ class Momentum(StagedChain, Compressor):
                     error, out, corrected))
             return self._commit(self.spare, payload)
         if not nesterov_step(grad, momentum, grad.dtype.type(decay), mu,
-                             self.lookahead.numpy(), out):
+                             self._lookahead().numpy(), out):
             raise self._nonfinite()
         return self._commit(self.spare, self.inner.compress(self.lookahead))
 
     def _buffers(self) -> None:
-        """The spare momentum buffer and the lookahead (made on first use)."""
+        """The spare momentum buffer (made on first use)."""
         if self.spare is None:
             self.spare = torch.empty_like(self.momentum)
+
+    def _lookahead(self) -> torch.Tensor:
+        """The lookahead buffer, where the inner chain takes g' as a tensor (first use)."""
         if self.lookahead is None:
             self.lookahead = torch.empty_like(self.momentum)
+        return self.lookahead
 
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The staged half of ``compress`` (a chain with torch kernels): the new momentum
@@ -149,7 +153,7 @@ class Momentum(StagedChain, Compressor):
         self.undo = None
         decay, self.factor = self.mu * self.factor, 1.0
         self._buffers()
-        lookahead = nesterov_step_torch(x, self.momentum, decay, self.mu, self.lookahead,
+        lookahead = nesterov_step_torch(x, self.momentum, decay, self.mu, self._lookahead(),
                                         self.spare)
         refused = flag_status(~torch.isfinite(lookahead).all(), CHAIN_NONFINITE)
         payload, status = self.inner.encode(lookahead)

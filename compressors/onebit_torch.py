@@ -59,7 +59,11 @@ def unpack_signs(words: torch.Tensor, numel: int) -> torch.Tensor:
 
 def sign_scale(x: torch.Tensor, scaling: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(float32 scale as onebit stores it, 0-dim bool: whether sum |x| is not finite).
-    The sum is float64; its order is torch's."""
+    The sum is float64; its order is torch's.
+
+        >>> sign_scale(torch.tensor([1.0, -2.0, 0.0]), True)
+        (tensor(1.), tensor(False))
+    """
     total = x.abs().sum(dtype=torch.float64)
     if scaling:
         scale = (total / x.numel()).to(torch.float32)

@@ -59,7 +59,11 @@ def select_topk(x: torch.Tensor, k: int) -> torch.Tensor:
 
 def last_of_repeats(indices: torch.Tensor, numel: int) -> torch.Tensor:
     """For each j, the position of the last occurrence of ``indices[j]`` (decoding writes
-    in order, so the last value of a repeated index wins); no sort, deterministic."""
+    in order, so the last value of a repeated index wins); no sort, deterministic.
+
+        >>> last_of_repeats(torch.tensor([3, 1, 3, 3]), 4).tolist()
+        [3, 1, 3, 3]
+    """
     positions = torch.arange(indices.numel(), dtype=torch.int32, device=indices.device)
     last = torch.empty(numel, dtype=torch.int32, device=indices.device)
     last.scatter_reduce_(0, indices, positions, "amax", include_self=False)

@@ -9,15 +9,18 @@ powersgd's factors (matmuls and norms summed in another order: POWERSGD_RTOL).
 from __future__ import annotations
 
 import copy
+import doctest
+import importlib
 import warnings
 
 import numpy as np
 import pytest
 import torch
 
-from bps.compressors import build, supports_device
+from bps.compressors import build, register, supports_device, unregister
 from bps.compressors.base import NonFiniteError
 from bps.compressors.device import forced_by_env, int_view
+from bps.compressors.topk import TopK
 
 DEVICES = [
     pytest.param("cpu", id="cpu"),
@@ -31,6 +34,8 @@ CASES = {
     "topk": {"compressor": "topk", "k": 0.1},
     "randomk": {"compressor": "randomk", "k": 0.1, "seed": 7},
     "bytegrad": {"compressor": "bytegrad", "chunk": 64},
+    "dithering": {"compressor": "dithering", "k": 4, "seed": 7},
+    "dithering-natural": {"compressor": "dithering", "k": 3, "partition": "natural", "seed": 7},
 }
 CHAINS = {"bare": {}, "ef": {"ef": "vanilla"}, "momentum": {"momentum": "nesterov", "mu": 0.9},
           "ef+momentum": {"ef": "vanilla", "momentum": "nesterov", "mu": 0.9}}
@@ -116,7 +121,7 @@ def run_both(host, device, name: str, x: torch.Tensor, dev: str) -> None:
     payload_host = host.compress(x)
     payload_device = device.compress(x.to(dev))
     out = torch.full((x.numel(),), 7.0, dtype=x.dtype, device=dev)
-    assert device.decompress(payload_device, out=out) is out
+    assert device.decompress(payload_device.to(dev), out=out) is out
     if assert_same_payload(name, payload_host, payload_device):
         assert torch.equal(bits(host.decompress(payload_host)), bits(out))
     else:
@@ -162,7 +167,7 @@ def test_chain_matches_host(make, name, chain, dtype, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("numel", [1, 2, 31, 33, 97])
-@pytest.mark.parametrize("name", ["onebit", "topk", "randomk", "bytegrad"])
+@pytest.mark.parametrize("name", ["onebit", "topk", "randomk", "bytegrad", "dithering"])
 def test_odd_sizes_and_k1(make, name, numel, device):
     params = {**CASES[name], "ef": "vanilla"}
     if name in ("topk", "randomk"):
@@ -193,6 +198,22 @@ def test_topk_takes_the_first_of_tied_magnitudes(make, k, device):
         host, dev = make(params, 200, torch.float32, None), make(params, 200, torch.float32,
                                                                  device)
         run_both(host, dev, "topk", value, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dithering_l2_scale_is_a_sum_in_another_order(make, device):
+    # the l2 scale sums x**2 in torch's order: within a few float64 ulps of the host's,
+    # and its payload decodes on the host as any other
+    params = {"compressor": "dithering", "k": 3, "normalize": "l2", "seed": 7}
+    host, dev = make(params, 5000, torch.float32, None), make(params, 5000, torch.float32,
+                                                              device)
+    x = gradients(5000, torch.float32, 1)[0]
+    payload_host, payload_device = host.compress(x), dev.compress(x.to(device)).cpu()
+    scales = [float(p[-8:].numpy().view(np.float64)[0]) for p in (payload_host, payload_device)]
+    assert scales[0] == pytest.approx(scales[1], rel=1e-13)
+    decoded = host.decompress(payload_device)
+    assert int((decoded != 0).sum()) > 0 and bool(torch.isfinite(decoded).all())
+    assert host.state_dict() == dev.state_dict()  # the generator advanced alike
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -233,11 +254,18 @@ def bad_payloads(name: str, payload: torch.Tensor, numel: int) -> list[torch.Ten
         bad = payload.clone()
         bad[:8] = torch.from_numpy(np.array([2.0, 1.0], dtype=np.float32).view(np.uint8))
         cases.append(bad)
+    elif name == "dithering":
+        bad = payload.clone()
+        bad[-8:] = torch.from_numpy(np.array([np.nan]).view(np.uint8))
+        cases.append(bad)
+        bad = payload.clone()
+        bad[-16:-8] = torch.from_numpy(np.array([1], dtype=np.uint64).view(np.uint8))
+        cases.append(bad)
     return cases
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", ["onebit", "topk", "randomk", "bytegrad"])
+@pytest.mark.parametrize("name", ["onebit", "topk", "randomk", "bytegrad", "dithering"])
 def test_bad_payloads_refused_as_the_host_does(make, name, device):
     numel = 45
     host = make(CASES[name], numel, torch.float32, None)
@@ -295,17 +323,21 @@ def test_state_moves_between_host_and_device_chains(make, device):
 
 
 def test_supports_device_and_refusals(monkeypatch):
-    for name in ("onebit", "topk", "randomk", "bytegrad"):
-        assert supports_device(CASES[name])
-    assert not supports_device({"compressor": "dithering", "k": 2})
+    for params in CASES.values():
+        assert supports_device(params)
     assert supports_device({"compressor": "powersgd", "rank": 1})
-    with pytest.raises(TypeError, match="'dithering' has no torch kernels"):
-        build({"compressor": "dithering", "k": 2}, 10, device="meta")
-    monkeypatch.setenv("BPS_DEVICE_KERNELS", "1")
-    chain = build({"compressor": "dithering", "k": 2, "ef": "vanilla"}, 10)
-    assert type(chain.inner).__name__ == "Dithering"  # the switch keeps host kernels there
+    register("host-only", lambda params, numel, dtype: TopK(numel, dtype, k=1))
+    try:
+        assert not supports_device({"compressor": "host-only"})
+        with pytest.raises(TypeError, match="'host-only' has no torch kernels"):
+            build({"compressor": "host-only"}, 10, device="meta")
+        monkeypatch.setenv("BPS_DEVICE_KERNELS", "1")
+        chain = build({"compressor": "host-only", "ef": "vanilla"}, 10)
+        assert type(chain.inner) is TopK  # the switch keeps the host kernels there
+    finally:
+        unregister("host-only")
     server = build(CASES["topk"], 10, role="server")
-    assert type(server).__name__ == "TopK"
+    assert type(server) is TopK
     monkeypatch.setenv("BPS_DEVICE_KERNELS", "2")
     with pytest.raises(ValueError, match="BPS_DEVICE_KERNELS must be 0 or 1"):
         forced_by_env()
@@ -321,16 +353,18 @@ def test_input_on_another_device_refused(make):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("name", ["onebit", "topk", "randomk", "bytegrad"])
+@pytest.mark.parametrize("name", ["onebit", "topk", "randomk", "bytegrad", "dithering"])
 def test_one_host_sync_per_compress_and_decompress(make, name):
-    params = {**CASES[name], "ef": "vanilla", "momentum": "nesterov", "mu": 0.9}
+    # dithering alone: with error feedback or momentum it reads their flags in a second
+    extra = {} if name == "dithering" else {"ef": "vanilla", "momentum": "nesterov", "mu": 0.9}
+    params = {**CASES[name], **extra}
     numel = 1 << 16
     chain = make(params, numel, torch.float32, "cuda")
     xs = [x.cuda() for x in gradients(numel, torch.float32, 3)]
     chain.set_lr(0.1)
     payload = chain.compress(xs[0])  # buffers made, kernels loaded
     out = torch.empty(numel, device="cuda")
-    chain.decompress(payload, out=out)
+    chain.decompress(payload.to("cuda"), out=out)
     torch.cuda.synchronize()
     for x in xs[1:]:
         chain.set_lr(0.1)
@@ -340,6 +374,9 @@ def test_one_host_sync_per_compress_and_decompress(make, name):
                 warnings.simplefilter("always")
                 payload = chain.compress(x)
             compress_syncs = [w for w in caught if "synchroniz" in str(w.message)]
+            torch.cuda.set_sync_debug_mode("default")
+            payload = payload.to("cuda")  # dithering's is on the host: the engine copies it
+            torch.cuda.set_sync_debug_mode("warn")
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 chain.decompress(payload, out=out)
@@ -401,3 +438,29 @@ def test_powersgd_matches_host(make, options, device):
             assert_same_state(host.state_dict(), dev.state_dict())
         else:
             dev.load_state_dict(host.state_dict())  # no drift from rounding
+
+
+@pytest.mark.parametrize("module", ["device", "onebit_torch", "topk_torch", "randomk_torch",
+                                    "bytegrad_torch", "powersgd_torch", "dithering_torch"])
+def test_docstring_examples(module):
+    result = doctest.testmod(importlib.import_module(f"bps.compressors.{module}"))
+    assert result.failed == 0 and result.attempted > 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_powersgd_syncs_once_per_step(make):
+    params = {"compressor": "powersgd", "rank": 2, "ef": "vanilla", "shape": [300, 200]}
+    chain = make(params, 60000, torch.float32, "cuda")
+    xs = [x.cuda() for x in gradients(60000, torch.float32, 3)]
+    powersgd_step(chain, xs[0])
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            powersgd_step(chain, xs[1])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) <= 1, syncs  # the non-finite check of round 0
