@@ -435,9 +435,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=["cuda", "cpu"], default=None,
                    help="default: cuda where torch sees a GPU")
     p.add_argument("--steps", type=int, default=None,
-                   help="timed steps per configuration (default 20; 5 with --quick)")
+                   help="timed steps per configuration (default 20; 4 with --quick)")
     p.add_argument("--warmup", type=int, default=None,
-                   help="untimed steps first (default 5; 2 with --quick)")
+                   help="untimed steps first (default 5; 1 with --quick)")
     p.add_argument("--quick", action="store_true", help="tiny models and tensors")
     p.add_argument("--only", default=",".join(CONFIGS),
                    help=f"configurations, comma-separated (of {', '.join(CONFIGS)})")
@@ -451,9 +451,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.steps is None:
-        args.steps = 5 if args.quick else 20
+        args.steps = 4 if args.quick else 20
     if args.warmup is None:
-        args.warmup = 2 if args.quick else 5
+        args.warmup = 1 if args.quick else 5
     unknown = [name for name in args.only.split(",") if name not in CONFIGS]
     if unknown:
         p.error(f"--only: unknown configuration {unknown[0]!r} (of {', '.join(CONFIGS)})")
