@@ -37,6 +37,7 @@ import argparse
 import datetime
 import inspect
 import json
+import numbers
 import os
 import platform
 import socket
@@ -295,10 +296,10 @@ def child(args: argparse.Namespace) -> int:
         results[name] = {
             "step_s": statistics.median(times), "steps_s": times,
             "parameters": sum(p.numel() for p in model.parameters()),
-            "bytes_per_step": statistics.median(
-                s.get("bytes_pushed", 0) + s.get("bytes_pulled", 0) for s in stats),
-            "stats": {key: statistics.median(s[key] for s in stats)
-                      for key in STAT_KEYS if all(isinstance(s.get(key), (int, float))
+            "bytes_per_step": float(statistics.median(
+                s.get("bytes_pushed", 0) + s.get("bytes_pulled", 0) for s in stats)),
+            "stats": {key: float(statistics.median(s[key] for s in stats))
+                      for key in STAT_KEYS if all(isinstance(s.get(key), numbers.Real)
                                                   for s in stats)},
             "last_stats": {k: v for k, v in stats[-1].items() if k != "totals"},
         }
@@ -306,7 +307,7 @@ def child(args: argparse.Namespace) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if bps.rank() == 0:
-        Path(args.out).write_text(json.dumps(results))
+        Path(args.out).write_text(json.dumps(results, default=str))  # stats of any type
     dist.barrier()
     dist.destroy_process_group()
     bps.shutdown()
@@ -355,7 +356,7 @@ def host_info(device) -> dict:
 
 
 def ms(seconds) -> str:
-    return f"{seconds * 1e3:.2f}" if isinstance(seconds, (int, float)) else "n/a"
+    return f"{seconds * 1e3:.2f}" if isinstance(seconds, numbers.Real) else "n/a"
 
 
 def table(report: dict) -> str:
@@ -425,7 +426,7 @@ def parent(args: argparse.Namespace) -> int:
     path = Path(args.json) if args.json else Path(__file__).parent / "results" / \
         f"gpu_step-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=1))
+    path.write_text(json.dumps(report, indent=1, default=str))
     print(f"\n{report['wall_s']:.0f} s in all; wrote {path}")
     return 0
 
