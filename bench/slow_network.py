@@ -260,8 +260,9 @@ def command(method: Method, args: argparse.Namespace, metrics: Path, stats: Path
     else:
         launch += ["--servers", str(args.servers)]
         script = DDP_MNIST if method.hook else MNIST
-    return [*launch, "--", sys.executable, str(script), *job_args(args), *method.args,
-            "--metrics-json", str(metrics)]
+    device = ["--device", "cpu"] if script == MNIST else []  # like DDP's: on the host
+    return [*launch, "--", sys.executable, str(script), *job_args(args), *device,
+            *method.args, "--metrics-json", str(metrics)]
 
 
 def parameter_count(hidden: int, layers: int) -> int:

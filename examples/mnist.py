@@ -80,19 +80,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="outer sgd/nesterov lr (nesterov: 1.0 here, see NESTEROV_OUTER)")
     p.add_argument("--outer-momentum", type=float, default=None,
                    help="outer sgd/nesterov momentum (nesterov: 0.5 here)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():  # before the cluster starts
+        p.error("--device cuda: torch sees no CUDA device (torch.cuda.is_available() is "
+                "False); pass --device cpu")
+    return args
 
 
 def pick_device(name: str | None, local_rank: int) -> torch.device:
-    """The device ``--device`` names: cuda (``cuda:LOCAL_RANK`` modulo the GPUs here, so
-    several local ranks may share one) where torch sees a GPU, else the CPU."""
+    """The device ``--device`` names (default: cuda where torch sees a GPU): for cuda
+    ``cuda:LOCAL_RANK`` modulo the GPUs here, so several local ranks may share one."""
     if name is None:
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cpu":
         return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise SystemExit("--device cuda: torch sees no CUDA device (torch.cuda.is_available() "
-                         "is False); pass --device cpu")
     return torch.device("cuda", local_rank % torch.cuda.device_count())
 
 

