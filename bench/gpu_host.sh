@@ -27,9 +27,11 @@ nvidia-smi -L
 python3 -c "import torch, zmq, bps; print('torch', torch.__version__, 'zmq', zmq.zmq_version(),
     'cuda', torch.cuda.is_available(), torch.cuda.get_device_name(0))"
 if [ "$what" != bench ]; then
-    timeout 200 python3 -m pytest -q -m cuda -p no:cacheprovider tests 2>&1 \
+    timeout "${TESTS_TIMEOUT:-200}" python3 -m pytest -q -m cuda -p no:cacheprovider tests 2>&1 \
         | tee "$out/cuda_tests.log" | tail -40
 fi
 if [ "$what" != tests ]; then
-    timeout 240 python3 bench/gpu_step.py --out "$out" 2>&1 | tee "$out/gpu_step.log"
+    # shellcheck disable=SC2086
+    timeout "${STEP_TIMEOUT:-240}" python3 bench/gpu_step.py --json "$out/gpu_step.json" \
+        ${GPU_STEP_ARGS:-} 2>&1 | tee "$out/gpu_step.log"
 fi

@@ -25,7 +25,7 @@ It needs only the installed package (no checkout, no .venv): the cluster is star
 Synthetic data throughout. For each configuration the table gives the median step time
 (synchronised with the device at both ends, a barrier between steps) over ``--steps``
 steps after ``--warmup``, its ratio to the model alone, node 0's bytes pushed + pulled per
-step, and the medians of whatever of ``compress_time``, ``server_s``, ``pcie_bytes`` and
+step, and the medians of whatever of ``compress_time``, ``server_time``, ``pcie_bytes`` and
 ``wait_s`` (else ``wait_time``) ``trainer.stats()`` reports; "added" is the worker's own
 time: step - alone - wait. Everything also goes, with the host, to
 bench/results/gpu_step-TIME.json (or ``--json PATH``).
@@ -70,7 +70,7 @@ FULL = {"mlp_width": 2048, "mlp_layers": 6, "mlp_batch": 256,
 QUICK = {"mlp_width": 128, "mlp_layers": 2, "mlp_batch": 16,
          "gpt_layers": 2, "gpt_dim": 64, "gpt_heads": 2, "gpt_vocab": 1000,
          "gpt_seq": 32, "gpt_batch": 2, "copy_bytes": 4_000_000, "compress_numel": 100_000}
-STAT_KEYS = ("compress_time", "server_s", "pcie_bytes", "wait_s", "wait_time")
+STAT_KEYS = ("compress_time", "server_time", "pcie_bytes", "wait_s", "wait_time")
 
 
 # ------------------------------------------------------------------------------ models
@@ -382,7 +382,7 @@ def table(report: dict) -> str:
             rows.append(" | ".join([
                 f"| {label}", ms(step), f"{step / alone:.2f}" if alone else "n/a",
                 f"{result['bytes_per_step'] / 1e6:.2f}", ms(stats.get("compress_time")),
-                ms(stats.get("server_s")), f"{pcie / 1e6:.2f}" if pcie is not None else "n/a",
+                ms(stats.get("server_time")), f"{pcie / 1e6:.2f}" if pcie is not None else "n/a",
                 ms(wait), ms(added),
                 ms(report["device_compress"].get(compressor)) + " |"]))
     return "\n".join(rows)
