@@ -98,7 +98,10 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
         for group in optimizer.param_groups:
             group["lr"] = cfg["lrs"][step]
         trainer.zero_grad()
-        loss = sum(0.5 * ((getattr(model, n) - goal[n]) ** 2).sum() for n in shapes)
+        # grad = w - t_rank, exact on every device (the backward of 0.5 * (w - t) ** 2
+        # goes through pow(x, 1), which a GPU rounds differently)
+        loss = sum((getattr(model, n) * (getattr(model, n).detach() - goal[n])).sum()
+                   for n in shapes)
         pushes_before = engine.stats.pushes if engine is not None else 0
         loss.backward()
         if engine is not None and cfg.get("pushes_per_step"):
