@@ -85,6 +85,7 @@ from bps.protocol import (
 )
 from bps.ratelimit import RateLimitedLog
 from bps.scheduler_client import SchedulerClient, failure_reason
+from bps.striping import core_share, default_connections, host_cores, io_threads
 
 log = logging.getLogger("bps.server")
 refusals = RateLimitedLog(log)
@@ -96,7 +97,6 @@ STEP_WINDOW = 1  # a push's step may differ by at most this from the pending pus
 PEER_QUEUE = 1024  # replies queued for one connection that does not read (then dropped)
 PEER_INBOUND = 64  # requests ZeroMQ queues per connection before it stops reading it
 INBOX_BYTES = 256 << 20  # payload bytes waiting for the engine threads: read no more
-IO_THREADS = 2  # ZeroMQ I/O threads of the server's context
 OPS_WITH_PAYLOAD = (Op.PUSH, Op.SET_STATE)
 KEY_OPS = (Op.REGISTER, Op.PUSH, Op.PULL, Op.GET_STATE, Op.SET_STATE, Op.ABORT)
 
@@ -555,9 +555,9 @@ class ParameterServer:
 
     def __init__(self, env: ClusterEnv, ctx: Any = None) -> None:
         self.env = env
-        # CURVE encrypts and decrypts in ZeroMQ's I/O threads, per connection: two let
-        # the workers' connections run in parallel
-        self.ctx = ctx or zmq.Context.instance(io_threads=IO_THREADS)
+        # CURVE encrypts and decrypts each connection in one of ZeroMQ's I/O threads:
+        # enough of them let the workers' connections run in parallel (bps.striping)
+        self.ctx = ctx or zmq.Context.instance(io_threads=server_io_threads(env))
         self.num_workers = env.num_workers
         self.tracer: trace.Tracer | None = None  # set at rendezvous where BYTEPS_TRACE_ON=1
         self.replies_address = f"inproc://bps-server-replies-{id(self)}"
@@ -711,6 +711,19 @@ class ParameterServer:
         if op == Op.ABORT and node != 0:
             raise ProtocolError(f"ABORT key {key} from worker {node}: only worker 0 "
                                 f"rolls back a skipped step")
+
+
+def server_io_threads(env: ClusterEnv) -> int:
+    """``BPS_IO_THREADS``, else one per connection the workers open (``num_workers *
+    BPS_CONNECTIONS_PER_SERVER``, the workers' default where not set) up to this
+    server's share of the host's cores (shared with every worker and server where the
+    job runs on one host)."""
+    if env.io_threads is not None:
+        return env.io_threads
+    processes = env.num_workers + env.num_servers if env.on_one_host else 1
+    share = core_share(host_cores(), processes)
+    per_worker = env.connections_per_server or default_connections(share, env.num_servers)
+    return io_threads(share, env.num_workers * per_worker)
 
 
 def _drain(sock: Any, limit: int = 256) -> Any:

@@ -40,9 +40,12 @@ def raw_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     # a send credit of 1: every partition waits for the previous one's ACK; payloads in
     # frames of 8 KiB: a 64 KiB partition travels as 8 frames each way, the other keys as
     # 2 to 5 frames with a shorter last one, 1 frame (under 8 KiB); the aggregates must
-    # still be bit-identical to the numpy sums (test_raw_aggregates_match_numpy_sum)
+    # still be bit-identical to the numpy sums (test_raw_aggregates_match_numpy_sum);
+    # each worker node holds 3 connections to each server (keys spread over them), with
+    # 2 I/O threads per process
     return run_cluster(tmp_path_factory.mktemp("raw"), workers=3, servers=2, case="raw",
-                       BPS_MAX_INFLIGHT="1", BPS_FRAME_BYTES="8192")
+                       BPS_MAX_INFLIGHT="1", BPS_FRAME_BYTES="8192",
+                       BPS_CONNECTIONS_PER_SERVER="3", BPS_IO_THREADS="2")
 
 
 def numpy_sum(pushes: list[torch.Tensor]) -> np.ndarray:

@@ -24,6 +24,13 @@ from bps.protocol import (
     join_frames,
     payload_frames,
 )
+from bps.striping import (
+    MAX_CONNECTIONS,
+    Stripes,
+    core_share,
+    default_connections,
+    io_threads,
+)
 from bps.worker.partition import Placement, partition, plan_servers
 from bps.worker.send_queues import SendQueues, send_order
 
@@ -44,6 +51,33 @@ def test_env_defaults() -> None:
     assert short.node_host == "10.1.0.7"
     assert env.frame_bytes == 131072  # CURVE: payloads in frames of 128 KiB
     assert ClusterEnv.from_environ({**BASE, "BPS_INSECURE": "1"}).frame_bytes == 0
+    assert (env.connections_per_server, env.io_threads, env.on_one_host) == (None, None, False)
+    striped = ClusterEnv.from_environ({**BASE, "BPS_CONNECTIONS_PER_SERVER": "4",
+                                       "BPS_IO_THREADS": "auto", "DMLC_PS_ROOT_URI": "127.0.0.1"})
+    assert (striped.connections_per_server, striped.io_threads, striped.on_one_host) == \
+        (4, None, True)
+
+
+def test_striping_defaults_follow_the_host() -> None:
+    # 16 cores, 2 workers + 1 server on one host: 5 cores each, 5 connections, 5 threads
+    share = core_share(16, 3)
+    assert (share, default_connections(share, servers=1)) == (5, 5)
+    assert io_threads(share, connections=5) == 5
+    assert default_connections(core_share(2, 3), servers=1) == 1  # never below 1
+    assert default_connections(core_share(64, 1), servers=1) == MAX_CONNECTIONS
+    assert default_connections(16, servers=4) == 4  # a worker's cores over its servers
+    assert io_threads(16, connections=2) == 2  # no thread without a connection to serve
+
+
+def test_stripes_keep_a_key_on_one_connection_and_balance_bytes() -> None:
+    stripes = Stripes(servers=2, connections=3)
+    sizes = {0: 900, 1: 100, 2: 100, 3: 300, 4: 100, 5: 500, 6: 100}
+    first = {key: stripes.of(key % 2, key, nbytes) for key, nbytes in sizes.items()}
+    # server 0 (even keys): 900 -> 0, 100 -> 1, 100 -> 2, 100 -> 1; server 1: 100, 300, 500
+    assert first == {0: 0, 2: 1, 4: 2, 6: 1, 1: 0, 3: 1, 5: 2}
+    assert {key: stripes.of(key % 2, key) for key in sizes} == first  # stable
+    again = Stripes(servers=2, connections=3)  # another worker: the same assignment
+    assert {key: again.of(key % 2, key, nbytes) for key, nbytes in sizes.items()} == first
 
 
 @pytest.mark.parametrize(("change", "fragment"), [
@@ -57,6 +91,8 @@ def test_env_defaults() -> None:
     ({"BPS_TIMEOUT": "nan"}, "BPS_TIMEOUT='nan'"),
     ({"BPS_HEARTBEAT_INTERVAL": "2", "BPS_HEARTBEAT_TIMEOUT": "1"}, "BPS_HEARTBEAT_TIMEOUT=1.0"),
     ({"BPS_FRAME_BYTES": "100"}, "BPS_FRAME_BYTES=100 must be 0"),
+    ({"BPS_CONNECTIONS_PER_SERVER": "0"}, "BPS_CONNECTIONS_PER_SERVER=0 out of range"),
+    ({"BPS_IO_THREADS": "many"}, "BPS_IO_THREADS='many' is not an integer"),
 ])
 def test_env_errors_name_the_variable(change: dict, fragment: str) -> None:
     environ = {k: v for k, v in {**BASE, **change}.items() if v is not None}

@@ -1,0 +1,81 @@
+"""How many connections each worker opens to each server, and how many ZeroMQ I/O threads
+a process gives its context, from the cores this host lends the job.
+
+libzmq runs a connection's CURVE encryption and decryption in the one I/O thread that
+owns the connection, so one connection moves at most one core's cipher speed. A worker
+therefore opens ``connections`` DEALERs to each server and sends every key on one of
+them (:class:`Stripes`: all of one key's requests, in order, on one connection), and
+both sides give their contexts I/O threads enough for the connections they hold.
+
+The defaults share the cores of ``os.sched_getaffinity`` among the processes on this
+host that move data (worker nodes and servers; a job whose scheduler is on loopback runs
+all of them here)::
+
+    >>> share = core_share(cores=16, processes=3)        # 2 workers + 1 server
+    >>> share, default_connections(share, servers=1), io_threads(share, connections=5)
+    (5, 5, 5)
+    >>> stripes = Stripes(servers=1, connections=2)
+    >>> [stripes.of(0, key, nbytes) for key, nbytes in [(0, 400), (1, 100), (2, 100)]]
+    [0, 1, 1]
+"""
+
+from __future__ import annotations
+
+import os
+
+MAX_CONNECTIONS = 8  # per worker-server pair, by default: more gains little (docs/benchmarks.md)
+MAX_IO_THREADS = 64
+
+_LOOPBACK = ("127.", "localhost", "::1", "[::1]")
+
+
+def host_cores() -> int:
+    """The cores this process may run on (its CPU affinity, e.g. a container's share)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or ``tcp://host:port``) names this machine's loopback."""
+    if "://" in host:
+        host = host.split("://", 1)[1].rsplit(":", 1)[0]
+    return host.startswith(_LOOPBACK)
+
+
+def core_share(cores: int, processes: int) -> int:
+    """The cores of one of ``processes`` data-moving processes on a host of ``cores``."""
+    return max(1, cores // max(1, processes))
+
+
+def default_connections(share: int, servers: int) -> int:
+    """Connections per server for a worker with ``share`` cores and ``servers`` servers:
+    one core per connection, at most :data:`MAX_CONNECTIONS`, at least 1."""
+    return max(1, min(MAX_CONNECTIONS, share // max(1, servers)))
+
+
+def io_threads(share: int, connections: int) -> int:
+    """I/O threads for a process holding ``connections`` data connections: one per
+    connection, at most its ``share`` of the cores, at least 1."""
+    return max(1, min(share, connections, MAX_IO_THREADS))
+
+
+class Stripes:
+    """Which of a server's ``connections`` carries each key: the one with the fewest
+    bytes of keys so far, in the order keys are first seen (lowest index on a tie); a
+    key keeps its connection, so its requests arrive in the order they were sent."""
+
+    def __init__(self, servers: int, connections: int) -> None:
+        self.connections = connections
+        self.loads = [[0] * connections for _ in range(servers)]
+        self.stripe: dict[int, int] = {}
+
+    def of(self, server: int, key: int, nbytes: int = 0) -> int:
+        """The connection index of ``key`` on ``server`` (assigned on first sight)."""
+        stripe = self.stripe.get(key)
+        if stripe is None:
+            loads = self.loads[server]
+            stripe = self.stripe[key] = min(range(self.connections), key=lambda c: (loads[c], c))
+            loads[stripe] += nbytes
+        return stripe
