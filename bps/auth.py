@@ -336,13 +336,14 @@ class HandshakeWatch:
 
     def _refused(self, peer: str) -> str:
         if self.env.insecure:
-            mine = "this process runs with BPS_INSECURE=1 (plain TCP) and the peer does not"
+            why = ("this process runs with BPS_INSECURE=1 (plain TCP) and the peer does not; "
+                   "start every role of the job the same way")
         else:
-            mine = (f"it does not hold the key of BPS_SECRET_FILE={self.env.secret_file} "
-                    f"(every role of a job needs the same key file), or runs with "
-                    f"BPS_INSECURE=1")
-        return (f"{peer} refused this {self.role}'s cluster key: {REFUSALS} CURVE handshakes "
-                f"failed; {mine}")
+            why = (f"the key in BPS_SECRET_FILE={self.env.secret_file} is not the one the "
+                   f"peer was started with (every role of a job needs the same key file), "
+                   f"or the peer runs with BPS_INSECURE=1")
+        return (f"{peer} refused this {self.role}'s cluster key ({REFUSALS} handshakes "
+                f"failed): {why}")
 
     def _forget(self, monitor: Any) -> None:
         sock, _ = self._watched.pop(monitor)
