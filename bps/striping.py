@@ -7,13 +7,18 @@ therefore opens ``connections`` DEALERs to each server and sends every key on on
 them (:class:`Stripes`: all of one key's requests, in order, on one connection), and
 both sides give their contexts I/O threads enough for the connections they hold.
 
-The defaults share the cores of ``os.sched_getaffinity`` among the processes on this
-host that move data (worker nodes and servers; a job whose scheduler is on loopback runs
-all of them here)::
+The defaults share the cores of ``os.sched_getaffinity`` by the work each process does:
+every byte is encrypted by one side and decrypted by the other, so a server, which
+handles every worker's traffic, needs as many cores as all of its workers together.
+Where the job runs on one host (its scheduler on loopback), a worker node gets
+``cores / (2 * workers)`` and a server ``cores / (2 * servers)``; elsewhere a worker
+shares its host only with the servers at its own address, and a server takes the host::
 
-    >>> share = core_share(cores=16, processes=3)        # 2 workers + 1 server
-    >>> share, default_connections(share, servers=1), io_threads(share, connections=5)
-    (5, 5, 5)
+    >>> worker, server = core_shares(cores=16, workers=2, servers=1, on_one_host=True)
+    >>> worker, server, default_connections(worker, servers=1, curve=True)
+    (4, 8, 4)
+    >>> io_threads(worker, connections=1 * 4), io_threads(server, connections=2 * 4)
+    (4, 8)
     >>> stripes = Stripes(servers=1, connections=2)
     >>> [stripes.of(0, key, nbytes) for key, nbytes in [(0, 400), (1, 100), (2, 100)]]
     [0, 1, 1]
@@ -44,15 +49,21 @@ def is_loopback(host: str) -> bool:
     return host.startswith(_LOOPBACK)
 
 
-def core_share(cores: int, processes: int) -> int:
-    """The cores of one of ``processes`` data-moving processes on a host of ``cores``."""
-    return max(1, cores // max(1, processes))
+def core_shares(cores: int, workers: int, servers: int, on_one_host: bool,
+                servers_beside: int = 0) -> tuple[int, int]:
+    """(a worker node's, a server's) share of a host of ``cores`` cores: see the module
+    docstring; ``servers_beside``: servers at a worker's own address (not on one host)."""
+    if on_one_host:
+        return max(1, cores // (2 * workers)), max(1, cores // (2 * servers))
+    return max(1, cores // (1 + servers_beside)), max(1, cores)
 
 
-def default_connections(share: int, servers: int) -> int:
+def default_connections(share: int, servers: int, curve: bool) -> int:
     """Connections per server for a worker with ``share`` cores and ``servers`` servers:
-    one core per connection, at most :data:`MAX_CONNECTIONS`, at least 1."""
-    return max(1, min(MAX_CONNECTIONS, share // max(1, servers)))
+    one core per connection, at most :data:`MAX_CONNECTIONS`; at least 2 with CURVE (a
+    second connection lets one encrypt while the other waits for the network or its
+    peer, even on one core), else at least 1."""
+    return max(2 if curve else 1, min(MAX_CONNECTIONS, share // max(1, servers)))
 
 
 def io_threads(share: int, connections: int) -> int:

@@ -85,7 +85,7 @@ from bps.protocol import (
 )
 from bps.ratelimit import RateLimitedLog
 from bps.scheduler_client import SchedulerClient, failure_reason
-from bps.striping import core_share, default_connections, host_cores, io_threads
+from bps.striping import core_shares, default_connections, host_cores, io_threads
 
 log = logging.getLogger("bps.server")
 refusals = RateLimitedLog(log)
@@ -590,6 +590,7 @@ class ParameterServer:
         link = SchedulerClient(self.ctx, self.env, "server", address, key=key)
         log.info("server listening on %s (%s), waiting for the rendezvous", address,
                  "CURVE" if key is not None else "INSECURE: plain TCP")
+        log.info("server at %s: %d ZeroMQ I/O thread(s)", address, self.ctx.get(zmq.IO_THREADS))
         engines = [_KeyEngine(self, i) for i in range(self.env.server_threads)]
         try:
             welcome = link.rendezvous()
@@ -716,14 +717,19 @@ class ParameterServer:
 def server_io_threads(env: ClusterEnv) -> int:
     """``BPS_IO_THREADS``, else one per connection the workers open (``num_workers *
     BPS_CONNECTIONS_PER_SERVER``, the workers' default where not set) up to this
-    server's share of the host's cores (shared with every worker and server where the
-    job runs on one host)."""
+    server's share of the host's cores (:mod:`bps.striping`), and at least two (where
+    it holds two connections) as before striping."""
     if env.io_threads is not None:
         return env.io_threads
-    processes = env.num_workers + env.num_servers if env.on_one_host else 1
-    share = core_share(host_cores(), processes)
-    per_worker = env.connections_per_server or default_connections(share, env.num_servers)
-    return io_threads(share, env.num_workers * per_worker)
+    cores = host_cores()
+    worker_share, share = core_shares(cores, env.num_workers, env.num_servers,
+                                      env.on_one_host)
+    if not env.on_one_host:
+        worker_share = cores  # the workers' hosts are not known here: as large as ours
+    per_worker = env.connections_per_server or default_connections(
+        worker_share, env.num_servers, curve=not env.insecure)
+    connections = env.num_workers * per_worker
+    return max(min(2, connections), io_threads(share, connections))
 
 
 def _drain(sock: Any, limit: int = 256) -> Any:

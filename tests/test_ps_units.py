@@ -27,7 +27,7 @@ from bps.protocol import (
 from bps.striping import (
     MAX_CONNECTIONS,
     Stripes,
-    core_share,
+    core_shares,
     default_connections,
     io_threads,
 )
@@ -59,13 +59,21 @@ def test_env_defaults() -> None:
 
 
 def test_striping_defaults_follow_the_host() -> None:
-    # 16 cores, 2 workers + 1 server on one host: 5 cores each, 5 connections, 5 threads
-    share = core_share(16, 3)
-    assert (share, default_connections(share, servers=1)) == (5, 5)
-    assert io_threads(share, connections=5) == 5
-    assert default_connections(core_share(2, 3), servers=1) == 1  # never below 1
-    assert default_connections(core_share(64, 1), servers=1) == MAX_CONNECTIONS
-    assert default_connections(16, servers=4) == 4  # a worker's cores over its servers
+    # 16 cores, 2 workers + 1 server on one host: the server does half of all the
+    # cipher work (both workers' traffic), so it gets half of the cores
+    worker, server = core_shares(16, workers=2, servers=1, on_one_host=True)
+    assert (worker, server) == (4, 8)
+    assert default_connections(worker, servers=1, curve=True) == 4
+    assert (io_threads(worker, connections=4), io_threads(server, connections=8)) == (4, 8)
+    # 2 cores: still 2 connections with CURVE, one without; never a share below 1
+    assert core_shares(2, workers=2, servers=1, on_one_host=True) == (1, 1)
+    assert default_connections(1, servers=1, curve=True) == 2
+    assert default_connections(1, servers=1, curve=False) == 1
+    # a worker on a host of its own (one server beside it), 64 cores: at most 8 per server
+    assert core_shares(64, workers=8, servers=4, on_one_host=False, servers_beside=1) == \
+        (32, 64)
+    assert default_connections(32, servers=4, curve=True) == MAX_CONNECTIONS
+    assert default_connections(16, servers=4, curve=False) == 4  # cores over servers
     assert io_threads(16, connections=2) == 2  # no thread without a connection to serve
 
 

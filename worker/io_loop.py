@@ -49,7 +49,7 @@ from bps.protocol import (
 from bps.scheduler_client import SchedulerClient
 from bps.striping import (
     Stripes,
-    core_share,
+    core_shares,
     default_connections,
     host_cores,
     io_threads,
@@ -72,17 +72,13 @@ log = logging.getLogger("bps.engine")
 
 def striping(env: ClusterEnv, servers: list[str]) -> tuple[int, int]:
     """(connections per server, I/O threads) of a worker node: ``BPS_CONNECTIONS_PER_SERVER``
-    and ``BPS_IO_THREADS``, else from the cores this host lends each of its data-moving
-    processes (every worker node and server where the job runs on one host, else this
-    node and the servers that share its address)."""
-    if env.on_one_host:
-        processes = env.num_workers + len(servers)
-    else:
-        host = env.node_host
-        processes = 1 + sum(1 for a in servers
-                            if a.split("://", 1)[-1].rsplit(":", 1)[0] == host or is_loopback(a))
-    share = core_share(host_cores(), processes)
-    connections = env.connections_per_server or default_connections(share, len(servers))
+    and ``BPS_IO_THREADS``, else from its share of the host's cores (:mod:`bps.striping`)."""
+    beside = sum(1 for a in servers
+                 if a.split("://", 1)[-1].rsplit(":", 1)[0] == env.node_host or is_loopback(a))
+    share, _ = core_shares(host_cores(), env.num_workers, len(servers), env.on_one_host,
+                           beside)
+    connections = env.connections_per_server or default_connections(
+        share, len(servers), curve=not env.insecure)
     threads = env.io_threads or io_threads(share, connections * len(servers))
     return connections, threads
 
