@@ -15,7 +15,7 @@ Where the job runs on one host (its scheduler on loopback), a worker node gets
 shares its host only with the servers at its own address, and a server takes the host::
 
     >>> worker, server = core_shares(cores=16, workers=2, servers=1, on_one_host=True)
-    >>> worker, server, default_connections(worker, servers=1, curve=True)
+    >>> worker, server, default_connections(worker, servers=1)
     (4, 8, 4)
     >>> io_threads(worker, connections=1 * 4), io_threads(server, connections=2 * 4)
     (4, 8)
@@ -58,12 +58,12 @@ def core_shares(cores: int, workers: int, servers: int, on_one_host: bool,
     return max(1, cores // (1 + servers_beside)), max(1, cores)
 
 
-def default_connections(share: int, servers: int, curve: bool) -> int:
+def default_connections(share: int, servers: int) -> int:
     """Connections per server for a worker with ``share`` cores and ``servers`` servers:
-    one core per connection, at most :data:`MAX_CONNECTIONS`; at least 2 with CURVE (a
-    second connection lets one encrypt while the other waits for the network or its
-    peer, even on one core), else at least 1."""
-    return max(2 if curve else 1, min(MAX_CONNECTIONS, share // max(1, servers)))
+    one core per connection, at most :data:`MAX_CONNECTIONS`, at least 1 (two
+    connections sharing one I/O thread interleave their messages, so each arrives later,
+    and gain nothing: docs/benchmarks.md)."""
+    return max(1, min(MAX_CONNECTIONS, share // max(1, servers)))
 
 
 def io_threads(share: int, connections: int) -> int:

@@ -726,8 +726,7 @@ def server_io_threads(env: ClusterEnv) -> int:
                                       env.on_one_host)
     if not env.on_one_host:
         worker_share = cores  # the workers' hosts are not known here: as large as ours
-    per_worker = env.connections_per_server or default_connections(
-        worker_share, env.num_servers, curve=not env.insecure)
+    per_worker = env.connections_per_server or default_connections(worker_share, env.num_servers)
     connections = env.num_workers * per_worker
     return max(min(2, connections), io_threads(share, connections))
 

@@ -126,6 +126,18 @@ def test_placement_identical_and_balanced(raw_run: list[dict]) -> None:
     assert max(loads) - min(loads) <= biggest
 
 
+def test_keys_are_spread_over_each_servers_connections(raw_run: list[dict]) -> None:
+    """BPS_CONNECTIONS_PER_SERVER=3: every worker node uses all 3 connections of each
+    server, and puts each key on the same one (requests of a key stay in order)."""
+    assert [run["connections"] for run in raw_run] == [3, 3, 3]
+    stripes = [{key: run["stripes"][key] for key, *_ in raw_keys()} for run in raw_run]
+    assert all(s == stripes[0] for s in stripes)
+    for server in (0, 1):
+        used = {stripes[0][key] for key, *_ in raw_keys()
+                if raw_run[0]["placement"][key] == server}
+        assert used == {0, 1, 2}, (server, stripes[0])
+
+
 def test_malformed_messages_get_errors_and_server_keeps_serving(raw_run: list[dict]) -> None:
     expected = {
         "random_bytes": "not valid msgpack",

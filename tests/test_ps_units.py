@@ -63,17 +63,16 @@ def test_striping_defaults_follow_the_host() -> None:
     # cipher work (both workers' traffic), so it gets half of the cores
     worker, server = core_shares(16, workers=2, servers=1, on_one_host=True)
     assert (worker, server) == (4, 8)
-    assert default_connections(worker, servers=1, curve=True) == 4
+    assert default_connections(worker, servers=1) == 4
     assert (io_threads(worker, connections=4), io_threads(server, connections=8)) == (4, 8)
-    # 2 cores: still 2 connections with CURVE, one without; never a share below 1
+    # 2 cores: one connection per pair; never a share below 1
     assert core_shares(2, workers=2, servers=1, on_one_host=True) == (1, 1)
-    assert default_connections(1, servers=1, curve=True) == 2
-    assert default_connections(1, servers=1, curve=False) == 1
+    assert default_connections(1, servers=1) == 1
     # a worker on a host of its own (one server beside it), 64 cores: at most 8 per server
     assert core_shares(64, workers=8, servers=4, on_one_host=False, servers_beside=1) == \
         (32, 64)
-    assert default_connections(32, servers=4, curve=True) == MAX_CONNECTIONS
-    assert default_connections(16, servers=4, curve=False) == 4  # cores over servers
+    assert default_connections(32, servers=4) == MAX_CONNECTIONS
+    assert default_connections(16, servers=4) == 4  # cores over servers
     assert io_threads(16, connections=2) == 2  # no thread without a connection to serve
 
 

@@ -77,8 +77,7 @@ def striping(env: ClusterEnv, servers: list[str]) -> tuple[int, int]:
                  if a.split("://", 1)[-1].rsplit(":", 1)[0] == env.node_host or is_loopback(a))
     share, _ = core_shares(host_cores(), env.num_workers, len(servers), env.on_one_host,
                            beside)
-    connections = env.connections_per_server or default_connections(
-        share, len(servers), curve=not env.insecure)
+    connections = env.connections_per_server or default_connections(share, len(servers))
     threads = env.io_threads or io_threads(share, connections * len(servers))
     return connections, threads
 
@@ -106,7 +105,7 @@ class IOLoop:
         self.connections, self.io_threads = striping(env, servers)
         # its own context: I/O threads are fixed when a context's first socket is made
         self._data_ctx = zmq.Context(io_threads=self.io_threads)
-        self._stripes = Stripes(len(servers), self.connections)
+        self.stripes = Stripes(len(servers), self.connections)
         self._dealers: list[list[Any]] = []  # [server][connection]
         self._server_of: dict[Any, int] = {}
         self._watch = HandshakeWatch(env, "worker")
@@ -320,7 +319,7 @@ class IOLoop:
         """The connection of the request's key to its server (the same one every time)."""
         info = request.info
         nbytes = info.numel * info.dtype.itemsize if info is not None else 0
-        stripe = self._stripes.of(request.server, request.fields["key"], nbytes)
+        stripe = self.stripes.of(request.server, request.fields["key"], nbytes)
         return self._dealers[request.server][stripe]
 
     def _send_control(self) -> None:
