@@ -165,6 +165,7 @@ class SchedulerClient:
                 return
         raise ClusterError(f"no answer from the scheduler within {timeout:g} s")
 
-    def close(self) -> None:
+    def close(self, linger: int | None = None) -> None:
+        """Close the socket (and the monitor that watches its handshake)."""
         self._watch.close()
-        self.sock.close()
+        self.sock.close(linger=linger)

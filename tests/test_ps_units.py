@@ -369,7 +369,7 @@ def test_own_stall_is_not_taken_for_a_silent_peer() -> None:
         with pytest.raises(ClusterError, match=r"tcp://127\.0\.0\.1:9000 unreachable"):
             client.tick()
     finally:
-        client.sock.close(linger=0)
+        client.close(linger=0)
 
 
 def test_scheduler_sends_its_last_messages_before_it_returns(cluster_key: str) -> None:
@@ -413,8 +413,8 @@ def test_scheduler_sends_its_last_messages_before_it_returns(cluster_key: str) -
         assert not thread.is_alive() and codes == [0]
         assert scheduler.sock.closed and scheduler.sock.context.closed
     finally:
-        worker.sock.close(linger=0)
-        server.sock.close(linger=0)
+        worker.close(linger=0)
+        server.close(linger=0)
         ctx.term()
 
 
