@@ -16,6 +16,14 @@ of the plain-TCP baseline; compressed jobs with CURVE within 5% of without.
 Then the same job with onebit and with topk 1%: step time and wire bytes per step.
 Results go to stdout (a markdown table) and bench/results/ps_throughput.json.
 
+``--striping``: instead, bps uncompressed with N = 1, 2, 4, ... connections per
+worker-server pair (``BPS_CONNECTIONS_PER_SERVER``, up to the host's cores), CURVE and
+plain TCP, against the raw ZeroMQ echo (one connection per worker) in the same run;
+best of ``--rounds`` alternating rounds; to bench/results/ps_striping.json. ``--quick``
+(1 round, 3 steps, 50 MB) keeps it under 3 minutes on a 16-core host::
+
+    python bench/ps_throughput.py --striping --quick
+
 ``--cpu``: instead, the CPU time (user + system, every process of the job) per step of
 each configuration, from two runs of ``--steps`` and ``4 * --steps`` steps (the
 difference over the extra steps, so start-up cancels out); alternating, median of
@@ -30,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import statistics
 import subprocess
@@ -177,24 +186,30 @@ def bps_worker(mbytes: int, steps: int, params_json: str, out: str) -> None:
         delta = engine.stats - before
         wire.append(delta.bytes_pushed + delta.bytes_pulled)
     engine.barrier()
+    striping = {"connections": engine._io.connections, "io_threads": engine._io.io_threads}
     engine.close()
     Path(out.format(node=engine.node_id)).write_text(json.dumps({"times": times[WARMUP_STEPS:],
-                                                                "wire": wire[WARMUP_STEPS:]}))
+                                                                "wire": wire[WARMUP_STEPS:],
+                                                                **striping}))
 
 
 def run_bps(mbytes: int, steps: int, params: dict | None, tmp: Path, tag: str,
-            secure: bool = True) -> dict:
+            secure: bool = True, **extra_env: str) -> dict:
     cmd = [sys.executable, "-m", "bps.launch.cli", "local", "--workers", "2", "--servers", "1",
            "--", sys.executable, __file__, "--bps-worker", str(mbytes), str(steps),
            json.dumps(params), str(tmp / f"{tag}{{node}}.json")]
     env = {"BYTEPS_PARTITION_BYTES": str(PARTITION_BYTES), **os.environ,
-           "BPS_INSECURE": "0" if secure else "1"}  # bpslaunch local makes a key if 0
+           "BPS_INSECURE": "0" if secure else "1", **extra_env}  # local makes a key if 0
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
         raise RuntimeError(f"bps run {tag} failed:\n{proc.stdout[-4000:]}")
     runs = [json.loads((tmp / f"{tag}{n}.json").read_text()) for n in range(2)]
     step = statistics.median(max(pair) for pair in zip(*(r["times"] for r in runs), strict=True))
-    return {"step_s": step, "wire_bytes_per_worker": statistics.median(runs[0]["wire"])}
+    server_threads = re.search(r"(\d+) ZeroMQ I/O thread", proc.stdout + proc.stderr)
+    return {"step_s": step, "wire_bytes_per_worker": statistics.median(runs[0]["wire"]),
+            "connections": runs[0].get("connections"),
+            "worker_io_threads": runs[0].get("io_threads"),
+            "server_io_threads": int(server_threads.group(1)) if server_threads else None}
 
 
 def children_cpu() -> float:
@@ -331,6 +346,60 @@ def throughput_table(mbytes: int, steps: int, rounds_count: int, tmp: Path,
     (tmp / "ps_throughput.json").write_text(json.dumps(result, indent=2))
 
 
+def striping_counts(cores: int) -> list[int]:
+    """1, 2, 4, ... up to ``cores`` (and ``cores`` itself)."""
+    counts = [1]
+    while counts[-1] * 2 <= cores:
+        counts.append(counts[-1] * 2)
+    return counts if counts[-1] == cores else counts + [cores]
+
+
+def striping_table(mbytes: int, steps: int, rounds_count: int, tmp: Path,
+                   key_file: str) -> None:
+    """The ``--striping`` table (see the module docstring), to ps_striping.json."""
+    from bps.striping import host_cores
+
+    cores = host_cores()
+    counts = striping_counts(cores)
+    configs = [("raw", True, 1), ("raw", False, 1)]
+    configs += [("bps", secure, n) for n in counts for secure in (True, False)]
+    runs: dict[str, list] = {}
+    load = [os.getloadavg()[0]]
+    began = time.perf_counter()
+    for index in range(rounds_count):
+        for kind, secure, n in (configs if index % 2 == 0 else configs[::-1]):
+            name = f"{kind}/{'curve' if secure else 'plain'}/{n}"
+            if kind == "raw":
+                result = {"step_s": run_raw(mbytes, steps, tmp, key_file if secure else "")}
+            else:
+                result = run_bps(mbytes, steps, None, tmp, f"stripe{n}{int(secure)}", secure,
+                                 BPS_CONNECTIONS_PER_SERVER=str(n))
+            runs.setdefault(name, []).append(result)
+    load.append(os.getloadavg()[0])
+    best = {name: min(r, key=lambda x: x["step_s"]) for name, r in runs.items()}
+    moved = 2 * 2 * mbytes  # two workers, push + pull
+    raw_plain = best["raw/plain/1"]["step_s"]
+    print(f"2 workers x 1 server, loopback, {cores} cores, {mbytes} MB float32 per worker "
+          f"per step, median of {steps} steps, best of {rounds_count} alternating rounds, "
+          f"{time.perf_counter() - began:.0f} s, load average {load[0]:.1f} -> {load[1]:.1f}\n")
+    print("| configuration | connections per pair | I/O threads (worker, server) | step (s) "
+          "| push+pull MB/s | / N=1 | / raw plain TCP |")
+    print("|---|---:|---|---:|---:|---:|---:|")
+    for secure, how in ((True, "CURVE"), (False, "plain TCP")):
+        raw = best[f"raw/{'curve' if secure else 'plain'}/1"]["step_s"]
+        print(f"| raw ZeroMQ echo, {how} | 1 | 1, 1 | {raw:.3f} | {moved / raw:.0f} | "
+              f"| {raw_plain / raw:.2f} |")
+        one = best[f"bps/{'curve' if secure else 'plain'}/1"]["step_s"]
+        for n in counts:
+            r = best[f"bps/{'curve' if secure else 'plain'}/{n}"]
+            print(f"| bps uncompressed, {how} | {n} | {r['worker_io_threads']}, "
+                  f"{r['server_io_threads']} | {r['step_s']:.3f} | {moved / r['step_s']:.0f} "
+                  f"| {one / r['step_s']:.2f} | {raw_plain / r['step_s']:.2f} |")
+    (tmp / "ps_striping.json").write_text(json.dumps(
+        {"mbytes": mbytes, "steps": steps, "rounds": rounds_count, "cores": cores,
+         "load": load, "runs": runs, "best": best}, indent=2))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mbytes", type=int, default=100)
@@ -338,6 +407,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cpu", action="store_true",
                         help="CPU seconds per step of each configuration (see the docstring)")
+    parser.add_argument("--striping", action="store_true",
+                        help="connections per worker-server pair, CURVE and plain (see the "
+                             "docstring)")
+    parser.add_argument("--quick", action="store_true",
+                        help="--striping in under 3 minutes: 1 round, 3 steps, 50 MB")
     parser.add_argument("--only", default="",
                         help="--cpu: only the configurations whose name contains this")
     parser.add_argument("--raw-server", nargs=2, help=argparse.SUPPRESS)
@@ -368,7 +442,11 @@ def main() -> None:
     try:
         key_file = os.path.join(key_dir, "cluster.key")
         write_key_file(key_file)
-        if args.cpu:
+        if args.striping:
+            if args.quick:
+                args.rounds, args.steps, args.mbytes = 1, 3, 50
+            striping_table(args.mbytes, args.steps, args.rounds, out, key_file)
+        elif args.cpu:
             cpu_table(args.mbytes, args.steps, args.rounds, out, key_file, args.only)
         else:
             throughput_table(args.mbytes, args.steps, args.rounds, out, key_file)

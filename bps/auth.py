@@ -21,6 +21,11 @@ Usage::
     auth.connect_as_client(dealer, key)   # before connect
     guard.close()                   # before ctx.term()
 
+A refused handshake is reported on both sides within seconds, not as a timeout:
+:class:`HandshakeWatch` fails a client whose key a peer refuses, naming its key file
+and the peer; :class:`Guard` logs (rate-limited) the address of every peer whose
+handshake fails.
+
 ``BPS_INSECURE=1`` turns all of this off (plain TCP: anyone who reaches a port can read
 and corrupt the job); every role logs a warning when it starts.
 """
@@ -32,8 +37,10 @@ import hmac
 import logging
 import os
 import shutil
+import socket
 import stat
 import tempfile
+import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +51,7 @@ import zmq.auth.thread
 import zmq.utils.z85
 
 from bps.env import ClusterEnv, EnvError
+from bps.protocol import ClusterError
 from bps.ratelimit import RateLimitedLog
 
 log = logging.getLogger("bps.auth")
@@ -148,15 +156,19 @@ def connect_as_client(sock: Any, key: ClusterKey | None) -> None:
 
 class Guard:
     """The ZAP authenticator of one ZeroMQ context: admits only CURVE clients holding the
-    cluster key, logging (rate-limited) the address of every peer it refuses."""
+    cluster key, logging (rate-limited) the address of every peer it refuses, also of
+    those whose handshake fails before ZAP is asked (another cluster's key, plain TCP)."""
 
     def __init__(self, ctx: Any, key: ClusterKey | None) -> None:
         self.key = key
         self._auth = None
+        self._failures: _FailedHandshakeLog | None = None
         if key is None:
             return
-        self._auth = _Authenticator(ctx, key.public, RateLimitedLog(log))
+        refusals = RateLimitedLog(log)
+        self._auth = _Authenticator(ctx, key.public, refusals)
         self._auth.start()
+        self._failures = _FailedHandshakeLog(refusals)
 
     def serve(self, sock: Any) -> None:
         """Make ``sock`` (before ``bind``) a CURVE server of the cluster (no-op if None)."""
@@ -166,12 +178,185 @@ class Guard:
         sock.curve_secretkey = self.key.secret
         sock.curve_publickey = self.key.public
         sock.curve_server = True
+        self._failures.watch(sock)
 
     def close(self) -> None:
         """Stop the authenticator (before the context is terminated)."""
+        if self._failures is not None:
+            self._failures.close()
+            self._failures = None
         if self._auth is not None:
             self._auth.stop()
             self._auth = None
+
+
+_FAILED = {zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "no detail",
+           zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol error",
+           zmq.EVENT_HANDSHAKE_FAILED_AUTH: "authentication refused"}
+_WATCHED = (zmq.EVENT_ACCEPTED | zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+            | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+            | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+
+
+def _peer_of(fd: int) -> str:
+    """``host:port`` at the other end of the TCP connection ``fd`` (not taken over), or
+    ``?`` where it is already closed."""
+    try:
+        with socket.socket(fileno=os.dup(fd)) as conn:
+            host, port = conn.getpeername()[:2]
+    except (OSError, ValueError):
+        return "?"
+    return f"{host}:{port}"
+
+
+def _events(monitor: Any) -> Iterator[tuple[int, int]]:
+    """The (event, value) pairs waiting on a monitor socket, without blocking."""
+    while True:
+        try:
+            frames = monitor.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        event = int.from_bytes(frames[0][:2], "little")
+        yield event, int.from_bytes(frames[0][2:6], "little")
+
+
+class _FailedHandshakeLog(threading.Thread):
+    """Logs the address of every peer whose CURVE handshake with a served socket fails
+    without reaching ZAP (the ZAP handler logs its own refusals). libzmq's monitor names
+    the connection by its file descriptor: the peer's address is read when it is accepted,
+    and named when that connection closes after a failed handshake."""
+
+    def __init__(self, refusals: RateLimitedLog) -> None:
+        super().__init__(name="bps-handshake-log", daemon=True)
+        self.refusals = refusals
+        self._lock = threading.Lock()
+        self._monitors: list[tuple[Any, Any]] = []  # (served socket, its monitor)
+        self._stopping = threading.Event()
+        self.start()
+
+    def watch(self, sock: Any) -> None:
+        monitor = sock.get_monitor_socket(_WATCHED)
+        monitor.linger = 0
+        with self._lock:
+            self._monitors.append((sock, monitor))
+
+    def run(self) -> None:
+        peers: dict[int, str] = {}  # fd -> address of accepted connections
+        failed = 0  # failures not yet matched to a closed connection
+        while not self._stopping.is_set():
+            with self._lock:
+                monitors = [m for _, m in self._monitors]
+            poller = zmq.Poller()
+            for monitor in monitors:
+                poller.register(monitor, zmq.POLLIN)
+            for monitor, _ in poller.poll(200):  # 200 ms: how soon close() is noticed
+                for event, value in _events(monitor):
+                    if event == zmq.EVENT_ACCEPTED:
+                        peers[value] = _peer_of(value)
+                    elif event in (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
+                                   zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):
+                        failed += 1
+                    elif event == zmq.EVENT_DISCONNECTED:
+                        peer = peers.pop(value, "?")
+                        if failed:
+                            failed -= 1
+                            self.refusals.warning(
+                                "refused a connection from %s: its handshake failed (it does "
+                                "not hold the cluster key of BPS_SECRET_FILE, or runs with "
+                                "BPS_INSECURE=1)", peer)
+
+    def close(self) -> None:
+        self._stopping.set()
+        self.join(timeout=5)
+        with self._lock:
+            for sock, monitor in self._monitors:
+                try:
+                    sock.disable_monitor()
+                except zmq.ZMQError:
+                    pass  # the socket is closed already
+                monitor.close()
+            self._monitors.clear()
+
+
+REFUSALS = 3  # failed handshakes in a row, with no success, that mean "wrong key"
+
+
+class HandshakeWatch:
+    """A client's side of refused handshakes: :meth:`check` raises a ClusterError naming
+    this process's key file and the peer once a peer refused REFUSALS handshakes in a row
+    (a server with another key closes the connection at once, and ZeroMQ retries every
+    100 ms, so this takes well under a second); sockets stop being watched at their first
+    successful handshake. Used from one thread::
+
+        watch = HandshakeWatch(env, "worker")
+        watch.add(dealer, "server 0 (tcp://10.0.0.2:4000)")   # before connect
+        # in the poll loop: register watch.sockets(); unregister what check(ready) returns
+        watch.close()                                          # before closing the sockets
+    """
+
+    def __init__(self, env: ClusterEnv, role: str) -> None:
+        self.env = env
+        self.role = role
+        self._watched: dict[Any, tuple[Any, str]] = {}  # monitor -> (socket, peer)
+        self._failures: dict[Any, int] = {}
+
+    def add(self, sock: Any, peer: str) -> None:
+        monitor = sock.get_monitor_socket(_WATCHED)
+        monitor.linger = 0
+        self._watched[monitor] = (sock, peer)
+        self._failures[monitor] = 0
+
+    def sockets(self) -> list[Any]:
+        return list(self._watched)
+
+    def watching(self) -> bool:
+        return bool(self._watched)
+
+    def check(self, ready: Any = None) -> list[Any]:
+        """Read the events of the monitors in ``ready`` (all if None); returns the
+        monitors no longer watched (closed: unregister them). Raises ClusterError where
+        a peer refused this process's key."""
+        done = []
+        for monitor in list(self._watched):
+            if ready is not None and monitor not in ready:
+                continue
+            for event, _ in _events(monitor):
+                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    done.append(monitor)
+                    break
+                if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                    self._failures[monitor] = REFUSALS
+                elif event in _FAILED:
+                    self._failures[monitor] += 1
+                if self._failures[monitor] >= REFUSALS:
+                    raise ClusterError(self._refused(self._watched[monitor][1]))
+        for monitor in done:
+            self._forget(monitor)
+        return done
+
+    def _refused(self, peer: str) -> str:
+        if self.env.insecure:
+            why = ("this process runs with BPS_INSECURE=1 (plain TCP) and the peer does not; "
+                   "start every role of the job the same way")
+        else:
+            why = (f"the key in BPS_SECRET_FILE={self.env.secret_file} is not the one the "
+                   f"peer was started with (every role of a job needs the same key file), "
+                   f"or the peer runs with BPS_INSECURE=1")
+        return (f"{peer} refused this {self.role}'s cluster key ({REFUSALS} handshakes "
+                f"failed): {why}")
+
+    def _forget(self, monitor: Any) -> None:
+        sock, _ = self._watched.pop(monitor)
+        del self._failures[monitor]
+        try:
+            sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        monitor.close()
+
+    def close(self) -> None:
+        for monitor in list(self._watched):
+            self._forget(monitor)
 
 
 

@@ -22,6 +22,11 @@ bps's own variables:
   decoding, summing and re-encoding different keys.
 * ``BPS_MAX_INFLIGHT`` (workers, default 16): pushes per server not yet acknowledged;
   further partitions wait in the priority queue.
+* ``BPS_CONNECTIONS_PER_SERVER`` (workers, default: follows the host, see
+  :mod:`bps.striping`): CURVE connections from each worker node to each server; a key
+  always travels on the same one.
+* ``BPS_IO_THREADS`` (servers and worker engines, default: follows the host): ZeroMQ I/O
+  threads, each encrypting and decrypting the connections it owns.
 * ``BPS_MALLOC_TUNE`` (servers and worker engines, default 1): ``0`` leaves glibc's
   allocator as it is (see :mod:`bps.memory`); read by :func:`malloc_tune`.
 * ``BPS_LOCAL_MASTER_ADDR`` / ``BPS_LOCAL_MASTER_PORT``: the node-local torch.distributed
@@ -94,6 +99,13 @@ def _int(environ: Mapping[str, str], name: str, default: int | None, lo: int,
         accepted = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
         raise EnvError(f"{name}={value} out of range: expected an integer {accepted}")
     return value
+
+
+def _optional_int(environ: Mapping[str, str], name: str, lo: int, hi: int) -> int | None:
+    """``name`` as an integer in [lo, hi]; None where it is unset, empty or ``auto``."""
+    if environ.get(name, "").strip().lower() in ("", "auto"):
+        return None
+    return _int(environ, name, None, lo, hi)
 
 
 def _seconds(environ: Mapping[str, str], name: str, default: float) -> float:
@@ -174,6 +186,15 @@ class ClusterEnv:
     insecure: bool = False
     max_message_bytes: int = 2 * DEFAULT_PARTITION_BYTES + 65536
     frame_bytes: int = DEFAULT_FRAME_BYTES  # 0: every payload in one frame
+    connections_per_server: int | None = None  # None: follows the host (bps.striping)
+    io_threads: int | None = None  # None: follows the host (bps.striping)
+
+    @property
+    def on_one_host(self) -> bool:
+        """Whether the whole job runs on this host (its scheduler is on loopback)."""
+        from bps.striping import is_loopback
+
+        return is_loopback(self.root_uri)
 
     @property
     def scheduler_address(self) -> str:
@@ -250,6 +271,8 @@ class ClusterEnv:
             max_message_bytes=_int(env, "BPS_MAX_MESSAGE_BYTES",
                                    max(1 << 20, 2 * partition_bytes + 65536), 1 << 16),
             frame_bytes=frame_bytes,
+            connections_per_server=_optional_int(env, "BPS_CONNECTIONS_PER_SERVER", 1, 64),
+            io_threads=_optional_int(env, "BPS_IO_THREADS", 1, 64),
         )
 
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import zmq
 
-from bps.auth import ClusterKey, connect_as_client
+from bps.auth import ClusterKey, HandshakeWatch, connect_as_client
 from bps.env import ClusterEnv
 from bps.protocol import (
     ClusterError,
@@ -86,6 +86,9 @@ class SchedulerClient:
         self.token = new_token()  # this node's connections to servers carry it
         self.sock = new_socket(ctx, zmq.DEALER)
         connect_as_client(self.sock, key)
+        # a scheduler that refuses our key fails the rendezvous in seconds, not BPS_TIMEOUT
+        self._watch = HandshakeWatch(env, role)
+        self._watch.add(self.sock, f"the scheduler at {env.scheduler_address}")
         self.sock.connect(env.scheduler_address)
         self.last_seen = time.monotonic()
         self.last_sent = 0.0
@@ -107,11 +110,18 @@ class SchedulerClient:
         # the scheduler's own rendezvous timeout (which names who is missing) comes first
         deadline = time.monotonic() + self.env.timeout + self.env.heartbeat_timeout
         self.last_seen = time.monotonic()
+        poller = zmq.Poller()
+        for sock in (self.sock, *self._watch.sockets()):
+            poller.register(sock, zmq.POLLIN)
         while time.monotonic() < deadline:
             self.tick()
-            if self.sock.poll(int(self.env.heartbeat_interval * 1000)):
+            ready = dict(poller.poll(int(self.env.heartbeat_interval * 1000)))
+            for monitor in self._watch.check(ready):
+                poller.unregister(monitor)
+            if self.sock in ready:
                 header = self.receive()
                 if header["op"] == Op.WELCOME:
+                    self._watch.close()
                     return header
         never = "" if self.heard else (" (it never answered: is it running, and does "
                                        "BPS_SECRET_FILE hold this cluster's key?)")
@@ -155,5 +165,7 @@ class SchedulerClient:
                 return
         raise ClusterError(f"no answer from the scheduler within {timeout:g} s")
 
-    def close(self) -> None:
-        self.sock.close()
+    def close(self, linger: int | None = None) -> None:
+        """Close the socket (and the monitor that watches its handshake)."""
+        self._watch.close()
+        self.sock.close(linger=linger)

@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -20,15 +19,6 @@ from bps.auth import AuthError
 from bps.env import MAX_SERVER_THREADS, ClusterEnv, EnvError
 
 EXIT_BAD_ENV = 2
-
-
-def host_cores() -> int:
-    """The cores this process may run on (its CPU affinity: a container's or taskset's
-    limit, not the machine's count)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 def engine_threads(cores: int, servers: Sequence[str], address: str) -> int:

@@ -89,7 +89,8 @@ from bps.protocol import (
 )
 from bps.ratelimit import RateLimitedLog
 from bps.scheduler_client import SchedulerClient, failure_reason
-from bps.server.role import engine_threads, host_cores
+from bps.server.role import engine_threads
+from bps.striping import core_shares, default_connections, host_cores, io_threads
 
 log = logging.getLogger("bps.server")
 refusals = RateLimitedLog(log)
@@ -102,7 +103,6 @@ STEP_WINDOW = 1  # a push's step may differ by at most this from the pending pus
 PEER_QUEUE = 1024  # replies queued for one connection that does not read (then dropped)
 PEER_INBOUND = 64  # requests ZeroMQ queues per connection before it stops reading it
 INBOX_BYTES = 256 << 20  # payload bytes waiting for the engine threads: read no more
-IO_THREADS = 2  # ZeroMQ I/O threads of the server's context
 OPS_WITH_PAYLOAD = (Op.PUSH, Op.SET_STATE)
 KEY_OPS = (Op.REGISTER, Op.PUSH, Op.PULL, Op.GET_STATE, Op.SET_STATE, Op.ABORT)
 
@@ -614,9 +614,9 @@ class ParameterServer:
 
     def __init__(self, env: ClusterEnv, ctx: Any = None) -> None:
         self.env = env
-        # CURVE encrypts and decrypts in ZeroMQ's I/O threads, per connection: two let
-        # the workers' connections run in parallel
-        self.ctx = ctx or zmq.Context.instance(io_threads=IO_THREADS)
+        # CURVE encrypts and decrypts each connection in one of ZeroMQ's I/O threads:
+        # enough of them let the workers' connections run in parallel (bps.striping)
+        self.ctx = ctx or zmq.Context.instance(io_threads=server_io_threads(env))
         self.num_workers = env.num_workers
         self.tracer: trace.Tracer | None = None  # set at rendezvous where BYTEPS_TRACE_ON=1
         self.replies_address = f"inproc://bps-server-replies-{id(self)}"
@@ -649,6 +649,7 @@ class ParameterServer:
         link = SchedulerClient(self.ctx, self.env, "server", address, key=key)
         log.info("server listening on %s (%s), waiting for the rendezvous", address,
                  "CURVE" if key is not None else "INSECURE: plain TCP")
+        log.info("server at %s: %d ZeroMQ I/O thread(s)", address, self.ctx.get(zmq.IO_THREADS))
         engines: list[_KeyEngine] = []
         try:
             welcome = link.rendezvous()
@@ -774,6 +775,23 @@ class ParameterServer:
         if op == Op.ABORT and node != 0:
             raise ProtocolError(f"ABORT key {key} from worker {node}: only worker 0 "
                                 f"rolls back a skipped step")
+
+
+def server_io_threads(env: ClusterEnv) -> int:
+    """``BPS_IO_THREADS``, else one per connection the workers open (``num_workers *
+    BPS_CONNECTIONS_PER_SERVER``, the workers' default where not set) up to this
+    server's share of the host's cores (:mod:`bps.striping`), and at least two (where
+    it holds two connections) as before striping."""
+    if env.io_threads is not None:
+        return env.io_threads
+    cores = host_cores()
+    worker_share, share = core_shares(cores, env.num_workers, env.num_servers,
+                                      env.on_one_host)
+    if not env.on_one_host:
+        worker_share = cores  # the workers' hosts are not known here: as large as ours
+    per_worker = env.connections_per_server or default_connections(worker_share, env.num_servers)
+    connections = env.num_workers * per_worker
+    return max(min(2, connections), io_threads(share, connections))
 
 
 def _drain(sock: Any, limit: int = 256) -> Any:

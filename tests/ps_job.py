@@ -508,7 +508,8 @@ def main() -> None:
                 "placement": dict(engine.placement.servers),
                 "loads": list(engine.placement.loads), "probes": probes, "last": last,
                 "mismatch": mismatch, "stats": stats.__dict__, "servers": engine.servers,
-                "order": order, "fuzzed": fuzzed},
+                "order": order, "fuzzed": fuzzed, "connections": engine._io.connections,
+                "stripes": dict(engine._io.stripes.stripe)},
                os.path.join(args.out, f"node{node}.pt"))
 
 

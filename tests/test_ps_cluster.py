@@ -40,9 +40,12 @@ def raw_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     # a send credit of 1: every partition waits for the previous one's ACK; payloads in
     # frames of 8 KiB: a 64 KiB partition travels as 8 frames each way, the other keys as
     # 2 to 5 frames with a shorter last one, 1 frame (under 8 KiB); the aggregates must
-    # still be bit-identical to the numpy sums (test_raw_aggregates_match_numpy_sum)
+    # still be bit-identical to the numpy sums (test_raw_aggregates_match_numpy_sum);
+    # each worker node holds 3 connections to each server (keys spread over them), with
+    # 2 I/O threads per process
     return run_cluster(tmp_path_factory.mktemp("raw"), workers=3, servers=2, case="raw",
-                       BPS_MAX_INFLIGHT="1", BPS_FRAME_BYTES="8192")
+                       BPS_MAX_INFLIGHT="1", BPS_FRAME_BYTES="8192",
+                       BPS_CONNECTIONS_PER_SERVER="3", BPS_IO_THREADS="2")
 
 
 def numpy_sum(pushes: list[torch.Tensor]) -> np.ndarray:
@@ -121,6 +124,18 @@ def test_placement_identical_and_balanced(raw_run: list[dict]) -> None:
     loads = raw_run[0]["loads"]
     biggest = max(numel * getattr(torch, dt).itemsize for _, numel, dt, _ in raw_keys())
     assert max(loads) - min(loads) <= biggest
+
+
+def test_keys_are_spread_over_each_servers_connections(raw_run: list[dict]) -> None:
+    """BPS_CONNECTIONS_PER_SERVER=3: every worker node uses all 3 connections of each
+    server, and puts each key on the same one (requests of a key stay in order)."""
+    assert [run["connections"] for run in raw_run] == [3, 3, 3]
+    stripes = [{key: run["stripes"][key] for key, *_ in raw_keys()} for run in raw_run]
+    assert all(s == stripes[0] for s in stripes)
+    for server in (0, 1):
+        used = {stripes[0][key] for key, *_ in raw_keys()
+                if raw_run[0]["placement"][key] == server}
+        assert used == {0, 1, 2}, (server, stripes[0])
 
 
 def test_malformed_messages_get_errors_and_server_keeps_serving(raw_run: list[dict]) -> None:

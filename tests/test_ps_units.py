@@ -29,8 +29,16 @@ from bps.protocol import (
     payload_frames,
     server_seconds,
 )
-from bps.server.role import engine_threads, host_cores
+from bps.server.role import engine_threads
 from bps.server.server import KEY_COST, MAX_NUMEL, _LeastLoaded
+from bps.striping import (
+    MAX_CONNECTIONS,
+    Stripes,
+    core_shares,
+    default_connections,
+    host_cores,
+    io_threads,
+)
 from bps.worker.partition import Placement, partition, plan_servers
 from bps.worker.send_queues import SendQueues, send_order
 
@@ -53,6 +61,11 @@ def test_env_defaults() -> None:
     assert ClusterEnv.from_environ({**BASE, "BPS_INSECURE": "1"}).frame_bytes == 0
     assert env.server_threads is None  # the server follows its host's cores
     assert ClusterEnv.from_environ({**BASE, "BPS_SERVER_THREADS": "3"}).server_threads == 3
+    assert (env.connections_per_server, env.io_threads, env.on_one_host) == (None, None, False)
+    striped = ClusterEnv.from_environ({**BASE, "BPS_CONNECTIONS_PER_SERVER": "4",
+                                       "BPS_IO_THREADS": "auto", "DMLC_PS_ROOT_URI": "127.0.0.1"})
+    assert (striped.connections_per_server, striped.io_threads, striped.on_one_host) == \
+        (4, None, True)
 
 
 def test_server_threads_share_the_host_among_its_servers() -> None:
@@ -92,6 +105,35 @@ def test_a_reply_server_time_is_read_only_when_it_is_a_time() -> None:
         assert server_seconds(bad) == 0.0, bad
 
 
+def test_striping_defaults_follow_the_host() -> None:
+    # 16 cores, 2 workers + 1 server on one host: the server does half of all the
+    # cipher work (both workers' traffic), so it gets half of the cores
+    worker, server = core_shares(16, workers=2, servers=1, on_one_host=True)
+    assert (worker, server) == (4, 8)
+    assert default_connections(worker, servers=1) == 4
+    assert (io_threads(worker, connections=4), io_threads(server, connections=8)) == (4, 8)
+    # 2 cores: one connection per pair; never a share below 1
+    assert core_shares(2, workers=2, servers=1, on_one_host=True) == (1, 1)
+    assert default_connections(1, servers=1) == 1
+    # a worker on a host of its own (one server beside it), 64 cores: at most 8 per server
+    assert core_shares(64, workers=8, servers=4, on_one_host=False, servers_beside=1) == \
+        (32, 64)
+    assert default_connections(32, servers=4) == MAX_CONNECTIONS
+    assert default_connections(16, servers=4) == 4  # cores over servers
+    assert io_threads(16, connections=2) == 2  # no thread without a connection to serve
+
+
+def test_stripes_keep_a_key_on_one_connection_and_balance_bytes() -> None:
+    stripes = Stripes(servers=2, connections=3)
+    sizes = {0: 900, 1: 100, 2: 100, 3: 300, 4: 100, 5: 500, 6: 100}
+    first = {key: stripes.of(key % 2, key, nbytes) for key, nbytes in sizes.items()}
+    # server 0 (even keys): 900 -> 0, 100 -> 1, 100 -> 2, 100 -> 1; server 1: 100, 300, 500
+    assert first == {0: 0, 2: 1, 4: 2, 6: 1, 1: 0, 3: 1, 5: 2}
+    assert {key: stripes.of(key % 2, key) for key in sizes} == first  # stable
+    again = Stripes(servers=2, connections=3)  # another worker: the same assignment
+    assert {key: again.of(key % 2, key, nbytes) for key, nbytes in sizes.items()} == first
+
+
 @pytest.mark.parametrize(("change", "fragment"), [
     ({"DMLC_ROLE": None}, "DMLC_ROLE is not set"),
     ({"DMLC_PS_ROOT_URI": None}, "DMLC_PS_ROOT_URI is not set"),
@@ -105,6 +147,8 @@ def test_a_reply_server_time_is_read_only_when_it_is_a_time() -> None:
     ({"BPS_FRAME_BYTES": "100"}, "BPS_FRAME_BYTES=100 must be 0"),
     ({"BPS_SERVER_THREADS": "0"}, "BPS_SERVER_THREADS=0 out of range"),
     ({"BPS_SERVER_THREADS": "many"}, "BPS_SERVER_THREADS='many' is not an integer"),
+    ({"BPS_CONNECTIONS_PER_SERVER": "0"}, "BPS_CONNECTIONS_PER_SERVER=0 out of range"),
+    ({"BPS_IO_THREADS": "many"}, "BPS_IO_THREADS='many' is not an integer"),
 ])
 def test_env_errors_name_the_variable(change: dict, fragment: str) -> None:
     environ = {k: v for k, v in {**BASE, **change}.items() if v is not None}
@@ -374,7 +418,7 @@ def test_own_stall_is_not_taken_for_a_silent_peer() -> None:
         with pytest.raises(ClusterError, match=r"tcp://127\.0\.0\.1:9000 unreachable"):
             client.tick()
     finally:
-        client.sock.close(linger=0)
+        client.close(linger=0)
 
 
 def test_scheduler_sends_its_last_messages_before_it_returns(cluster_key: str) -> None:
@@ -418,8 +462,8 @@ def test_scheduler_sends_its_last_messages_before_it_returns(cluster_key: str) -
         assert not thread.is_alive() and codes == [0]
         assert scheduler.sock.closed and scheduler.sock.context.closed
     finally:
-        worker.sock.close(linger=0)
-        server.sock.close(linger=0)
+        worker.close(linger=0)
+        server.close(linger=0)
         ctx.term()
 
 

@@ -252,3 +252,34 @@ def test_a_node_with_another_key_is_told_to_check_its_key_file(cluster, tmp_path
     assert "(it never answered: is it running, and does BPS_SECRET_FILE hold this " \
            "cluster's key?)" in p.log("server0"), p.log("server0")
     assert "registered server" not in p.log("scheduler")
+
+
+def test_a_worker_with_another_key_fails_in_seconds_naming_its_key_file(
+        cluster, tmp_path: Path) -> None:
+    """Scheduler and server hold one key, a worker another (each from `bpslaunch keygen`):
+    the scheduler logs the refusal with the worker's address, and the worker fails
+    within 10 s of that (its start-up alone may take longer on a loaded host), long
+    before BPS_TIMEOUT, saying the scheduler refused its key and naming its key file."""
+    keys = {}
+    for name in ("cluster", "other"):
+        keys[name] = str(tmp_path / f"{name}.key")
+        done = subprocess.run(BPSLAUNCH + ["keygen", keys[name]], capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+    p = cluster(workers=1, servers=1, timeout=60.0)
+    p.start("scheduler", BPSLAUNCH, DMLC_ROLE="scheduler", BPS_SECRET_FILE=keys["cluster"])
+    p.start("server0", BPSLAUNCH, DMLC_ROLE="server", BPS_SECRET_FILE=keys["cluster"])
+    p.wait_for_line("scheduler", "scheduler listening on")
+    p.start("worker0", [sys.executable, JOB, "--out", str(tmp_path), "--case", "loop"],
+            DMLC_ROLE="worker", DMLC_WORKER_ID="0", BPS_SECRET_FILE=keys["other"])
+    logged = r"refused a connection from 127\.0\.0\.1:\d+: its handshake failed \(it does " \
+        r"not hold the cluster key"
+    p.wait_for_line("scheduler", logged, timeout=EXIT_WITHIN)
+    first_refusal = p.outputs["scheduler"].first("refused a connection from 127.0.0.1:")
+    code = p.procs["worker0"].wait(timeout=EXIT_WITHIN)
+    refused = p.outputs["worker0"].first("refused this worker's cluster key")
+    assert code != 0 and refused is not None, p.log("worker0")
+    assert refused - first_refusal < 10.0, (p.log("scheduler"), p.log("worker0"))
+    assert (f"the scheduler at tcp://127.0.0.1:{p.port} refused this worker's cluster key"
+            in p.log("worker0")), p.log("worker0")
+    assert f"BPS_SECRET_FILE={keys['other']}" in p.log("worker0"), p.log("worker0")

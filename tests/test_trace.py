@@ -15,7 +15,7 @@ import pytest
 
 import bps.trace
 from bps.env import ClusterEnv, EnvError
-from bps.server.role import host_cores
+from bps.striping import host_cores
 from bps.trace import Tracer, covered_ms, per_step_ms
 from tests.test_trainer import launch, load_reports
 

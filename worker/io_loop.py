@@ -1,5 +1,8 @@
 """The worker engine's I/O thread: the one owner of every socket of a worker node.
 
+It holds ``BPS_CONNECTIONS_PER_SERVER`` connections to each server in a context of its
+own with ``BPS_IO_THREADS`` I/O threads (:mod:`bps.striping`: libzmq encrypts each
+connection in one I/O thread), each key on one of them so its requests stay in order.
 It sends control requests (declare, state, barrier) ahead of data, pushes as their
 server's send credit allows (:class:`~bps.worker.send_queues.SendQueues`), matches
 replies to requests, heartbeats the scheduler and fails every pending request with a
@@ -27,7 +30,7 @@ from typing import Any
 import torch
 import zmq
 
-from bps.auth import ClusterKey, connect_as_client
+from bps.auth import ClusterKey, HandshakeWatch, connect_as_client
 from bps.env import ClusterEnv
 from bps.protocol import (
     ClusterError,
@@ -45,6 +48,14 @@ from bps.protocol import (
     server_seconds,
 )
 from bps.scheduler_client import SchedulerClient
+from bps.striping import (
+    Stripes,
+    core_shares,
+    default_connections,
+    host_cores,
+    io_threads,
+    is_loopback,
+)
 from bps.trace import Tracer
 from bps.worker.send_queues import (
     KeyInfo,
@@ -58,6 +69,18 @@ from bps.worker.send_queues import (
 )
 
 log = logging.getLogger("bps.engine")
+
+
+def striping(env: ClusterEnv, servers: list[str]) -> tuple[int, int]:
+    """(connections per server, I/O threads) of a worker node: ``BPS_CONNECTIONS_PER_SERVER``
+    and ``BPS_IO_THREADS``, else from its share of the host's cores (:mod:`bps.striping`)."""
+    beside = sum(1 for a in servers
+                 if a.split("://", 1)[-1].rsplit(":", 1)[0] == env.node_host or is_loopback(a))
+    share, _ = core_shares(host_cores(), env.num_workers, len(servers), env.on_one_host,
+                           beside)
+    connections = env.connections_per_server or default_connections(share, len(servers))
+    threads = env.io_threads or io_threads(share, connections * len(servers))
+    return connections, threads
 
 
 class IOLoop:
@@ -80,14 +103,26 @@ class IOLoop:
         self._tracer = tracer
         self._decode_reply = decode_reply
         self._link = link
-        self._dealers = []
-        for address in servers:
-            dealer = new_socket(ctx, zmq.DEALER)
-            # the token prefix makes this connection this node's on the server
-            dealer.setsockopt(zmq.ROUTING_ID, link.token + b"engine")
-            connect_as_client(dealer, key)
-            dealer.connect(address)
-            self._dealers.append(dealer)
+        self.connections, self.io_threads = striping(env, servers)
+        # its own context: I/O threads are fixed when a context's first socket is made
+        self._data_ctx = zmq.Context(io_threads=self.io_threads)
+        self.stripes = Stripes(len(servers), self.connections)
+        self._dealers: list[list[Any]] = []  # [server][connection]
+        self._server_of: dict[Any, int] = {}
+        self._watch = HandshakeWatch(env, "worker")
+        for server, address in enumerate(servers):
+            self._dealers.append([])
+            for stripe in range(self.connections):
+                dealer = new_socket(self._data_ctx, zmq.DEALER)
+                # the token prefix makes this connection this node's on the server
+                dealer.setsockopt(zmq.ROUTING_ID, link.token + b"engine%d" % stripe)
+                connect_as_client(dealer, key)
+                self._watch.add(dealer, f"server {server} ({address})")
+                dealer.connect(address)
+                self._dealers[server].append(dealer)
+                self._server_of[dealer] = server
+        log.info("node %d: %d connection(s) to each of %d server(s), %d ZeroMQ I/O "
+                 "thread(s)", node_id, self.connections, len(servers), self.io_threads)
         self._stopping = False
         self._rids = itertools.count()
         self._control: collections.deque = collections.deque()
@@ -175,8 +210,11 @@ class IOLoop:
 
     def close(self) -> None:
         """Close the sockets and the wake-up pipe (after :meth:`stop`)."""
-        for sock in self._dealers:
-            sock.close()
+        self._watch.close()
+        for dealers in self._dealers:
+            for sock in dealers:
+                sock.close()
+        self._data_ctx.term()
         self._link.close()
         os.close(self._wake_r)
         os.close(self._wake_w)
@@ -220,8 +258,10 @@ class IOLoop:
         poller = zmq.Poller()
         poller.register(self._wake_r, zmq.POLLIN)
         poller.register(self._link.sock, zmq.POLLIN)
-        for dealer in self._dealers:
+        for dealer in self._server_of:
             poller.register(dealer, zmq.POLLIN)
+        for monitor in self._watch.sockets():
+            poller.register(monitor, zmq.POLLIN)
         timeout_ms = max(1, int(self.env.heartbeat_interval * 1000))
         next_check = 0.0
         try:
@@ -233,9 +273,13 @@ class IOLoop:
                             pass
                     except BlockingIOError:
                         pass
+                if self._watch.watching():  # raises if a server refused our key
+                    for monitor in self._watch.check(ready):
+                        poller.unregister(monitor)
                 self._send_control()
-                for server, dealer in enumerate(self._dealers):
-                    if dealer in ready:
+                for dealer in ready:
+                    server = self._server_of.get(dealer)
+                    if server is not None:
                         self._receive_replies(server, dealer)
                 self._send_queued()
                 if self._link.sock in ready:
@@ -260,16 +304,24 @@ class IOLoop:
         request.sent_ns = time.monotonic_ns()
         trace_stage(self._tracer, "queued", request, request.queued_ns, request.sent_ns)
         self._pending[request.rid] = request
+        dealer = self._dealer(request)
         if request.payload is None:
-            self._dealers[request.server].send(header)
+            dealer.send(header)
             size = 0
         else:
             body = memoryview(request.payload)
             # frames of BPS_FRAME_BYTES: libzmq's CURVE encrypts smaller frames faster
-            self._dealers[request.server].send_multipart(
+            dealer.send_multipart(
                 [header, *payload_frames(body, self.env.frame_bytes)], copy=False)
             size = body.nbytes
         self._count(bytes_pushed=len(header) + size)
+
+    def _dealer(self, request: Request) -> Any:
+        """The connection of the request's key to its server (the same one every time)."""
+        info = request.info
+        nbytes = info.numel * info.dtype.itemsize if info is not None else 0
+        stripe = self.stripes.of(request.server, request.fields["key"], nbytes)
+        return self._dealers[request.server][stripe]
 
     def _send_control(self) -> None:
         while self._control:
