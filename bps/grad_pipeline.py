@@ -179,6 +179,7 @@ class GradPipeline:
         self._tracer = rt.tracer
         self.buckets: list[Bucket] = []
         self.device = self._device_of(tensors)
+        self._divisor: torch.Tensor | None = None  # the device path's number of workers
         # CUDA gradients (or any, with BPS_DEVICE_KERNELS=1): the chains run on the
         # device and only payloads cross PCIe (bps.worker.device_path)
         self.on_device = self.device.type == "cuda" or device_path.forced()
@@ -350,9 +351,14 @@ class GradPipeline:
         inf and NaN are found where each key is compressed or copied down."""
         numel = slot.param.numel()
         node_dtype = self._node_dtype(slot)
+        # a tensor, not a Python number: CUDA multiplies by the reciprocal of a scalar
+        # divisor, 1 ulp off a true division (which the host path and servers do)
+        if self._divisor is None:
+            self._divisor = torch.tensor(float(size), device=slot.param.device)
+        divisor = self._divisor
         if grad is not None and self._rt.local_size == 1 and grad.is_contiguous() \
                 and grad.dtype == torch.float32:
-            share = grad.detach().view(-1).div_(size)  # consumed in place, as on the host
+            share = grad.detach().view(-1).div_(divisor)  # consumed in place, as on the host
         else:
             if slot.send is None:
                 slot.send = torch.empty(numel, dtype=node_dtype, device=slot.param.device)
@@ -360,9 +366,9 @@ class GradPipeline:
             if grad is None:
                 share.zero_()
             elif share.dtype == grad.dtype:
-                torch.div(grad.detach().reshape(-1), size, out=share)
+                torch.div(grad.detach().reshape(-1), divisor, out=share)
             else:  # divide in float32 first, so a float16 share cannot overflow
-                share.copy_(grad.detach().reshape(-1).float().div(size))
+                share.copy_(grad.detach().reshape(-1).float().div(divisor))
         slot.ready_event = record_ready(share.device)
         return share
 
