@@ -42,7 +42,7 @@ import zmq
 from bps.compressors import build
 from bps.env import ClusterEnv
 from bps.protocol import Op, decode, dtype_name, encode, server_seconds
-from bps.server.role import host_cores
+from bps.striping import host_cores
 from bps.server.server import ParameterServer, _KeyEngine, _LeastLoaded
 
 WORKERS = 2
