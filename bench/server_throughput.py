@@ -42,8 +42,8 @@ import zmq
 from bps.compressors import build
 from bps.env import ClusterEnv
 from bps.protocol import Op, decode, dtype_name, encode, server_seconds
-from bps.striping import host_cores
 from bps.server.server import ParameterServer, _KeyEngine, _LeastLoaded
+from bps.striping import host_cores
 
 WORKERS = 2
 REPLY_TIMEOUT_MS = 120_000  # a step that takes longer fails, naming the keys not answered
