@@ -680,8 +680,9 @@ def warm_kernels(args: argparse.Namespace, methods: list[Method]) -> None:
     for method in compressed:
         flags = method.compression_args
         flags = flags[2:] if method.hook else flags  # less --hook bps
-        params = {**compression_params(parse_compression_args(flags)),
-                  "mu": 0.9, "seed": args.seed + 1}
+        params = {**compression_params(parse_compression_args(flags)), "seed": args.seed + 1}
+        if params.get("momentum"):  # mu applies to the chain's momentum alone
+            params["mu"] = 0.9
         if params.get("compressor") == "powersgd":  # torch matrix products: nothing to compile
             continue
         worker, server = build(params, numel), build(params, numel, role="server")

@@ -1,7 +1,7 @@
 """The import layers: each layer loads nothing of the layers above it, nor of its sibling.
 
     bottom       bps (lazy), bps.env, bps.protocol, bps.memory, bps.trace, bps.config,
-                 bps.ratelimit, bps.auth, bps.scheduler_client
+                 bps.ratelimit, bps.auth, bps.scheduler_client, bps.striping
     compressors  bps.compressors.*
     worker       bps.worker.*        server   bps.server.*   (neither loads the other)
     launch       bps.launch.*
@@ -23,7 +23,7 @@ import sys
 import pytest
 
 BOTTOM = ["bps", "bps.env", "bps.protocol", "bps.memory", "bps.trace", "bps.config",
-          "bps.ratelimit", "bps.auth", "bps.scheduler_client"]
+          "bps.ratelimit", "bps.auth", "bps.scheduler_client", "bps.striping"]
 TOP = ["bps.runtime", "bps.grad_pipeline", "bps.trainer", "bps.ddp", "bps.model_sync",
        "bps.trainer_stats", "bps.mnist", "bps.periodic", "bps.stale",
        "bps.loss_scale"]

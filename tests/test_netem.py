@@ -141,7 +141,8 @@ def test_cli_needs_ip_and_tc():
     if os.geteuid() != 0:
         pytest.skip("the root check comes first")
     env = dict(os.environ, PATH="/nonexistent")
-    done = _cli(["--nodes", "2", "--rate", "1mbit", "--", "true"], env=env)
+    done = _cli(["--nodes", "2", "--rate", "1mbit", "--", sys.executable, "-c", "pass"],
+                env=env)  # a command that exists, named by its path
     assert done.returncode == 2
     assert "iproute2" in done.stderr and "ip, tc" in done.stderr
 

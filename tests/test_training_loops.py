@@ -326,7 +326,7 @@ def test_optimizer_step_instead_of_trainer_step_is_named(tmp_path):
         "    opt.step()\n"
         "bps.shutdown()\n"
     )
-    result = subprocess.run([BPSLAUNCH, "local", "--workers", "1", "--servers", "1", "--",
+    result = subprocess.run([*BPSLAUNCH, "local", "--workers", "1", "--servers", "1", "--",
                              sys.executable, "-c", script], cwd=ROOT, capture_output=True,
                             text=True, timeout=120, env={**os.environ, "BPS_TIMEOUT": "20"})
     out = result.stdout + result.stderr

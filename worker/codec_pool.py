@@ -169,8 +169,10 @@ class CodecPool:
         chain, staging = info.chain, info.staging
         chain.set_lr(lr)
         chain.scale_momentum(momentum_scale)
-        payload, status = chain.encode(tensor)
-        payload, status = staging.to_host(payload), staging.status_to_host(status)
+        payload, status = chain.encode(tensor)  # no payload where the input is refused
+        if payload is not None:
+            payload = staging.to_host(payload)
+        status = staging.status_to_host(status)
         wait_side_stream(staging.device)
         code, detail = status.tolist()
         if code != OK:
