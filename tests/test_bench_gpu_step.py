@@ -8,6 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+# the bench itself runs on a GPU host (bench/gpu_host.sh); here it only has to run
+pytestmark = pytest.mark.slow
+
 BENCH = Path(__file__).resolve().parent.parent / "bench" / "gpu_step.py"
 
 

@@ -297,7 +297,9 @@ def test_hook_matches_the_replay_for_every_compressor_and_ddp_feature(tmp_path):
 
 
 @pytest.mark.parametrize("env", [pytest.param({}, id="host"),
-                                 pytest.param({"BPS_DEVICE_KERNELS": "1"}, id="device-forced")])
+                                 # the trainer's device-forced runs cover the pipeline
+                                 pytest.param({"BPS_DEVICE_KERNELS": "1"}, id="device-forced",
+                                              marks=pytest.mark.slow)])
 def test_two_local_ranks_reduce_in_fp16(tmp_path, env):
     """2 nodes x 2 local ranks x 2 servers, fp16 within the node and on the wire: the
     exact roundings of tests/test_trainer_comm_dtype.py's reference."""
