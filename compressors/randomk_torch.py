@@ -22,7 +22,7 @@ import torch
 from .base import Payload, sub_array
 from .device import INPUT_NONFINITE, TorchKernels, flag_status, int_view, to_device_async
 from .randomk import RandomK, draw_indices
-from .topk_torch import last_of_repeats, typed_part
+from .topk_torch import SparseTorchKernels, last_of_repeats, typed_part
 
 
 def draw_on_host(state: np.ndarray, numel: int, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -47,7 +47,7 @@ def scatter_last(out: torch.Tensor, indices: torch.Tensor, values: torch.Tensor)
     int_view(out)[indices] = int_view(values)[last]
 
 
-class RandomKTorch(TorchKernels, RandomK):
+class RandomKTorch(SparseTorchKernels, RandomK):
     """RandomK on ``device`` with torch kernels (payload also on ``device``)."""
 
     def __init__(self, numel: int, dtype: torch.dtype = torch.float32, k: int = 1,
@@ -66,15 +66,6 @@ class RandomKTorch(TorchKernels, RandomK):
         payload[16:] = values.view(torch.uint8)
         bad = ~torch.isfinite(values).all()
         return payload, flag_status(bad, INPUT_NONFINITE), indices
-
-    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        payload, status, _ = self._encode(self.check_input(x))
-        return payload, status
-
-    def encode_residual(self, corrected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        payload, status, indices = self._encode(corrected)
-        corrected.index_fill_(0, indices, 0)  # the drawn entries become +0
-        return payload, status
 
     def commit(self) -> None:
         self.undo = self.rng.copy()

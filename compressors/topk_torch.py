@@ -70,7 +70,24 @@ def last_of_repeats(indices: torch.Tensor, numel: int) -> torch.Tensor:
     return last[indices].long()
 
 
-class TopKTorch(TorchKernels, TopK):
+class SparseTorchKernels(TorchKernels):
+    """A sparse compressor's two encodes from its ``_encode(x) -> (payload, status,
+    indices)``: the entries it sends are the residual's zeros."""
+
+    def _encode(self, x: torch.Tensor) -> tuple:
+        raise NotImplementedError
+
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        payload, status, _ = self._encode(self.check_input(x))
+        return payload, status
+
+    def encode_residual(self, corrected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        payload, status, indices = self._encode(corrected)
+        corrected.index_fill_(0, indices, 0)  # the sent entries become +0
+        return payload, status
+
+
+class TopKTorch(SparseTorchKernels, TopK):
     """TopK on ``device`` with torch kernels (payload also on ``device``)."""
 
     def __init__(self, numel: int, dtype: torch.dtype = torch.float32, k: int = 1,
@@ -87,15 +104,6 @@ class TopKTorch(TorchKernels, TopK):
         payload[self.values_offset :] = values.view(torch.uint8)
         bad = ~torch.isfinite(values).all()  # inf and NaN rank first: among the k if any
         return payload, flag_status(bad, INPUT_NONFINITE), indices
-
-    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        payload, status, _ = self._encode(self.check_input(x))
-        return payload, status
-
-    def encode_residual(self, corrected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        payload, status, indices = self._encode(corrected)
-        corrected.index_fill_(0, indices, 0)  # the sent entries become +0
-        return payload, status
 
     def _parse_device(self, payload: Payload) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """(indices as int64, values, whether the indices ascend); one host sync."""
