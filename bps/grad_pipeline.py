@@ -51,8 +51,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from bps.compressors.device import forced_by_env
 from bps.compressors.finite import FLOAT16_LIMIT, divide_checked, tensor_finite
-from bps.worker import device_path
 from bps.worker.device_path import record_ready
 from bps.worker.engine import Skipped
 from bps.worker.planning import (
@@ -182,7 +182,7 @@ class GradPipeline:
         self._divisor: torch.Tensor | None = None  # the device path's number of workers
         # CUDA gradients (or any, with BPS_DEVICE_KERNELS=1): the chains run on the
         # device and only payloads cross PCIe (bps.worker.device_path)
-        self.on_device = self.device.type == "cuda" or device_path.forced()
+        self.on_device = self.device.type == "cuda" or forced_by_env()
         self.slots = self._build_slots(tensors)
         self._order = list(reversed(range(len(self.slots))))  # roughly backward order
         # Own channels: several pipelines in one process must not interleave collectives.

@@ -23,7 +23,6 @@ Example (the forced path on CPU tensors, ``BPS_DEVICE_KERNELS=1``, as the tests 
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from collections.abc import Iterator
 
@@ -32,21 +31,9 @@ import torch
 
 from bps.protocol import join_frames
 
-__all__ = ["KeyStaging", "decode_into", "forced", "on_side_stream", "record_ready",
-           "uses_device_path", "wait_side_stream"]
+__all__ = ["KeyStaging", "decode_into", "on_side_stream", "record_ready", "wait_side_stream"]
 
 _local = threading.local()
-
-
-def forced() -> bool:
-    """``BPS_DEVICE_KERNELS=1``: CPU tensors take the device path too (torch kernels,
-    staging buffers), so the suite exercises it without a GPU."""
-    return os.environ.get("BPS_DEVICE_KERNELS", "") == "1"
-
-
-def uses_device_path(tensor: torch.Tensor) -> bool:
-    """Whether a tensor's pushes go through the device path."""
-    return tensor.is_cuda or forced()
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
@@ -111,10 +98,6 @@ class KeyStaging:
             pin = self.device.type == "cuda"
             self._host = torch.empty(max(nbytes, 64), dtype=torch.uint8, pin_memory=pin)
         return self._host[:nbytes]
-
-    def host_bytes(self, nbytes: int) -> torch.Tensor:
-        """The key's host buffer, ``nbytes`` long (page-locked on a GPU host)."""
-        return self._host_bytes(nbytes)
 
     def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         """Queue the copy of a device tensor into the key's host buffer on the current
