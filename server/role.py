@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import signal
 import sys
+import threading
 from collections.abc import Sequence
 from urllib.parse import urlsplit
 
@@ -38,21 +39,34 @@ def engine_threads(cores: int, servers: Sequence[str], address: str) -> int:
 
 
 def setup_process() -> None:
-    """Log to stderr with timestamps; SIGTERM exits with 128 + SIGTERM."""
+    """Log to stderr with timestamps; the first SIGTERM exits with 128 + SIGTERM."""
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s: %(message)s")
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    # One SystemExit is enough: a second SIGTERM (bpslaunch stopping a role that is
+    # already on its way out) must not interrupt the cleanup or the atexit callbacks.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise SystemExit(128 + signal.SIGTERM)
 
 
 def serve(env: ClusterEnv) -> int:
     """Run the scheduler or the server of ``env`` until the job ends; returns the exit code."""
-    if env.role == "scheduler":
-        from bps.server.scheduler import run_scheduler
-        return run_scheduler(env)
-    if env.role == "server":
-        from bps.server.server import run_server
-        return run_server(env)
-    raise ValueError(f"DMLC_ROLE={env.role!r}: bps.server runs the scheduler or a server")
+    try:
+        if env.role == "scheduler":
+            from bps.server.scheduler import run_scheduler
+            return run_scheduler(env)
+        if env.role == "server":
+            from bps.server.server import run_server
+            return run_server(env)
+        raise ValueError(f"DMLC_ROLE={env.role!r}: bps.server runs the scheduler or a server")
+    finally:
+        # The role has finished; what is left is the interpreter's exit, which a SIGTERM
+        # from the launcher stopping everyone would only turn into a traceback.
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def main(args: Sequence[str] = ()) -> int:

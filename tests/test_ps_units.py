@@ -7,6 +7,8 @@ import itertools
 import math
 import os
 import re
+import subprocess
+import sys
 
 import msgpack
 import numpy as np
@@ -77,6 +79,31 @@ def test_server_threads_share_the_host_among_its_servers() -> None:
     assert engine_threads(1024, servers, servers[3]) == 64  # BPS_SERVER_THREADS' bound
     assert 1 <= host_cores() <= (os.cpu_count() or 1)
     assert doctest.testmod(bps.server.role).failed == 0
+
+
+SIGTERM_WHILE_EXITING = """
+import atexit, os, signal, types
+from bps.server.role import serve, setup_process
+setup_process()
+def stopped_by_the_launcher():
+    os.kill(os.getpid(), signal.SIGTERM)
+    print("exit finished", flush=True)
+atexit.register(stopped_by_the_launcher)
+try:
+    serve(types.SimpleNamespace(role="none"))
+except ValueError:
+    pass
+"""
+
+
+def test_a_role_stopped_while_it_exits_ends_without_a_traceback() -> None:
+    """bpslaunch sends SIGTERM to every role when one fails; a server already running its
+    exit callbacks finishes them instead of printing a SystemExit traceback."""
+    result = subprocess.run([sys.executable, "-c", SIGTERM_WHILE_EXITING],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "exit finished" in result.stdout, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
 
 
 def test_new_keys_go_to_the_least_loaded_engine_thread() -> None:
