@@ -193,7 +193,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--heap", action="store_true",
                         help="tune glibc malloc as bps servers and workers do "
-                             "(bps.memory.keep_buffers_in_heap) before any socket")
+                             "(bps.common.memory.keep_buffers_in_heap) before any socket")
     parser.add_argument("--sweep", action="store_true",
                         help="frame sizes x I/O threads x receive mode (see the docstring)")
     args = parser.parse_args()
@@ -201,7 +201,7 @@ def main() -> None:
         sweep(args.mbytes, args.rounds)
         return
     if args.heap:
-        from bps.memory import keep_buffers_in_heap
+        from bps.common.memory import keep_buffers_in_heap
 
         keep_buffers_in_heap()
     sodium = libsodium()

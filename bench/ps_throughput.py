@@ -66,7 +66,7 @@ def raw_server(messages: int, key_file: str) -> None:
     ``key_file``: a CURVE server with that cluster key ("" for plain TCP)."""
     import zmq
 
-    from bps.auth import Guard, read_key_file
+    from bps.common.auth import Guard, read_key_file
 
     guard = Guard(zmq.Context.instance(), read_key_file(key_file) if key_file else None)
     sock = zmq.Context.instance().socket(zmq.ROUTER)
@@ -91,7 +91,7 @@ def raw_worker(port: int, mbytes: int, steps: int, out: str, key_file: str) -> N
     import numpy as np
     import zmq
 
-    from bps.auth import connect_as_client, read_key_file
+    from bps.common.auth import connect_as_client, read_key_file
 
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.SNDHWM, 0)
@@ -158,12 +158,12 @@ def bps_worker(mbytes: int, steps: int, params_json: str, out: str) -> None:
     times to ``out`` with ``{node}`` replaced by this worker node's id."""
     import torch
 
-    from bps.env import ClusterEnv
+    from bps.common.env import ClusterEnv
     from bps.worker.engine import WorkerEngine
 
     params = json.loads(params_json)
     if params is not None:
-        from bps.config import validate_compression_params
+        from bps.common.config import validate_compression_params
 
         params = validate_compression_params(params)
         params["seed"] = params.get("seed") or 1
@@ -357,7 +357,7 @@ def striping_counts(cores: int) -> list[int]:
 def striping_table(mbytes: int, steps: int, rounds_count: int, tmp: Path,
                    key_file: str) -> None:
     """The ``--striping`` table (see the module docstring), to ps_striping.json."""
-    from bps.striping import host_cores
+    from bps.common.striping import host_cores
 
     cores = host_cores()
     counts = striping_counts(cores)
@@ -434,7 +434,7 @@ def main() -> None:
     import shutil
     import tempfile
 
-    from bps.auth import write_key_file
+    from bps.common.auth import write_key_file
 
     out = Path(__file__).parent / "results"
     out.mkdir(exist_ok=True)

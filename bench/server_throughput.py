@@ -39,11 +39,11 @@ from pathlib import Path
 import torch
 import zmq
 
+from bps.common.env import ClusterEnv
+from bps.common.protocol import Op, decode, dtype_name, encode, server_seconds
+from bps.common.striping import host_cores
 from bps.compressors import build
-from bps.env import ClusterEnv
-from bps.protocol import Op, decode, dtype_name, encode, server_seconds
 from bps.server.server import ParameterServer, _KeyEngine, _LeastLoaded
-from bps.striping import host_cores
 
 WORKERS = 2
 REPLY_TIMEOUT_MS = 120_000  # a step that takes longer fails, naming the keys not answered

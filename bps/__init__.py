@@ -15,28 +15,17 @@ Usage (run under ``bpslaunch local --workers 2 --servers 1 -- python train.py``)
 from __future__ import annotations
 
 import importlib
-import os
-
-# In a source checkout this folder is only the top of the package: pyproject.toml maps
-# bps.compressors, bps.server, bps.worker and bps.launch to folders beside it. Where the
-# checkout's root comes first on sys.path (python -m pytest, scripts run from it), it
-# shadows an installed wheel; searching the root too keeps those subpackages importable.
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if os.path.isfile(os.path.join(_ROOT, "pyproject.toml")) and all(
-        os.path.isfile(os.path.join(_ROOT, sub, "__init__.py"))
-        for sub in ("compressors", "server", "worker", "launch")):
-    __path__.append(_ROOT)
 
 
 def _rt():
-    # Imported on first use so that `import bps.config` in servers stays light.
+    # Imported on first use so that `import bps.common.config` in servers stays light.
     return importlib.import_module("bps.runtime")
 
 
 def init() -> None:
     """Join the cluster that the environment (set by ``bpslaunch``) describes.
 
-    Raises :class:`bps.env.EnvError` naming the missing or malformed variable when the
+    Raises :class:`bps.common.env.EnvError` naming the missing or malformed variable when the
     process was not started by ``bpslaunch`` (there is no implicit single-process mode).
     """
     _rt().init()

@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 
 from bps import runtime as bps_runtime
-from bps.config import validate_compression_params
+from bps.common.config import validate_compression_params
 from bps.grad_pipeline import GradPipeline, GradTensor
 from bps.loss_scale import LossScale
 from bps.trainer import NonFiniteGradientError

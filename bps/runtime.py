@@ -22,8 +22,8 @@ import subprocess
 import sys
 import threading
 
-from bps import trace
-from bps.env import ClusterEnv, EnvError, derive_worker_env
+from bps.common import trace
+from bps.common.env import ClusterEnv, EnvError, derive_worker_env
 from bps.launch.supervisor import JOINED_DIR_VARIABLE
 from bps.worker.intranode import LocalGroup
 
@@ -137,7 +137,7 @@ _services: subprocess.Popen | None = None  # scheduler/servers this process star
 
 def _from_cluster_launcher() -> None:
     """Under torchrun or SLURM without ``bpslaunch``: take the derived DMLC_* variables
-    (see :func:`bps.env.derive_worker_env`) and, on local rank 0, start this node's
+    (see :func:`bps.common.env.derive_worker_env`) and, on local rank 0, start this node's
     servers (node 0: also the scheduler) as ``bpslaunch`` would."""
     global _services
     derived = derive_worker_env()

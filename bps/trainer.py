@@ -39,8 +39,8 @@ import time
 import torch
 
 from bps import runtime as bps_runtime
+from bps.common.config import validate_compression_params
 from bps.compressors.base import NonFiniteError
-from bps.config import validate_compression_params
 from bps.grad_pipeline import (  # noqa: F401 - _BucketSlice, _forward: re-exported
     COMM_DTYPES,
     GradPipeline,
@@ -154,7 +154,7 @@ class DistributedTrainer:
         self._join_ch = None
         self._stats = StepStats()
         self._engine_before: dict = {}
-        self._tracer = self._rt.tracer  # bps.trace: None unless BYTEPS_TRACE_ON=1
+        self._tracer = self._rt.tracer  # bps.common.trace: None unless BYTEPS_TRACE_ON=1
         self._last_step_end_ns: int | None = None
         self._samples = 0  # samples this process's training forwards took this step
         self._in_step = False  # inside step(): the optimizer steps as the trainer says

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from numba import njit
 
-from bps.config import BYTEGRAD_CHUNK
+from bps.common.config import BYTEGRAD_CHUNK
 
 from .base import (
     KERNEL_FLOAT_DTYPES,

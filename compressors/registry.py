@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from bps.config import (
+from bps.common.config import (
     accept_compressor,
     forget_compressor,
     resolve_k,
@@ -115,7 +115,7 @@ def payload_bound(params: dict, numel: int, dtype: torch.dtype = torch.float32) 
     as its class states it (:meth:`Compressor.max_payload_bytes`); ``None`` for
     registered compressors. ``params`` is a validated compression_params dict.
 
-        >>> from bps.config import validate_compression_params
+        >>> from bps.common.config import validate_compression_params
         >>> payload_bound(validate_compression_params({"compressor": "onebit"}), 64)
         12
     """

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import sys
 
-from bps.env import EnvError, dmlc_role, launch_style
+from bps.common.env import EnvError, dmlc_role, launch_style
 
 USAGE = """\
 usage: bpslaunch CMD...                      run the role that DMLC_ROLE names

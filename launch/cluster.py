@@ -7,7 +7,7 @@ Usage::
     srun --ntasks-per-node 2 bpslaunch python train.py      # every SLURM task
 
 Where ``DMLC_ROLE`` is unset and torchrun's or SLURM's variables are, every launched
-process is a worker process (:func:`bps.env.derive_worker_env` maps the variables).
+process is a worker process (:func:`bps.common.env.derive_worker_env` maps the variables).
 Local rank 0 of each node also starts that node's ``BPS_SERVERS_PER_NODE`` servers
 (default 1), and node 0's local rank 0 the scheduler at ``MASTER_ADDR:MASTER_PORT+1``
 (it binds every interface at that port).
@@ -25,8 +25,8 @@ import socket
 import sys
 from collections.abc import Mapping, Sequence
 
-from bps.auth import AuthError, load_key
-from bps.env import ClusterEnv, EnvError, derive_worker_env
+from bps.common.auth import AuthError, load_key
+from bps.common.env import ClusterEnv, EnvError, derive_worker_env
 from bps.launch.supervisor import Supervisor
 
 EXIT_BAD_ENV = 2

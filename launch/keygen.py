@@ -16,7 +16,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from bps.auth import AuthError, write_key_file
+from bps.common.auth import AuthError, write_key_file
 
 
 def main(args: Sequence[str]) -> int:

@@ -26,7 +26,7 @@ import sys
 import tempfile
 from collections.abc import Sequence
 
-from bps.auth import job_credentials
+from bps.common.auth import job_credentials
 from bps.launch.role import free_port, local_rank_envs
 from bps.launch.supervisor import JOINED_DIR_VARIABLE, Supervisor, command_problem
 

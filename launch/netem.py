@@ -28,7 +28,7 @@ import signal
 import sys
 import time
 
-from bps.auth import job_credentials
+from bps.common.auth import job_credentials
 from bps.launch.link_shape import LinkShape, NetnsError
 from bps.launch.netns import EmulatedCluster, clean_stale, require_privileges
 from bps.launch.supervisor import Supervisor, command_problem

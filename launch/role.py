@@ -20,8 +20,8 @@ import socket
 import sys
 from collections.abc import Mapping, Sequence
 
-from bps.auth import AuthError, load_key
-from bps.env import ClusterEnv, EnvError, launch_style
+from bps.common.auth import AuthError, load_key
+from bps.common.env import ClusterEnv, EnvError, launch_style
 from bps.launch.supervisor import Supervisor, command_problem
 from bps.server.role import EXIT_BAD_ENV, serve, setup_process
 

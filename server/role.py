@@ -16,8 +16,8 @@ import threading
 from collections.abc import Sequence
 from urllib.parse import urlsplit
 
-from bps.auth import AuthError
-from bps.env import MAX_SERVER_THREADS, ClusterEnv, EnvError
+from bps.common.auth import AuthError
+from bps.common.env import MAX_SERVER_THREADS, ClusterEnv, EnvError
 
 EXIT_BAD_ENV = 2
 

@@ -1,9 +1,9 @@
 """The scheduler: rendezvous, barriers, heartbeats (nodes reach it through
-:class:`bps.scheduler_client.SchedulerClient`).
+:class:`bps.common.scheduler_client.SchedulerClient`).
 
 Usage::
 
-    from bps.env import ClusterEnv
+    from bps.common.env import ClusterEnv
     from bps.server.scheduler import run_scheduler
     exit_code = run_scheduler(ClusterEnv.from_environ())    # DMLC_ROLE=scheduler
 
@@ -20,7 +20,7 @@ worker has said FINALIZE the servers get SHUTDOWN and the scheduler exits 0; wor
 that finish after different numbers of steps, or a worker that pushes a step past the
 last step of one that finished, end the job with an error naming both.
 
-Membership: the ROUTER is a CURVE server (:mod:`bps.auth`), so only holders of the
+Membership: the ROUTER is a CURVE server (:mod:`bps.common.auth`), so only holders of the
 cluster key reach it. A node id is bound to the connection that said HELLO first: a
 second HELLO for a taken worker id or server rank, or with a taken token, is refused
 and logged with the peer's address; messages from a connection that did not say HELLO
@@ -37,9 +37,9 @@ from typing import Any
 
 import zmq
 
-from bps.auth import Guard, load_key
-from bps.env import ClusterEnv
-from bps.protocol import (
+from bps.common.auth import Guard, load_key
+from bps.common.env import ClusterEnv
+from bps.common.protocol import (
     MAX_HEADER_BYTES,
     TOKEN_BYTES,
     Op,
@@ -49,8 +49,8 @@ from bps.protocol import (
     error_text,
     new_socket,
 )
-from bps.ratelimit import RateLimitedLog
-from bps.scheduler_client import LoopClock, failure_reason
+from bps.common.ratelimit import RateLimitedLog
+from bps.common.scheduler_client import LoopClock, failure_reason
 
 log = logging.getLogger("bps.scheduler")
 refusals = RateLimitedLog(log)

@@ -2,13 +2,13 @@
 
 Usage::
 
-    from bps.env import ClusterEnv
+    from bps.common.env import ClusterEnv
     from bps.server.server import run_server
     exit_code = run_server(ClusterEnv.from_environ())       # DMLC_ROLE=server
 
 One I/O thread owns the ROUTER socket and the scheduler link; it checks every header
-(``bps.protocol.decode`` plus the payload frames' count and sizes,
-``bps.protocol.check_payload``) and hands messages to
+(``bps.common.protocol.decode`` plus the payload frames' count and sizes,
+``bps.common.protocol.check_payload``) and hands messages to
 ``BPS_SERVER_THREADS`` engine threads (default: the host's cores shared by the job's
 servers on it), each owning a disjoint set of keys (a new key goes to the one with
 the fewest elements so far, ``_LeastLoaded``), so different keys are decoded,
@@ -31,7 +31,7 @@ so a fast worker's step s+1 never mixes into s. A bad request gets an ERROR repl
 the key and field; the server keeps serving everyone else.
 
 Who may ask (see docs/runtime.md, "Security"): the ROUTER is a CURVE server
-(:mod:`bps.auth`), so only holders of the cluster key connect at all. A request counts
+(:mod:`bps.common.auth`), so only holders of the cluster key connect at all. A request counts
 as worker n's only on a connection whose routing id starts with the token the scheduler
 gave worker n at rendezvous; REGISTER and PUSH must name that node, SET_STATE and
 ABORT come from worker 0 only. A worker has at most one push per key waiting for its
@@ -42,7 +42,7 @@ ZeroMQ while it reads), a key's size (half of that), replies queued for one conn
 server stops reading until they catch up), and warnings (rate-limited).
 
 Non-finite gradients: a push whose values are inf or NaN is refused, naming the node
-(workers never send one: they mark it, see ``bps.protocol``). A step of a key with a
+(workers never send one: they mark it, see ``bps.common.protocol``). A step of a key with a
 ``nonfinite`` mark is answered with a skip and nothing summed; the server chain then
 stays as it was. So is a float16 raw key whose finite pushes sum beyond float16's
 range (``skip_node`` -1). Where a worker learns that the whole step is skipped (another
@@ -65,14 +65,11 @@ import msgpack
 import torch
 import zmq
 
-from bps import trace
-from bps.auth import Guard, load_key
-from bps.compressors.base import add_decompressed
-from bps.compressors.finite import tensor_finite
-from bps.compressors.threads import chunk_bounds, run_chunks
-from bps.env import ClusterEnv
-from bps.memory import keep_buffers_in_heap
-from bps.protocol import (
+from bps.common import trace
+from bps.common.auth import Guard, load_key
+from bps.common.env import ClusterEnv
+from bps.common.memory import keep_buffers_in_heap
+from bps.common.protocol import (
     TOKEN_BYTES,
     ClusterError,
     Op,
@@ -87,10 +84,13 @@ from bps.protocol import (
     payload_frames,
     torch_dtype,
 )
-from bps.ratelimit import RateLimitedLog
-from bps.scheduler_client import SchedulerClient, failure_reason
+from bps.common.ratelimit import RateLimitedLog
+from bps.common.scheduler_client import SchedulerClient, failure_reason
+from bps.common.striping import core_shares, default_connections, host_cores, io_threads
+from bps.compressors.base import add_decompressed
+from bps.compressors.finite import tensor_finite
+from bps.compressors.threads import chunk_bounds, run_chunks
 from bps.server.role import engine_threads
-from bps.striping import core_shares, default_connections, host_cores, io_threads
 
 log = logging.getLogger("bps.server")
 refusals = RateLimitedLog(log)
@@ -121,7 +121,7 @@ class _Step:
     waiters: list[tuple[bytes, int]] = field(default_factory=list)
     lr: float = 0.0
     first_lr: tuple[int, float] | None = None  # (node, lr) of the first push to arrive
-    first_push_ns: int = 0  # when traced (bps.trace): the first push's arrival
+    first_push_ns: int = 0  # when traced (bps.common.trace): the first push's arrival
     busy_ns: int = 0  # spent decoding and adding this step's pushes
     nonfinite: tuple[int, str] | None = None  # (node, what) of the first nonfinite mark
 
@@ -615,7 +615,7 @@ class ParameterServer:
     def __init__(self, env: ClusterEnv, ctx: Any = None) -> None:
         self.env = env
         # CURVE encrypts and decrypts each connection in one of ZeroMQ's I/O threads:
-        # enough of them let the workers' connections run in parallel (bps.striping)
+        # enough of them let the workers' connections run in parallel (bps.common.striping)
         self.ctx = ctx or zmq.Context.instance(io_threads=server_io_threads(env))
         self.num_workers = env.num_workers
         self.tracer: trace.Tracer | None = None  # set at rendezvous where BYTEPS_TRACE_ON=1
@@ -780,7 +780,7 @@ class ParameterServer:
 def server_io_threads(env: ClusterEnv) -> int:
     """``BPS_IO_THREADS``, else one per connection the workers open (``num_workers *
     BPS_CONNECTIONS_PER_SERVER``, the workers' default where not set) up to this
-    server's share of the host's cores (:mod:`bps.striping`), and at least two (where
+    server's share of the host's cores (:mod:`bps.common.striping`), and at least two (where
     it holds two connections) as before striping."""
     if env.io_threads is not None:
         return env.io_threads

@@ -16,7 +16,7 @@ _saved: dict[str, str | None] = {}
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    from bps.auth import write_key_file
+    from bps.common.auth import write_key_file
 
     folder = tempfile.mkdtemp(prefix="bps-test-key-")  # mode 0700
     path = os.path.join(folder, "cluster.key")

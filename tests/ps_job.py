@@ -48,7 +48,7 @@ def raw_keys() -> list[tuple[int, int, str, dict | None]]:
 
 def compressed_keys(seed: int = 12345) -> list[tuple[int, int, str, dict | None]]:
     """One key per compressor, with and without error feedback (validated params)."""
-    from bps.config import validate_compression_params
+    from bps.common.config import validate_compression_params
 
     cases = [
         {"compressor": "onebit", "scaling": True},
@@ -76,7 +76,7 @@ KEY_TABLES = {"raw": raw_keys, "compressed": compressed_keys}
 def member_socket(engine, address: str, suffix: bytes | None) -> zmq.Socket:
     """A DEALER to ``address`` holding the cluster key; with ``suffix``, its routing id
     carries ``engine``'s token, so the server takes it as that worker's connection."""
-    from bps.auth import connect_as_client
+    from bps.common.auth import connect_as_client
 
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -90,7 +90,7 @@ def member_socket(engine, address: str, suffix: bytes | None) -> zmq.Socket:
 
 def probe_server(engine, address: str, known_key: int, node: int) -> dict[str, str]:
     """Send malformed messages to one server; returns name -> error text of the reply."""
-    from bps.protocol import PROTOCOL_VERSION, Op, decode, encode
+    from bps.common.protocol import PROTOCOL_VERSION, Op, decode, encode
 
     sock = member_socket(engine, address, b"probe")
     stranger = member_socket(engine, address, None)  # holds the key, is no worker
@@ -175,9 +175,9 @@ def order_probe(engine, address: str, workers: int) -> dict:
     ``raw``: the raw key's aggregate. For the topk key node 1's first push is garbage:
     ``refused`` (node 1) holds the replies to it (ACK, as it waits for node 0, then ERROR
     once it is decoded); ``topk`` is the aggregate after node 1 pushed again."""
+    from bps.common.config import validate_compression_params
+    from bps.common.protocol import Op, decode, encode
     from bps.compressors import build
-    from bps.config import validate_compression_params
-    from bps.protocol import Op, decode, encode
 
     node = engine.node_id
     sock = member_socket(engine, address, b"order")
@@ -242,7 +242,7 @@ def order_probe(engine, address: str, workers: int) -> dict:
 
 def garbage_push(engine, address: str, key: int, numel: int) -> str:
     """PUSH 7 random bytes as a compressed payload; returns the reply's text."""
-    from bps.protocol import Op, decode, encode
+    from bps.common.protocol import Op, decode, encode
 
     sock = member_socket(engine, address, b"garbage")
     sock.send_multipart([encode(Op.PUSH, rid=9, key=key, step=0, node=0, dtype="float32",
@@ -254,7 +254,7 @@ def garbage_push(engine, address: str, key: int, numel: int) -> str:
 
 def pull_bytes(engine, address: str, key: int, step: int) -> bytes:
     """A raw PULL of a finished step, from a fresh connection of this worker."""
-    from bps.protocol import Op, check_payload, decode, encode
+    from bps.common.protocol import Op, check_payload, decode, encode
 
     sock = member_socket(engine, address, b"pull")
     sock.send(encode(Op.PULL, rid=5, key=key, step=step))
@@ -271,7 +271,7 @@ def pull_bytes(engine, address: str, key: int, step: int) -> bytes:
 def fuzz_frames(rng: random.Random, keys: list[int]) -> list[bytes]:
     """One fuzzed message: garbage, a real op with random or hostile field values, wrong
     frame counts, huge declared sizes, far-future steps, REGISTERs of huge keys."""
-    from bps.protocol import FIELDS, PROTOCOL_VERSION, Op
+    from bps.common.protocol import FIELDS, PROTOCOL_VERSION, Op
 
     def value() -> object:
         return rng.choice([0, -1, 1, 2**31, 2**63 - 1, -(2**63), 2**64 - 1, 1.5, float("nan"),
@@ -310,8 +310,8 @@ def fuzz(engine, count: int, seed: int) -> dict:
     to no worker, spread over every server and the scheduler and never read (their replies
     pile up on the other side); plus floods of GET_STATE and PULL of real keys from this
     worker's own connection, also never read, and a frame over the size limit."""
-    from bps.env import ClusterEnv
-    from bps.protocol import Op, encode
+    from bps.common.env import ClusterEnv
+    from bps.common.protocol import Op, encode
 
     rng = random.Random(seed)
     env = ClusterEnv.from_environ()
@@ -344,7 +344,7 @@ def loop(kill_pid: int, kill_at: int) -> None:
     """Train one key until something fails; at step ``kill_at`` SIGKILL ``kill_pid``."""
     import signal
 
-    from bps.env import ClusterEnv
+    from bps.common.env import ClusterEnv
     from bps.worker.engine import WorkerEngine
 
     engine = WorkerEngine.connect(ClusterEnv.from_environ())
@@ -412,8 +412,8 @@ def main() -> None:
         train(int(args.fail[0]), args.fail[1], int(args.fail[2]))
         return
 
-    from bps.env import ClusterEnv
-    from bps.protocol import RemoteError, torch_dtype
+    from bps.common.env import ClusterEnv
+    from bps.common.protocol import RemoteError, torch_dtype
     from bps.worker.engine import WorkerEngine
 
     env = ClusterEnv.from_environ()

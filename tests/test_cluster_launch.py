@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from bps.env import EnvError, derive_worker_env, launch_style, parse_nodelist
+from bps.common.env import EnvError, derive_worker_env, launch_style, parse_nodelist
 from bps.launch.role import free_port
 from tests.ps_job import BPSLAUNCH, TEST_ENV, run_command
 

@@ -8,10 +8,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bps.common.config import validate_compression_params
 from bps.compressors import build
 from bps.compressors.base import NonFiniteError
 from bps.compressors.bytegrad import ByteGrad, split_chunks
-from bps.config import validate_compression_params
 from tests import reference_compressors as ref
 from tests.test_compressors import DTYPES, SIZES, as_values, payload_of, sample
 

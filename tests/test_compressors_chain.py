@@ -213,7 +213,7 @@ def test_register_validates():
     assert issubclass(ErrorFeedback, Compressor)
 
 
-MODULES = ["bps.config", "bps.compressors", "bps.compressors.onebit", "bps.compressors.topk",
+MODULES = ["bps.common.config", "bps.compressors", "bps.compressors.onebit", "bps.compressors.topk",
            "bps.compressors.randomk", "bps.compressors.dithering", "bps.compressors.rng",
            "bps.compressors.dithering_quantiser", "bps.compressors.elias_delta",
            "bps.compressors.error_feedback", "bps.compressors.momentum",

@@ -9,9 +9,9 @@ import pytest
 import torch
 import zmq
 
+from bps.common.protocol import Op, decode, encode
 from bps.compressors import build
 from bps.compressors.base import add_decompressed
-from bps.protocol import Op, decode, encode
 from bps.server.server import RequestError
 from tests import reference_compressors as ref
 from tests.test_compressors import DTYPES, as_values, sample

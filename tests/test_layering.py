@@ -1,90 +1,160 @@
-"""The import layers: each layer loads nothing of the layers above it, nor of its sibling.
+"""The import layers, read from the package's folders.
 
-    bottom       bps (lazy), bps.env, bps.protocol, bps.memory, bps.trace, bps.config,
-                 bps.ratelimit, bps.auth, bps.scheduler_client, bps.striping
-    compressors  bps.compressors.*
-    worker       bps.worker.*        server   bps.server.*   (neither loads the other)
-    launch       bps.launch.*
-    top          bps.runtime, bps.grad_pipeline, bps.trainer, bps.ddp, bps.model_sync,
-                 bps.trainer_stats, bps.mnist, bps.periodic, bps.stale, bps.loss_scale
-
-Each layer's modules are imported in a fresh interpreter, one after another, and every
-``bps`` module loaded on the way is checked against the layers that layer may use.
+Each subpackage of ``bps`` is a layer, and the modules at the top of ``bps/`` (the public
+API and the front ends) are the top layer. A module may import its own layer and the
+layers listed below it in ``BELOW``, never a layer above it or a sibling. Every import
+statement counts: at module level, inside functions and under ``TYPE_CHECKING``. There is
+no import cycle anywhere, inside a layer included.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
 import pkgutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-BOTTOM = ["bps", "bps.env", "bps.protocol", "bps.memory", "bps.trace", "bps.config",
-          "bps.ratelimit", "bps.auth", "bps.scheduler_client", "bps.striping"]
-TOP = ["bps.runtime", "bps.grad_pipeline", "bps.trainer", "bps.ddp", "bps.model_sync",
-       "bps.trainer_stats", "bps.mnist", "bps.periodic", "bps.stale",
-       "bps.loss_scale"]
+# the layers each layer may import, by folder; a new subpackage must be placed here
+BELOW = {
+    "bps.common": set(),
+    "bps.compressors": {"bps.common"},
+    "bps.worker": {"bps.common", "bps.compressors"},
+    "bps.server": {"bps.common", "bps.compressors"},
+    "bps.launch": {"bps.common", "bps.compressors", "bps.server"},
+    "bps": {"bps.common", "bps.compressors", "bps.worker", "bps.server", "bps.launch"},
+}
+
+
+def package_files(package: str = "bps") -> dict[str, Path]:
+    """Every module of ``package`` and its subpackages, by dotted name, with its file."""
+    spec = importlib.util.find_spec(package)
+    files = {package: Path(spec.origin)}
+    for folder in spec.submodule_search_locations:
+        for info in pkgutil.iter_modules([folder]):
+            name = f"{package}.{info.name}"
+            if info.ispkg:
+                files.update(package_files(name))
+            elif info.name != "__main__":
+                files[name] = Path(folder) / f"{info.name}.py"
+    return files
+
+
+MODULES = package_files()
+
+
+def layer_of(module: str) -> str:
+    """The subpackage a module lives in; ``bps`` for the modules at the top."""
+    return next((layer for layer in BELOW if layer != "bps" and
+                 (module == layer or module.startswith(layer + "."))), "bps")
+
+
+def imports_of(module: str) -> set[str]:
+    """The ``bps`` modules that ``module`` imports anywhere in its source."""
+    tree = ast.parse(MODULES[module].read_text(), filename=str(MODULES[module]))
+    package = module if MODULES[module].name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            for alias in node.names:
+                found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES
+                          else base)
+    return {name for name in found if name in MODULES and name != module}
+
+
+GRAPH = {module: imports_of(module) for module in MODULES}
+
+
+def test_every_subpackage_is_a_layer() -> None:
+    packages = {m for m, path in MODULES.items() if path.name == "__init__.py"}
+    assert sorted(packages - set(BELOW)) == []
+
+
+@pytest.mark.parametrize("layer", list(BELOW))
+def test_a_layer_imports_only_the_layers_below_it(layer: str) -> None:
+    allowed = BELOW[layer] | {layer}
+    violations = [f"{module} imports {target} ({layer_of(target)} layer)"
+                  for module, targets in GRAPH.items() if layer_of(module) == layer
+                  for target in sorted(targets) if layer_of(target) not in allowed]
+    assert violations == [], "\n".join(violations)
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan's algorithm).
+
+        >>> import_cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}})
+        [['a', 'b']]
+    """
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in sorted(graph.get(node, ())):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return cycles
+
+
+def test_the_cycle_finder_finds_cycles() -> None:
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert import_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycles() -> None:
+    assert import_cycles(GRAPH) == []
+
+
+def test_the_layers_cover_the_front_ends() -> None:
+    assert {"bps.trainer", "bps.ddp", "bps"} <= {m for m in MODULES if layer_of(m) == "bps"}
+
 
 IMPORT_EACH = """
 import importlib, json, sys
-loaded = {}
 for name in sys.argv[1:]:
-    before = {m for m in sys.modules if m == "bps" or m.startswith("bps.")}
     importlib.import_module(name)
-    loaded[name] = sorted(m for m in sys.modules
-                          if (m == "bps" or m.startswith("bps.")) and m not in before)
-print(json.dumps(loaded))
+print(json.dumps(sorted(m for m in sys.modules if m == "bps" or m.startswith("bps."))))
 """
 
 
-def package_modules(package: str) -> list[str]:
-    """The package and every module in its folder (``__main__`` runs on import: left out)."""
-    folder = importlib.util.find_spec(package).submodule_search_locations
-    return [package] + sorted(f"{package}.{m.name}" for m in pkgutil.iter_modules(folder)
-                              if m.name != "__main__")
-
-
-LAYERS = {
-    "bottom": BOTTOM,
-    "compressors": package_modules("bps.compressors"),
-    "worker": package_modules("bps.worker"),
-    "server": package_modules("bps.server"),
-    "launch": package_modules("bps.launch"),
-    "top": TOP,
-}
-# what each layer must not load: the layers above it and its sibling
-FORBIDDEN = {
-    "bottom": ["compressors", "worker", "server", "launch", "top"],
-    "compressors": ["worker", "server", "launch", "top"],
-    "worker": ["server", "launch", "top"],
-    "server": ["worker", "launch", "top"],
-    "launch": ["top"],
-    "top": [],
-}
-
-
-def layer_of(module: str) -> str | None:
-    return next((layer for layer, names in LAYERS.items() if module in names), None)
-
-
-def test_every_module_of_bps_has_a_layer() -> None:
-    folder = importlib.util.find_spec("bps").submodule_search_locations
-    top_level = [f"bps.{m.name}" for m in pkgutil.iter_modules(folder) if not m.ispkg]
-    assert sorted(m for m in top_level if layer_of(m) is None) == []
-
-
-@pytest.mark.parametrize("layer", list(LAYERS))
-def test_layer_loads_nothing_above_it(layer: str) -> None:
-    done = subprocess.run([sys.executable, "-c", IMPORT_EACH, *LAYERS[layer]],
+def test_the_roles_below_the_front_ends_load_none_of_them() -> None:
+    """``bps/__init__`` loads the front ends lazily: a server, which imports ``bps.common``
+    and ``bps.server``, never loads the trainer, the hook or the runtime."""
+    below = [m for m in MODULES if layer_of(m) != "bps"]
+    done = subprocess.run([sys.executable, "-c", IMPORT_EACH, *below],
                           capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     loaded = json.loads(done.stdout.splitlines()[-1])
-    violations = [f"importing {name} loads {module} ({layer_of(module)} layer)"
-                  for name, modules in loaded.items() for module in modules
-                  if layer_of(module) in FORBIDDEN[layer]]
-    assert violations == [], "\n".join(violations)
-    unknown = sorted({m for modules in loaded.values() for m in modules if layer_of(m) is None})
-    assert unknown == [], f"modules outside every layer: {unknown}"
+    assert [m for m in loaded if layer_of(m) == "bps" and m != "bps"] == []

@@ -1,4 +1,4 @@
-"""bps.memory: glibc keeps partition-sized buffers instead of faulting in fresh pages."""
+"""bps.common.memory: glibc keeps partition-sized buffers instead of faulting in fresh pages."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 CHURN = """
 import queue, resource, threading
 import numpy as np
-from bps.memory import keep_buffers_in_heap
+from bps.common.memory import keep_buffers_in_heap
 tuned = keep_buffers_in_heap()
 received = queue.Queue(maxsize=4)
 def receive():

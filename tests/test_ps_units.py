@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 
 import bps.server.role
 import bps.server.server
-from bps.env import ClusterEnv, EnvError
-from bps.protocol import (
+from bps.common.env import ClusterEnv, EnvError
+from bps.common.protocol import (
     MIN_FRAME_BYTES,
     PROTOCOL_VERSION,
     Op,
@@ -31,9 +31,7 @@ from bps.protocol import (
     payload_frames,
     server_seconds,
 )
-from bps.server.role import engine_threads
-from bps.server.server import KEY_COST, MAX_NUMEL, _LeastLoaded
-from bps.striping import (
+from bps.common.striping import (
     MAX_CONNECTIONS,
     Stripes,
     core_shares,
@@ -41,6 +39,8 @@ from bps.striping import (
     host_cores,
     io_threads,
 )
+from bps.server.role import engine_threads
+from bps.server.server import KEY_COST, MAX_NUMEL, _LeastLoaded
 from bps.worker.partition import Placement, partition, plan_servers
 from bps.worker.send_queues import SendQueues, send_order
 
@@ -409,8 +409,8 @@ def test_own_stall_is_not_taken_for_a_silent_peer() -> None:
 
     import zmq
 
-    from bps.protocol import ClusterError
-    from bps.scheduler_client import STALL_INTERVALS, SchedulerClient
+    from bps.common.protocol import ClusterError
+    from bps.common.scheduler_client import STALL_INTERVALS, SchedulerClient
     from bps.server.scheduler import Scheduler, _Node
 
     env = ClusterEnv.from_environ({**BASE, "DMLC_PS_ROOT_URI": "127.0.0.1"})
@@ -457,9 +457,9 @@ def test_scheduler_sends_its_last_messages_before_it_returns(cluster_key: str) -
 
     import zmq
 
-    from bps.auth import load_key
+    from bps.common.auth import load_key
+    from bps.common.scheduler_client import SchedulerClient
     from bps.launch.role import free_port
-    from bps.scheduler_client import SchedulerClient
     from bps.server.scheduler import Scheduler
 
     env = ClusterEnv.from_environ({**BASE, "DMLC_ROLE": "scheduler", "DMLC_NUM_WORKER": "1",
@@ -550,7 +550,7 @@ def test_codec_work_after_shutdown_fails_its_request_not_the_caller() -> None:
     import concurrent.futures
     from types import SimpleNamespace
 
-    from bps.protocol import ClusterError
+    from bps.common.protocol import ClusterError
     from bps.worker.codec_pool import CodecPool
 
     pool = CodecPool(count=lambda **deltas: None, threads=1)

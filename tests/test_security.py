@@ -17,7 +17,7 @@ import pytest
 import torch
 import zmq
 
-from bps.auth import (
+from bps.common.auth import (
     AuthError,
     ClusterKey,
     connect_as_client,
@@ -25,8 +25,8 @@ from bps.auth import (
     read_key_file,
     remove_orphaned_key_folders,
 )
+from bps.common.protocol import Op, encode, new_token
 from bps.launch.role import free_port
-from bps.protocol import Op, encode, new_token
 from tests.ps_job import BPSLAUNCH, TEST_ENV, run_command
 from tests.test_ps_cluster import check_raw_aggregates
 
@@ -60,7 +60,7 @@ def test_keygen_writes_a_private_key_and_never_overwrites(tmp_path: Path) -> Non
 
 def test_a_killed_launchers_key_folder_is_removed_by_the_next_launch(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    holder = ("import sys\nfrom bps.auth import job_credentials\n"
+    holder = ("import sys\nfrom bps.common.auth import job_credentials\n"
               "with job_credentials({}) as extra:\n"
               "    print(extra['BPS_SECRET_FILE'], flush=True)\n    sys.stdin.read()\n")
     env = dict(os.environ, TMPDIR=str(tmp_path))
@@ -95,7 +95,7 @@ def test_a_role_without_credentials_refuses_to_start(role: str) -> None:
 
 
 def test_insecure_mode_is_announced_by_every_role() -> None:
-    script = ("from bps.env import ClusterEnv\nfrom bps.worker.engine import WorkerEngine\n"
+    script = ("from bps.common.env import ClusterEnv\nfrom bps.worker.engine import WorkerEngine\n"
               "WorkerEngine.connect(ClusterEnv.from_environ()).close()\n")
     env = {**TEST_ENV, "BPS_INSECURE": "1", "BPS_SECRET_FILE": ""}
     code, output = run_command(BPSLAUNCH + ["local", "--workers", "2", "--servers", "1", "--",
@@ -188,7 +188,7 @@ def test_outsiders_get_nothing_and_the_job_is_unchanged(cluster, tmp_path: Path)
         insider.send(encode(Op.HELLO, role="worker", worker_id=1, addr="127.0.0.1",
                             token=new_token()))
         assert insider.poll(20_000), "no answer to the second HELLO as worker 1"
-        from bps.protocol import decode
+        from bps.common.protocol import decode
 
         refusal = decode(insider.recv())
         assert refusal["op"] == Op.ERROR, refusal
@@ -241,7 +241,7 @@ def test_a_node_with_another_key_is_told_to_check_its_key_file(cluster, tmp_path
     """A server whose BPS_SECRET_FILE holds another cluster's key never gets through the
     handshake; its rendezvous fails once its handshakes have failed (long before
     BPS_TIMEOUT), naming its key file and what to check."""
-    from bps.auth import write_key_file
+    from bps.common.auth import write_key_file
 
     other = tmp_path / "other.key"
     write_key_file(str(other))

@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from bps.env import ClusterEnv
-from bps.protocol import Op, decode, encode
+from bps.common.env import ClusterEnv
+from bps.common.protocol import Op, decode, encode
 from bps.server.server import ParameterServer, RequestError, _KeyEngine
 
 NUMEL = 16

@@ -1,4 +1,4 @@
-"""Timelines (bps.trace): the Chrome trace format, the step window, the environment, and
+"""Timelines (bps.common.trace): the Chrome trace format, the step window, the environment, and
 a real cluster's files, whose stages must line up across processes."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-import bps.trace
-from bps.env import ClusterEnv, EnvError
-from bps.striping import host_cores
-from bps.trace import Tracer, covered_ms, per_step_ms
+import bps.common.trace
+from bps.common.env import ClusterEnv, EnvError
+from bps.common.striping import host_cores
+from bps.common.trace import Tracer, covered_ms, per_step_ms
 from tests.test_trainer import launch, load_reports
 
 BASE_ENV = {"DMLC_ROLE": "worker", "DMLC_WORKER_ID": "0", "DMLC_NUM_WORKER": "2",
@@ -30,7 +30,7 @@ def in_order(*times_us: float) -> bool:
 
 
 def test_module_examples() -> None:
-    result = doctest.testmod(bps.trace)
+    result = doctest.testmod(bps.common.trace)
     assert result.attempted >= 4 and result.failed == 0
 
 
@@ -167,7 +167,7 @@ def test_cluster_timeline_lines_up_across_processes(tmp_path: Path) -> None:
         for report in reports:
             assert report[""]["steps"][step]["server_time"] == pytest.approx(total, rel=1e-9)
 
-    merged = subprocess.run([sys.executable, "-m", "bps.trace", str(traces)],
+    merged = subprocess.run([sys.executable, "-m", "bps.common.trace", str(traces)],
                             capture_output=True, text=True, timeout=60)
     assert merged.returncode == 0, merged.stderr
     for process in ("server0", "server1", "worker0", "worker1"):
@@ -175,7 +175,7 @@ def test_cluster_timeline_lines_up_across_processes(tmp_path: Path) -> None:
     timeline = json.loads((traces / "timeline.json").read_text())["traceEvents"]
     assert sum(e["ph"] == "X" for e in timeline) == sum(len(v) for v in spans.values())
 
-    listed = subprocess.run([sys.executable, "-m", "bps.trace", str(traces), "--step", "2"],
+    listed = subprocess.run([sys.executable, "-m", "bps.common.trace", str(traces), "--step", "2"],
                             capture_output=True, text=True, timeout=60)
     assert listed.returncode == 0, listed.stderr
     lines = listed.stdout.split("step 2: start and end in ms from its first event\n")[1]
@@ -190,14 +190,14 @@ def test_cluster_timeline_lines_up_across_processes(tmp_path: Path) -> None:
     assert ("worker0", "compress big[0]") in [row[2:] for row in rows]
     assert any(row[2].startswith("server") and row[3] == "push big[1] from node 1"
                for row in rows)
-    missing = subprocess.run([sys.executable, "-m", "bps.trace", str(traces), "--step", "7"],
+    missing = subprocess.run([sys.executable, "-m", "bps.common.trace", str(traces), "--step", "7"],
                              capture_output=True, text=True, timeout=60)
     assert missing.returncode == 1
     assert "step 7 is not in the traces (traced steps: 1-3)" in missing.stderr
 
 
 def test_merge_of_an_empty_directory_says_what_is_missing(tmp_path: Path) -> None:
-    merged = subprocess.run([sys.executable, "-m", "bps.trace", str(tmp_path)],
+    merged = subprocess.run([sys.executable, "-m", "bps.common.trace", str(tmp_path)],
                             capture_output=True, text=True, timeout=60)
     assert merged.returncode == 1
     assert "no trace files" in merged.stderr and "BYTEPS_TRACE_ON=1" in merged.stderr

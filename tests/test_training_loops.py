@@ -340,10 +340,10 @@ def test_optimizer_step_instead_of_trainer_step_is_named(tmp_path):
 SERVER_REFUSAL = """
 import numpy as np, torch, zmq
 import bps
-from bps.auth import connect_as_client, load_key
+from bps.common.auth import connect_as_client, load_key
 from bps.compressors import build
-from bps.config import validate_compression_params
-from bps.protocol import Op, RemoteError, decode, encode
+from bps.common.config import validate_compression_params
+from bps.common.protocol import Op, RemoteError, decode, encode
 bps.init()
 engine = bps.runtime.get().engine
 engine.declare(0, 4, torch.float32, None, name="raw")

@@ -18,10 +18,10 @@ from collections.abc import Callable
 import torch
 import zmq
 
+from bps.common.protocol import ClusterError, join_frames
+from bps.common.trace import Tracer
 from bps.compressors.base import NonFiniteError
 from bps.compressors.device import OK, is_staged
-from bps.protocol import ClusterError, join_frames
-from bps.trace import Tracer
 from bps.worker.device_path import decode_into, on_side_stream, wait_side_stream
 from bps.worker.send_queues import KeyInfo, Request, info_label, settle, trace_stage
 

@@ -29,7 +29,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from bps.protocol import join_frames
+from bps.common.protocol import join_frames
 
 __all__ = ["KeyStaging", "decode_into", "on_side_stream", "record_ready", "wait_side_stream"]
 

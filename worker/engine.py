@@ -2,7 +2,7 @@
 
 Usage (local rank 0 of a worker node)::
 
-    from bps.env import ClusterEnv
+    from bps.common.env import ClusterEnv
     from bps.worker.engine import WorkerEngine
 
     engine = WorkerEngine.connect(ClusterEnv.from_environ())   # rendezvous
@@ -32,7 +32,7 @@ A push is answered by the step's aggregate once every worker node pushed that st
 The tensor handed to ``push_pull`` must not be modified until its future resolves
 (raw keys are sent straight from its memory). At most one push_pull per key may be in
 flight. Every request has a ``BPS_TIMEOUT`` deadline; a timeout, a dead peer or a lost
-scheduler fails every pending future with a :class:`bps.protocol.ClusterError` naming
+scheduler fails every pending future with a :class:`bps.common.protocol.ClusterError` naming
 the key, server or peer, and every later call raises it again.
 
 Skipped steps: ``push_pull(key, None, step, lr, mark="nonfinite", what=name)`` pushes a
@@ -56,12 +56,12 @@ import msgpack
 import torch
 import zmq
 
-from bps.auth import ClusterKey, load_key
-from bps.env import ClusterEnv
-from bps.memory import keep_buffers_in_heap
-from bps.protocol import MARKS, ClusterError, Op, dtype_name
-from bps.scheduler_client import SchedulerClient
-from bps.trace import Tracer
+from bps.common.auth import ClusterKey, load_key
+from bps.common.env import ClusterEnv
+from bps.common.memory import keep_buffers_in_heap
+from bps.common.protocol import MARKS, ClusterError, Op, dtype_name
+from bps.common.scheduler_client import SchedulerClient
+from bps.common.trace import Tracer
 from bps.worker.codec_pool import CodecPool
 from bps.worker.device_path import KeyStaging, decode_into, on_side_stream, wait_side_stream
 from bps.worker.io_loop import IOLoop, log
@@ -135,7 +135,7 @@ class WorkerEngine:
     def connect(cls, env: ClusterEnv, ctx: Any = None, tracer: Tracer | None = None
                 ) -> WorkerEngine:
         """Rendezvous with the scheduler (blocks up to ``BPS_TIMEOUT``) and start the engine.
-        ``tracer``: records each partition's stages (:mod:`bps.trace`)."""
+        ``tracer``: records each partition's stages (:mod:`bps.common.trace`)."""
         if env.role != "worker":
             raise ValueError(f"WorkerEngine needs DMLC_ROLE=worker, got {env.role!r}")
         key = load_key(env)

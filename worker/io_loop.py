@@ -1,12 +1,12 @@
 """The worker engine's I/O thread: the one owner of every socket of a worker node.
 
 It holds ``BPS_CONNECTIONS_PER_SERVER`` connections to each server in a context of its
-own with ``BPS_IO_THREADS`` I/O threads (:mod:`bps.striping`: libzmq encrypts each
+own with ``BPS_IO_THREADS`` I/O threads (:mod:`bps.common.striping`: libzmq encrypts each
 connection in one I/O thread), each key on one of them so its requests stay in order.
 It sends control requests (declare, state, barrier) ahead of data, pushes as their
 server's send credit allows (:class:`~bps.worker.send_queues.SendQueues`), matches
 replies to requests, heartbeats the scheduler and fails every pending request with a
-:class:`bps.protocol.ClusterError` on a timeout, a dead peer or a lost scheduler::
+:class:`bps.common.protocol.ClusterError` on a timeout, a dead peer or a lost scheduler::
 
     loop = IOLoop(env, ctx, link, servers, node_id, keys, count, tracer, pool.decompress)
     future = loop.request(Op.REGISTER, server, fields, None, "declare of key 0", info)
@@ -30,9 +30,9 @@ from typing import Any
 import torch
 import zmq
 
-from bps.auth import ClusterKey, HandshakeWatch, connect_as_client
-from bps.env import ClusterEnv
-from bps.protocol import (
+from bps.common.auth import ClusterKey, HandshakeWatch, connect_as_client
+from bps.common.env import ClusterEnv
+from bps.common.protocol import (
     ClusterError,
     Op,
     PeerFailure,
@@ -47,8 +47,8 @@ from bps.protocol import (
     payload_frames,
     server_seconds,
 )
-from bps.scheduler_client import SchedulerClient
-from bps.striping import (
+from bps.common.scheduler_client import SchedulerClient
+from bps.common.striping import (
     Stripes,
     core_shares,
     default_connections,
@@ -56,7 +56,7 @@ from bps.striping import (
     io_threads,
     is_loopback,
 )
-from bps.trace import Tracer
+from bps.common.trace import Tracer
 from bps.worker.send_queues import (
     KeyInfo,
     Request,
@@ -73,7 +73,7 @@ log = logging.getLogger("bps.engine")
 
 def striping(env: ClusterEnv, servers: list[str]) -> tuple[int, int]:
     """(connections per server, I/O threads) of a worker node: ``BPS_CONNECTIONS_PER_SERVER``
-    and ``BPS_IO_THREADS``, else from its share of the host's cores (:mod:`bps.striping`)."""
+    and ``BPS_IO_THREADS``, else from its share of the host's cores (:mod:`bps.common.striping`)."""
     beside = sum(1 for a in servers
                  if a.split("://", 1)[-1].rsplit(":", 1)[0] == env.node_host or is_loopback(a))
     share, _ = core_shares(host_cores(), env.num_workers, len(servers), env.on_one_host,

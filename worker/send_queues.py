@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from bps.protocol import Op
-from bps.trace import Tracer
+from bps.common.protocol import Op
+from bps.common.trace import Tracer
 
 
 @dataclass
@@ -65,7 +65,7 @@ class Request:
     info: KeyInfo | None = field(compare=False, default=None)
     deadline: float = field(compare=False, default=0.0)
     acked: bool = field(compare=False, default=False)
-    # monotonic_ns of its stages, for the timeline (bps.trace)
+    # monotonic_ns of its stages, for the timeline (bps.common.trace)
     queued_ns: int = field(compare=False, default=0)
     sent_ns: int = field(compare=False, default=0)
     acked_ns: int = field(compare=False, default=0)

@@ -2,7 +2,7 @@
 
 Usage::
 
-    from bps.ratelimit import RateLimitedLog
+    from bps.common.ratelimit import RateLimitedLog
     refusals = RateLimitedLog(logging.getLogger("bps.server"))
     refusals.warning("refused %s from %s: %s", op, peer, reason)
 

@@ -19,7 +19,7 @@ than on 4 MB ones. ``check_payload`` refuses any other layout naming the field, 
 
 Usage::
 
-    from bps.protocol import Op, encode, decode
+    from bps.common.protocol import Op, encode, decode
     frame = encode(Op.PUSH, rid=7, key=3, step=0, node=1, dtype="float32",
                    numel=10, nbytes=40, lr=0.1)
     header = decode(frame)            # -> dict, header["op"] == Op.PUSH

@@ -21,7 +21,7 @@ where that is later) and writes
 
 Timestamps are CLOCK_MONOTONIC, which every process of one machine shares (network
 namespaces included), so the files of one ``bpslaunch local`` or ``bpslaunch netem`` job
-line up. ``python -m bps.trace DIR`` merges them into ``DIR/timeline.json`` (open it in
+line up. ``python -m bps.common.trace DIR`` merges them into ``DIR/timeline.json`` (open it in
 ui.perfetto.dev or chrome://tracing) and prints, per process and kind, the milliseconds
 of a step during which at least one such span ran; ``--step N`` also lists step N's
 events of every process in time order.
@@ -30,7 +30,7 @@ Usage::
 
     BYTEPS_TRACE_ON=1 BYTEPS_TRACE_DIR=/tmp/traces bpslaunch local --workers 2 \\
         --servers 1 -- python examples/mnist.py --epochs 1 --compressor onebit --ef vanilla
-    python -m bps.trace /tmp/traces
+    python -m bps.common.trace /tmp/traces
 
     >>> tracer = Tracer("worker0", first_step=1, last_step=2)
     >>> tracer.complete("compress", "fc.weight[0]", step=1, start_ns=1000, end_ns=3000)
@@ -51,7 +51,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from bps.env import ClusterEnv
+from bps.common.env import ClusterEnv
 
 MERGED_NAME = "timeline.json"
 
@@ -210,7 +210,7 @@ def step_listing(events: list[dict], step: int) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m bps.trace",
+        prog="python -m bps.common.trace",
         description="Merge a job's BYTEPS_TRACE_DIR into timeline.json and summarise it.")
     parser.add_argument("directory", help="the job's BYTEPS_TRACE_DIR")
     parser.add_argument("--step", type=int, default=None,
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out, events = merge(args.directory)
     except (OSError, ValueError) as exc:
-        print(f"bps.trace: {exc}", file=sys.stderr)
+        print(f"bps.common.trace: {exc}", file=sys.stderr)
         return 1
     table = per_step_ms(events)
     kinds = sorted({kind for row in table.values() for kind in row})
@@ -235,9 +235,9 @@ def main(argv: list[str] | None = None) -> int:
         if not lines:
             traced = sorted({e["args"]["step"] for e in events if "args" in e
                              and "step" in e["args"]})
-            print(f"bps.trace: step {args.step} is not in the traces (traced steps: "
+            print(f"bps.common.trace: step {args.step} is not in the traces (traced steps: "
                   f"{traced[0]}-{traced[-1]})" if traced else
-                  f"bps.trace: step {args.step} is not in the traces (no steps traced)",
+                  f"bps.common.trace: step {args.step} is not in the traces (no steps traced)",
                   file=sys.stderr)
             return 1
         print(f"\nstep {args.step}: start and end in ms from its first event")

@@ -3,7 +3,7 @@
 Used by :func:`bps.compressors.build` and by the trainer, so a bad dict is rejected
 before any communication starts::
 
-    >>> from bps.config import validate_compression_params, resolve_k
+    >>> from bps.common.config import validate_compression_params, resolve_k
     >>> p = validate_compression_params({"compressor": "topk", "k": 0.01, "ef": "vanilla"})
     >>> p["k"], p["partition"], p["mu"]
     (0.01, 'linear', None)
@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from bps.env import min_compress_bytes
+from bps.common.env import min_compress_bytes
 
 BUILTIN_COMPRESSORS = ("onebit", "topk", "randomk", "dithering", "bytegrad", "powersgd")
 COUNT_COMPRESSORS = ("topk", "randomk")

@@ -10,7 +10,7 @@ and no trimming makes those blocks reuse the same pages. The process keeps its p
 
 Usage (the server and the worker engine call it before creating their sockets)::
 
-    from bps.memory import keep_buffers_in_heap
+    from bps.common.memory import keep_buffers_in_heap
     keep_buffers_in_heap()   # False where the C library is not glibc or BPS_MALLOC_TUNE=0
 """
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import ctypes
 
-from bps.env import malloc_tune
+from bps.common.env import malloc_tune
 
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3

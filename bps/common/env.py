@@ -2,7 +2,7 @@
 
 Usage::
 
-    from bps.env import ClusterEnv
+    from bps.common.env import ClusterEnv
     env = ClusterEnv.from_environ()          # raises EnvError naming a bad variable
     env.role, env.num_workers, env.timeout
 
@@ -23,16 +23,16 @@ bps's own variables:
 * ``BPS_MAX_INFLIGHT`` (workers, default 16): pushes per server not yet acknowledged;
   further partitions wait in the priority queue.
 * ``BPS_CONNECTIONS_PER_SERVER`` (workers, default: follows the host, see
-  :mod:`bps.striping`): CURVE connections from each worker node to each server; a key
+  :mod:`bps.common.striping`): CURVE connections from each worker node to each server; a key
   always travels on the same one.
 * ``BPS_IO_THREADS`` (servers and worker engines, default: follows the host): ZeroMQ I/O
   threads, each encrypting and decrypting the connections it owns.
 * ``BPS_MALLOC_TUNE`` (servers and worker engines, default 1): ``0`` leaves glibc's
-  allocator as it is (see :mod:`bps.memory`); read by :func:`malloc_tune`.
+  allocator as it is (see :mod:`bps.common.memory`); read by :func:`malloc_tune`.
 * ``BPS_LOCAL_MASTER_ADDR`` / ``BPS_LOCAL_MASTER_PORT``: the node-local torch.distributed
   rendezvous that ``bpslaunch`` sets for the processes of one worker node.
 * ``BPS_SECRET_FILE``: the cluster's key file (``bpslaunch keygen PATH``); every
-  connection is authenticated and encrypted with it (see :mod:`bps.auth`).
+  connection is authenticated and encrypted with it (see :mod:`bps.common.auth`).
 * ``BPS_INSECURE`` (default 0): ``1`` runs without credentials, in plain TCP (a warning
   at every role's start).
 * ``BPS_MAX_MESSAGE_BYTES`` (default ``2 * BYTEPS_PARTITION_BYTES + 65536``, at least
@@ -48,7 +48,7 @@ BytePS's ``BYTEPS_MIN_COMPRESS_BYTES`` (default 65536): tensors smaller than thi
 uncompressed; :func:`min_compress_bytes` reads it for ``compression_params`` without a
 ``min_compress_bytes`` key.
 
-BytePS's timeline variables (workers and servers; see :mod:`bps.trace`):
+BytePS's timeline variables (workers and servers; see :mod:`bps.common.trace`):
 
 * ``BPS_FRAME_BYTES`` (default 131072 with CURVE, 0 with ``BPS_INSECURE=1``): a payload
   larger than this travels as several frames of this size (the last one shorter), which
@@ -66,7 +66,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from bps.protocol import MIN_FRAME_BYTES
+from bps.common.protocol import MIN_FRAME_BYTES
 
 ROLES = ("scheduler", "server", "worker")
 DEFAULT_PARTITION_BYTES = 4096000
@@ -186,13 +186,13 @@ class ClusterEnv:
     insecure: bool = False
     max_message_bytes: int = 2 * DEFAULT_PARTITION_BYTES + 65536
     frame_bytes: int = DEFAULT_FRAME_BYTES  # 0: every payload in one frame
-    connections_per_server: int | None = None  # None: follows the host (bps.striping)
-    io_threads: int | None = None  # None: follows the host (bps.striping)
+    connections_per_server: int | None = None  # None: follows the host (bps.common.striping)
+    io_threads: int | None = None  # None: follows the host (bps.common.striping)
 
     @property
     def on_one_host(self) -> bool:
         """Whether the whole job runs on this host (its scheduler is on loopback)."""
-        from bps.striping import is_loopback
+        from bps.common.striping import is_loopback
 
         return is_loopback(self.root_uri)
 

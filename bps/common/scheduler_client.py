@@ -2,11 +2,11 @@
 
 Servers and worker engines each hold one, used only from their I/O thread::
 
-    from bps.env import ClusterEnv
-    from bps.scheduler_client import SchedulerClient
+    from bps.common.env import ClusterEnv
+    from bps.common.scheduler_client import SchedulerClient
 
     env = ClusterEnv.from_environ()
-    key = bps.auth.load_key(env)         # the cluster's CURVE key (None: BPS_INSECURE=1)
+    key = bps.common.auth.load_key(env)         # the cluster's CURVE key (None: BPS_INSECURE=1)
     link = SchedulerClient(zmq.Context.instance(), env, role="server", addr="tcp://10.0.0.2:4000",
                            key=key)
     welcome = link.rendezvous()          # waits up to BPS_TIMEOUT, also for a late scheduler
@@ -25,9 +25,9 @@ from typing import Any
 
 import zmq
 
-from bps.auth import ClusterKey, HandshakeWatch, connect_as_client
-from bps.env import ClusterEnv
-from bps.protocol import (
+from bps.common.auth import ClusterKey, HandshakeWatch, connect_as_client
+from bps.common.env import ClusterEnv
+from bps.common.protocol import (
     ClusterError,
     Op,
     PeerFailure,

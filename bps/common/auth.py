@@ -14,7 +14,7 @@ Usage::
     bpslaunch keygen ~/.bps/cluster.key            # once; copy it to every host
     export BPS_SECRET_FILE=~/.bps/cluster.key
 
-    from bps import auth
+    from bps.common import auth
     key = auth.load_key(env)        # None with BPS_INSECURE=1 (loud warning)
     guard = auth.Guard(ctx, key)    # where the process binds a ROUTER
     guard.serve(router)             # before bind
@@ -50,11 +50,11 @@ import zmq.auth
 import zmq.auth.thread
 import zmq.utils.z85
 
-from bps.env import ClusterEnv, EnvError
-from bps.protocol import ClusterError
-from bps.ratelimit import RateLimitedLog
+from bps.common.env import ClusterEnv, EnvError
+from bps.common.protocol import ClusterError
+from bps.common.ratelimit import RateLimitedLog
 
-log = logging.getLogger("bps.auth")
+log = logging.getLogger("bps.common.auth")
 
 ZAP_DOMAIN = "bps"
 _HEADER = """\
@@ -365,7 +365,7 @@ class _Authenticator(zmq.auth.thread.ThreadAuthenticator):
     """pyzmq's ZAP thread, admitting exactly the cluster's public key."""
 
     def __init__(self, ctx: Any, public: bytes, refusals: RateLimitedLog) -> None:
-        super().__init__(ctx, log=logging.getLogger("bps.auth.zap"))
+        super().__init__(ctx, log=logging.getLogger("bps.common.auth.zap"))
         self.public = public
         self.refusals = refusals
         self.address = "?"
