@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import importlib.util
 import json
 import math
 import os
@@ -35,12 +36,13 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 
 from bps.launch.link_shape import NetnsError, parse_rate
 
 REPO = Path(__file__).resolve().parents[1]
 MNIST = REPO / "examples" / "mnist.py"
-DDP_MNIST = REPO / "bench" / "ddp_mnist.py"
+DDP_MNIST = REPO / "examples" / "ddp_mnist.py"
 
 EF_NESTEROV = ("--ef", "vanilla", "--momentum", "nesterov")
 DEFAULT_METHODS = ("fp32", "fp16", "bf16", "onebit", "topk", "ddp-bps-topk", "randomk",
@@ -67,10 +69,10 @@ class Method:
 
     name: str
     label: str
-    kind: str  # "bps": examples/mnist.py through bps; "ddp": bench/ddp_mnist.py
+    kind: str  # "bps": examples/mnist.py through bps; "ddp": examples/ddp_mnist.py
     args: tuple[str, ...]
     wire: float
-    hook: bool = False  # a "bps" method run as bench/ddp_mnist.py --hook bps (bps.ddp)
+    hook: bool = False  # a "bps" method run as examples/ddp_mnist.py --hook bps (bps.ddp)
 
     @property
     def compression_args(self) -> list[str]:
@@ -313,6 +315,15 @@ def run_one(method: Method, args: argparse.Namespace, workdir: Path) -> Run:
         for line in tail:
             print(f"        {line}", flush=True)
     return run
+
+
+def load_example(name: str) -> ModuleType:
+    """examples/<name>.py as a module: the job's flags live beside its scripts, which are
+    programs, not a package."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def duration(seconds: float) -> str:
@@ -673,14 +684,15 @@ def warm_kernels(args: argparse.Namespace, methods: list[Method]) -> None:
     import torch
 
     from bps.compressors import build
-    from bps.mnist import compression_params, parse_compression_args
+    job = load_example("mnist_job")
 
     numel = args.compressed_partition_bytes // 4
     started = time.monotonic()
     for method in compressed:
         flags = method.compression_args
         flags = flags[2:] if method.hook else flags  # less --hook bps
-        params = {**compression_params(parse_compression_args(flags)), "seed": args.seed + 1}
+        params = {**job.compression_params(job.parse_compression_args(flags)),
+                  "seed": args.seed + 1}
         if params.get("momentum"):  # mu applies to the chain's momentum alone
             params["mu"] = 0.9
         if params.get("compressor") == "powersgd":  # torch matrix products: nothing to compile

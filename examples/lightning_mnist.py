@@ -29,16 +29,16 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.strategies import DDPStrategy
-
-import bps
-import bps.ddp
-from bps.mnist import (
+from mnist_job import (
     accuracy,
     add_compression_arguments,
     build_model,
     compression_params,
     load_mnist,
 )
+
+import bps
+import bps.ddp
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

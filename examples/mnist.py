@@ -19,8 +19,8 @@ runs the forward pass under ``torch.autocast`` in bfloat16 on the model's device
 ``--amp fp16`` autocasts to float16 and scales the loss with a ``torch.amp.GradScaler``
 handed to ``trainer.step(scaler=...)``. The summary names the device and the autocast
 that ran.
-The data, model and compression flags come from :mod:`bps.mnist` (shared with
-bench/ddp_mnist.py).
+The data, model and compression flags come from ``mnist_job.py`` beside this script
+(shared with examples/ddp_mnist.py and examples/lightning_mnist.py).
 """
 
 from __future__ import annotations
@@ -32,9 +32,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-
-import bps
-from bps.mnist import (
+from mnist_job import (
     LR_SCHEDULES,
     accuracy,
     add_compression_arguments,
@@ -45,6 +43,8 @@ from bps.mnist import (
     lr_schedule,
     steps_per_epoch,
 )
+
+import bps
 
 START = time.perf_counter()
 

@@ -14,28 +14,11 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
-from urllib.parse import urlsplit
 
 from bps.common.auth import AuthError
-from bps.common.env import MAX_SERVER_THREADS, ClusterEnv, EnvError
+from bps.common.env import ClusterEnv, EnvError
 
 EXIT_BAD_ENV = 2
-
-
-def engine_threads(cores: int, servers: Sequence[str], address: str) -> int:
-    """A server's default engine threads: ``cores`` shared evenly by the servers of the
-    job (their addresses, ``servers``) on the host of ``address``; at least 1.
-
-        >>> engine_threads(16, ["tcp://127.0.0.1:5001", "tcp://127.0.0.1:5002"],
-        ...                "tcp://127.0.0.1:5002")
-        8
-        >>> engine_threads(16, ["tcp://10.0.0.1:5001", "tcp://10.0.0.2:5001"],
-        ...                "tcp://10.0.0.2:5001")
-        16
-    """
-    host = urlsplit(address).hostname
-    here = sum(urlsplit(server).hostname == host for server in servers)
-    return max(1, min(MAX_SERVER_THREADS, cores // max(1, here)))
 
 
 def setup_process() -> None:

@@ -86,11 +86,16 @@ from bps.common.protocol import (
 )
 from bps.common.ratelimit import RateLimitedLog
 from bps.common.scheduler_client import SchedulerClient, failure_reason
-from bps.common.striping import core_shares, default_connections, host_cores, io_threads
+from bps.common.striping import (
+    core_shares,
+    default_connections,
+    engine_threads,
+    host_cores,
+    io_threads,
+)
 from bps.compressors.base import add_decompressed
 from bps.compressors.finite import tensor_finite
 from bps.compressors.threads import chunk_bounds, run_chunks
-from bps.server.role import engine_threads
 
 log = logging.getLogger("bps.server")
 refusals = RateLimitedLog(log)

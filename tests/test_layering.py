@@ -30,17 +30,45 @@ BELOW = {
 }
 
 
+def subpackage_folders(package: str) -> dict[str, Path]:
+    """The subpackages of ``package`` by name, with their folders: those inside its folder,
+    and in a source checkout those that pyproject.toml maps onto it from the repository's
+    root (``compressors/`` is ``bps.compressors``), found by asking the import system."""
+    spec = importlib.util.find_spec(package)
+    folders = {}
+    for location in spec.submodule_search_locations:
+        candidates = [Path(location)]
+        if package == "bps":
+            candidates.append(Path(location).parent)
+        for folder in candidates:
+            for info in pkgutil.iter_modules([str(folder)]):
+                name = f"{package}.{info.name}"
+                if not info.ispkg or name in folders:
+                    continue
+                found = importlib.util.find_spec(name) if folder == Path(location) \
+                    else _spec_or_none(name)
+                if found and Path(found.origin).parent == folder / info.name:
+                    folders[name] = folder / info.name
+    return folders
+
+
+def _spec_or_none(name: str):
+    try:
+        return importlib.util.find_spec(name)
+    except ModuleNotFoundError:
+        return None
+
+
 def package_files(package: str = "bps") -> dict[str, Path]:
     """Every module of ``package`` and its subpackages, by dotted name, with its file."""
     spec = importlib.util.find_spec(package)
     files = {package: Path(spec.origin)}
-    for folder in spec.submodule_search_locations:
-        for info in pkgutil.iter_modules([folder]):
-            name = f"{package}.{info.name}"
-            if info.ispkg:
-                files.update(package_files(name))
-            elif info.name != "__main__":
-                files[name] = Path(folder) / f"{info.name}.py"
+    for location in spec.submodule_search_locations:
+        for info in pkgutil.iter_modules([location]):
+            if not info.ispkg and info.name != "__main__":
+                files[f"{package}.{info.name}"] = Path(location) / f"{info.name}.py"
+    for name in subpackage_folders(package):
+        files.update(package_files(name))
     return files
 
 
@@ -158,3 +186,12 @@ def test_the_roles_below_the_front_ends_load_none_of_them() -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     loaded = json.loads(done.stdout.splitlines()[-1])
     assert [m for m in loaded if layer_of(m) == "bps" and m != "bps"] == []
+
+
+def test_the_distribution_ships_every_subpackage() -> None:
+    """pyproject.toml names the packages by hand (the folders map onto bps.*): a folder it
+    misses would be absent from the wheel, though present in a source checkout."""
+    tomllib = pytest.importorskip("tomllib")
+    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    shipped = set(tomllib.loads(pyproject.read_text())["tool"]["setuptools"]["packages"])
+    assert shipped == {m for m, path in MODULES.items() if path.name == "__init__.py"}

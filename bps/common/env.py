@@ -18,7 +18,7 @@ bps's own variables:
 * ``BPS_SERVER_ID`` (servers, optional): this server's rank; unset: registration order.
 * ``BPS_JOB_SEED`` (scheduler only, optional): the job seed; random if unset.
 * ``BPS_SERVER_THREADS`` (servers, default: the cores this process may run on divided
-  among the servers on its host, see ``bps.server.role.engine_threads``): engine threads
+  among the servers on its host, see ``bps.common.striping.engine_threads``): engine threads
   decoding, summing and re-encoding different keys.
 * ``BPS_MAX_INFLIGHT`` (workers, default 16): pushes per server not yet acknowledged;
   further partitions wait in the priority queue.
@@ -67,12 +67,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from bps.common.protocol import MIN_FRAME_BYTES
+from bps.common.striping import MAX_SERVER_THREADS, is_loopback
 
 ROLES = ("scheduler", "server", "worker")
 DEFAULT_PARTITION_BYTES = 4096000
 DEFAULT_MIN_COMPRESS_BYTES = 65536
 DEFAULT_FRAME_BYTES = 131072  # with CURVE; without it every payload is one frame
-MAX_SERVER_THREADS = 64  # engine threads of one server
 
 
 class EnvError(ValueError):
@@ -192,7 +192,6 @@ class ClusterEnv:
     @property
     def on_one_host(self) -> bool:
         """Whether the whole job runs on this host (its scheduler is on loopback)."""
-        from bps.common.striping import is_loopback
 
         return is_loopback(self.root_uri)
 

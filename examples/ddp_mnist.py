@@ -3,7 +3,7 @@
 Run with torchrun's variables, for example on emulated hosts::
 
     bpslaunch netem --nodes 4 --rate 100mbit --torchrun -- \\
-        python bench/ddp_mnist.py --hook powersgd --hidden 1100 --layers 2
+        python examples/ddp_mnist.py --hook powersgd --hidden 1100 --layers 2
 
 ``--hook``: ``none`` (plain allreduce), ``fp16`` (``fp16_compress_hook``),
 ``powersgd`` (``powerSGD_hook``, rank ``--powersgd-rank``, error feedback and warm
@@ -11,7 +11,7 @@ start) or ``bps`` (:func:`bps.ddp.ps_hook` through bps's servers, with the
 compression flags of examples/mnist.py; run it under ``bpslaunch local`` or
 ``bpslaunch netem --servers N``, which export torch's variables too)::
 
-    bpslaunch netem --nodes 4 --servers 4 --rate 100mbit -- python bench/ddp_mnist.py \
+    bpslaunch netem --nodes 4 --servers 4 --rate 100mbit -- python examples/ddp_mnist.py \
         --hook bps --compressor topk --k 0.01 --ef vanilla --momentum nesterov
 
 All gradients go into one bucket (except with ``bps``, which keys each parameter
@@ -33,10 +33,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
-from torch.nn.parallel import DistributedDataParallel
-
-from bps.mnist import (
+from mnist_job import (
     LR_SCHEDULES,
     accuracy,
     add_compression_arguments,
@@ -47,6 +44,8 @@ from bps.mnist import (
     lr_schedule,
     steps_per_epoch,
 )
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel
 
 SINGLE_BUCKET_MB = 1024
 
