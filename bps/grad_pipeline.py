@@ -382,7 +382,7 @@ class GradPipeline:
         part travels raw in float16 (beyond it the wire would carry inf), else inf."""
         if slot.wire == torch.float16:
             warm = self.step < self.params["warmup_steps"]
-            if any(p.compressed_key is None or warm for p in slot.parts):
+            if any(p.compressed_key is None or warm for p in slot.parts if p.travels(warm)):
                 return np.float32(FLOAT16_LIMIT)
         return np.float32(np.inf)
 
@@ -437,7 +437,7 @@ class GradPipeline:
                     slot.nonfinite = not tensor_finite(share, self._limit(slot))
                 mark = "nonfinite" if slot.nonfinite else None
             slot.futures = []
-            for part in slot.parts:
+            for part in self._travelling(slot):
                 piece = None if mark else share[part.offset:part.offset + part.length]
                 if part.bucket is not None and not (warm and part.raw_key is not None):
                     slot.futures.append(self._fuse(part, piece, lr, -index, mark, slot.name))
@@ -480,7 +480,7 @@ class GradPipeline:
             target = slot.dest if self._rt.local_size == 1 else slot.recv
             slot.futures = []
             pushes = []
-            for part in slot.parts:
+            for part in self._travelling(slot):
                 piece = None if share is None else share[part.offset:part.offset + part.length]
                 if part.bucket is not None and not (warm and part.raw_key is not None):
                     slot.futures.append(self._fuse(part, piece, lr, -index,
@@ -561,7 +561,7 @@ class GradPipeline:
             # A lone local rank writes the aggregates straight into dest (one copy less).
             dest = slot.dest if self._rt.local_size == 1 else slot.recv
             if self._rt.engine is not None:
-                for part, fut in zip(slot.parts, slot.futures, strict=True):
+                for part, fut in zip(self._travelling(slot), slot.futures, strict=True):
                     try:
                         result = fut.result(timeout=timeout)
                     except TimeoutError:
@@ -588,6 +588,12 @@ class GradPipeline:
             if last and self.on_step_done is not None:
                 self.on_step_done()
 
+    def _travelling(self, slot: _Slot) -> list[Part]:
+        """The parts that carry the slot this step (a PowerSGD matrix: raw partitions
+        during warmup, the whole matrix compressed after)."""
+        warm = self.step < self.params["warmup_steps"]
+        return [part for part in slot.parts if part.travels(warm)]
+
     def _apply_local_momentum(self, slot: _Slot, grad: torch.Tensor) -> None:
         """Tensors that travel uncompressed get the chain's Nesterov rule here, into the
         second buffer: it becomes the momentum when the step is applied."""
@@ -596,7 +602,7 @@ class GradPipeline:
         mu = self.params["mu"]
         warm = self.step < self.params["warmup_steps"]
         rescale = self._rescale()
-        for part in slot.parts:
+        for part in self._travelling(slot):
             if part.compressed_key is not None and not warm:
                 continue
             g = grad[part.offset:part.offset + part.length]

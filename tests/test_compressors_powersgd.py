@@ -138,12 +138,21 @@ def test_planning_sends_whole_matrices_and_keeps_vectors_raw():
     params = validate_compression_params({"compressor": "powersgd", "rank": 2,
                                           "min_compress_bytes": 0, "warmup_steps": 3})
     parts, keys, small = plan_tensor("w", 512 * 300, params, torch.float16, 4096, (512, 300))
-    assert len(parts) == 1 and (parts[0].offset, parts[0].length) == (0, 512 * 300)
-    assert [(k.field, k.numel, k.dtype) for k in keys] == [
-        ("raw_key", 512 * 300, torch.float16), ("compressed_key", 512 * 300, torch.float32)]
-    assert keys[1].params["shape"] == [512, 300] and keys[1].wire_bytes == 4 * 812 * 2
+    # after warmup the whole matrix, compressed; during warmup raw partitions of 4096 bytes
+    assert (parts[0].offset, parts[0].length, parts[0].only) == (0, 512 * 300, "compressed")
+    assert (keys[0].field, keys[0].numel, keys[0].dtype) == \
+        ("compressed_key", 512 * 300, torch.float32)
+    assert keys[0].params["shape"] == [512, 300] and keys[0].wire_bytes == 4 * 812 * 2
+    warm = parts[1:]
+    assert all(p.only == "warmup" for p in warm) and len(warm) == 512 * 300 * 4 // 4096
+    assert [(p.offset, p.length) for p in warm] == \
+        [(i * 1024, 1024) for i in range(len(warm))]
+    assert all((k.field, k.dtype, k.wire_bytes, k.warmup_only) ==
+               ("raw_key", torch.float16, 2048, True) for k in keys[1:])
+    assert not parts[0].travels(warm=True) and parts[0].travels(warm=False)
+    assert warm[0].travels(warm=True) and not warm[0].travels(warm=False)
     conv = plan_tensor("c", 16 * 3 * 5 * 5, params, torch.float16, 1 << 20, (16, 3, 5, 5))
-    assert conv[1][-1].params["shape"] == [16, 75]
+    assert conv[1][0].params["shape"] == [16, 75]
     assert not should_compress(10, 2, 2, 2.0)
     for shape in [(300,), (10, 2)]:  # a vector; a matrix PowerSGD would not shrink
         _, keys, _ = plan_tensor("b", int(np.prod(shape)), params, torch.float16, 1 << 20,
@@ -205,3 +214,50 @@ def test_a_powersgd_matrix_larger_than_a_key_travels_as_its_rounds():
                                "BPS_TIMEOUT": "30"})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "SAME" in done.stdout, done.stdout[-3000:]
+
+
+WARMUP_MATRIX_JOB = """
+import torch
+import bps
+bps.init()
+torch.manual_seed(0)
+model = torch.nn.Linear(150, 150, bias=False)  # 45 kB in float16: over a 32 kB key
+reference = torch.nn.Linear(150, 150, bias=False)
+reference.load_state_dict(model.state_dict())
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+trainer = bps.DistributedTrainer(model, optimizer, {
+    "compressor": "powersgd", "rank": 1, "warmup_steps": 2, "min_compress_bytes": 0})
+x = torch.randn(8, 150)
+for step in range(3):
+    trainer.zero_grad()
+    model(x).pow(2).mean().backward()
+    trainer.step()
+    if step < 2:  # warm-up: the raw float16 aggregate of one worker is its gradient
+        reference.zero_grad()
+        reference(x).pow(2).mean().backward()
+        reference.weight.grad = reference.weight.grad.half().float()
+        reference_optimizer.step()
+        print("WARM", step, torch.equal(model.weight, reference.weight))
+print("TRAINED", bool(torch.isfinite(model.weight).all()))
+trainer.close()
+bps.shutdown()
+"""
+
+
+def test_a_matrix_larger_than_a_key_travels_raw_during_warmup_in_partitions():
+    """PowerSGD's warm-up steps send a matrix raw: in partitions, as any raw tensor, not
+    whole on one key that the servers would refuse."""
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run([*BPSLAUNCH, "local", "--workers", "1", "--servers", "1", "--",
+                           sys.executable, "-c", WARMUP_MATRIX_JOB], capture_output=True,
+                          text=True, timeout=120,
+                          env={**os.environ, "BPS_MAX_MESSAGE_BYTES": "65536",
+                               "BYTEPS_PARTITION_BYTES": "16384", "BPS_TIMEOUT": "30"})
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    assert "WARM 0 True" in out and "WARM 1 True" in out, out[-3000:]
+    assert "TRAINED True" in out, out[-3000:]

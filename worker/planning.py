@@ -37,6 +37,11 @@ class Part:
     converted: torch.Tensor | None = None  # the piece in its key's dtype, reused every step
     bucket: Bucket | None = None  # travels fused with other small tensors, at bucket_offset
     bucket_offset: int = 0
+    only: str | None = None  # "warmup" / "compressed": travels in those steps alone
+
+    def travels(self, warm: bool) -> bool:
+        """Whether this part carries the tensor in a step (``warm``: within warmup)."""
+        return self.only is None or (self.only == "warmup") == warm
 
 
 @dataclass
@@ -79,7 +84,7 @@ def plan_tensor(name: str, numel: int, params: dict, wire_dtype: torch.dtype,
     if params["compressor"] == "powersgd":
         matrix = _powersgd_matrix(numel, params, shape)
         if compress and matrix is not None:
-            return _plan_matrix(name, numel, params, wire_dtype, matrix)
+            return _plan_matrix(name, numel, params, wire_dtype, matrix, partition_bytes)
         compress = False  # vectors, biases and matrices PowerSGD would not shrink: raw
     parts: list[Part] = []
     keys: list[KeyPlan] = []
@@ -117,19 +122,24 @@ def _powersgd_matrix(numel: int, params: dict, shape: tuple | None) -> list[int]
 
 
 def _plan_matrix(name: str, numel: int, params: dict, wire_dtype: torch.dtype,
-                 matrix: list[int]) -> tuple[list[Part], list[KeyPlan], None]:
+                 matrix: list[int], partition_bytes: int
+                 ) -> tuple[list[Part], list[KeyPlan], None]:
     """A PowerSGD matrix travels whole on one compressed key (its factors need every
-    row); during warmup, whole on a raw key."""
-    part = Part(0, numel)
-    label = f"{name}[0]"
-    keys = []
-    if params["warmup_steps"] > 0:
-        keys.append(KeyPlan(part, "raw_key", label, numel, wire_dtype, None,
-                            numel * wire_dtype.itemsize, warmup_only=True))
+    row); during warmup it travels raw, in partitions like any raw tensor (whole, it
+    could be larger than a key may be)."""
     key_params = dict(params, shape=matrix)
-    keys.append(KeyPlan(part, "compressed_key", label, numel, torch.float32, key_params,
-                        payload_bound(key_params, numel)))
-    return [part], keys, None
+    whole = Part(0, numel, only="compressed" if params["warmup_steps"] > 0 else None)
+    parts = [whole]
+    keys = [KeyPlan(whole, "compressed_key", f"{name}[0]", numel, torch.float32, key_params,
+                    payload_bound(key_params, numel))]
+    if params["warmup_steps"] > 0:
+        for offset, length in partition(numel, 4, partition_bytes):
+            part = Part(offset, length, only="warmup")
+            parts.append(part)
+            keys.append(KeyPlan(part, "raw_key", f"{name}[warmup {offset}]", length,
+                                wire_dtype, None, length * wire_dtype.itemsize,
+                                warmup_only=True))
+    return parts, keys, None
 
 
 def plan_buckets(names: list[str], small: dict[int, Part], wire_dtype: torch.dtype,
