@@ -19,7 +19,7 @@ import importlib
 
 def _rt():
     # Imported on first use so that `import bps.common.config` in servers stays light.
-    return importlib.import_module("bps.runtime")
+    return importlib.import_module("bps.core.runtime")
 
 
 def init() -> None:

@@ -186,7 +186,7 @@ import bps
 from bps.compressors.powersgd import PowerSGD
 from bps.common.config import validate_compression_params
 bps.init()
-engine = bps.runtime.get().engine
+engine = bps.core.runtime.get().engine
 params = validate_compression_params({"compressor": "powersgd", "rank": 1, "ef": "vanilla",
                                       "seed": 5, "shape": [100, 100]})
 engine.declare(0, 10000, torch.float32, params, name="matrix")  # 40 kB: over the key limit

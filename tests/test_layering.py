@@ -26,7 +26,11 @@ BELOW = {
     "bps.worker": {"bps.common", "bps.compressors"},
     "bps.server": {"bps.common", "bps.compressors"},
     "bps.launch": {"bps.common", "bps.compressors", "bps.server"},
-    "bps": {"bps.common", "bps.compressors", "bps.worker", "bps.server", "bps.launch"},
+    "bps.core": {"bps.common", "bps.compressors", "bps.worker", "bps.server", "bps.launch"},
+    "bps.modes": {"bps.common", "bps.compressors", "bps.worker", "bps.server", "bps.launch",
+                  "bps.core"},
+    "bps": {"bps.common", "bps.compressors", "bps.worker", "bps.server", "bps.launch",
+            "bps.core", "bps.modes"},
 }
 
 
@@ -195,3 +199,33 @@ def test_the_distribution_ships_every_subpackage() -> None:
     pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
     shipped = set(tomllib.loads(pyproject.read_text())["tool"]["setuptools"]["packages"])
     assert shipped == {m for m, path in MODULES.items() if path.name == "__init__.py"}
+
+
+def private_reads(source: str) -> list[str]:
+    """``x._name`` in ``source`` where ``x`` is neither ``self``, ``cls``, ``super()`` nor
+    an imported module (``os._exit``): one object reading another's private attribute."""
+    tree = ast.parse(source)
+    modules = {alias.asname or alias.name for node in ast.walk(tree)
+               if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names}
+    found = []
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+                and not node.attr.startswith("__")):
+            owner = node.value
+            if isinstance(owner, ast.Name) and owner.id in {"self", "cls"} | modules:
+                continue
+            if isinstance(owner, ast.Call) and ast.unparse(owner.func) == "super":
+                continue
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_private_reads_are_found() -> None:
+    source = ("import os\nx = trainer._pipe\ny = self._own + self.pipe._rt\n"
+              "os._exit(super()._size())\n")
+    assert private_reads(source) == ["2: trainer._pipe", "3: self.pipe._rt"]
+
+
+def test_no_module_reads_another_objects_private_attributes() -> None:
+    assert [f"{module}:{read}" for module, path in MODULES.items()
+            for read in private_reads(path.read_text())] == []

@@ -519,7 +519,7 @@ def test_forward_settles_the_bucket_future_unless_cancelled(caplog) -> None:
 
     import torch
 
-    from bps.grad_pipeline import _BucketSlice, _forward
+    from bps.core.grad_pipeline import _BucketSlice, _forward
 
     source, target = Future(), Future()
     _forward(source, target)

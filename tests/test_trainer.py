@@ -93,7 +93,7 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
         model.load_state_dict(checkpoint["model"])
         trainer.load_state_dict(checkpoint["trainer"])
     goal = {name: torch.from_numpy(t).to(device) for name, t in targets(rank, shapes).items()}
-    engine = bps.runtime.get().engine
+    engine = bps.core.runtime.get().engine
     for step in range(start, cfg["stop"]):
         for group in optimizer.param_groups:
             group["lr"] = cfg["lrs"][step]

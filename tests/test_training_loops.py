@@ -42,7 +42,6 @@ from tests.test_trainer import (  # noqa: E402
 from tests.test_trainer import launch as trainer_launch  # noqa: E402
 
 INJECT_STEP, INJECT_RANK, INJECT_INDEX = 2, 1, 7
-SEEN_KEYS: set = set()  # worker side: keys of the runs before
 
 
 def micro_targets(rank: int, micro: int, shapes: dict) -> dict:
@@ -126,11 +125,6 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
         report["steps"].append(trainer.stats())
     state = trainer.state_dict()
     state.pop("wire_step")
-    if state["engine"] is not None:  # this trainer's keys only (earlier runs' come first)
-        for side in ("worker", "server"):
-            state["engine"][side] = {k: v for k, v in state["engine"][side].items()
-                                     if k not in SEEN_KEYS}
-        SEEN_KEYS.update(state["engine"]["worker"])
     torch.save({"params": {n: p.detach().float() for n, p in params.items()},
                 "trainer": state,
                 "scale": None if scaler is None else scaler.get_scale()},
@@ -345,7 +339,7 @@ from bps.compressors import build
 from bps.common.config import validate_compression_params
 from bps.common.protocol import Op, RemoteError, decode, encode
 bps.init()
-engine = bps.runtime.get().engine
+engine = bps.core.runtime.get().engine
 engine.declare(0, 4, torch.float32, None, name="raw")
 try:
     engine.push_pull(0, torch.tensor([1.0, float("nan"), 2.0, 3.0]), 0, 0.1).result(20)
@@ -357,7 +351,7 @@ payload = build(params, 64).compress(torch.ones(64)).numpy().copy()
 payload[16:20] = np.array([np.inf], dtype=np.float32).view(np.uint8)
 sock = zmq.Context.instance().socket(zmq.DEALER)
 sock.setsockopt(zmq.ROUTING_ID, engine.token + b"crafted")  # a connection of worker 0
-connect_as_client(sock, load_key(bps.runtime.get().env))
+connect_as_client(sock, load_key(bps.core.runtime.get().env))
 sock.connect(engine.servers[0])
 sock.send_multipart([encode(Op.PUSH, rid=1, key=1, step=0, node=0, dtype="float32", numel=64,
                             nbytes=payload.size, lr=0.1), payload.tobytes()])

@@ -79,7 +79,8 @@ KEY_APPLIES_TO: dict[str, tuple[str, ...]] = {
     "ef": BUILTIN_COMPRESSORS,
     "warmup_steps": BUILTIN_COMPRESSORS,
 }
-COMM_DTYPES = ("fp16", "bf16", "fp32")
+# comm_dtype: the name of its torch dtype (``getattr(torch, name)``)
+COMM_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 
 
 def _is_int(value: Any) -> bool:
@@ -214,7 +215,7 @@ def _check_comm_dtype(params: dict, given: dict) -> None:
     if comm is None:
         params["comm_dtype"] = "fp16" if params["fp16"] else "fp32"
         return
-    _check_choice(params, "comm_dtype", COMM_DTYPES, allow_none=True)
+    _check_choice(params, "comm_dtype", tuple(COMM_DTYPES), allow_none=True)
     if "fp16" in given and params["fp16"] != (comm == "fp16"):
         raise ValueError(
             f"compression_params['fp16'] = {params['fp16']!r} contradicts "

@@ -6,7 +6,7 @@ difference; :func:`broadcast_model` then overwrites every rank's values with ran
 Both go through the servers (raw keys) between nodes and the node-local group within
 one. Usage (every rank, inside ``DistributedTrainer``)::
 
-    rt = bps.runtime.get()
+    rt = bps.core.runtime.get()
     check_same_model(rt, model)
     broadcast_model(rt, model)
 """

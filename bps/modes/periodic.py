@@ -26,15 +26,18 @@ as they are on each worker.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from bps.core.frontend import FrontEndCore
+from bps.modes.base import StepMode
 from bps.worker.partition import partition
 
-if TYPE_CHECKING:
-    from bps.trainer import DistributedTrainer
+log = logging.getLogger("bps")
 
 OUTER_OPTIMIZERS = ("average", "sgd", "nesterov")
 _OUTER_DEFAULTS = {"average": {"lr": 1.0, "momentum": 0.0},
@@ -49,6 +52,7 @@ class OuterSpec:
     optimizer: str = "average"
     lr: float = 1.0
     momentum: float = 0.0
+    defaulted: bool = field(default=False, compare=False, repr=False)  # lr, momentum unset
 
     @property
     def nesterov(self) -> bool:
@@ -103,7 +107,8 @@ def validate_sync_every(sync_every: Any, outer: Any) -> OuterSpec | None:
     if not 0 <= values["momentum"] < 1:
         raise ValueError(f"outer['momentum']={values['momentum']!r} is invalid: expected "
                          "0 <= momentum < 1")
-    return OuterSpec(name, values["lr"], values["momentum"])
+    return OuterSpec(name, values["lr"], values["momentum"],
+                     defaulted=not {"lr", "momentum"} & set(outer))
 
 
 def outer_update(anchor: torch.Tensor, avg: torch.Tensor, momentum: torch.Tensor | None,
@@ -126,25 +131,35 @@ def outer_update(anchor: torch.Tensor, avg: torch.Tensor, momentum: torch.Tensor
     anchor.sub_(step)
 
 
-class PeriodicAveraging:
+class PeriodicAveraging(StepMode):
     """The local steps and the outer update of a trainer with ``sync_every > 1``.
 
     The trainer's gradient hooks are off: nothing travels during local steps. At a
-    sync ``prepare`` writes the pseudo-gradient into ``.grad``, the trainer's
-    ``synchronize()`` pushes every parameter's ``.grad`` and leaves the averaged
-    delta there, and ``apply`` runs the outer update and averages the buffers.
+    sync the pseudo-gradient goes into ``.grad``, every parameter's ``.grad`` travels
+    through the pipeline and comes back averaged, and the outer update applies it and
+    averages the buffers.
     """
 
-    def __init__(self, trainer: DistributedTrainer, every: int, spec: OuterSpec) -> None:
-        self.trainer, self.every, self.spec = trainer, every, spec
+    pushes_during_backward = False
+    name = "sync_every > 1"
+
+    def __init__(self, core: FrontEndCore, every: int, spec: OuterSpec) -> None:
+        super().__init__(core)
+        self.every, self.spec = every, spec
+        core.chain_lr_override = lambda group: spec.lr  # error feedback's ratio: the outer lr
+        if spec.nesterov and spec.defaulted and every < 16 and core.runtime.rank == 0:
+            log.warning("bps: outer Nesterov at its defaults (lr %g, momentum %g, DiLoCo's, "
+                        "for hundreds of local steps) overshoots with sync_every=%d; "
+                        "lr 1.0 and momentum 0.5 match the plain mean there "
+                        "(docs/trainer.md, periodic averaging)", spec.lr, spec.momentum,
+                        every)
         self.local = 0  # local steps taken since the last sync
-        self.syncing = False  # between local_step() returning True and apply()
-        self.anchor = {s.name: s.param.detach().reshape(-1).float().clone()
-                       for s in trainer._pipe.slots}
+        slots = core.pipeline.slots
+        self.anchor = {s.name: s.param.detach().reshape(-1).float().clone() for s in slots}
         self.momentum = {name: torch.zeros_like(a) for name, a in self.anchor.items()} \
             if spec.momentum else {}
-        rt = trainer._rt
-        self.buffers = [(name, b) for name, b in trainer.model.named_buffers()
+        rt = core.runtime
+        self.buffers = [(name, b) for name, b in core.model.named_buffers()
                         if b.dtype.is_floating_point]
         numel = sum(b.numel() for _, b in self.buffers)
         self.buffer_parts = partition(numel, 4, rt.env.partition_bytes) if numel else []
@@ -157,15 +172,40 @@ class PeriodicAveraging:
             self.buffer_keys.append(key)
         self.buffer_ch = rt.group.channel(rt.unique_name("buffers")) if numel else None
 
-    @property
-    def lr(self) -> float:
-        """The learning rate the chains see (error feedback's ratio): the outer one."""
-        return self.spec.lr
+    def synchronize(self) -> bool:
+        raise RuntimeError("synchronize() is not for sync_every > 1: step() syncs the "
+                           "parameters every sync_every steps")
 
-    def local_step(self, scaler: torch.amp.GradScaler | None) -> bool:
+    def step(self, scaler: torch.amp.GradScaler | None = None) -> bool:
+        """A local step; every ``every``-th also syncs: returns whether a sync that
+        was skipped everywhere (a non-finite delta) left the step unapplied."""
+        core, pipe = self.core, self.core.pipeline
+        called = time.monotonic_ns()
+        if not self._local_step(scaler):  # nothing travels
+            core.record(core.stats.snapshot(core.runtime.engine), pipe.step, 0, 0.0,
+                        core.passes, False, core.samples * core.runtime.local_size)
+            return True
+        for index in range(len(pipe.slots)):
+            core.push_grad(index)
+        pipe.wait()
+        skip = pipe.finish()
+        synced = time.monotonic_ns()
+        self._apply(skip is None)
+        nonfinite = skip is not None and skip.reason == "nonfinite"
+        core.record(core.engine_before, pipe.step, pipe.raw_bytes, (synced - called) / 1e9,
+                    core.passes, nonfinite, core.samples * core.runtime.local_size)
+        step = pipe.step
+        pipe.end_step(skip is None)
+        if nonfinite:
+            error = core.nonfinite_error(skip, step)
+            if error is not None:
+                raise error
+        return skip is None
+
+    def _local_step(self, scaler: torch.amp.GradScaler | None) -> bool:
         """One optimizer step on this worker's gradient; True where this step syncs (the
-        pseudo-gradient is then in ``.grad``, for the trainer's pipeline)."""
-        optimizer = self.trainer.optimizer
+        pseudo-gradient is then in ``.grad``, for the pipeline)."""
+        optimizer = self.core.optimizer
         if scaler is not None:
             scaler.step(optimizer)
             scaler.update()
@@ -175,9 +215,8 @@ class PeriodicAveraging:
         if self.local < self.every:
             return False
         self.local = 0
-        self.syncing = True
         with torch.no_grad():
-            for slot in self.trainer._pipe.slots:
+            for slot in self.core.pipeline.slots:
                 p = slot.param
                 delta = torch.sub(self.anchor[slot.name], p.detach().reshape(-1).float())
                 if p.grad is None or not p.grad.is_contiguous():
@@ -185,13 +224,12 @@ class PeriodicAveraging:
                 p.grad.view(-1).copy_(delta)
         return True
 
-    def apply(self, applied: bool) -> None:
-        """After the sync's ``synchronize()``: the outer update from the averaged delta in
-        ``.grad`` (every worker the same), or, for a round skipped everywhere (a
-        non-finite delta), every worker back to the parameters of the last sync."""
-        self.syncing = False
+    def _apply(self, applied: bool) -> None:
+        """The outer update from the averaged delta in ``.grad`` (every worker the same),
+        or, for a round skipped everywhere (a non-finite delta), every worker back to
+        the parameters of the last sync."""
         with torch.no_grad():
-            for slot in self.trainer._pipe.slots:
+            for slot in self.core.pipeline.slots:
                 anchor = self.anchor[slot.name]
                 if applied:
                     avg = slot.param.grad.detach().reshape(-1).float()
@@ -204,12 +242,12 @@ class PeriodicAveraging:
         """The mean of every worker's floating-point buffers (float32, uncompressed)."""
         if not self.buffers:
             return
-        rt = self.trainer._rt
+        rt = self.core.runtime
         flat = torch.cat([b.detach().reshape(-1).float() for _, b in self.buffers])
         flat.div_(rt.size)
         self.buffer_ch.reduce(flat)
         if rt.engine is not None:
-            step = self.trainer._wire_step
+            step = self.core.pipeline.wire_step
             futures = [rt.engine.push_pull(key, flat[o:o + n], step, 0.0)
                        for key, (o, n) in zip(self.buffer_keys, self.buffer_parts, strict=True)]
             for (offset, length), future in zip(self.buffer_parts, futures, strict=True):
@@ -224,7 +262,7 @@ class PeriodicAveraging:
         return {"local": self.local, "anchor": {n: a.clone() for n, a in self.anchor.items()},
                 "momentum": {n: m.clone() for n, m in self.momentum.items()}}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict | None) -> None:
         if state is None:
             raise ValueError("state_dict has no periodic averaging state (saved by a "
                              "trainer without sync_every?)")

@@ -234,6 +234,8 @@ def _exit_now(code: int) -> None:
     os._exit(code)
 
 
+_exit_wrapper = None  # the sys.exit that remembers its status, once installed
+
 def _watch_exits() -> None:
     """Remember why the process ends: an uncaught exception (Ctrl-C included) through
     ``sys.excepthook``; SIGTERM, where nobody handles it, becomes ``SystemExit(143)``
@@ -246,7 +248,8 @@ def _watch_exits() -> None:
         previous(kind, value, traceback)
 
     sys.excepthook = hook
-    if not getattr(sys.exit, "_bps_watch", False):
+    global _exit_wrapper
+    if sys.exit is not _exit_wrapper:
         real_exit = sys.exit
 
         def exit_and_remember(status: object = None) -> None:
@@ -254,8 +257,7 @@ def _watch_exits() -> None:
             _exit_status = status
             real_exit(status)
 
-        exit_and_remember._bps_watch = True
-        sys.exit = exit_and_remember
+        _exit_wrapper = sys.exit = exit_and_remember
     if threading.current_thread() is threading.main_thread() and \
             signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _on_sigterm)

@@ -20,7 +20,7 @@ tensor (what this rank contributes: ``.grad``, a DDP bucket's slice, a copy of
 
 Usage (one step; every local rank pushes every parameter once per step)::
 
-    >>> pipe = GradPipeline(bps.runtime.get(), validated_params,
+    >>> pipe = GradPipeline(bps.core.runtime.get(), validated_params,
     ...                     [GradTensor(n, p) for n, p in model.named_parameters()],
     ...                     lr=lambda group: optimizer.param_groups[group]["lr"])
     >>> loss.backward()
@@ -51,8 +51,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from bps.common.config import COMM_DTYPES
 from bps.compressors.device import forced_by_env
 from bps.compressors.finite import FLOAT16_LIMIT, divide_checked, tensor_finite
+from bps.compressors.momentum import nesterov_step_torch
 from bps.worker.device_path import record_ready
 from bps.worker.engine import Skipped
 from bps.worker.planning import (
@@ -64,12 +66,11 @@ from bps.worker.planning import (
     plan_tensor,
 )
 
-__all__ = ["COMM_DTYPES", "PARAM_DTYPES", "GradPipeline", "GradTensor", "Skipped"]
+__all__ = ["PARAM_DTYPES", "GradPipeline", "GradTensor", "Skipped"]
 
 log = logging.getLogger("bps")
 
 _STOP = object()
-COMM_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -137,7 +138,7 @@ class GradPipeline:
     """Averages gradients over every worker through the parameter servers, per parameter.
 
     Args:
-        rt: the process's :class:`bps.runtime.Runtime`.
+        rt: the process's :class:`bps.core.runtime.Runtime`.
         params: validated compression_params (:func:`bps.common.config.validate_compression_params`)
             with ``seed`` (and, with momentum, ``mu``) filled in.
         tensors: the parameters, in model order (the same on every rank); their keys are
@@ -169,7 +170,7 @@ class GradPipeline:
         self.on_step_start = on_step_start
         self.on_step_done = on_step_done
         self.on_error = on_error
-        self.wire_dtype = COMM_DTYPES[params["comm_dtype"]]
+        self.wire_dtype = getattr(torch, COMM_DTYPES[params["comm_dtype"]])
         self.step = 0  # steps applied
         self.wire_step = 0  # steps attempted: the step number the pushes carry
         self.started = False  # a push of this step happened
@@ -608,11 +609,8 @@ class GradPipeline:
             g = grad[part.offset:part.offset + part.length]
             m = slot.local_momentum[part.offset:part.offset + part.length]
             m_next = slot.momentum_next[part.offset:part.offset + part.length]
-            torch.mul(m, mu, out=m_next)
-            if rescale != 1.0:  # a GradScaler's new scale: the momentum follows it
-                m_next.mul_(rescale)
-            m_next.add_(g)
-            g.add_(m_next * mu)
+            # the chain's rule and rounding; a GradScaler's new scale rescales the decay
+            g.copy_(nesterov_step_torch(g, m, mu * rescale, mu, torch.empty_like(g), m_next))
 
     # -- settling a step -----------------------------------------------------------------
 

@@ -27,13 +27,13 @@ only the step that applies each aggregate moves.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from bps.grad_pipeline import Skipped
-    from bps.trainer import DistributedTrainer
+from bps.core.frontend import FrontEndCore
+from bps.modes.base import StepMode
+from bps.worker.engine import Skipped
 
 
 def validate_staleness(staleness: Any, sync_every: int) -> int:
@@ -52,39 +52,61 @@ def validate_staleness(staleness: Any, sync_every: int) -> int:
     return staleness
 
 
-class DelayedUpdate:
+class DelayedUpdate(StepMode):
     """The round in flight of ``staleness=1``: per parameter, the tensor that was its
     ``.grad`` when the round was pushed, source and destination of that push (divided
-    in place by the pipeline, then the aggregate). :meth:`push_and_apply` pushes a
-    round; the trainer's next ``step()``, ``state_dict()`` or ``close()`` settles it
-    (:meth:`settle`)."""
+    in place by the pipeline, then the aggregate). Each ``step()`` settles the round in
+    flight (as do ``state_dict()`` and ``close()``), pushes this step's gradients and
+    applies the settled aggregate."""
 
-    def __init__(self, trainer: DistributedTrainer) -> None:
-        self.trainer = trainer
+    pushes_during_backward = False
+    name = "staleness=1: step() applies the aggregate of the step before"
+
+    def __init__(self, core: FrontEndCore) -> None:
+        super().__init__(core)
         # per parameter, the round's tensor (flat): in flight, then the aggregate
-        self.tensors: list[torch.Tensor | None] = [None] * len(trainer._pipe.slots)
-        self.lrs = [float(g["lr"]) for g in trainer.optimizer.param_groups]
+        self.tensors: list[torch.Tensor | None] = [None] * len(core.pipeline.slots)
+        self.lrs = [float(g["lr"]) for g in core.optimizer.param_groups]
+        # the learning rate of the step that pushed the round in flight: the optimizer's
+        # may change (a scheduler) while its partitions are still being pushed
+        core.chain_lr_override = self.lrs.__getitem__
         self.in_flight = False  # a round was pushed and not settled
         self.ready = False  # the settled round's aggregate waits in ``tensors``
         self.skip: Skipped | None = None  # why the settled round is applied nowhere
         self.settled: tuple[dict, float] | None = None  # its stats, not yet recorded
         self.round_step = 0  # the settled round's step number (applied steps before it)
 
-    def chain_lr(self, group: int) -> float:
-        """The group's learning rate when the round in flight was pushed: the optimizer's
-        may change (a scheduler) while its partitions are still being pushed."""
-        return self.lrs[group]
+    def step(self, scaler: torch.amp.GradScaler | None = None) -> bool:
+        """Settle the round in flight (its figures are this step's ``stats()``), push
+        this step's gradients, apply the settled aggregate."""
+        if scaler is not None:
+            raise ValueError("step(scaler=...) is not supported with staleness=1: an "
+                             "aggregate would be unscaled by the scale of the step after")
+        core = self.core
+        self.settle()
+        skip = self.skip
+        nonfinite = skip is not None and skip.reason == "nonfinite"
+        before, wait = self.settled or (core.stats.snapshot(core.runtime.engine), 0.0)
+        core.record(before, self.round_step, core.pipeline.raw_bytes if self.settled else 0,
+                    wait, core.passes, nonfinite, core.samples * core.runtime.local_size)
+        step = self.round_step
+        applied = self.push_and_apply()
+        if nonfinite:
+            error = core.nonfinite_error(skip, step)
+            if error is not None:
+                raise error
+        return applied
 
     def settle(self) -> None:
         """Wait for the round in flight; its aggregate is then in the destinations."""
         if not self.in_flight:
             return
-        trainer, pipe = self.trainer, self.trainer._pipe
+        pipe = self.core.pipeline
         started = time.monotonic()
         pipe.wait()
         self.skip = pipe.finish()
         self.round_step = pipe.step
-        self.settled = (trainer._engine_before, time.monotonic() - started)
+        self.settled = (self.core.engine_before, time.monotonic() - started)
         pipe.end_step(self.skip is None)
         self.in_flight = False
         self.ready = self.skip is None
@@ -94,7 +116,7 @@ class DelayedUpdate:
         aggregate (NaN where the round was skipped); returns whether there was one to
         apply. The tensors swap roles: ``.grad`` goes on the wire, the aggregate
         becomes ``.grad``."""
-        trainer, pipe = self.trainer, self.trainer._pipe
+        core, pipe = self.core, self.core.pipeline
         applied, settled = self.ready, self.ready or self.skip is not None
         self.ready, self.skip, self.settled = False, None, None
         with torch.no_grad():
@@ -110,13 +132,16 @@ class DelayedUpdate:
                 p.grad = aggregate.view_as(p) if settled and aggregate is not None else None
                 self.tensors[index] = tensor
                 pushes.append((index, source, tensor))
-            self.lrs = [float(g["lr"]) for g in trainer.optimizer.param_groups]
+            self.lrs[:] = [float(g["lr"]) for g in core.optimizer.param_groups]
             for index, source, tensor in pushes:
                 pipe.push(index, source, tensor)
         self.in_flight = True
         if applied:
-            trainer.optimizer.step()
+            core.optimizer.step()
         return applied
+
+    def before_checkpoint(self) -> None:
+        self.settle()  # before anything else: the round changes the chains
 
     def close(self) -> None:
         """Wait for the round in flight, if any, and drop its aggregate."""
@@ -126,7 +151,7 @@ class DelayedUpdate:
     def state_dict(self) -> dict:
         """The aggregate that waits to be applied (the round in flight, settled here)."""
         self.settle()
-        names = [s.name for s in self.trainer._pipe.slots]
+        names = [s.name for s in self.core.pipeline.slots]
         return {"aggregate": {n: t.clone() for n, t in zip(names, self.tensors, strict=True)}
                 if self.ready else None}
 
@@ -140,6 +165,6 @@ class DelayedUpdate:
         aggregate = state["aggregate"]
         self.ready = aggregate is not None
         if aggregate is not None:
-            for index, slot in enumerate(self.trainer._pipe.slots):
+            for index, slot in enumerate(self.core.pipeline.slots):
                 self.tensors[index] = aggregate[slot.name].to(
                     slot.param.dtype, copy=True).reshape(-1)

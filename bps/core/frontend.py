@@ -1,0 +1,263 @@
+"""The front-end core: what ``DistributedTrainer`` and the DDP hook share.
+
+A front end turns its framework's events (a trainer's gradient hooks and ``step()``,
+DDP's buckets) into pushes; the core owns everything else they have in common:
+
+* the validated ``compression_params`` and the optimizer binding: each parameter's
+  optimizer group, the learning rate a chain sees, ``mu`` for Nesterov momentum in the
+  chain (taken from the optimizer where not given) and the optimizer's own momentum,
+  turned off (one warning, on rank 0);
+* the gradient pipeline (:mod:`bps.core.grad_pipeline`) and the runtime it runs on;
+* the loss scale of a ``torch.amp.GradScaler`` that the chains follow, the step
+  figures (``stats()``), the non-finite error and the pipeline's checkpoint.
+
+Example (what a front end does with it)::
+
+    >>> core = FrontEndCore({"compressor": "onebit", "ef": "vanilla",
+    ...                      "momentum": "nesterov"}, optimizer)
+    >>> core.build(bps.core.runtime.get(),
+    ...            core.grad_tensors(list(model.named_parameters())))
+    >>> core.pipeline.push(index, param.grad, param.grad.view(-1))  # as gradients are ready
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+
+from bps.common.config import validate_compression_params
+from bps.compressors.base import NonFiniteError
+from bps.core.grad_pipeline import GradPipeline, GradTensor, Skipped
+from bps.core.loss_scale import LossScale
+from bps.core.trainer_stats import StepStats
+
+log = logging.getLogger("bps")
+
+
+class NonFiniteGradientError(NonFiniteError):
+    """A worker's gradient had inf or NaN entries: the step was applied on no worker.
+
+    ``step()`` (the DDP hook: ``backward()``) raises it on every worker at that step
+    (``compression_params['nonfinite'] = 'raise'``, the default), naming the parameter,
+    the worker node and the step. Parameters, optimizer, error-feedback and momentum
+    buffers, RNG streams and the servers' state are as before the step, so training may
+    go on after catching it."""
+
+
+def grad_view(param: torch.Tensor) -> torch.Tensor:
+    """``param.grad`` as a flat view (allocated where missing or strided)."""
+    grad = param.grad
+    if grad is None or not grad.is_contiguous():
+        param.grad = torch.zeros_like(param, memory_format=torch.contiguous_format)
+    return param.grad.view(-1)
+
+
+def momentum_off(optimizer: torch.optim.Optimizer) -> bool:
+    """Turn the optimizer's momentum (and Nesterov flag) off in every group; returns
+    whether any group had momentum."""
+    turned_off = False
+    for group in optimizer.param_groups:
+        if group.get("momentum"):
+            group["momentum"] = 0.0
+            turned_off = True
+        if group.get("nesterov"):
+            group["nesterov"] = False
+    return turned_off
+
+
+class FrontEndCore:
+    """What both front ends share (see the module's docstring).
+
+    Args:
+        compression_params: docs/compression.md dict (``None``: uncompressed), validated
+            here: a bad dict raises ``ValueError`` / ``TypeError`` naming the key.
+        optimizer: where the chains read each group's learning rate and, for Nesterov
+            momentum without ``mu``, the coefficient; ``None``: a constant rate of 1.
+        local_steps: the optimizer takes local steps between syncs (``sync_every > 1``):
+            the chain's momentum then acts on the pseudo-gradient, needs its own ``mu``,
+            and the optimizer keeps its momentum.
+        skip_means, skipped_as: what ``nonfinite: "skip"`` does to a step, for the
+            error's message and for the warning that replaces it.
+    """
+
+    def __init__(self, compression_params: dict | None,
+                 optimizer: torch.optim.Optimizer | None, *, local_steps: bool = False,
+                 skip_means: str = "skips such steps", skipped_as: str = "skipped") -> None:
+        self.params = validate_compression_params(compression_params)
+        self.optimizer = optimizer
+        self.skip_means, self.skipped_as = skip_means, skipped_as
+        self.runtime = None  # set by build()
+        self.pipeline: GradPipeline | None = None
+        self.stats = StepStats()
+        self.loss_scale = LossScale()  # how the chains follow a GradScaler's scale
+        self.scaler: torch.amp.GradScaler | None = None
+        self.scale: float | None = None  # the scaler's scale this step, read at its start
+        self.engine_before: dict = {}  # the engine's counters at this step's start
+        # another learning rate for the chains than the optimizer's (a step mode's)
+        self.chain_lr_override: Callable[[int], float] | None = None
+        self.model: torch.nn.Module | None = None  # the trainer's (periodic buffers, join)
+        self.passes = 1  # backward passes per step
+        self.samples = 0  # samples this process's training forwards took this step
+        self.momentum_moved = self._bind_momentum(local_steps)
+
+    def _bind_momentum(self, local_steps: bool) -> bool:
+        """Resolve ``mu``; turn the optimizer's momentum off where the chain's replaces
+        it. Returns whether it was on (the warning comes once the rank is known)."""
+        params = self.params
+        if params["momentum"] is None:
+            return False
+        if local_steps:
+            if params["mu"] is None:
+                raise ValueError(
+                    "compression_params['momentum'] = 'nesterov' with sync_every > 1 needs "
+                    "compression_params['mu']: that momentum acts on the pseudo-gradient, "
+                    "and the optimizer keeps its own for the local steps")
+            return False
+        optimizer_mu = 0.0
+        if self.optimizer is not None:
+            optimizer_mu = float(self.optimizer.param_groups[0].get("momentum", 0.0) or 0.0)
+        if params["mu"] is None:
+            if optimizer_mu == 0.0:
+                raise ValueError(
+                    "compression_params['momentum'] = 'nesterov' needs a coefficient: set "
+                    "compression_params['mu'] or give the optimizer a nonzero momentum")
+            params["mu"] = optimizer_mu
+        return self.optimizer is not None and momentum_off(self.optimizer)
+
+    def grad_tensors(self, named: Sequence[tuple[str, torch.Tensor]]) -> list[GradTensor]:
+        """The parameters, each with its optimizer group (0 without an optimizer);
+        ``ValueError`` names a parameter the optimizer does not hold."""
+        group_of = {}
+        if self.optimizer is not None:
+            for index, group in enumerate(self.optimizer.param_groups):
+                for p in group["params"]:
+                    group_of[id(p)] = index
+        tensors = []
+        for name, p in named:
+            if self.optimizer is not None and id(p) not in group_of:
+                raise ValueError(f"parameter {name!r} is not in the optimizer")
+            tensors.append(GradTensor(name, p, group_of.get(id(p), 0)))
+        return tensors
+
+    def build(self, runtime, tensors: list[GradTensor], *,
+              on_step_start: Callable[[], None] | None = None,
+              on_step_done: Callable[[], None] | None = None,
+              on_error: Callable[[BaseException], None] | None = None) -> GradPipeline:
+        """Plan and declare every parameter's keys on ``runtime``: the pipeline."""
+        self.runtime = runtime
+        if self.params["seed"] is None:
+            self.params["seed"] = int(runtime.job_seed)
+        if self.momentum_moved and runtime.rank == 0:
+            log.warning("bps: the optimizer's momentum is turned off; Nesterov momentum "
+                        "(mu=%g) runs in the compression chain instead", self.params["mu"])
+
+        def step_start() -> None:
+            # stats count this step's traffic only; the scale is read once (on CUDA
+            # each read waits for the device)
+            self.engine_before = self.stats.snapshot(runtime.engine)
+            self.scale = None if self.scaler is None else self.scaler.get_scale()
+            if on_step_start is not None:
+                on_step_start()
+
+        self.pipeline = GradPipeline(runtime, self.params, tensors, self.pipeline_lr,
+                                     lambda: self.loss_scale.change(self.scale),
+                                     on_step_start=step_start, on_step_done=on_step_done,
+                                     on_error=on_error)
+        return self.pipeline
+
+    # -- pushes -------------------------------------------------------------------------
+
+    def push_grad(self, index: int, *, absent: bool = False, node_joined: bool = False) -> None:
+        """Push parameter ``index``'s ``.grad`` (zeros where it has none or ``absent``; a
+        zero marker where ``node_joined``); the average lands in ``.grad`` itself."""
+        param = self.pipeline.slots[index].param
+        source = None if absent else param.grad
+        self.pipeline.push(index, source, grad_view(param), joined=node_joined)
+
+    # -- learning rates ---------------------------------------------------------------
+
+    def own_chain_lr(self, group: int) -> float:
+        """The group's learning rate over the GradScaler's scale relative to its first:
+        the chains see scaled gradients, so error feedback's ``lr_prev / lr_now`` also
+        rescales its residual when the scale changes."""
+        lr = 1.0 if self.optimizer is None else float(self.optimizer.param_groups[group]["lr"])
+        return lr * self.loss_scale.lr_factor(self.scale)
+
+    def pipeline_lr(self, group: int) -> float:
+        """The learning rate the pipeline hands the chains: a step mode's, or our own."""
+        if self.chain_lr_override is not None:
+            return self.chain_lr_override(group)
+        return self.own_chain_lr(group)
+
+    # -- figures, errors --------------------------------------------------------------
+
+    def record(self, before: dict, step: int, raw_bytes: int, wait: float, passes: int,
+               nonfinite: bool, samples: int = 0) -> None:
+        """Count one step's figures (see ``StepStats.record``)."""
+        self.stats.record(self.runtime.engine, before, step, raw_bytes, wait, passes,
+                          nonfinite, samples)
+
+    def nonfinite_error(self, skip: Skipped, step: int) -> NonFiniteGradientError | None:
+        """The error of a step skipped for a non-finite gradient; None (with a warning)
+        where ``nonfinite`` is ``"skip"``."""
+        beyond = " (or values beyond float16's range, which fp16 sends)" \
+            if self.pipeline.wire_dtype == torch.float16 else ""
+        if skip.node < 0:  # the server's float16 sum of finite pushes
+            what = f"the sum over the workers of {skip.what!r} overflows float16"
+        else:
+            what = (f"the gradient of {skip.what!r} on worker node {skip.node} has inf "
+                    f"or NaN entries{beyond}")
+        message = f"step {step}: {what}; the step was applied on no worker"
+        if self.params["nonfinite"] == "raise":
+            return NonFiniteGradientError(
+                f"{message} (compression_params['nonfinite'] = 'skip' {self.skip_means})")
+        log.warning("bps: %s: %s (compression_params['nonfinite'] = 'skip')", message,
+                    self.skipped_as)
+        return None
+
+    # -- checkpoints --------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """``{"step", "wire_step", "rank", "scale", "local_momentum", "engine"}``: the
+        pipeline's counters, the scaler's first and last scales, the local momentum by
+        parameter name, and (local rank 0) every worker and server chain of this
+        pipeline's compressed keys, by position (key numbers depend on what else the
+        process declared first)."""
+        pipe, rt = self.pipeline, self.runtime
+        engine = None
+        if rt.engine is not None:
+            full = rt.engine.state_dict()
+            keys = pipe.compressed_keys()
+            engine = {side: {i: full[side][k] for i, k in enumerate(keys) if k in full[side]}
+                      for side in ("worker", "server")}
+        return {"step": pipe.step, "wire_step": pipe.wire_step, "rank": rt.rank,
+                "scale": self.loss_scale.state(), "local_momentum": pipe.momentum_state(),
+                "engine": engine}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s, on the same rank of a cluster of the same shape."""
+        pipe, rt = self.pipeline, self.runtime
+        if state.get("rank") != rt.rank:
+            raise ValueError(f"state_dict was saved by rank {state.get('rank')}, "
+                             f"this is rank {rt.rank}")
+        pipe.load_momentum_state(state["local_momentum"])
+        if rt.engine is not None:
+            saved = state["engine"]
+            if saved is None:
+                raise ValueError("state_dict has no engine state (saved on another local rank?)")
+            keys = pipe.compressed_keys()
+            if any(i >= len(keys) for side in saved.values() for i in side):
+                raise ValueError("state_dict holds chains of more compressed keys than "
+                                 f"this model has ({len(keys)})")
+            rt.engine.load_state_dict({side: {keys[i]: chain for i, chain in saved[side].items()}
+                                       for side in ("worker", "server")})
+        pipe.step = int(state["step"])
+        pipe.wire_step = int(state.get("wire_step", pipe.step))
+        self.loss_scale.load(state.get("scale", (None, None)))
+
+    def close(self) -> None:
+        """Stop the pipeline's threads."""
+        if self.pipeline is not None:
+            self.pipeline.close()

@@ -1,0 +1,23 @@
+"""A trainer's step modes, one per file, behind :class:`bps.modes.base.StepMode`.
+
+:func:`choose` is the one place that maps the trainer's arguments to a mode: a new
+mode is a new file here and its line in :func:`choose`.
+"""
+
+from __future__ import annotations
+
+from bps.core.frontend import FrontEndCore
+from bps.modes.base import StepMode
+from bps.modes.delayed import DelayedUpdate
+from bps.modes.periodic import OuterSpec, PeriodicAveraging
+from bps.modes.synchronous import SynchronousSteps
+
+
+def choose(core: FrontEndCore, *, staleness: int, sync_every: int,
+           outer: OuterSpec | None) -> StepMode:
+    """The mode of checked arguments (see ``validate_staleness``, ``validate_sync_every``)."""
+    if outer is not None:
+        return PeriodicAveraging(core, sync_every, outer)
+    if staleness:
+        return DelayedUpdate(core)
+    return SynchronousSteps(core)
