@@ -13,7 +13,7 @@ Usage (local rank 0 of a worker node)::
     engine.barrier()
     engine.close()
 
-A key whose compressor takes several rounds (``chain.rounds``, powersgd: 2) is one
+A key whose compressor takes several rounds (``MultiRound``, powersgd: 2) is one
 push_pull for the caller; round r travels as the raw float32 key ``key + r * 2**60`` on
 the key's server, the next round is computed on a codec thread when the previous sum
 arrives (docs/compression.md, "Rounds").
@@ -62,6 +62,7 @@ from bps.common.memory import keep_buffers_in_heap
 from bps.common.protocol import MARKS, ClusterError, Op, dtype_name
 from bps.common.scheduler_client import SchedulerClient
 from bps.common.trace import Tracer
+from bps.compressors.base import MultiRound
 from bps.worker.codec_pool import CodecPool
 from bps.worker.device_path import KeyStaging, decode_into, on_side_stream, wait_side_stream
 from bps.worker.io_loop import IOLoop, log
@@ -182,9 +183,8 @@ class WorkerEngine:
         staging = None if device is None else KeyStaging(torch.device(device))
         if params is not None:
             chain = self._build_chain(params, numel, dtype, staging)
-            if hasattr(chain, "set_workers"):
+            if isinstance(chain, MultiRound):  # only its rounds travel (each declared)
                 chain.set_workers(self.num_workers)
-            if getattr(chain, "rounds", 1) > 1:  # only its rounds travel (each declared)
                 self._declare_rounds(key, chain, name, server)
                 self._keys[key] = KeyInfo(key, numel, dtype, name, self._rounds[key][0].server,
                                           chain, staging=staging)
@@ -224,7 +224,8 @@ class WorkerEngine:
                         "host uncompressed and compressed there", params["compressor"])
         return build(params, numel, dtype, role="worker")
 
-    def _declare_rounds(self, key: int, chain: Any, name: str, server: int | None) -> None:
+    def _declare_rounds(self, key: int, chain: MultiRound, name: str,
+                        server: int | None) -> None:
         """A compressor with several rounds: round r travels as a raw float32 key of
         ``chain.round_numel(r)`` elements (``key + r * ROUND_KEY_STRIDE``), all on one
         server, which sums each round like any float32 key."""
