@@ -288,9 +288,9 @@ class MultiRound(Protocol):
     Called as ``compress(x)`` (round 0), ``compress_round(r, sum of round r - 1)`` for
     r = 1 .. rounds - 1, then ``decompress(sum of the last round, out)``. Every round's
     payload is a float32 vector of ``round_numel(r)`` elements that the servers sum as
-    it is. Such a compressor keeps its own error (``build`` adds no ErrorFeedback around
-    it) and gets the number of worker nodes from ``set_workers`` (its error is its share
-    of the sum).
+    it is; the engine cuts a round larger than a key may be into pieces. Such a
+    compressor keeps its own error (``build`` adds no ErrorFeedback around it) and gets
+    the number of worker nodes from ``set_workers`` (its error is its share of the sum).
 
         >>> from bps.compressors.powersgd import PowerSGD
         >>> c = PowerSGD(numel=6, shape=(3, 2), rank=1)
