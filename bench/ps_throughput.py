@@ -163,7 +163,7 @@ def bps_worker(mbytes: int, steps: int, params_json: str, out: str) -> None:
 
     params = json.loads(params_json)
     if params is not None:
-        from bps.common.config import validate_compression_params
+        from bps.compressors import validate_compression_params
 
         params = validate_compression_params(params)
         params["seed"] = params.get("seed") or 1

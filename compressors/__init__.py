@@ -9,30 +9,49 @@
     torch.Size([8])
 """
 
-from .base import Compressor, payload_tensor
+from .base import (
+    Compressor,
+    CorrectedCompress,
+    FastErrorUpdate,
+    MultiRound,
+    ResidualCompress,
+    WholeTensor,
+    payload_tensor,
+)
 from .error_feedback import ErrorFeedback
 from .momentum import Momentum
 from .registry import (
     build,
+    compressor_class,
     payload_bound,
     register,
     registered_names,
     supports_device,
     unregister,
+    validate_compression_params,
 )
+from .sparse import resolve_k
 from .wire import state_from_wire, state_to_wire
 
 __all__ = [
     "Compressor",
+    "CorrectedCompress",
     "ErrorFeedback",
+    "FastErrorUpdate",
     "Momentum",
+    "MultiRound",
+    "ResidualCompress",
+    "WholeTensor",
     "build",
+    "compressor_class",
     "payload_bound",
     "payload_tensor",
     "register",
     "registered_names",
+    "resolve_k",
     "state_from_wire",
     "state_to_wire",
     "supports_device",
     "unregister",
+    "validate_compression_params",
 ]

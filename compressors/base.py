@@ -12,12 +12,13 @@ element width serves float16, bfloat16, float32 and float64.
 from __future__ import annotations
 
 import warnings
-from typing import ClassVar
+from collections.abc import Callable
+from typing import ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
-from .sparse import add_last_values
+from bps.common.config import Key
 
 Payload = torch.Tensor | bytes | bytearray | memoryview | np.ndarray
 
@@ -122,14 +123,16 @@ def sub_array(buffer: np.ndarray, offset: int, dtype: type, count: int) -> np.nd
 class Compressor:
     """Base class of compressors and of the chain decorators.
 
-    Subclasses implement :meth:`compress` and :meth:`decompress`; state-free compressors
-    keep the default ``set_lr``/``state_dict``/``load_state_dict``. A compressor may add
-    ``fast_update_error(corrected, payload)``: subtract ``decompress(payload)`` from
-    ``corrected`` in place, faster than decoding, or ``compress_residual(corrected)``:
-    compress and leave that residual in ``corrected`` in the same pass (error feedback
-    uses either); and may override ``decompress_add`` (see there). The payload
-    must not share memory with ``x``: the chain decorators reuse their buffers, so ``x``
-    is overwritten by the next step (error feedback even updates it in place right after).
+    A compressor implements :meth:`compress` and :meth:`decompress`; the rest has
+    defaults a state-free compressor keeps. What it reads of ``compression_params`` is
+    its own: the ``keys`` table (each key's rule and default, ``bps.common.config.Key``),
+    :meth:`check_params` for rules between keys and :meth:`options`, which turns the
+    validated dict into its constructor's options. Optional abilities are the protocols
+    below (:class:`MultiRound`, :class:`FastErrorUpdate`, :class:`ResidualCompress`,
+    :class:`WholeTensor`); the worker and the chain decorators ask those, nothing else.
+    The payload must not share memory with ``x``: the chain decorators reuse their
+    buffers, so ``x`` is overwritten by the next step (error feedback even updates it in
+    place right after).
 
     Example::
 
@@ -141,15 +144,8 @@ class Compressor:
         tensor([ 2.5000, -2.5000,  2.5000, -2.5000])
     """
 
-    # Pushes per step. A compressor with rounds > 1 (powersgd) is called as
-    # ``compress(x)`` (round 0), ``compress_round(r, sum of round r - 1)`` for r = 1 ..
-    # rounds - 1, then ``decompress(sum of the last round, out)``. Every round's payload
-    # is a float32 vector of ``round_numel(r)`` elements that the servers sum as it is;
-    # such a compressor keeps its own error (build adds no ErrorFeedback around it).
-    rounds = 1
-    # Declared ability: the class has a twin with torch kernels that build() uses for a
-    # chain on a device (or with BPS_DEVICE_KERNELS=1); see compressors/device.py.
-    device_kernels: ClassVar[bool] = False
+    # its compression_params keys beyond the shared ones (bps.common.config)
+    keys: ClassVar[dict[str, Key]] = {}
     # where the chain's buffers, inputs, outputs and payloads live (torch-kernel chains)
     device: torch.device = torch.device("cpu")
 
@@ -158,6 +154,17 @@ class Compressor:
             raise ValueError(f"numel must be an int >= 1, got {numel!r}")
         self.numel = numel
         self.dtype = check_dtype(dtype)
+
+    @classmethod
+    def check_params(cls, params: dict) -> None:
+        """Rules between keys, once each key of ``keys`` passed its own (``params``: the
+        whole dict, shared keys checked); raise ValueError naming the key. Default: none."""
+
+    @classmethod
+    def options(cls, params: dict, numel: int) -> dict:
+        """The constructor's keyword options for a partition of ``numel`` elements, from
+        validated ``params``; :meth:`max_payload_bytes` takes the same. Default: none."""
+        return {}
 
     @classmethod
     def max_payload_bytes(cls, numel: int, dtype: torch.dtype = torch.float32,
@@ -212,18 +219,6 @@ class Compressor:
         this no-op; a registered compressor with state implements it, else a skipped
         step (``bps.NonFiniteGradientError``) cannot restore it."""
 
-    def set_workers(self, count: int) -> None:
-        """The number of worker nodes whose pushes the servers sum (the engine calls it;
-        a compressor whose error is its share of the aggregate's keeps it)."""
-
-    def round_numel(self, round_: int) -> int:
-        """Elements of round ``round_``'s payload (compressors with rounds > 1)."""
-        raise NotImplementedError
-
-    def compress_round(self, round_: int, aggregate: Payload) -> torch.Tensor:
-        """Round ``round_``'s payload from the servers' sum of round ``round_ - 1``."""
-        raise NotImplementedError
-
     def state_dict(self) -> dict:
         return {}
 
@@ -267,33 +262,10 @@ class Compressor:
             )
         return out
 
-    def staging(self) -> np.ndarray:
-        """An all-zero float32/float64 array of numel elements, made on first use, for
-        ``sparse.add_last_values`` (which leaves it all zero again)."""
-        staging = getattr(self, "_staging", None)
-        if staging is None:
-            staging = self._staging = torch.zeros(self.numel, dtype=self.dtype).numpy()
-        return staging
-
-    def add_entries(self, indices: np.ndarray, raw_values: np.ndarray,
-                    total: torch.Tensor) -> torch.Tensor:
-        """``total += y`` for the sparse ``y`` that decoding writes (zeros, then
-        ``y[indices[j]] = value j`` in order, so a repeated index keeps its last value),
-        touching only the indexed elements; ``raw_values`` are the values' raw bits and
-        the indices are checked. float32/float64 only."""
-        target = float_view(self.output(total, "total"))
-        add_last_values(indices, raw_values.view(target.dtype), self.staging(), target)
-        return total
-
     def nonfinite_input(self) -> NonFiniteError:
         """The error ``compress`` raises for an input with inf or NaN entries."""
         return NonFiniteError(f"{type(self).__name__}: compress input (numel={self.numel}, "
                               f"{self.dtype}) has inf or NaN entries")
-
-    def check_finite_values(self, bits: np.ndarray) -> None:
-        """Refuse a payload whose values (raw bits of the dtype) hold an inf or NaN."""
-        if nonfinite_bits(bits, self.dtype):
-            raise self.bad_payload("a value is inf or NaN")
 
     def bad_payload(self, what: str) -> ValueError:
         return ValueError(f"{type(self).__name__} payload for numel={self.numel}, "
@@ -304,14 +276,99 @@ class Compressor:
             raise self.bad_payload(f"{payload.size} bytes, expected exactly {expected}")
 
 
-def add_decompressed(compressor: object, payload: Payload, total: torch.Tensor,
-                     scratch: torch.Tensor | None = None) -> torch.Tensor:
-    """``compressor.decompress_add(payload, total, scratch)``, or decode and add for a
-    registered compressor that has no ``decompress_add``."""
-    method = getattr(compressor, "decompress_add", None)
-    if method is not None:
-        return method(payload, total, scratch)
-    return total.add_(compressor.decompress(payload, scratch))
+# Optional abilities. A compressor has one by implementing its methods (a registered
+# class too, without naming the protocol); the worker and the decorators ask
+# ``isinstance(chain, Protocol)`` and never a compressor's name.
+
+@runtime_checkable
+class MultiRound(Protocol):
+    """Several pushes per step, each summed by the servers before the next (PowerSGD:
+    its factors P, then Q).
+
+    Called as ``compress(x)`` (round 0), ``compress_round(r, sum of round r - 1)`` for
+    r = 1 .. rounds - 1, then ``decompress(sum of the last round, out)``. Every round's
+    payload is a float32 vector of ``round_numel(r)`` elements that the servers sum as
+    it is; the engine cuts a round larger than a key may be into pieces. Such a
+    compressor keeps its own error (``build`` adds no ErrorFeedback around it) and gets
+    the number of worker nodes from ``set_workers`` (its error is its share of the sum).
+
+        >>> from bps.compressors.powersgd import PowerSGD
+        >>> c = PowerSGD(numel=6, shape=(3, 2), rank=1)
+        >>> isinstance(c, MultiRound), c.rounds, [c.round_numel(r) for r in range(2)]
+        (True, 2, [3, 2])
+    """
+
+    rounds: int
+
+    def set_workers(self, count: int) -> None: ...
+
+    def round_numel(self, round_: int) -> int: ...
+
+    def compress_round(self, round_: int, aggregate: Payload) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class FastErrorUpdate(Protocol):
+    """Error feedback's update without decoding: ``fast_update_error(corrected, payload)``
+    subtracts ``decompress(payload)`` from ``corrected`` in place (sign and sparse
+    compressors touch what their payload names).
+
+        >>> import torch
+        >>> from bps.compressors.topk import TopK
+        >>> c, corrected = TopK(numel=3, k=1), torch.tensor([0.0, -2.0, 1.0])
+        >>> isinstance(c, FastErrorUpdate)
+        True
+        >>> c.fast_update_error(corrected, c.compress(corrected))
+        tensor([0., 0., 1.])
+    """
+
+    def fast_update_error(self, corrected: torch.Tensor, payload: Payload) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class ResidualCompress(Protocol):
+    """Compress and leave the residual in one pass: ``compress_residual(corrected)``
+    returns the payload with ``corrected - decompress(payload)`` written into
+    ``corrected`` (dithering, whose quantiser knows each decoded value as it codes it).
+    Error feedback prefers it to :class:`FastErrorUpdate`."""
+
+    def compress_residual(self, corrected: torch.Tensor) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class CorrectedCompress(Protocol):
+    """A chain that builds its input ``g' = g + ratio * e`` itself, in a pass the
+    decorator before it writes (error feedback, for Nesterov momentum's fused pass):
+    ``compress_corrected(build)`` with ``build(error, ratio, out) -> all finite``."""
+
+    def compress_corrected(self, build: Callable[[np.ndarray, float, np.ndarray], bool]
+                           ) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class WholeTensor(Protocol):
+    """A compressor that takes a parameter whole, in a shape of its own, not cut into
+    partitions (PowerSGD: its factors need every row of the matrix). Its keys carry the
+    shape as ``params["shape"]``; during ``warmup_steps`` the parameter travels raw, in
+    partitions like any raw tensor. Tensors of one shape may travel together as one
+    batch (``batches``). Asked of the class, by the planner.
+
+        >>> from bps.compressors.powersgd import PowerSGD
+        >>> issubclass(PowerSGD, WholeTensor)
+        True
+        >>> PowerSGD.tensor_shape((64, 3, 3, 3), {"rank": 1, "min_compression_rate": 2.0})
+        [64, 27]
+    """
+
+    @classmethod
+    def tensor_shape(cls, shape: tuple[int, ...] | None, params: dict) -> list[int] | None:
+        """The shape a parameter of ``shape`` is compressed in; None: it travels raw."""
+        ...
+
+    @classmethod
+    def batches(cls, params: dict) -> bool:
+        """Whether tensors of one shape travel together, as one key of shape (b, *shape)."""
+        ...
 
 
 def check_state_keys(owner: object, state: dict, keys: tuple) -> None:

@@ -28,11 +28,13 @@ Example::
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import numpy as np
 import torch
 from numba import njit
 
-from bps.common.config import BYTEGRAD_CHUNK
+from bps.common.config import Key, integer
 
 from .base import (
     KERNEL_FLOAT_DTYPES,
@@ -44,7 +46,8 @@ from .base import (
 )
 from .threads import MIN_CHUNK, THREADS, run_chunks
 
-DEFAULT_CHUNK = BYTEGRAD_CHUNK  # elements per (lo, hi) pair: 8 bytes per 1024 codes
+DEFAULT_CHUNK = 1024  # elements per (lo, hi) pair: 8 bytes per 1024 codes
+MAX_CHUNK = 2**31 - 1
 INV256 = np.float32(1.0 / 256.0)
 OK, NOT_FINITE, RANGE_OVERFLOW = 0, 1, 2
 
@@ -178,7 +181,8 @@ def split_chunks(numel: int, chunk: int) -> list[tuple[int, int]]:
 class ByteGrad(Compressor):
     """Min-max 8-bit quantisation: one uint8 code per element, (lo, hi) per chunk."""
 
-    device_kernels = True  # its twin: bytegrad_torch.ByteGradTorch
+    keys: ClassVar[dict[str, Key]] = {
+        "chunk": Key(integer(1, MAX_CHUNK + 1), fill=DEFAULT_CHUNK)}
 
     def __init__(self, numel: int, dtype: torch.dtype = torch.float32,
                  chunk: int = DEFAULT_CHUNK):
@@ -189,6 +193,10 @@ class ByteGrad(Compressor):
         self.num_chunks = -(-numel // chunk)
         self.payload_size = self.max_payload_bytes(numel, dtype, chunk)
         self.bounds = split_chunks(numel, chunk)
+
+    @classmethod
+    def options(cls, params: dict, numel: int) -> dict:
+        return {"chunk": params["chunk"]}
 
     @classmethod
     def max_payload_bytes(cls, numel: int, dtype: torch.dtype = torch.float32,

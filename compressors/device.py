@@ -93,6 +93,8 @@ class StagedChain:
     runs ``encode``, reads the status once and commits or discards."""
 
     device: torch.device
+    # whether compress runs the two halves: a decorator's follows its inner chain
+    staged: bool = True
 
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
@@ -120,7 +122,7 @@ class StagedChain:
 
 def is_staged(chain: object) -> bool:
     """Whether ``chain`` compresses with torch kernels in two halves (a device chain)."""
-    return isinstance(chain, StagedChain) and getattr(chain, "staged", True)
+    return isinstance(chain, StagedChain) and chain.staged
 
 
 class TorchKernels(StagedChain, Compressor):

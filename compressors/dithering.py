@@ -30,9 +30,12 @@ Example::
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import numpy as np
 import torch
+
+from bps.common.config import Key, choice, fail, integer
 
 from .base import (
     KERNEL_FLOAT_DTYPES,
@@ -54,10 +57,14 @@ from .elias_delta import (
     code_windows,
     splice_chunk,
 )
-from .rng import jump, jump_table, load_state_list, new_state, state_list
+from .rng import job_seed, jump, jump_table, load_state_list, new_state, state_list
 from .threads import chunk_bounds, run_chunks
 
 TRAILER = 16
+# Implementation limits on the levels s, so that every q fits the Elias-delta coder's
+# 32-bit fields (linear: u is a float32, exact up to 2**24).
+MAX_LINEAR_LEVELS = 2**24
+MAX_NATURAL_LEVELS = 31
 
 
 def max_level(levels: int, natural: bool) -> int:
@@ -76,7 +83,11 @@ def bits_per_element(top: int) -> int:
 class Dithering(Compressor):
     """Stochastic rounding of |x|/scale onto s linear or 2**(s-1) natural levels."""
 
-    device_kernels = True  # its twin: dithering_torch.DitheringTorch
+    keys: ClassVar[dict[str, Key]] = {
+        "k": Key(integer(1), required="an int >= 1 (number of levels s)"),
+        "partition": Key(choice("linear", "natural"), default="linear"),
+        "normalize": Key(choice("max", "l2"), default="max"),
+    }
 
     def __init__(self, numel: int, dtype: torch.dtype = torch.float32, levels: int = 2,
                  natural: bool = False, l2: bool = False, seed: int = 1):
@@ -99,6 +110,20 @@ class Dithering(Compressor):
         self.undo: np.ndarray | None = None  # the RNG state before the last compress
         # a larger scale decodes its top level to inf in the dtype
         self.max_scale = float(torch.finfo(dtype).max) * self.divisor / self.max_level
+
+    @classmethod
+    def check_params(cls, params: dict) -> None:
+        """``k`` (the levels s) within what the partition's coder holds."""
+        natural = params["partition"] == "natural"
+        hi = MAX_NATURAL_LEVELS if natural else MAX_LINEAR_LEVELS
+        if params["k"] > hi:
+            raise fail(ValueError, "k", params["k"],
+                       f"an int in [1, {hi}] (levels s, {params['partition']} partition)")
+
+    @classmethod
+    def options(cls, params: dict, numel: int) -> dict:
+        return {"levels": params["k"], "natural": params["partition"] == "natural",
+                "l2": params["normalize"] == "l2", "seed": job_seed(params)}
 
     @classmethod
     def max_payload_bytes(cls, numel: int, dtype: torch.dtype = torch.float32, levels: int = 2,

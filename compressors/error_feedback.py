@@ -32,9 +32,10 @@ from numba import njit
 from .base import (
     KERNEL_FLOAT_DTYPES,
     Compressor,
+    FastErrorUpdate,
     NonFiniteError,
     Payload,
-    add_decompressed,
+    ResidualCompress,
     check_state_keys,
     load_buffer,
 )
@@ -76,6 +77,10 @@ class ErrorFeedback(StagedChain, Compressor):
         self.inner = inner
         self.device = inner.device
         self.staged = is_staged(inner)  # the inner chain has torch kernels: so has this one
+        # how the residual g' - D(c) is made: in the compressor's pass, without decoding,
+        # or by decoding (asked once: a protocol check walks the class's attributes)
+        self.residual_in_pass = isinstance(inner, ResidualCompress)
+        self.fast_update = isinstance(inner, FastErrorUpdate)
         self.bounds = chunk_bounds(inner.numel)  # a large input runs on several threads
         self.error = torch.zeros(inner.numel, dtype=inner.dtype, device=self.device)
         self.spare: torch.Tensor | None = None  # the other buffer (made on first use)
@@ -200,14 +205,12 @@ class ErrorFeedback(StagedChain, Compressor):
         """Compress ``corrected`` (not the error buffer) and keep what it did not send as
         the next error; the error before stays in the other buffer for ``rollback``."""
         try:
-            fused = getattr(self.inner, "compress_residual", None)
-            if fused is not None:
-                payload = fused(corrected)
+            if self.residual_in_pass:
+                payload = self.inner.compress_residual(corrected)
             else:
                 payload = self.inner.compress(corrected)
-                update = getattr(self.inner, "fast_update_error", None)
-                if update is not None:
-                    update(corrected, payload)
+                if self.fast_update:
+                    self.inner.fast_update_error(corrected, payload)
                 else:
                     corrected.sub_(self.inner.decompress(payload))
         except NonFiniteError:
@@ -237,7 +240,7 @@ class ErrorFeedback(StagedChain, Compressor):
 
     def decompress_add(self, payload: Payload, total: torch.Tensor,
                        scratch: torch.Tensor | None = None) -> torch.Tensor:
-        return add_decompressed(self.inner, payload, total, scratch)
+        return self.inner.decompress_add(payload, total, scratch)
 
     def state_dict(self) -> dict:
         return {

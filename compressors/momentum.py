@@ -24,9 +24,9 @@ from numba import njit
 from .base import (
     KERNEL_FLOAT_DTYPES,
     Compressor,
+    CorrectedCompress,
     NonFiniteError,
     Payload,
-    add_decompressed,
     check_state_keys,
     load_buffer,
 )
@@ -92,6 +92,7 @@ class Momentum(StagedChain, Compressor):
         self.mu = float(mu)
         self.device = inner.device
         self.staged = is_staged(inner)  # the inner chain has torch kernels: so has this one
+        self.fused = isinstance(inner, CorrectedCompress)  # builds g' in our pass
         self.momentum = torch.zeros(inner.numel, dtype=inner.dtype, device=self.device)
         self.spare: torch.Tensor | None = None  # the other momentum buffer (first use)
         self.lookahead: torch.Tensor | None = None  # g' when the inner chain takes a tensor
@@ -122,7 +123,7 @@ class Momentum(StagedChain, Compressor):
             return self._commit(self.spare, self.inner.compress(lookahead))
         grad, momentum, out = x.numpy(), self.momentum.numpy(), self.spare.numpy()
         mu = grad.dtype.type(self.mu)
-        if hasattr(self.inner, "compress_corrected"):  # error feedback: one pass for both
+        if self.fused:  # error feedback: one pass for both
             payload = self.inner.compress_corrected(
                 lambda error, ratio, corrected: nesterov_step_corrected(
                     grad, momentum, grad.dtype.type(decay), mu, grad.dtype.type(ratio),
@@ -203,7 +204,7 @@ class Momentum(StagedChain, Compressor):
 
     def decompress_add(self, payload: Payload, total: torch.Tensor,
                        scratch: torch.Tensor | None = None) -> torch.Tensor:
-        return add_decompressed(self.inner, payload, total, scratch)
+        return self.inner.decompress_add(payload, total, scratch)
 
     def state_dict(self) -> dict:
         return {"momentum": self.momentum.clone(), "inner": self.inner.state_dict()}

@@ -22,10 +22,13 @@ Example::
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import numpy as np
 import torch
 from numba import njit
+
+from bps.common.config import Key, boolean
 
 from .base import (
     KERNEL_FLOAT_DTYPES,
@@ -87,7 +90,8 @@ def subtract_signs(corrected, words, scale):
 class OneBit(Compressor):
     """Sign compression: 1 bit per element plus a float32 scale."""
 
-    device_kernels = True  # its twin: onebit_torch.OneBitTorch
+    # True by default with onebit; BytePS's plain signs: False
+    keys: ClassVar[dict[str, Key]] = {"scaling": Key(boolean, fill=True)}
 
     def __init__(self, numel: int, dtype: torch.dtype = torch.float32, scaling: bool = False):
         super().__init__(numel, dtype)
@@ -96,6 +100,10 @@ class OneBit(Compressor):
         self.payload_size = self.max_payload_bytes(numel, dtype)
         self.bounds = chunk_bounds(numel)
         self.max_scale = float(torch.finfo(dtype).max)  # a larger one decodes to inf
+
+    @classmethod
+    def options(cls, params: dict, numel: int) -> dict:
+        return {"scaling": params["scaling"]}
 
     @classmethod
     def max_payload_bytes(cls, numel: int, dtype: torch.dtype = torch.float32,

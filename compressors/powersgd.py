@@ -36,8 +36,11 @@ Example::
 from __future__ import annotations
 
 import math
+from typing import Any, ClassVar
 
 import torch
+
+from bps.common.config import Key, boolean, fail, integer, is_int, real
 
 from .base import (
     Compressor,
@@ -47,6 +50,7 @@ from .base import (
     load_buffer,
     payload_tensor,
 )
+from .rng import job_seed
 
 
 def should_compress(n: int, m: int, rank: int, min_rate: float) -> bool:
@@ -80,11 +84,32 @@ def orthogonalize(matrices: torch.Tensor, epsilon: float = 0.0) -> None:
             rest -= torch.sum(col * rest, dim=1, keepdim=True) * col
 
 
-class PowerSGD(Compressor):
-    """Rank-r PowerSGD over two server rounds; keeps its own error and warm-start Q."""
+def matrix_shape(key: str, value: Any) -> list[int]:
+    """The rule of ``shape``: 2 or 3 ints >= 1 (set per key by the trainer)."""
+    if (not isinstance(value, (list, tuple)) or len(value) not in (2, 3)
+            or not all(is_int(d) and d >= 1 for d in value)):
+        raise fail(ValueError, key, value, "None or 2 or 3 ints >= 1 (set per key by the trainer)")
+    return [int(d) for d in value]
 
+
+class PowerSGD(Compressor):
+    """Rank-r PowerSGD over two server rounds; keeps its own error and warm-start Q.
+
+    Abilities: :class:`~bps.compressors.base.MultiRound` (its rounds P and Q) and
+    :class:`~bps.compressors.base.WholeTensor` (a parameter travels whole, as a matrix).
+    Its keys are PyTorch's ``PowerSGDState`` options; ``warmup_steps`` is the start
+    step, ``seed`` seeds the first Q and ``ef`` is its own error feedback.
+    """
+
+    keys: ClassVar[dict[str, Key]] = {
+        "rank": Key(integer(1), required="an int >= 1 (rank of the approximation)"),
+        "warm_start": Key(boolean, default=True),
+        "orthogonalization_epsilon": Key(real(0.0), default=0.0),
+        "min_compression_rate": Key(real(0.0), default=2.0),
+        "batch_tensors_with_same_shape": Key(boolean, default=False),
+        "shape": Key(matrix_shape),  # per key: (n, m) or (batch, n, m)
+    }
     rounds = 2
-    device_kernels = True  # its twin: powersgd_torch.PowerSGDTorch
 
     def __init__(self, numel: int, dtype: torch.dtype = torch.float32,
                  shape: tuple | list | None = None, rank: int = 1, ef: bool = True,
@@ -111,6 +136,41 @@ class PowerSGD(Compressor):
         self.p = torch.zeros(self.batch, self.n, self.rank)
         self.q = torch.zeros(self.batch, self.m, self.rank)
         self.draws = 0  # random Qs drawn so far
+
+    @classmethod
+    def check_params(cls, params: dict) -> None:
+        """No chain momentum: the optimizer keeps its own, as with DDP's hook."""
+        if params["momentum"] is not None:
+            raise ValueError("compression_params['momentum'] = 'nesterov' cannot be used "
+                             "with compressor 'powersgd': keep the optimizer's momentum "
+                             "instead")
+
+    @classmethod
+    def options(cls, params: dict, numel: int) -> dict:
+        return {"shape": params["shape"], "rank": params["rank"],
+                "ef": params["ef"] == "vanilla", "warm_start": params["warm_start"],
+                "epsilon": params["orthogonalization_epsilon"], "seed": job_seed(params)}
+
+    @classmethod
+    def tensor_shape(cls, shape: tuple[int, ...] | None, params: dict) -> list[int] | None:
+        """[n, m]: a parameter of 2 or more dimensions viewed as ``shape[0]`` rows, where
+        it meets ``min_compression_rate`` (else None: it travels raw, as in PyTorch).
+
+            >>> PowerSGD.tensor_shape((10, 2), {"rank": 1, "min_compression_rate": 2.0})
+            >>> PowerSGD.tensor_shape((784, 512), {"rank": 1, "min_compression_rate": 2.0})
+            [784, 512]
+        """
+        if shape is None or len(shape) < 2 or math.prod(shape) == 0:
+            return None
+        n, m = int(shape[0]), math.prod(shape) // int(shape[0])
+        if not should_compress(n, m, params["rank"], params["min_compression_rate"]):
+            return None
+        return [n, m]
+
+    @classmethod
+    def batches(cls, params: dict) -> bool:
+        """``batch_tensors_with_same_shape``: PyTorch's batched compression."""
+        return params["batch_tensors_with_same_shape"]
 
     @classmethod
     def max_payload_bytes(cls, numel: int, dtype: torch.dtype = torch.float32,

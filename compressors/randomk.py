@@ -28,14 +28,14 @@ from numba import njit
 
 from .base import (
     KERNEL_FLOAT_DTYPES,
-    Compressor,
     Payload,
     bit_view,
     nonfinite_bits,
     payload_bytes,
     sub_array,
 )
-from .rng import load_state_list, new_state, state_list, xorshift_step
+from .rng import job_seed, load_state_list, new_state, state_list, xorshift_step
+from .sparse import SparseCompressor, resolve_k
 
 BLOCK = 4096  # indices drawn ahead of the memory accesses that use them
 
@@ -89,10 +89,9 @@ def zero_random(state, count, out):
             out[indices[j]] = zero
 
 
-class RandomK(Compressor):
+class RandomK(SparseCompressor):
     """Keeps k uniformly drawn entries; the payload carries the RNG state, not indices."""
 
-    device_kernels = True  # its twin: randomk_torch.RandomKTorch
 
     def __init__(self, numel: int, dtype: torch.dtype = torch.float32, k: int = 1,
                  seed: int = 1):
@@ -105,6 +104,10 @@ class RandomK(Compressor):
         self.payload_size = self.max_payload_bytes(numel, dtype, k)
         self.indices: np.ndarray | None = None  # decompress_add's, kept for the next call
         self.undo: np.ndarray | None = None  # the RNG state before the last compress
+
+    @classmethod
+    def options(cls, params: dict, numel: int) -> dict:
+        return {"k": resolve_k(params, numel), "seed": job_seed(params)}
 
     @classmethod
     def max_payload_bytes(cls, numel: int, dtype: torch.dtype = torch.float32, k: int = 1,

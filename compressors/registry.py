@@ -1,4 +1,9 @@
-"""build() and register(): compression_params -> the compressor chain (docs/compression.md).
+"""The compressors by name: compression_params checked and turned into chains.
+
+A compressor's knowledge lives in its class: its keys (``keys``, :meth:`check_params`),
+its constructor's options (:meth:`options`), its payload bound and its abilities
+(``compressors/base.py``). This module only names the classes: a built-in is one line
+of ``_BUILTIN``, a user compressor one :func:`register` call.
 
 Example::
 
@@ -15,17 +20,13 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from bps.common.config import (
-    accept_compressor,
-    forget_compressor,
-    resolve_k,
-    validate_compression_params,
-)
+from bps.common.config import SHARED_DEFAULTS, Key, check_shared, refuse_unused
 
-from .base import Compressor, check_dtype
+from .base import Compressor, MultiRound, check_dtype
 from .bytegrad import ByteGrad
 from .bytegrad_torch import ByteGradTorch
 from .device import forced_by_env, resolve_device
@@ -39,104 +40,202 @@ from .powersgd import PowerSGD
 from .powersgd_torch import PowerSGDTorch
 from .randomk import RandomK
 from .randomk_torch import RandomKTorch
-from .rng import DEFAULT_SEED
 from .topk import TopK
 from .topk_torch import TopKTorch
 
 Factory = Callable[[dict, int, torch.dtype], Compressor]
-Options = Callable[[dict, int], dict]
 
 
-def _seed(params: dict) -> int:
-    return DEFAULT_SEED if params["seed"] is None else params["seed"]
+@dataclass(frozen=True)
+class _Entry:
+    """A registered compressor: its class (what it reads of compression_params) or a
+    plain factory (given every key), and its twin with torch kernels, if any."""
+
+    cls: type[Compressor] | None
+    factory: Factory | None
+    device: type[Compressor] | None = None
+
+    def make(self, params: dict, numel: int, dtype: torch.dtype) -> Compressor:
+        if self.cls is None:
+            return self.factory(params, numel, dtype)
+        return self.cls(numel, dtype, **self.cls.options(params, numel))
 
 
-# each built-in class and its constructor options from (params, numel)
-_BUILTIN: dict[str, tuple[type[Compressor], Options]] = {
-    "onebit": (OneBit, lambda p, n: {"scaling": p["scaling"]}),
-    "topk": (TopK, lambda p, n: {"k": resolve_k(p, n)}),
-    "randomk": (RandomK, lambda p, n: {"k": resolve_k(p, n), "seed": _seed(p)}),
-    "dithering": (Dithering, lambda p, n: {
-        "levels": p["k"], "natural": p["partition"] == "natural",
-        "l2": p["normalize"] == "l2", "seed": _seed(p)}),
-    "bytegrad": (ByteGrad, lambda p, n: {"chunk": p["chunk"]}),
-    "powersgd": (PowerSGD, lambda p, n: {
-        "shape": p["shape"], "rank": p["rank"], "ef": p["ef"] == "vanilla",
-        "warm_start": p["warm_start"], "epsilon": p["orthogonalization_epsilon"],
-        "seed": _seed(p)}),
-}
+# name, class, its twin with torch kernels (the device path); the registration of each
+# built-in compressor
+_BUILTIN: tuple[tuple[str, type[Compressor], type[Compressor] | None], ...] = (
+    ("onebit", OneBit, OneBitTorch),
+    ("topk", TopK, TopKTorch),
+    ("randomk", RandomK, RandomKTorch),
+    ("dithering", Dithering, DitheringTorch),
+    ("bytegrad", ByteGrad, ByteGradTorch),
+    ("powersgd", PowerSGD, PowerSGDTorch),
+)
+_ENTRIES: dict[str, _Entry] = {name: _Entry(cls, None, twin) for name, cls, twin in _BUILTIN}
+BUILTIN = tuple(_ENTRIES)
 
 
-# the classes that declare device_kernels and their twins with torch kernels
-_TORCH_TWINS: dict[type[Compressor], type[Compressor]] = {
-    OneBit: OneBitTorch, TopK: TopKTorch, RandomK: RandomKTorch, ByteGrad: ByteGradTorch,
-    PowerSGD: PowerSGDTorch, Dithering: DitheringTorch}
+def registered_names() -> tuple[str, ...]:
+    """The names ``compression_params["compressor"]`` may take, built-in ones first."""
+    return tuple(_ENTRIES)
 
 
-def _builtin_factory(cls: type[Compressor], options: Options) -> Factory:
-    return lambda p, n, dt: cls(n, dt, **options(p, n))
+def _owners() -> dict[str, list[tuple[str, Key]]]:
+    """Each compressor key and the registered compressors that declare it, in order."""
+    owners: dict[str, list[tuple[str, Key]]] = {}
+    for name, entry in _ENTRIES.items():
+        if entry.cls is not None:
+            for key, spec in entry.cls.keys.items():
+                owners.setdefault(key, []).append((name, spec))
+    return owners
 
 
-_FACTORIES: dict[str, Factory] = {name: _builtin_factory(cls, options)
-                                  for name, (cls, options) in _BUILTIN.items()}
-BUILTIN = tuple(_FACTORIES)
+def _check_keys(name: str, cls: type[Compressor]) -> None:
+    """Refuse a class whose keys clash with the shared ones, or whose defaults differ
+    from another compressor's for the same key (a default is accepted everywhere)."""
+    owners = _owners()
+    for key, spec in cls.keys.items():
+        if key in SHARED_DEFAULTS:
+            raise ValueError(f"compressor {name!r}: key {key!r} is shared by every "
+                             "configuration (bps.common.config); choose another name")
+        for other, theirs in owners.get(key, []):
+            if theirs.default != spec.default:
+                raise ValueError(f"compressor {name!r}: key {key!r} defaults to "
+                                 f"{spec.default!r}, compressor {other!r}'s to "
+                                 f"{theirs.default!r}; one key has one default")
 
 
-def registered_names() -> tuple:
-    return tuple(_FACTORIES)
+def register(name: str, compressor: type[Compressor] | Factory,
+             device: type[Compressor] | None = None) -> None:
+    """Add a compressor under ``name``.
 
+    ``compressor``: a :class:`Compressor` subclass, which states what it reads (its
+    ``keys`` table, :meth:`~Compressor.check_params`, :meth:`~Compressor.options`), or a
+    plain ``factory(params, numel, dtype) -> Compressor``, given every key. ``device``:
+    its twin with torch kernels (built with ``device=`` and the same options), which
+    puts its chains on the gradient's device.
 
-def register(name: str, factory: Factory) -> None:
-    """Add a compressor under ``name``: ``factory(params, numel, dtype) -> Compressor``.
-
-    ``params`` is the validated compression_params dict; the factory reads what it needs
-    (``params["k"]`` is optional for user compressors: an int >= 1 or a float in (0, 1)).
+        >>> from bps.compressors.onebit import OneBit
+        >>> register("signs", lambda params, numel, dtype: OneBit(numel, dtype))
+        >>> unregister("signs")
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"compressor name must be a non-empty str, got {name!r}")
-    if name in _FACTORIES:
+    if name in _ENTRIES:
         raise ValueError(f"compressor {name!r} is already registered")
-    if not callable(factory):
-        raise TypeError(f"factory for {name!r} must be callable, got {factory!r}")
-    _FACTORIES[name] = factory
-    accept_compressor(name)
+    if isinstance(compressor, type) and issubclass(compressor, Compressor):
+        _check_keys(name, compressor)
+        entry = _Entry(compressor, None, device)
+    elif callable(compressor):
+        if device is not None:
+            raise TypeError(f"compressor {name!r}: a device twin needs a Compressor class, "
+                            "not a factory")
+        entry = _Entry(None, compressor)
+    else:
+        raise TypeError(f"compressor {name!r} must be a Compressor class or a callable "
+                        f"factory, got {compressor!r}")
+    _ENTRIES[name] = entry
 
 
 def unregister(name: str) -> None:
     """Remove a user compressor (built-in ones stay)."""
     if name in BUILTIN:
         raise ValueError(f"built-in compressor {name!r} cannot be removed")
-    _FACTORIES.pop(name, None)
-    forget_compressor(name)
+    _ENTRIES.pop(name, None)
+
+
+def compressor_class(params: dict) -> type[Compressor] | None:
+    """The class of validated ``params``'s compressor; None without one, or for a
+    factory (its class is known once it built one). The planner asks it for
+    abilities declared on the class (``WholeTensor``)."""
+    entry = _ENTRIES.get(params["compressor"])
+    return None if entry is None else entry.cls
+
+
+def validate_compression_params(params: dict | None) -> dict:
+    """Check a ``compression_params`` dict (docs/compression.md) and return a new, complete one.
+
+    The shared keys are checked by ``bps.common.config``, the others by the rules that
+    the compressor classes declare: every key present in the result; absent keys get
+    their defaults (``mu``/``seed`` stay ``None`` for the trainer to fill,
+    ``min_compress_bytes`` comes from ``BYTEPS_MIN_COMPRESS_BYTES``, else 65536). A key
+    given with a value other than its default where the configuration does not use it
+    is refused, naming the compressors that do (a registered factory is given every
+    key).
+
+        >>> p = validate_compression_params({"compressor": "topk", "k": 0.01, "ef": "vanilla"})
+        >>> p["k"], p["partition"], p["mu"]
+        (0.01, 'linear', None)
+        >>> validate_compression_params({"compressor": "onebit"})["scaling"]
+        True
+
+    Raises:
+        TypeError: a value of the wrong type (a bool is not an int, ``"3"`` is not a number).
+        ValueError: an unknown key, a missing required key, a value out of range, a key
+        that does not apply. Each names the key, the value and what is accepted.
+    """
+    if params is None:
+        params = {}
+    if not isinstance(params, dict):
+        raise TypeError(f"compression_params must be a dict or None, got {type(params).__name__}")
+    owners = _owners()
+    unknown = sorted(str(key) for key in params
+                     if key not in SHARED_DEFAULTS and key not in owners)
+    if unknown:
+        raise ValueError(
+            f"compression_params has unknown key(s) {', '.join(map(repr, unknown))}: "
+            f"accepted keys are {', '.join([*SHARED_DEFAULTS, *owners])}")
+    out = {**SHARED_DEFAULTS, **{key: specs[0][1].default for key, specs in owners.items()}}
+    out.update(params)
+    check_shared(out, params, registered_names())
+    name = out["compressor"]
+    entry = _ENTRIES.get(name)
+    cls = None if entry is None else entry.cls
+    mine = {} if cls is None else cls.keys
+    for key, specs in owners.items():
+        spec = mine.get(key, specs[0][1])  # another's key: checked by its first owner's rule
+        out[key] = spec.checked(key, out[key])
+    for key, spec in mine.items():
+        if spec.is_default(out[key]):
+            if spec.required is not None:
+                raise ValueError(f"compression_params[{key!r}] is required for compressor "
+                                 f"{name!r}: expected {spec.required}")
+            if spec.fill is not None:
+                out[key] = spec.fill
+    if cls is not None:
+        cls.check_params(out)
+    if entry is None or entry.cls is not None:
+        for key, specs in owners.items():
+            if key in params and key not in mine and not specs[0][1].is_default(params[key]):
+                raise refuse_unused(key, params[key], name, tuple(n for n, _ in specs))
+    return out
 
 
 def payload_bound(params: dict, numel: int, dtype: torch.dtype = torch.float32) -> int | None:
     """Most bytes the payload of ``params``'s compressor can take for ``numel`` elements,
-    as its class states it (:meth:`Compressor.max_payload_bytes`); ``None`` for
-    registered compressors. ``params`` is a validated compression_params dict.
+    as its class states it (:meth:`Compressor.max_payload_bytes`); ``None`` for a
+    registered factory. ``params`` is a validated compression_params dict.
 
-        >>> from bps.common.config import validate_compression_params
         >>> payload_bound(validate_compression_params({"compressor": "onebit"}), 64)
         12
     """
-    entry = _BUILTIN.get(params["compressor"])
-    if entry is None:
+    cls = compressor_class(params)
+    if cls is None:
         return None
-    cls, options = entry
-    return cls.max_payload_bytes(numel, dtype, **options(params, numel))
+    return cls.max_payload_bytes(numel, dtype, **cls.options(params, numel))
 
 
 def supports_device(params: dict | None) -> bool:
     """Whether ``params``'s worker chain can run on a device with torch kernels (its
-    compressor's class declares ``device_kernels``); ask before ``build(..., device=)``
-    and keep the host chain where it cannot.
+    compressor was registered with a ``device`` twin); ask before ``build(...,
+    device=)`` and keep the host chain where it cannot.
 
         >>> supports_device({"compressor": "topk", "k": 0.01})   # registered ones: False
         True
     """
     params = validate_compression_params(params)
-    entry = _BUILTIN.get(params["compressor"])
-    return entry is not None and entry[0].device_kernels and entry[0] in _TORCH_TWINS
+    entry = _ENTRIES.get(params["compressor"])
+    return entry is not None and entry.device is not None
 
 
 def build(params: dict | None, numel: int, dtype: torch.dtype = torch.float32,
@@ -144,7 +243,8 @@ def build(params: dict | None, numel: int, dtype: torch.dtype = torch.float32,
     """The compressor chain for one partition.
 
     Workers get ``Momentum(ErrorFeedback(C))``, servers ``ErrorFeedback(C)``, each
-    decorator only where configured. ``params`` is validated here; it must name a
+    decorator only where configured (a :class:`~bps.compressors.base.MultiRound`
+    compressor keeps its own error: bare). ``params`` is validated here; it must name a
     ``compressor``, and ``mu`` must be set when ``momentum`` is (the trainer fills it
     from the optimizer). A missing ``seed`` means DEFAULT_SEED (1).
 
@@ -174,16 +274,21 @@ def build(params: dict | None, numel: int, dtype: torch.dtype = torch.float32,
     if role == "worker" and params["momentum"] is not None and params["mu"] is None:
         raise ValueError("compression_params['mu'] is None but momentum 'nesterov' is set: "
                          "pass mu (a float in [0, 1), usually the optimizer's momentum)")
-    if torch_kernels and supports_device(params):
-        cls, options = _BUILTIN[params["compressor"]]
-        chain = _TORCH_TWINS[cls](numel, dtype, device=device, **options(params, numel))
+    entry = _ENTRIES[params["compressor"]]
+    if torch_kernels and entry.device is not None:
+        chain = entry.device(numel, dtype, device=device, **entry.cls.options(params, numel))
     else:
-        chain = _FACTORIES[params["compressor"]](params, numel, dtype)
+        chain = entry.make(params, numel, dtype)
     if not isinstance(chain, Compressor):
         raise TypeError(f"factory of {params['compressor']!r} returned "
                         f"{type(chain).__name__}, expected a Compressor")
-    if getattr(chain, "rounds", 1) > 1:  # several rounds: the compressor's own error
+    if isinstance(chain, MultiRound):  # several rounds: the compressor's own error
         return chain
+    return _decorated(chain, params, role)
+
+
+def _decorated(chain: Compressor, params: dict, role: str) -> Compressor:
+    """``chain`` inside error feedback and (workers) momentum, where configured."""
     if params["ef"] == "vanilla":
         chain = ErrorFeedback(chain)
     if role == "worker" and params["momentum"] == "nesterov":

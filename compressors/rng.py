@@ -29,6 +29,15 @@ DEFAULT_SEED = 1  # used when compression_params["seed"] is None (not set by a t
 UINT64_MAX_F64 = float(2**64 - 1)  # bernoulli threshold factor, compared in float64
 
 
+def job_seed(params: dict) -> int:
+    """The seed of validated ``params``: the job's, else DEFAULT_SEED.
+
+        >>> job_seed({"seed": None}), job_seed({"seed": 7})
+        (1, 7)
+    """
+    return DEFAULT_SEED if params["seed"] is None else params["seed"]
+
+
 def new_state(seed: int) -> np.ndarray:
     return np.array([seed, seed], dtype=np.uint64)
 

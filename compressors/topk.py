@@ -32,7 +32,6 @@ from numba.cpython.unsafe.numbers import trailing_zeros
 
 from .base import (
     KERNEL_FLOAT_DTYPES,
-    Compressor,
     Payload,
     bit_view,
     float_view,
@@ -41,6 +40,7 @@ from .base import (
     payload_bytes,
     sub_array,
 )
+from .sparse import SparseCompressor, resolve_k
 from .threads import chunk_bounds, run_chunks
 
 SAMPLE = 16384  # strided sample size for the threshold estimate
@@ -211,10 +211,9 @@ def select_topk(x: np.ndarray, k: int, indices: np.ndarray, selected: np.ndarray
             rank = 2 * rank + 1
 
 
-class TopK(Compressor):
+class TopK(SparseCompressor):
     """Keeps the k entries of largest magnitude, as (int32 index, value) pairs."""
 
-    device_kernels = True  # its twin: topk_torch.TopKTorch
 
     def __init__(self, numel: int, dtype: torch.dtype = torch.float32, k: int = 1):
         super().__init__(numel, dtype)
@@ -224,6 +223,10 @@ class TopK(Compressor):
         self.bits_dtype = bit_view(torch.empty(0, dtype=dtype)).dtype
         self.values_offset = -(-4 * k // 8) * 8
         self.payload_size = self.max_payload_bytes(numel, dtype, k)
+
+    @classmethod
+    def options(cls, params: dict, numel: int) -> dict:
+        return {"k": resolve_k(params, numel)}
 
     @classmethod
     def max_payload_bytes(cls, numel: int, dtype: torch.dtype = torch.float32, k: int = 1,

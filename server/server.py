@@ -93,7 +93,6 @@ from bps.common.striping import (
     host_cores,
     io_threads,
 )
-from bps.compressors.base import add_decompressed
 from bps.compressors.finite import tensor_finite
 from bps.compressors.threads import chunk_bounds, run_chunks
 
@@ -344,7 +343,7 @@ class _KeyEngine(threading.Thread):
             if add_to is not None:
                 if state.decoded is None:
                     state.decoded = torch.empty(state.numel, dtype=state.dtype)
-                values = add_decompressed(state.chain, data, add_to, state.decoded)
+                values = state.chain.decompress_add(data, add_to, state.decoded)
             else:
                 values = state.chain.decompress(data, out)
         except Exception as exc:

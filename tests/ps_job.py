@@ -48,7 +48,7 @@ def raw_keys() -> list[tuple[int, int, str, dict | None]]:
 
 def compressed_keys(seed: int = 12345) -> list[tuple[int, int, str, dict | None]]:
     """One key per compressor, with and without error feedback (validated params)."""
-    from bps.common.config import validate_compression_params
+    from bps.compressors import validate_compression_params
 
     cases = [
         {"compressor": "onebit", "scaling": True},
@@ -175,9 +175,8 @@ def order_probe(engine, address: str, workers: int) -> dict:
     ``raw``: the raw key's aggregate. For the topk key node 1's first push is garbage:
     ``refused`` (node 1) holds the replies to it (ACK, as it waits for node 0, then ERROR
     once it is decoded); ``topk`` is the aggregate after node 1 pushed again."""
-    from bps.common.config import validate_compression_params
     from bps.common.protocol import Op, decode, encode
-    from bps.compressors import build
+    from bps.compressors import build, validate_compression_params
 
     node = engine.node_id
     sock = member_socket(engine, address, b"order")

@@ -8,8 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bps.common.config import validate_compression_params
-from bps.compressors import build
+from bps.compressors import build, validate_compression_params
 from bps.compressors.base import NonFiniteError
 from bps.compressors.bytegrad import ByteGrad, split_chunks
 from tests import reference_compressors as ref

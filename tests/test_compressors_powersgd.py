@@ -9,8 +9,7 @@ import pytest
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as hook
 
-from bps.common.config import validate_compression_params
-from bps.compressors import build, state_from_wire, state_to_wire
+from bps.compressors import build, state_from_wire, state_to_wire, validate_compression_params
 from bps.compressors.powersgd import PowerSGD, orthogonalize, should_compress
 from bps.worker.planning import plan_batches, plan_tensor
 from tests.ps_job import BPSLAUNCH
@@ -184,7 +183,7 @@ LARGE_MATRIX_JOB = """
 import torch
 import bps
 from bps.compressors.powersgd import PowerSGD
-from bps.common.config import validate_compression_params
+from bps.compressors import validate_compression_params
 bps.init()
 engine = bps.core.runtime.get().engine
 params = validate_compression_params({"compressor": "powersgd", "rank": 1, "ef": "vanilla",

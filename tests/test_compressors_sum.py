@@ -10,8 +10,7 @@ import torch
 import zmq
 
 from bps.common.protocol import Op, decode, encode
-from bps.compressors import build
-from bps.compressors.base import add_decompressed
+from bps.compressors import Compressor, build
 from bps.server.server import RequestError
 from tests import reference_compressors as ref
 from tests.test_compressors import DTYPES, as_values, sample
@@ -88,8 +87,11 @@ def test_bad_payload_leaves_the_sum_untouched(params, payload, match):
         c.decompress_add(c.compress(torch.ones(6)), torch.zeros(7))
 
 
-class PlainCodec:
-    """A registered-style compressor with no base class: only compress/decompress."""
+class PlainCodec(Compressor):
+    """A registered-style compressor: only compress/decompress."""
+
+    def __init__(self) -> None:
+        super().__init__(3)
 
     def compress(self, x: torch.Tensor) -> torch.Tensor:
         return (x * 2).view(torch.uint8).clone()
@@ -101,7 +103,7 @@ class PlainCodec:
 
 def test_a_compressor_without_decompress_add_is_decoded_and_added():
     total = torch.ones(3)
-    add_decompressed(PlainCodec(), PlainCodec().compress(torch.tensor([1.0, 2.0, 3.0])), total)
+    PlainCodec().decompress_add(PlainCodec().compress(torch.tensor([1.0, 2.0, 3.0])), total)
     assert total.tolist() == [3.0, 5.0, 7.0]
 
 

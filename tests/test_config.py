@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from bps.common.config import resolve_k, validate_compression_params
+from bps.compressors import resolve_k, validate_compression_params
 
 DOCUMENTED_KEYS = {"compressor", "k", "scaling", "ef", "momentum", "mu", "seed", "partition",
              "normalize", "fp16", "min_compress_bytes", "warmup_steps", "chunk",

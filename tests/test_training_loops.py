@@ -336,7 +336,7 @@ import numpy as np, torch, zmq
 import bps
 from bps.common.auth import connect_as_client, load_key
 from bps.compressors import build
-from bps.common.config import validate_compression_params
+from bps.compressors import validate_compression_params
 from bps.common.protocol import Op, RemoteError, decode, encode
 bps.init()
 engine = bps.core.runtime.get().engine

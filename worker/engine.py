@@ -13,10 +13,11 @@ Usage (local rank 0 of a worker node)::
     engine.barrier()
     engine.close()
 
-A key whose compressor takes several rounds (``chain.rounds``, powersgd: 2) is one
+A key whose compressor takes several rounds (``MultiRound``, powersgd: 2) is one
 push_pull for the caller; round r travels as the raw float32 key ``key + r * 2**60`` on
-the key's server, the next round is computed on a codec thread when the previous sum
-arrives (docs/compression.md, "Rounds").
+the key's server, cut into pieces ``+ j * 2**40`` where it is larger than a key may be;
+the next round is computed on a codec thread once every piece of the previous sum
+arrived (docs/compression.md, "Rounds").
 
 One I/O thread owns every socket (one DEALER per server, the scheduler link;
 :mod:`bps.worker.io_loop`); a small thread pool runs the compressor chains
@@ -47,6 +48,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import copy
+import functools
 import itertools
 import threading
 from dataclasses import dataclass, fields
@@ -62,10 +64,11 @@ from bps.common.memory import keep_buffers_in_heap
 from bps.common.protocol import MARKS, ClusterError, Op, dtype_name
 from bps.common.scheduler_client import SchedulerClient
 from bps.common.trace import Tracer
+from bps.compressors.base import MultiRound
 from bps.worker.codec_pool import CodecPool
 from bps.worker.device_path import KeyStaging, decode_into, on_side_stream, wait_side_stream
 from bps.worker.io_loop import IOLoop, log
-from bps.worker.partition import Placement
+from bps.worker.partition import Placement, partition
 from bps.worker.send_queues import KeyInfo, Skipped, info_label, new_future, send_order
 
 __all__ = ["EngineStats", "Skipped", "WorkerEngine"]
@@ -74,6 +77,8 @@ MAX_KEY = 2**63
 STATE_WINDOW = 16  # GET_STATE / SET_STATE requests out at a time
 # round r >= 1 of a key whose compressor takes several rounds travels on this key
 ROUND_KEY_STRIDE = 2**60
+# piece j >= 1 of a round larger than a key may be travels on the round's key plus this
+PIECE_KEY_STRIDE = 2**40
 
 
 @dataclass(frozen=True)
@@ -122,7 +127,8 @@ class WorkerEngine:
         self.servers: list[str] = list(welcome["servers"])
         self.placement = Placement(self.num_servers)
         self._keys: dict[int, KeyInfo] = {}
-        self._rounds: dict[int, list[KeyInfo]] = {}  # multi-round keys: a raw key per round
+        # multi-round keys: for each round the raw keys of its pieces
+        self._rounds: dict[int, list[list[KeyInfo]]] = {}
         self._barrier_seq = itertools.count()
         self._host_chain_logged: set[str] = set()
         self._stats_lock = threading.Lock()
@@ -182,14 +188,14 @@ class WorkerEngine:
         staging = None if device is None else KeyStaging(torch.device(device))
         if params is not None:
             chain = self._build_chain(params, numel, dtype, staging)
-            if hasattr(chain, "set_workers"):
+            if isinstance(chain, MultiRound):  # only its rounds travel (each declared)
                 chain.set_workers(self.num_workers)
-            if getattr(chain, "rounds", 1) > 1:  # only its rounds travel (each declared)
                 self._declare_rounds(key, chain, name, server)
-                self._keys[key] = KeyInfo(key, numel, dtype, name, self._rounds[key][0].server,
-                                          chain, staging=staging)
+                self._keys[key] = KeyInfo(key, numel, dtype, name,
+                                          self._rounds[key][0][0].server, chain,
+                                          staging=staging)
                 return
-        largest = (self.env.max_message_bytes - 64) // 2
+        largest = self._largest_key_bytes()
         if numel * dtype.itemsize > largest:
             raise ValueError(f"key {key} ({name!r}): {numel * dtype.itemsize} bytes is larger "
                              f"than a key may be ({largest} bytes: half of "
@@ -224,23 +230,69 @@ class WorkerEngine:
                         "host uncompressed and compressed there", params["compressor"])
         return build(params, numel, dtype, role="worker")
 
-    def _declare_rounds(self, key: int, chain: Any, name: str, server: int | None) -> None:
-        """A compressor with several rounds: round r travels as a raw float32 key of
-        ``chain.round_numel(r)`` elements (``key + r * ROUND_KEY_STRIDE``), all on one
-        server, which sums each round like any float32 key."""
-        if key >= ROUND_KEY_STRIDE:
+    def _largest_key_bytes(self) -> int:
+        """The most bytes one key's push may carry: half a message (its reply comes back
+        in one too)."""
+        return (self.env.max_message_bytes - 64) // 2
+
+    def _declare_rounds(self, key: int, chain: MultiRound, name: str,
+                        server: int | None) -> None:
+        """A compressor with several rounds: round r travels as raw float32 keys of
+        ``chain.round_numel(r)`` elements in all (``key + r * ROUND_KEY_STRIDE``), cut
+        into pieces no larger than a key may be (piece j: ``+ j * PIECE_KEY_STRIDE``),
+        all on one server, which sums each like any float32 key. A float32 sum element
+        by element is the same whichever piece holds the element."""
+        if key >= PIECE_KEY_STRIDE:
             raise ValueError(f"key {key} ({name!r}): a key whose compressor takes "
-                             f"{chain.rounds} rounds must be below 2**60")
-        infos: list[KeyInfo] = []
+                             f"{chain.rounds} rounds must be below 2**40")
+        rounds: list[list[KeyInfo]] = []
         try:
             for round_ in range(chain.rounds):
-                wire_key = key + round_ * ROUND_KEY_STRIDE
-                self.declare(wire_key, chain.round_numel(round_), torch.float32, None,
-                             name=f"{name} round {round_}", server=server)
-                infos.append(self._keys.pop(wire_key))
-                server = infos[0].server
+                cuts = partition(chain.round_numel(round_), 4, self._largest_key_bytes())
+                pieces: list[KeyInfo] = []
+                rounds.append(pieces)
+                for index, (_, length) in enumerate(cuts):
+                    wire_key = key + round_ * ROUND_KEY_STRIDE + index * PIECE_KEY_STRIDE
+                    label = f"{name} round {round_}" + (f" piece {index}" if index else "")
+                    self.declare(wire_key, length, torch.float32, None, name=label,
+                                 server=server)
+                    pieces.append(self._keys.pop(wire_key))
+                    server = pieces[0].server
         finally:
-            self._rounds[key] = infos
+            self._rounds[key] = rounds
+
+    def _push_pieces(self, pieces: list[KeyInfo], payload: torch.Tensor, step: int,
+                     lr: float, order: tuple, extra: dict | None
+                     ) -> concurrent.futures.Future:
+        """Push a round: each piece its slice of ``payload`` (a marker, ``extra``: each
+        the marker). The future gives the pieces' sums in order, else the first
+        :class:`Skipped` among them, else fails with the first error."""
+        gathered = new_future()
+        done: list[concurrent.futures.Future | None] = [None] * len(pieces)
+        lock = threading.Lock()
+
+        def arrived(index: int, future: concurrent.futures.Future) -> None:
+            with lock:
+                done[index] = future
+                if any(f is None for f in done):
+                    return
+            error = next((f.exception() for f in done if f.exception() is not None), None)
+            if error is not None:
+                gathered.set_exception(error)
+                return
+            sums = [f.result() for f in done]
+            gathered.set_result(next((s for s in sums if isinstance(s, Skipped)), sums))
+
+        data = payload.reshape(-1).view(torch.uint8)
+        offset = 0
+        for index, wire in enumerate(pieces):
+            piece = data if extra is not None else data[offset:offset + 4 * wire.numel]
+            offset += 4 * wire.numel
+            wire.busy = True
+            inner = new_future()
+            inner.add_done_callback(functools.partial(arrived, index))
+            self._io.enqueue(wire, piece, step, lr, order, inner, extra)
+        return gathered
 
     def _push_round(self, info: KeyInfo, round_: int, payload: torch.Tensor, step: int,
                     lr: float, order: tuple, future: concurrent.futures.Future,
@@ -248,13 +300,13 @@ class WorkerEngine:
         """Push round ``round_`` of a multi-round key; its sum feeds the next round (on a
         codec thread), the last one is decoded into ``future``. ``extra``: a round-0
         non-finite mark; a skipped round settles ``future`` with its :class:`Skipped`."""
-        wire = self._rounds[info.key][round_]
-        wire.busy = True
-        inner = new_future()
+        inner = self._push_pieces(self._rounds[info.key][round_], payload, step, lr, order,
+                                  extra)
 
-        def next_round(summed: torch.Tensor | Skipped) -> torch.Tensor | Skipped | None:
-            if isinstance(summed, Skipped):
-                return summed
+        def next_round(sums: list[torch.Tensor] | Skipped) -> torch.Tensor | Skipped | None:
+            if isinstance(sums, Skipped):
+                return sums
+            summed = sums[0] if len(sums) == 1 else torch.cat(sums)
             staging = info.staging
             if staging is None or staging.host_chain:
                 if round_ + 1 == info.chain.rounds:
@@ -274,7 +326,6 @@ class WorkerEngine:
             return None
 
         inner.add_done_callback(lambda done: self._codec.then(info, future, done, next_round))
-        self._io.enqueue(wire, payload, step, lr, order, inner, extra)
 
     def push_pull(self, key: int, tensor: torch.Tensor | None, step: int, lr: float,
                   priority: int = 0, out: torch.Tensor | None = None,

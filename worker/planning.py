@@ -17,12 +17,12 @@ the bytes a step pushes are balanced::
 from __future__ import annotations
 
 import concurrent.futures
+import math
 from dataclasses import dataclass
 
 import torch
 
-from bps.compressors import payload_bound
-from bps.compressors.powersgd import should_compress
+from bps.compressors import WholeTensor, compressor_class, payload_bound
 from bps.worker.partition import partition, plan_servers
 
 
@@ -77,15 +77,16 @@ def plan_tensor(name: str, numel: int, params: dict, wire_dtype: torch.dtype,
                 partition_bytes: int, shape: tuple | None = None
                 ) -> tuple[list[Part], list[KeyPlan], Part | None]:
     """The parts of a float32 tensor and the keys they need (``params``: validated
-    compression_params; ``shape``: the tensor's, for powersgd). The third value is the
-    tensor's only part where it is small and raw: it goes to :func:`plan_buckets`
-    instead of getting a key here."""
+    compression_params; ``shape``: the tensor's, for a compressor that takes tensors
+    whole). The third value is the tensor's only part where it is small and raw: it goes
+    to :func:`plan_buckets` instead of getting a key here."""
     compress = params["compressor"] is not None and numel * 4 >= params["min_compress_bytes"]
-    if params["compressor"] == "powersgd":
-        matrix = _powersgd_matrix(numel, params, shape)
-        if compress and matrix is not None:
-            return _plan_matrix(name, numel, params, wire_dtype, matrix, partition_bytes)
-        compress = False  # vectors, biases and matrices PowerSGD would not shrink: raw
+    cls = compressor_class(params)
+    if cls is not None and issubclass(cls, WholeTensor):
+        whole = cls.tensor_shape(shape, params) if compress else None
+        if whole is not None:
+            return _plan_whole(name, numel, params, wire_dtype, whole, partition_bytes)
+        compress = False  # vectors, biases, tensors the compressor would not shrink: raw
     parts: list[Part] = []
     keys: list[KeyPlan] = []
     small = None
@@ -110,24 +111,14 @@ def plan_tensor(name: str, numel: int, params: dict, wire_dtype: torch.dtype,
     return parts, keys, small
 
 
-def _powersgd_matrix(numel: int, params: dict, shape: tuple | None) -> list[int] | None:
-    """[n, m]: the tensor viewed as ``shape[0]`` rows, where PowerSGD compresses it (a
-    tensor of 2 or more dimensions meeting ``min_compression_rate``); else None."""
-    if shape is None or len(shape) < 2 or numel == 0:
-        return None
-    n, m = int(shape[0]), numel // int(shape[0])
-    if not should_compress(n, m, params["rank"], params["min_compression_rate"]):
-        return None
-    return [n, m]
-
-
-def _plan_matrix(name: str, numel: int, params: dict, wire_dtype: torch.dtype,
-                 matrix: list[int], partition_bytes: int
-                 ) -> tuple[list[Part], list[KeyPlan], None]:
-    """A PowerSGD matrix travels whole on one compressed key (its factors need every
-    row); during warmup it travels raw, in partitions like any raw tensor (whole, it
-    could be larger than a key may be)."""
-    key_params = dict(params, shape=matrix)
+def _plan_whole(name: str, numel: int, params: dict, wire_dtype: torch.dtype,
+                shape: list[int], partition_bytes: int
+                ) -> tuple[list[Part], list[KeyPlan], None]:
+    """A tensor that its compressor takes whole (``WholeTensor``: PowerSGD's matrices,
+    whose factors need every row) travels on one compressed key, in ``shape``; during
+    warmup it travels raw, in partitions like any raw tensor (whole, it could be larger
+    than a key may be)."""
+    key_params = dict(params, shape=shape)
     whole = Part(0, numel, only="compressed" if params["warmup_steps"] > 0 else None)
     parts = [whole]
     keys = [KeyPlan(whole, "compressed_key", f"{name}[0]", numel, torch.float32, key_params,
@@ -182,35 +173,41 @@ def plan_buckets(names: list[str], small: dict[int, Part], wire_dtype: torch.dty
 
 
 def plan_batches(keys: list[KeyPlan]) -> tuple[list[KeyPlan], list[Bucket]]:
-    """powersgd with ``batch_tensors_with_same_shape``: the compressed matrices of one
-    shape (two or more) travel together on one key of shape (b, n, m), stacked in
-    backward order (the reverse of ``keys``, as DDP's buckets hold them), like PyTorch's
-    batched compression. Returns the key plans with those matrices' keys replaced by
-    one per shape, and the batches (fused like raw buckets, after warmup)."""
+    """Whole tensors of one shape (two or more) whose compressor batches them
+    (``WholeTensor.batches``: powersgd with ``batch_tensors_with_same_shape``) travel
+    together on one key of shape (b, *shape), stacked in backward order (the reverse of
+    ``keys``, as DDP's buckets hold them), like PyTorch's batched compression. Returns
+    the key plans with those tensors' keys replaced by one per shape, and the batches
+    (fused like raw buckets, after warmup)."""
     groups: dict[tuple, list[int]] = {}
     for index in reversed(range(len(keys))):
         plan = keys[index]
-        params = plan.params
-        if (plan.field == "compressed_key" and params is not None
-                and params.get("batch_tensors_with_same_shape")):
-            groups.setdefault(tuple(params["shape"]), []).append(index)
+        if plan.field == "compressed_key" and _batches(plan.params):
+            groups.setdefault(tuple(plan.params["shape"]), []).append(index)
     batched = {i for members in groups.values() if len(members) > 1 for i in members}
     plans = [plan for i, plan in enumerate(keys) if i not in batched]
     buckets = []
-    for (n, m), members in groups.items():
+    for shape, members in groups.items():
         if len(members) < 2:
             continue
+        size = math.prod(shape)
         parts = [keys[i].part for i in members]
         bucket = Bucket("batched(" + ", ".join(keys[i].name for i in members) + ")",
-                        len(members) * n * m, len(members),
-                        buffer=torch.zeros(len(members) * n * m))
+                        len(members) * size, len(members),
+                        buffer=torch.zeros(len(members) * size))
         for position, part in enumerate(parts):
-            part.bucket, part.bucket_offset = bucket, position * n * m
-        params = dict(keys[members[0]].params, shape=[len(members), n, m])
+            part.bucket, part.bucket_offset = bucket, position * size
+        params = dict(keys[members[0]].params, shape=[len(members), *shape])
         buckets.append(bucket)
         plans.append(KeyPlan(bucket, "key", bucket.name, bucket.numel, torch.float32, params,
                              payload_bound(params, bucket.numel)))
     return plans, buckets
+
+
+def _batches(params: dict | None) -> bool:
+    """Whether a compressed key of ``params`` is a whole tensor its compressor batches."""
+    cls = None if params is None else compressor_class(params)
+    return cls is not None and issubclass(cls, WholeTensor) and cls.batches(params)
 
 
 def plan_key_servers(keys: list[KeyPlan], num_servers: int) -> list[int]:

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from bps.common.config import validate_compression_params
+from bps.compressors import validate_compression_params
 from bps.compressors.base import NonFiniteError
 from bps.core.grad_pipeline import GradPipeline, GradTensor, Skipped
 from bps.core.loss_scale import LossScale

@@ -139,7 +139,7 @@ class GradPipeline:
 
     Args:
         rt: the process's :class:`bps.core.runtime.Runtime`.
-        params: validated compression_params (:func:`bps.common.config.validate_compression_params`)
+        params: validated compression_params (:func:`bps.compressors.validate_compression_params`)
             with ``seed`` (and, with momentum, ``mu``) filled in.
         tensors: the parameters, in model order (the same on every rank); their keys are
             planned and declared here, in this order, on every rank alike.
