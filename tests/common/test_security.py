@@ -27,10 +27,8 @@ from bps.common.auth import (
 )
 from bps.common.protocol import Op, encode, new_token
 from bps.launch.role import free_port
-from tests.ps_job import BPSLAUNCH, TEST_ENV, run_command
-from tests.test_ps_cluster import check_raw_aggregates
+from tests.harness.ps_job import BPSLAUNCH, JOB, TEST_ENV, check_raw_aggregates, run_command
 
-JOB = str(Path(__file__).with_name("ps_job.py"))
 EXIT_WITHIN = 120.0
 
 

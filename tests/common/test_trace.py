@@ -17,7 +17,7 @@ import bps.common.trace
 from bps.common.env import ClusterEnv, EnvError
 from bps.common.striping import host_cores
 from bps.common.trace import Tracer, covered_ms, per_step_ms
-from tests.test_trainer import launch, load_reports
+from tests.harness.trainer_job import launch, load_reports
 
 BASE_ENV = {"DMLC_ROLE": "worker", "DMLC_WORKER_ID": "0", "DMLC_NUM_WORKER": "2",
             "DMLC_NUM_SERVER": "1", "DMLC_PS_ROOT_URI": "127.0.0.1",

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from bps.compressors import build, validate_compression_params
 from bps.compressors.base import NonFiniteError
 from bps.compressors.bytegrad import ByteGrad, split_chunks
-from tests import reference_compressors as ref
-from tests.test_compressors import DTYPES, SIZES, as_values, payload_of, sample
+from tests.harness import reference_compressors as ref
+from tests.harness.samples import DTYPES, SIZES, as_values, payload_of, sample
 
 
 def check(x: torch.Tensor, chunk: int) -> bytes:

@@ -18,33 +18,12 @@ from bps.compressors import (
     state_to_wire,
     unregister,
 )
-from tests import reference_compressors as ref
-from tests.test_compressors import DTYPES, as_values, payload_of, sample
+from tests.harness import reference_compressors as ref
+from tests.harness.paths import ROOT
+from tests.harness.reference_compressors import ref_codec
+from tests.harness.samples import DTYPES, as_values, payload_of, sample
 
 LRS = [0.1, 0.1, 0.05, 0.05, 0.2, 0.01]
-
-
-def ref_codec(params: dict, numel: int, dtype: str):
-    """(encode, decode) of the reference for one compressor (encode carries the RNG)."""
-    name, k = params["compressor"], params.get("k")
-    if name == "onebit":
-        return (lambda x: ref.onebit_encode(x, params.get("scaling", True)),
-                lambda p: ref.onebit_decode(p, numel, dtype))
-    count = (max(1, int(k * numel)) if isinstance(k, float) else min(k, numel)) if k else 0
-    if name == "topk":
-        return (lambda x: ref.topk_encode(x, count, dtype),
-                lambda p: ref.topk_decode(p, numel, count, dtype))
-    if name == "bytegrad":
-        chunk = params.get("chunk", 1024)
-        return (lambda x: ref.bytegrad_encode(x, chunk),
-                lambda p: ref.bytegrad_decode(p, numel, chunk, dtype))
-    rng = ref.XorShift128Plus(params.get("seed", 1))
-    if name == "randomk":
-        return (lambda x: ref.randomk_encode(x, count, dtype, rng),
-                lambda p: ref.randomk_decode(p, numel, count, dtype))
-    partition = params.get("partition", "linear")
-    return (lambda x: ref.dithering_encode(x, k, partition, params.get("normalize", "max"), rng),
-            lambda p: ref.round_to(ref.dithering_decode(p, numel, k, partition), dtype))
 
 
 CHAIN_PARAMS = [
@@ -174,9 +153,7 @@ def test_load_state_dict_rejects_mismatches():
 # ---- a user compressor in under 30 lines (the one in docs/compressors.md) -------------
 
 def docs_example_source() -> str:
-    from pathlib import Path
-
-    text = (Path(__file__).parent.parent / "docs" / "compressors.md").read_text()
+    text = (ROOT / "docs" / "compressors.md").read_text()
     start = text.index("```python\n# add-your-own") + len("```python\n")
     return text[start : text.index("```", start)]
 

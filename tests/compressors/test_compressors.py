@@ -1,4 +1,5 @@
-"""Each compressor against the independent references of tests/reference_compressors.py."""
+"""Each compressor against the independent references of
+tests/harness/reference_compressors.py."""
 
 import numpy as np
 import pytest
@@ -8,34 +9,10 @@ from hypothesis import strategies as st
 
 from bps.compressors import build, topk
 from bps.compressors.base import NonFiniteError
-from tests import reference_compressors as ref
+from tests.harness import reference_compressors as ref
+from tests.harness.samples import DTYPES, SIZES, as_values, payload_of, sample
 
-DTYPES = ["float32", "float16", "bfloat16", "float64"]
-SIZES = [1, 2, 31, 32, 33, 100, 1000, 4099]
 FAST = settings(max_examples=30, deadline=None)
-
-
-def sample(numel: int, dtype: str, seed: int = 0, distinct: bool = False) -> torch.Tensor:
-    """Random values in dtype; ``distinct``: no two magnitudes equal (for topk)."""
-    gen = np.random.default_rng(seed)
-    if distinct:
-        mags = gen.permutation(numel) + 1.0  # exact in every dtype up to 256, scaled below
-        values = mags / numel * np.where(gen.random(numel) < 0.5, -1, 1)
-        if dtype in ("float16", "bfloat16") and numel > 256:
-            values = values * 0  # caller avoids this
-    else:
-        values = gen.standard_normal(numel) * gen.choice([1e-3, 1.0, 30.0])
-        values[gen.random(numel) < 0.1] = 0.0
-    return torch.tensor(values).to(ref.TORCH_DTYPE[dtype])
-
-
-def as_values(t: torch.Tensor) -> np.ndarray:
-    return t.double().numpy()
-
-
-def payload_of(t: torch.Tensor) -> bytes:
-    assert t.dtype == torch.uint8 and t.dim() == 1
-    return t.numpy().tobytes()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -154,7 +131,7 @@ def test_topk_ties_and_zeros_still_give_exactly_k(values):
 
 def test_topk_refuses_nan_which_ranks_first():
     # NaN ranks above every magnitude, so it is among the k: compress refuses the input
-    # (tests/test_compressors_nonfinite.py checks every compressor, chain and dtype)
+    # (tests/compressors/test_nonfinite.py checks every compressor, chain and dtype)
     c = build({"compressor": "topk", "k": 50}, 5000)
     with pytest.raises(NonFiniteError, match="inf or NaN"):
         c.compress(torch.tensor(np.r_[np.full(100, np.nan), np.ones(4900)], dtype=torch.float32))

@@ -9,7 +9,7 @@ from numba import njit
 
 from bps.compressors import build, dithering_decoder, dithering_quantiser, elias_delta, threads
 from bps.compressors.rng import LANES, draw_lanes, jump, jump_table
-from tests import reference_compressors as ref
+from tests.harness import reference_compressors as ref
 
 
 @pytest.fixture

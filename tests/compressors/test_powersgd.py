@@ -1,7 +1,7 @@
 """powersgd's compressor alone: orthogonalisation as PyTorch's hook does it, the two
 rounds of several workers against the algorithm written out in torch, its error and
 warm start, state, validation and planning. The whole pipeline is compared with
-DDP's own hook in tests/test_powersgd_ddp.py."""
+DDP's own hook in tests/frontends/test_powersgd_ddp.py."""
 
 import msgpack
 import numpy as np
@@ -12,7 +12,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as hook
 from bps.compressors import build, state_from_wire, state_to_wire, validate_compression_params
 from bps.compressors.powersgd import PowerSGD, orthogonalize, should_compress
 from bps.worker.planning import plan_batches, plan_tensor
-from tests.ps_job import BPSLAUNCH
+from tests.harness.ps_job import BPSLAUNCH
 
 
 @pytest.mark.parametrize("shape", [(1, 30, 1), (1, 30, 2), (3, 20, 2), (2, 17, 4)])

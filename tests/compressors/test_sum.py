@@ -12,10 +12,10 @@ import zmq
 from bps.common.protocol import Op, decode, encode
 from bps.compressors import Compressor, build
 from bps.server.server import RequestError
-from tests import reference_compressors as ref
-from tests.test_compressors import DTYPES, as_values, sample
-from tests.test_compressors_chain import ref_codec
-from tests.test_server_rules import serving_key_engine
+from tests.harness import reference_compressors as ref
+from tests.harness.key_engine import serving_key_engine
+from tests.harness.reference_compressors import ref_codec
+from tests.harness.samples import DTYPES, as_values, sample
 
 SUM_PARAMS = [
     {"compressor": "onebit", "scaling": True},

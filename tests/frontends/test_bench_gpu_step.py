@@ -6,14 +6,15 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+
+from tests.harness import paths
 
 # the bench itself runs on a GPU host (bench/gpu_host.sh); here it only has to run
 pytestmark = pytest.mark.slow
 
-BENCH = Path(__file__).resolve().parent.parent / "bench" / "gpu_step.py"
+BENCH = paths.BENCH / "gpu_step.py"
 
 
 def test_quick_cpu_run_reports_every_selected_configuration(tmp_path):

@@ -1,11 +1,12 @@
 """The DDP communication hook (bps.ddp) end to end: DDP over gloo, bps's servers behind.
 
-This file is also the worker script: ``python tests/test_ddp.py CONFIG_JSON`` is what
-every worker process runs under ``bpslaunch local``; it calls
+This module is also the worker program: ``python -m tests.frontends.test_ddp
+CONFIG_JSON`` is what every worker process runs under ``bpslaunch local``; it calls
 ``dist.init_process_group("gloo")`` with no rendezvous arguments (bpslaunch exports RANK,
-WORLD_SIZE, MASTER_*). The model is tests/test_trainer.py's (loss ``0.5 * ||w - t||^2``, so the
-gradient is ``w - t`` exactly), wrapped in DDP, so every result is compared with an
-independent numpy replay of the same partitions through the reference chains.
+WORLD_SIZE, MASTER_*). The model is tests/harness/trainer_job.py's (loss
+``0.5 * ||w - t||^2``, so the gradient is ``w - t`` exactly), wrapped in DDP, so every
+result is compared with an independent numpy replay of the same partitions through the
+reference chains.
 """
 
 from __future__ import annotations
@@ -20,22 +21,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # run as a script: make ``tests`` importable
-    sys.path.insert(0, str(ROOT))
-
-from tests.test_trainer import (  # noqa: E402
+from tests.harness.trainer_job import (
+    COMM_LRS,
+    COMM_SHAPES,
     MOMENTUM,
     SHAPES,
     SIM_CASES,
     SIM_LRS,
+    comm_reference,
     initial_params,
     load_params,
     plain,
     replay,
     targets,
 )
-from tests.test_trainer import launch as trainer_launch  # noqa: E402
+from tests.harness.trainer_job import launch as trainer_launch
 
 # ----------------------------------------------------------------------------- worker side
 
@@ -173,9 +173,9 @@ def worker_main(cfg: dict) -> int:
 
 def launch(cfg: dict, tmp: Path, workers: int = 2, servers: int = 1, local_size: int = 1,
            env: dict | None = None, timeout: float = 150) -> subprocess.CompletedProcess:
-    """tests/test_trainer.py's launch, running this file."""
+    """tests/harness/trainer_job.py's launch, running this module."""
     return trainer_launch(cfg, tmp, workers, servers, local_size,
-                          {"BPS_TIMEOUT": "60", **(env or {})}, timeout, script=__file__)
+                          {"BPS_TIMEOUT": "60", **(env or {})}, timeout, module=__name__)
 
 
 def accumulated(shapes: dict):
@@ -302,9 +302,9 @@ def test_hook_matches_the_replay_for_every_compressor_and_ddp_feature(tmp_path):
                                               marks=pytest.mark.slow)])
 def test_two_local_ranks_reduce_in_fp16(tmp_path, env):
     """2 nodes x 2 local ranks x 2 servers, fp16 within the node and on the wire: the
-    exact roundings of tests/test_trainer_comm_dtype.py's reference."""
-    from tests.test_trainer_comm_dtype import LRS, reference
-    from tests.test_trainer_comm_dtype import SHAPES as FP16_SHAPES
+    exact roundings of tests/harness/trainer_job.py's comm_reference (which
+    tests/frontends/test_trainer_comm_dtype.py checks through the trainer)."""
+    LRS, FP16_SHAPES, reference = COMM_LRS, COMM_SHAPES, comm_reference
 
     runs = [{"tag": "fp16", "params": {"momentum": "nesterov", "comm_dtype": "fp16"},
              "ddp": SMALL_BUCKETS}]

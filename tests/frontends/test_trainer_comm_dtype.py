@@ -1,38 +1,19 @@
 """comm_dtype through a real cluster (2 nodes x 2 local ranks): the final parameters equal,
 bit for bit, a reference that rounds to float16/bfloat16 exactly where the pipeline of
-docs/trainer.md does: each rank's share, the intra-node sum of two shares, the
-servers' sum of two nodes (one rounding each: a sum of two halves is taken in float32
-and rounded once), then float32 Nesterov momentum and SGD."""
+docs/trainer.md does (tests/harness/trainer_job.py's ``comm_reference``): each rank's
+share, the intra-node sum of two shares, the servers' sum of two nodes (one rounding
+each: a sum of two halves is taken in float32 and rounded once), then float32 Nesterov
+momentum and SGD."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
-from tests.test_trainer import MOMENTUM, initial_params, launch, load_params, load_reports, targets
-
-SHAPES = {"big": (60, 50), "small": (7,), "bias": (4,)}  # small and bias: fused
-LRS = [0.5, 0.25, 0.25, 0.5]  # powers of two: lr * g is exact
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-
-
-def reference(comm: str, nodes: int = 2, local: int = 2) -> dict:
-    dtype, f32 = DTYPES[comm], np.float32
-    ranks = nodes * local
-    w = initial_params(0, SHAPES)
-    goals = [targets(r, SHAPES) for r in range(ranks)]
-    m = {n: np.zeros(s, f32) for n, s in SHAPES.items()}
-    for lr in LRS:
-        for n in SHAPES:
-            shares = [torch.from_numpy((w[n] - goals[r][n]).astype(f32) / f32(ranks)).to(dtype)
-                      for r in range(ranks)]
-            node_sums = [shares[i * local] + shares[i * local + 1] for i in range(nodes)]
-            g = (node_sums[0] + node_sums[1]).float().numpy()
-            m[n] = (g + f32(MOMENTUM) * m[n]).astype(f32)
-            g = (g + f32(MOMENTUM) * m[n]).astype(f32)
-            w[n] = (w[n] - f32(lr) * g).astype(f32)
-    return w
+from tests.harness.trainer_job import COMM_LRS as LRS
+from tests.harness.trainer_job import COMM_SHAPES as SHAPES
+from tests.harness.trainer_job import comm_reference as reference
+from tests.harness.trainer_job import launch, load_params, load_reports
 
 
 @pytest.mark.parametrize("comm", ["bf16", "fp16"])

@@ -2,8 +2,9 @@
 gradient accumulation, non-finite gradients (both policies, and a GradScaler), uneven
 inputs with ``trainer.join()``, low-precision parameters with autocast, torch.compile.
 
-Like tests/test_trainer.py this file is also the worker script: ``python
-tests/test_training_loops.py CONFIG_JSON`` is what every worker process runs. The toy
+This module is also the worker program: ``python -m tests.frontends.test_training_loops
+CONFIG_JSON`` is what every worker process runs (tests/harness/trainer_job.py's
+``worker_main`` with this module's ``train``). The toy
 model's gradient is known in closed form (``grad = w - target``), so the tests replay
 the pipeline in numpy, or compare two real runs that must end bit-identical.
 """
@@ -21,12 +22,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # run as a script: make ``tests`` importable
-    sys.path.insert(0, str(ROOT))
-
-from tests.ps_job import BPSLAUNCH  # noqa: E402
-from tests.test_trainer import (  # noqa: E402
+from tests.harness.paths import ROOT
+from tests.harness.ps_job import BPSLAUNCH
+from tests.harness.trainer_job import (
     MOMENTUM,
     PARTITION,
     SHAPES,
@@ -39,13 +37,13 @@ from tests.test_trainer import (  # noqa: E402
     targets,
     worker_main,
 )
-from tests.test_trainer import launch as trainer_launch  # noqa: E402
+from tests.harness.trainer_job import launch as trainer_launch
 
 INJECT_STEP, INJECT_RANK, INJECT_INDEX = 2, 1, 7
 
 
 def micro_targets(rank: int, micro: int, shapes: dict) -> dict:
-    """The targets of micro-batch ``micro`` on ``rank`` (micro-batch 0: test_trainer's)."""
+    """The targets of micro-batch ``micro`` on ``rank`` (micro-batch 0: trainer_job's)."""
     return targets(rank + 100 * micro, shapes)
 
 
@@ -138,9 +136,9 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
 
 def launch(cfg: dict, tmp: Path, workers: int = 2, servers: int = 1, local_size: int = 1,
            timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
-    """tests/test_trainer.py's launch, running this file."""
+    """tests/harness/trainer_job.py's launch, running this module."""
     return trainer_launch(cfg, tmp, workers, servers, local_size, env=env, timeout=timeout,
-                          script=__file__)
+                          module=__name__)
 
 
 def load_state(tmp: Path, tag: str, rank: int) -> dict:
@@ -181,13 +179,13 @@ def assert_identical(a: object, b: object, where: str = "") -> None:
 def simulate(params: dict | None, nodes: int, lrs: list[float], passes: int = 1,
              steps_per_rank: list[int] | None = None, shapes: dict = SHAPES,
              local_size: int = 1) -> dict:
-    """SPEC §1's pipeline in numpy (as tests/test_trainer.simulate), with ``passes``
+    """SPEC §1's pipeline in numpy (as tests/harness/trainer_job.simulate), with ``passes``
     micro-batches summed in float32 per step, in backward order, ``local_size`` ranks
     per node summed in float32 within the node, and ranks that ran out of steps
     contributing nothing (the divisor stays the number of ranks; a node none of whose
     ranks has data pushes nothing). ``params`` None: uncompressed float32 wire, no
     momentum."""
-    from tests.reference_compressors import RefChain
+    from tests.harness.reference_compressors import RefChain
 
     f32 = np.float32
     ranks = nodes * local_size

@@ -1,4 +1,4 @@
-"""The worker program of the cluster-launch tests (tests/test_cluster_launch.py).
+"""The worker program of the cluster-launch tests (tests/launch/test_cluster_launch.py).
 
 Not a test module. Every process calls ``bps.init()`` and torch's
 ``dist.init_process_group("gloo")`` with nothing else (the rendezvous comes from the
@@ -8,7 +8,7 @@ alone, which refuses these CPU tensors), checks that both see the same job
 gradient that the user's own torch.distributed group computes (an independent
 all-reduce). Prints ``cluster-job ok RANK SIZE NODE LOCAL_RANK`` at the end::
 
-    bpslaunch local --workers 2 --local-size 2 -- python tests/cluster_job.py
+    bpslaunch local --workers 2 --local-size 2 -- python tests/harness/cluster_job.py
 """
 
 from __future__ import annotations

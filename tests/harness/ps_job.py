@@ -1,9 +1,9 @@
 """The worker program the parameter-server tests run under ``bpslaunch local``.
 
 Not a test module itself (pytest collects nothing here); the tests import its data
-generator and key tables to compute references. Run as::
+generator, key tables and reference checks. Run as (``JOB`` is this file's path)::
 
-    bpslaunch local --workers 3 --servers 2 -- python tests/ps_job.py --out DIR --case raw
+    bpslaunch local --workers 3 --servers 2 -- python tests/harness/ps_job.py --out DIR --case raw
 
 Each worker node declares the case's keys, pushes ``STEPS`` steps of deterministic data
 and saves what it pulled (plus its placement and the answers to probe messages) to
@@ -20,6 +20,7 @@ import sys
 import threading
 
 import msgpack
+import numpy as np
 import torch
 import zmq
 
@@ -518,6 +519,7 @@ if __name__ == "__main__":
 
 # the launcher of the interpreter running the tests, wherever its scripts were installed
 BPSLAUNCH = [sys.executable, "-m", "bps.launch.cli"]
+JOB = os.path.abspath(__file__)  # this program, as a worker runs it
 
 TEST_ENV = {"BPS_TIMEOUT": "20", "BPS_HEARTBEAT_INTERVAL": "0.2", "BPS_HEARTBEAT_TIMEOUT": "6",
             "BYTEPS_PARTITION_BYTES": "65536", "BPS_SERVER_THREADS": "2",
@@ -551,3 +553,32 @@ def run_command(argv: list[str], env: dict[str, str], timeout: float) -> tuple[i
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def numpy_sum(pushes: list[torch.Tensor]) -> np.ndarray:
+    """Reference: sum in float32 (float64 for float64 data), like docs/architecture.md's servers,
+    one push after the other in node order."""
+    acc = np.float64 if pushes[0].dtype == torch.float64 else np.float32
+    total = pushes[0].to(torch.float64).numpy().astype(acc)
+    for push in pushes[1:]:
+        total = total + push.to(torch.float64).numpy().astype(acc)
+    return total
+
+
+def check_raw_aggregates(runs: list[dict]) -> None:
+    """Every node of a ``--case raw`` job (``runs``: its ``node{id}.pt`` files) got the
+    numpy sum of every key and step, bit-identical across nodes."""
+    for key, numel, dtype_name, _ in raw_keys():
+        dtype = getattr(torch, dtype_name)
+        for step in range(STEPS):
+            pushes = [tensor_for(node, key, step, numel, dtype) for node in range(len(runs))]
+            expected = torch.from_numpy(numpy_sum(pushes)).to(dtype)
+            for node, run in enumerate(runs):
+                got = run["results"][(key, step)]
+                assert got.dtype == dtype and got.shape == (numel,), (key, node)
+                # summed in node order, whatever the arrival order: bit-exact
+                assert torch.equal(got, expected), f"key {key} step {step} node {node}"
+    # every node got bit-identical aggregates: one sum per step on the server
+    for key, step in runs[0]["results"]:
+        assert all(torch.equal(run["results"][(key, step)], runs[0]["results"][(key, step)])
+                   for run in runs)

@@ -6,7 +6,7 @@ float64 numpy arrays holding numbers exactly representable in the tensor dtype
 (``dtype`` is a name: "float32", "float16", "bfloat16", "float64"). Other tests reuse
 these, e.g. to check server aggregation::
 
-    from tests.reference_compressors import XorShift128Plus, ref_build
+    from tests.harness.reference_compressors import XorShift128Plus, ref_build
 """
 
 from __future__ import annotations
@@ -322,3 +322,26 @@ class RefChain:
         payload = self.encode(corrected)
         self.error = r(corrected - self.decode(payload))
         return payload
+
+
+def ref_codec(params: dict, numel: int, dtype: str):
+    """(encode, decode) of the reference for one compressor (encode carries the RNG)."""
+    name, k = params["compressor"], params.get("k")
+    if name == "onebit":
+        return (lambda x: onebit_encode(x, params.get("scaling", True)),
+                lambda p: onebit_decode(p, numel, dtype))
+    count = (max(1, int(k * numel)) if isinstance(k, float) else min(k, numel)) if k else 0
+    if name == "topk":
+        return (lambda x: topk_encode(x, count, dtype),
+                lambda p: topk_decode(p, numel, count, dtype))
+    if name == "bytegrad":
+        chunk = params.get("chunk", 1024)
+        return (lambda x: bytegrad_encode(x, chunk),
+                lambda p: bytegrad_decode(p, numel, chunk, dtype))
+    rng = XorShift128Plus(params.get("seed", 1))
+    if name == "randomk":
+        return (lambda x: randomk_encode(x, count, dtype, rng),
+                lambda p: randomk_decode(p, numel, count, dtype))
+    partition = params.get("partition", "linear")
+    return (lambda x: dithering_encode(x, k, partition, params.get("normalize", "max"), rng),
+            lambda p: round_to(dithering_decode(p, numel, k, partition), dtype))

@@ -21,9 +21,8 @@ import time
 from pathlib import Path
 
 from bps.launch.role import free_port
-from tests.ps_job import TEST_ENV, default_sigint
+from tests.harness.ps_job import JOB, TEST_ENV, default_sigint
 
-JOB = str(Path(__file__).with_name("ps_job.py"))
 HEARTBEAT_TIMEOUT = 4.0
 
 

@@ -1,7 +1,7 @@
 """Launching the way clusters do: torchrun, SLURM and Kubernetes' PyTorchJob variables.
 
 Each end-to-end test sets one launcher's variables for real processes on loopback and
-runs tests/cluster_job.py to completion: ``bps.init()``, the user's own
+runs tests/harness/cluster_job.py to completion: ``bps.init()``, the user's own
 ``dist.init_process_group("gloo")`` with no rendezvous arguments, and DistributedTrainer
 steps checked against the mean gradient computed over that default group. On a GPU host,
 the backend string docs/runtime.md gives for CPU and CUDA tensors is checked too.
@@ -14,15 +14,15 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from bps.common.env import EnvError, derive_worker_env, launch_style, parse_nodelist
 from bps.launch.role import free_port
-from tests.ps_job import BPSLAUNCH, TEST_ENV, run_command
+from tests.harness.paths import HARNESS
+from tests.harness.ps_job import BPSLAUNCH, TEST_ENV, run_command
 
-JOB = str(Path(__file__).with_name("cluster_job.py"))
+JOB = str(HARNESS / "cluster_job.py")
 PY = sys.executable
 TORCHRUN = [PY, "-m", "torch.distributed.run"]
 # several launchers of torch processes share two cores: generous but finite waits

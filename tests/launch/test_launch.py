@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from bps.launch.supervisor import Supervisor
-from tests.ps_job import BPSLAUNCH, TEST_ENV, default_sigint, run_command
+from tests.harness.ps_job import BPSLAUNCH, TEST_ENV, default_sigint, run_command
 
 PY = sys.executable
 

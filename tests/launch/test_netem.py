@@ -23,10 +23,11 @@ import pytest
 
 from bps.launch.link_shape import LinkShape, NetnsError, parse_delay, parse_loss, parse_rate
 from bps.launch.netns import PREFIX, EmulatedCluster, clean_stale, list_namespaces, support_problem
-from tests.ps_job import BPSLAUNCH, default_sigint
+from tests.harness.paths import BENCH, DATA, HARNESS
+from tests.harness.paths import ROOT as REPO
+from tests.harness.ps_job import BPSLAUNCH, default_sigint
 
-REPO = Path(__file__).resolve().parents[1]
-DATA = REPO / "tests" / "data"  # small saved slow-network tables (tests/data/README.md)
+# DATA: small saved slow-network tables (tests/data/README.md)
 NETEM = [*BPSLAUNCH, "netem"]
 TIMEOUT = 120
 MARKER_VAR = "BPS_NETEM_TEST_MARKER"  # every process of a test run inherits it
@@ -561,7 +562,7 @@ def test_runner_partition_sizes_follow_the_link(monkeypatch):
     """Compressed runs get 2 MB partitions on a limited link and BytePS's 4 MB unthrottled,
     where per-message CPU sets the step; uncompressed runs 1 MB; a given size wins."""
     spec = importlib.util.spec_from_file_location("slow_network",
-                                                  REPO / "bench" / "slow_network.py")
+                                                  BENCH / "slow_network.py")
     runner = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "slow_network", runner)  # its dataclasses look it up
     spec.loader.exec_module(runner)
@@ -576,8 +577,7 @@ def test_runner_partition_sizes_follow_the_link(monkeypatch):
 
 
 WARM_AND_COUNT = """
-import json, sys
-sys.path.insert(0, "bench")
+import json
 import numba.core.registry
 import slow_network
 args = slow_network.parse_args(["--methods", "fp32,onebit,dithering",
@@ -600,7 +600,10 @@ def test_runner_compiles_the_kernels_before_its_runs(tmp_path):
     """warm_kernels runs each compressed method's worker and server chains once, so numba
     compiles their kernels into its on-disk cache before any run is timed: a fresh
     process making the same calls then loads every kernel and compiles none."""
-    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba")}
+    # bench/ on the path: the script imports slow_network as a module
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba"),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(BENCH),
+                                                       os.environ.get("PYTHONPATH")]))}
     counts = []
     for _ in range(2):
         done = subprocess.run([sys.executable, "-c", WARM_AND_COUNT], capture_output=True,
@@ -630,10 +633,10 @@ def test_delay_needs_netem(leftovers):
 @pytest.mark.netns
 def test_default_process_group_works_in_a_bps_job(leftovers):
     """bps mode gives every worker process torch.distributed's variables (MASTER_ADDR =
-    node 0's emulated address): tests/cluster_job.py's dist.init_process_group() with no
+    node 0's emulated address): tests/harness/cluster_job.py's dist.init_process_group() with no
     arguments spans both nodes next to bps.init() and checks the trainer against it."""
     done = _cli(["--nodes", "2", "--servers", "1", "--local-size", "2", "--rate", "1gbit",
-                 "--", sys.executable, "tests/cluster_job.py"], leftovers)
+                 "--", sys.executable, str(HARNESS / "cluster_job.py")], leftovers)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     ranks = sorted(int(line.split("cluster-job ok ")[1].split()[0])
                    for line in done.stdout.splitlines() if "cluster-job ok " in line)

@@ -10,19 +10,19 @@ import numpy as np
 import pytest
 import torch
 
-from tests.ps_job import (
+from tests.harness.ps_job import (
     BPSLAUNCH,
+    JOB,
     MISMATCH_KEY,
     ORDER_KEY,
     STEPS,
     TEST_ENV,
+    check_raw_aggregates,
+    numpy_sum,
     order_values,
     raw_keys,
     run_command,
-    tensor_for,
 )
-
-JOB = str(Path(__file__).with_name("ps_job.py"))
 
 
 def run_cluster(tmp_path: Path, workers: int, servers: int, case: str,
@@ -48,16 +48,6 @@ def raw_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
                        BPS_CONNECTIONS_PER_SERVER="3", BPS_IO_THREADS="2")
 
 
-def numpy_sum(pushes: list[torch.Tensor]) -> np.ndarray:
-    """Reference: sum in float32 (float64 for float64 data), like docs/architecture.md's servers,
-    one push after the other in node order."""
-    acc = np.float64 if pushes[0].dtype == torch.float64 else np.float32
-    total = pushes[0].to(torch.float64).numpy().astype(acc)
-    for push in pushes[1:]:
-        total = total + push.to(torch.float64).numpy().astype(acc)
-    return total
-
-
 def test_raw_aggregates_match_numpy_sum(raw_run: list[dict]) -> None:
     check_raw_aggregates(raw_run)
 
@@ -66,24 +56,6 @@ def test_two_workers_sum_narrow_dtypes_exactly(tmp_path: Path) -> None:
     # two terms are summed in float16/bfloat16 themselves: still exactly the float32 sum
     # rounded once, which is what numpy_sum gives
     check_raw_aggregates(run_cluster(tmp_path, workers=2, servers=1, case="raw"))
-
-
-def check_raw_aggregates(runs: list[dict]) -> None:
-    """Every node got the numpy sum of every key and step, bit-identical across nodes."""
-    for key, numel, dtype_name, _ in raw_keys():
-        dtype = getattr(torch, dtype_name)
-        for step in range(STEPS):
-            pushes = [tensor_for(node, key, step, numel, dtype) for node in range(len(runs))]
-            expected = torch.from_numpy(numpy_sum(pushes)).to(dtype)
-            for node, run in enumerate(runs):
-                got = run["results"][(key, step)]
-                assert got.dtype == dtype and got.shape == (numel,), (key, node)
-                # summed in node order, whatever the arrival order: bit-exact
-                assert torch.equal(got, expected), f"key {key} step {step} node {node}"
-    # every node got bit-identical aggregates: one sum per step on the server
-    for key, step in runs[0]["results"]:
-        assert all(torch.equal(run["results"][(key, step)], runs[0]["results"][(key, step)])
-                   for run in runs)
 
 
 def test_pushes_are_summed_in_node_order_whatever_their_arrival(raw_run: list[dict]) -> None:

@@ -1,21 +1,27 @@
 """Compressed keys through a real cluster: what every worker pulls equals the
 independent reference of docs/architecture.md, "worker chain -> decompress each push -> sum ->
 server chain (error feedback + compressor) -> decompress", for every compressor with
-and without error feedback (tests/reference_compressors.py, plain Python)."""
+and without error feedback (tests/harness/reference_compressors.py, plain Python)."""
 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from tests import reference_compressors as ref
-from tests.ps_job import STEPS, TEST_ENV, compressed_keys, lr_for, run_command, tensor_for
+from tests.harness import reference_compressors as ref
+from tests.harness.ps_job import (
+    JOB,
+    STEPS,
+    TEST_ENV,
+    compressed_keys,
+    lr_for,
+    run_command,
+    tensor_for,
+)
 
-JOB = str(Path(__file__).with_name("ps_job.py"))
 WORKERS = 2  # two addends: the float32 sum is exact whatever the arrival order
 
 

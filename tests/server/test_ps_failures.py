@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from tests.roles import HEARTBEAT_TIMEOUT, JOB
+from tests.harness.roles import HEARTBEAT_TIMEOUT, JOB
 
 ROLE = [sys.executable, "-m", "bps.launch.cli"]
 

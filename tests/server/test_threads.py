@@ -13,10 +13,9 @@ import pytest
 import torch
 
 from bps.compressors import threads
+from tests.harness.paths import BENCH, ROOT, load_file
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "bench"))
-import server_throughput as bench  # noqa: E402
+bench = load_file("server_throughput", BENCH / "server_throughput.py")
 
 STEPS = 3
 NUMEL = 4000
@@ -70,7 +69,7 @@ def test_server_throughput_bench_runs(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "bench/server_throughput.py", "--threads", "1", "2", "--keys", "2",
          "--steps", "1", "--partition-bytes", "65536", "--json", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=300)
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(out.read_text())["results"]
     assert [(r["case"], r["threads"]) for r in results] == [

@@ -10,7 +10,7 @@ import os
 import subprocess
 import sys
 
-from tests.ps_job import BPSLAUNCH
+from tests.harness.ps_job import BPSLAUNCH
 
 # 64 kB messages: a key may carry 32,736 bytes
 SMALL_MESSAGES = {"BPS_MAX_MESSAGE_BYTES": "65536", "BYTEPS_PARTITION_BYTES": "16384",
