@@ -59,9 +59,9 @@ def cluster_key() -> str:
 @pytest.fixture
 def cluster(tmp_path):
     """``cluster(workers, servers, timeout=30.0, heartbeat_timeout=4.0)``: a
-    :class:`tests.roles.Cluster` of roles to start one by one in ``tmp_path``; every
+    :class:`tests.harness.roles.Cluster` of roles to start one by one in ``tmp_path``; every
     process it started is killed at the test's end."""
-    from tests.roles import HEARTBEAT_TIMEOUT, Cluster
+    from tests.harness.roles import HEARTBEAT_TIMEOUT, Cluster
 
     made: list[Cluster] = []
 

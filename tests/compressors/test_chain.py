@@ -1,0 +1,221 @@
+"""The EF / Nesterov chain against the reference, state round-trips, wire, registry."""
+
+import doctest
+import importlib
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+
+from bps.compressors import (
+    Compressor,
+    ErrorFeedback,
+    Momentum,
+    build,
+    register,
+    state_from_wire,
+    state_to_wire,
+    unregister,
+)
+from tests.harness import reference_compressors as ref
+from tests.harness.paths import ROOT
+from tests.harness.reference_compressors import ref_codec
+from tests.harness.samples import DTYPES, as_values, payload_of, sample
+
+LRS = [0.1, 0.1, 0.05, 0.05, 0.2, 0.01]
+
+
+CHAIN_PARAMS = [
+    {"compressor": "onebit", "scaling": True},
+    {"compressor": "topk", "k": 0.1},
+    {"compressor": "randomk", "k": 7, "seed": 3},
+    {"compressor": "dithering", "k": 4, "seed": 5},
+    {"compressor": "dithering", "k": 3, "partition": "natural", "seed": 5},
+    {"compressor": "bytegrad", "chunk": 10},
+]
+
+
+def compare_payload(mine: bytes, theirs: bytes, params: dict) -> None:
+    if params["compressor"] == "onebit":  # scale may differ by the float64 sum order
+        assert mine[:-4] == theirs[:-4]
+        np.testing.assert_allclose(np.frombuffer(mine[-4:], "<f4"),
+                                   np.frombuffer(theirs[-4:], "<f4"), rtol=2e-7)
+    else:
+        assert mine == theirs
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("params", CHAIN_PARAMS, ids=lambda p: p["compressor"])
+@pytest.mark.parametrize("role", ["worker", "server"])
+def test_chain_matches_reference_over_steps_with_changing_lr(params, dtype, role):
+    numel = 97 if params["compressor"] != "topk" else 40  # topk: distinct magnitudes
+    full = dict(params, ef="vanilla", momentum="nesterov", mu=0.9)
+    chain = build(full, numel, ref.TORCH_DTYPE[dtype], role=role)
+    assert isinstance(chain, Momentum if role == "worker" else ErrorFeedback)
+    encode, decode = ref_codec(params, numel, dtype)
+    if params["compressor"] == "onebit":  # the reference must use our scale (1-ulp sums)
+        scales = []
+        encode = lambda x: ref.onebit_encode(x, True, scale=scales[-1])  # noqa: E731
+    mine = ref.RefChain(encode, decode, numel, dtype, ef=True,
+                        mu=0.9 if role == "worker" else None)
+    for step, lr in enumerate(LRS):
+        x = sample(numel, dtype, seed=100 + step, distinct=params["compressor"] == "topk")
+        chain.set_lr(lr)
+        mine.set_lr(lr)
+        payload = payload_of(chain.compress(x))
+        if params["compressor"] == "onebit":
+            scales.append(float(np.frombuffer(payload[-4:], "<f4")[0]))
+        compare_payload(payload, mine.compress(as_values(x)), params)
+        error = chain.error if role == "server" else chain.inner.error
+        np.testing.assert_array_equal(as_values(error), mine.error, err_msg=f"step {step}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_momentum_without_error_feedback_matches_reference(dtype):
+    # with error feedback, Nesterov's pass also builds g' (the test above); without it
+    # the inner compressor gets the lookahead tensor
+    params = {"compressor": "topk", "k": 0.1}
+    chain = build(dict(params, momentum="nesterov", mu=0.9), 40, ref.TORCH_DTYPE[dtype])
+    assert isinstance(chain, Momentum) and not isinstance(chain.inner, ErrorFeedback)
+    encode, decode = ref_codec(params, 40, dtype)
+    mine = ref.RefChain(encode, decode, 40, dtype, ef=False, mu=0.9)
+    for step, lr in enumerate(LRS):
+        x = sample(40, dtype, seed=200 + step, distinct=True)
+        chain.set_lr(lr)
+        assert payload_of(chain.compress(x)) == mine.compress(as_values(x)), f"step {step}"
+        np.testing.assert_array_equal(as_values(chain.momentum), mine.momentum)
+
+
+def test_error_feedback_lr_ratio_rule():
+    chain = build({"compressor": "topk", "k": 1, "ef": "vanilla"}, 2)
+    assert chain.ratio == 1.0
+    chain.set_lr(0.5)
+    assert chain.ratio == 1.0
+    chain.set_lr(0.5)
+    assert chain.ratio == 1.0
+    chain.set_lr(0.25)
+    assert chain.ratio == 2.0
+    chain.compress(torch.tensor([1.0, 0.5]))  # error [0, 0.5]
+    chain.set_lr(0.25)
+    torch.testing.assert_close(chain.compress(torch.tensor([0.0, 0.0])),
+                               build({"compressor": "topk", "k": 1}, 2)
+                               .compress(torch.tensor([0.0, 0.5])))
+    with pytest.raises(ValueError, match="learning rate"):
+        chain.set_lr(0.0)
+
+
+def test_momentum_needs_mu_and_server_chain_has_none():
+    params = {"compressor": "onebit", "momentum": "nesterov", "ef": "vanilla"}
+    with pytest.raises(ValueError, match="mu"):
+        build(params, 10)
+    assert isinstance(build(params, 10, role="server"), ErrorFeedback)
+    with pytest.raises(ValueError, match="role"):
+        build(dict(params, mu=0.5), 10, role="client")
+    with pytest.raises(ValueError, match="compressor"):
+        build({"ef": "vanilla"}, 10)
+
+
+@pytest.mark.parametrize("params", CHAIN_PARAMS, ids=lambda p: p["compressor"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_state_round_trip_continues_bit_identically(params, dtype):
+    torch_dtype = ref.TORCH_DTYPE[dtype]
+    full = dict(params, ef="vanilla", momentum="nesterov", mu=0.8)
+    original = build(full, 300, torch_dtype)
+    for step in range(3):
+        original.set_lr(0.1 / (step + 1))
+        original.compress(sample(300, dtype, seed=step))
+    wire = msgpack.unpackb(msgpack.packb(state_to_wire(original.state_dict())))
+    restored = build(full, 300, torch_dtype)
+    restored.load_state_dict(state_from_wire(wire))
+    for step in range(3, 6):
+        x = sample(300, dtype, seed=step)
+        for chain in (original, restored):
+            chain.set_lr(0.1 / (step + 1))
+        assert torch.equal(original.compress(x), restored.compress(x))
+
+
+def test_load_state_dict_rejects_mismatches():
+    chain = build({"compressor": "randomk", "k": 2, "ef": "vanilla"}, 10)
+    state = chain.state_dict()
+    with pytest.raises(ValueError, match="error"):
+        chain.load_state_dict(dict(state, error=torch.zeros(11)))
+    with pytest.raises(ValueError, match="keys"):
+        chain.load_state_dict({"error": state["error"]})
+    with pytest.raises(ValueError, match="rng"):
+        chain.load_state_dict(dict(state, inner={"rng": [1, -1]}))
+    with pytest.raises(ValueError, match="dtype"):
+        state_from_wire({"__tensor__": "int8", "shape": [1], "data": b"\0"})
+    with pytest.raises(ValueError, match="bytes"):
+        state_from_wire({"__tensor__": "float32", "shape": [2], "data": b"\0" * 7})
+
+
+# ---- a user compressor in under 30 lines (the one in docs/compressors.md) -------------
+
+def docs_example_source() -> str:
+    text = (ROOT / "docs" / "compressors.md").read_text()
+    start = text.index("```python\n# add-your-own") + len("```python\n")
+    return text[start : text.index("```", start)]
+
+
+def test_docs_example_registers_a_working_compressor():
+    source = docs_example_source()
+    assert len(source.strip().splitlines()) < 30
+    try:
+        exec(compile(source, "docs/compressors.md", "exec"), {})
+        chain = build({"compressor": "scaled_fp16", "ef": "vanilla"}, 5)
+        x = torch.tensor([1.0, -2.0, 3.0, 1e-4, 0.0])
+        payload = chain.compress(x)
+        assert payload.dtype == torch.uint8 and payload.numel() == 5 * 2 + 4
+        torch.testing.assert_close(chain.decompress(payload), x, rtol=1e-3, atol=1e-6)
+        raw = payload.numpy().tobytes()
+        assert torch.equal(chain.decompress(raw), chain.decompress(memoryview(raw)))
+        with pytest.raises(ValueError, match="expected 14 bytes"):
+            chain.decompress(raw[:-1])
+        with pytest.raises(ValueError, match="already registered"):
+            exec(compile(source, "docs/compressors.md", "exec"), {})
+    finally:
+        unregister("scaled_fp16")
+
+
+def test_register_validates():
+    with pytest.raises(ValueError, match="already"):
+        register("onebit", lambda p, n, dt: None)
+    register("broken", lambda p, n, dt: object())
+    try:
+        with pytest.raises(TypeError, match="Compressor"):
+            build({"compressor": "broken"}, 4)
+    finally:
+        unregister("broken")
+    assert issubclass(ErrorFeedback, Compressor)
+
+
+MODULES = ["bps.common.config", "bps.compressors", "bps.compressors.onebit", "bps.compressors.topk",
+           "bps.compressors.randomk", "bps.compressors.dithering", "bps.compressors.rng",
+           "bps.compressors.dithering_quantiser", "bps.compressors.elias_delta",
+           "bps.compressors.error_feedback", "bps.compressors.momentum",
+           "bps.compressors.registry", "bps.compressors.wire", "bps.compressors.base",
+           "bps.compressors.sparse", "bps.compressors.bytegrad", "bps.compressors.powersgd"]
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_docstring_examples(module):
+    result = doctest.testmod(importlib.import_module(module))
+    assert result.failed == 0 and result.attempted > 0
+
+
+# bps.trainer's module example needs a running cluster (bps.init()); the examples of
+# its planning functions run on their own
+FUNCTIONS = ["bps.worker.planning.plan_key_servers"]
+
+
+@pytest.mark.parametrize("name", FUNCTIONS)
+def test_function_docstring_examples(name):
+    module_name, attribute = name.rsplit(".", 1)
+    module = importlib.import_module(module_name)
+    runner = doctest.DocTestRunner()
+    for test in doctest.DocTestFinder().find(getattr(module, attribute), name,
+                                             globs=dict(vars(module))):
+        runner.run(test)
+    result = runner.summarize(verbose=False)
+    assert result.failed == 0 and result.attempted > 0

@@ -1,0 +1,210 @@
+"""Summing pushes without decoding them: ``decompress_add`` against the reference
+decoders, and a server key engine summing real pushes in place (duplicate and
+malformed pushes must leave the sum untouched)."""
+
+import struct
+
+import numpy as np
+import pytest
+import torch
+import zmq
+
+from bps.common.protocol import Op, decode, encode
+from bps.compressors import Compressor, build
+from bps.server.server import RequestError
+from tests.harness import reference_compressors as ref
+from tests.harness.key_engine import serving_key_engine
+from tests.harness.reference_compressors import ref_codec
+from tests.harness.samples import DTYPES, as_values, sample
+
+SUM_PARAMS = [
+    {"compressor": "onebit", "scaling": True},
+    {"compressor": "onebit", "scaling": False},
+    {"compressor": "topk", "k": 5},
+    {"compressor": "randomk", "k": 300, "seed": 9},  # 300 draws from 97: many repeats
+    {"compressor": "dithering", "k": 4, "seed": 5},
+    {"compressor": "bytegrad", "chunk": 16},
+]
+
+
+def expected_sum(total: torch.Tensor, decoded: np.ndarray, dtype: str) -> np.ndarray:
+    """``total + decoded`` rounded once to dtype (float64 holds either sum exactly enough:
+    53 >= 2 * 24 + 2 bits, so rounding twice is the same as rounding once)."""
+    return ref.round_to(as_values(total) + decoded, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("params", SUM_PARAMS, ids=lambda p: p["compressor"])
+@pytest.mark.parametrize("chain", [False, True], ids=["bare", "ef-chain"])
+def test_decompress_add_matches_reference_sum(params, dtype, chain):
+    numel, torch_dtype = 97, ref.TORCH_DTYPE[dtype]
+    full = dict(params, ef="vanilla") if chain else params
+    c = build(full, numel, torch_dtype, role="server")
+    _, ref_decode = ref_codec(params, numel, dtype)
+    total = sample(numel, dtype, seed=1)
+    for step in range(3):  # the staging array must be clean again for the next payload
+        payload = c.compress(sample(numel, dtype, seed=10 + step)).numpy().tobytes()
+        expected = expected_sum(total, ref_decode(payload), dtype)
+        assert c.decompress_add(payload, total) is total
+        np.testing.assert_array_equal(as_values(total), expected, err_msg=f"step {step}")
+    inner = c.inner if chain else c
+    if hasattr(inner, "_staging"):
+        assert not inner.staging().any()
+
+
+def topk_payload(indices: list[int], values: list[float]) -> bytes:
+    k = len(indices)
+    return struct.pack(f"<{k}i", *indices) + b"\0" * ((-4 * k) % 8) + \
+        struct.pack(f"<{k}f", *values)
+
+
+def test_topk_repeated_index_adds_its_last_value_once():
+    # a compressor never sends an index twice, but a payload may: decoding keeps the last
+    c = build({"compressor": "topk", "k": 4}, 6)
+    payload = topk_payload([3, 1, 3, 3], [1.0, 2.0, 5.0, -7.0])
+    total = torch.arange(6, dtype=torch.float32)
+    c.decompress_add(payload, total)
+    assert total.tolist() == [0.0, 3.0, 2.0, -4.0, 4.0, 5.0]
+    assert torch.equal(total, torch.arange(6.0) + c.decompress(payload))
+
+
+@pytest.mark.parametrize(("params", "payload", "match"), [
+    ({"compressor": "topk", "k": 2}, topk_payload([1, 6], [1.0, 2.0]), "outside"),
+    ({"compressor": "topk", "k": 2}, topk_payload([1], [1.0]), "bytes"),
+    ({"compressor": "onebit"}, b"\0" * 7, "bytes"),
+    ({"compressor": "randomk", "k": 2, "seed": 1}, b"\0" * 23, "bytes"),
+    ({"compressor": "dithering", "k": 4}, b"\xff" * 24, "Elias|bits|stream"),
+    ({"compressor": "bytegrad"}, b"\0" * 13, "bytes"),
+    ({"compressor": "bytegrad"}, np.array([1, 0], "<f4").tobytes() + b"\0" * 6, "lo=1.0"),
+])
+def test_bad_payload_leaves_the_sum_untouched(params, payload, match):
+    c = build(params, 6)
+    total = torch.arange(6, dtype=torch.float32)
+    with pytest.raises(ValueError, match=match):
+        c.decompress_add(payload, total)
+    assert total.tolist() == list(range(6))
+    with pytest.raises(ValueError, match="total must be"):
+        c.decompress_add(c.compress(torch.ones(6)), torch.zeros(7))
+
+
+class PlainCodec(Compressor):
+    """A registered-style compressor: only compress/decompress."""
+
+    def __init__(self) -> None:
+        super().__init__(3)
+
+    def compress(self, x: torch.Tensor) -> torch.Tensor:
+        return (x * 2).view(torch.uint8).clone()
+
+    def decompress(self, payload, out=None):
+        values = torch.frombuffer(bytearray(bytes(payload)), dtype=torch.float32)
+        return values if out is None else out.copy_(values)
+
+
+def test_a_compressor_without_decompress_add_is_decoded_and_added():
+    total = torch.ones(3)
+    PlainCodec().decompress_add(PlainCodec().compress(torch.tensor([1.0, 2.0, 3.0])), total)
+    assert total.tolist() == [3.0, 5.0, 7.0]
+
+
+# ---- a server key engine summing in place --------------------------------------------
+
+@pytest.fixture
+def key_engine():
+    """A real _KeyEngine whose replies go over a real inproc PUSH/PULL pair."""
+    with serving_key_engine(3) as (engine, replies):
+        yield (engine, *_requests(engine, replies))
+
+
+def _requests(engine, replies):
+    def reply() -> dict:
+        """The next reply header, with its payload bytes under "body"."""
+        frames = replies.recv_multipart() if replies.poll(10_000) else None
+        assert frames is not None, "no reply from the key engine"
+        header = decode(frames[1])
+        header["body"] = b"".join(frames[2:]) if len(frames) > 2 else None
+        return header
+
+    def request(op: Op, payload: bytes | None = None, **fields) -> dict:
+        """Handle one request as the engine's thread would (a payload of more than 8
+        bytes in two frames, which the engine joins); returns the first reply, or raises
+        the engine's RequestError."""
+        header = decode(encode(op, rid=1, **fields))
+        frames = None if payload is None else [zmq.Frame(payload)]
+        if payload is not None and len(payload) > 8:
+            frames = [zmq.Frame(payload[:8]), zmq.Frame(payload[8:])]
+        engine._handle(b"peer", header, frames)
+        return reply()
+
+    return request, reply
+
+
+def test_server_sums_compressed_pushes_in_place(key_engine):
+    engine, request, reply = key_engine
+    numel, params = 300, {"compressor": "topk", "k": 30, "ef": "vanilla"}
+    request(Op.REGISTER, key=5, numel=numel, dtype="float32", name="w", params=params, node=0)
+    workers = [build(params, numel, role="worker") for _ in range(3)]
+    encode_ref, decode_ref = ref_codec(params, numel, "float32")
+    server_ref = ref.RefChain(encode_ref, decode_ref, numel, "float32", ef=True, mu=None)
+    for step in range(3):
+        pushes = [w.compress(sample(numel, "float32", seed=100 * step + n)).numpy().tobytes()
+                  for n, w in enumerate(workers)]
+        total = np.zeros(numel, dtype=np.float32)
+
+        def push(node: int, body: bytes, step: int = step) -> dict:
+            return request(Op.PUSH, body, key=5, step=step, node=node, dtype="float32",
+                           numel=numel, nbytes=len(body), lr=0.1)
+
+        assert push(0, pushes[0])["op"] == Op.ACK
+        assert push(1, pushes[1])["op"] == Op.ACK
+        with pytest.raises(RequestError, match="worker 1 pushed step"):
+            push(1, pushes[2])  # a duplicate must not be added
+        with pytest.raises(RequestError, match="cannot decode payload"):
+            push(2, topk_payload([0] * 29 + [numel], [1.0] * 30))  # nor a bad one
+        assert push(2, pushes[2])["op"] == Op.ACK
+        for body in pushes:
+            total += decode_ref(body).astype(np.float32)
+        server_ref.set_lr(0.1)
+        expected = server_ref.compress(total.astype(np.float64))
+        for _ in range(3):  # every push also waits for the step's aggregate
+            data = reply()
+            assert data["op"] == Op.DATA and bytes(data["body"]) == expected, f"step {step}"
+    assert len(engine.keys[5].spare) == 1  # one sum buffer, reused every step
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_a_large_partition_in_chunks_gives_the_bits_of_one_pass(monkeypatch, dtype):
+    """The server's error feedback, onebit's sum and re-encode, and a raw sum run a large
+    partition in chunks on several threads: the same bits as one pass, and the sum is
+    the reference decoder's."""
+    from bps.compressors import threads
+    from bps.server.server import _add_in_chunks
+
+    numel, torch_dtype = 1000, ref.TORCH_DTYPE[dtype]
+    params = {"compressor": "onebit", "scaling": True, "ef": "vanilla"}
+    one_pass = build(params, numel, torch_dtype, role="server")
+    monkeypatch.setattr(threads, "MIN_CHUNK", 64)
+    monkeypatch.setattr(threads, "THREADS", 4)
+    chunked = build(params, numel, torch_dtype, role="server")
+    assert len(chunked.bounds) == 4 and len(chunked.inner.bounds) == 4
+    assert len(one_pass.bounds) == 1
+    _, ref_decode = ref_codec({"compressor": "onebit", "scaling": True}, numel, dtype)
+    totals = [sample(numel, dtype, seed=1) for _ in range(2)]
+    for step, lr in enumerate([0.1, 0.05, 0.05]):  # a change of lr scales the error
+        x = sample(numel, dtype, seed=20 + step)
+        payloads = []
+        for chain, total in zip((one_pass, chunked), totals, strict=True):
+            chain.set_lr(lr)
+            payloads.append(chain.compress(x.clone()).numpy().tobytes())
+            expected = expected_sum(total, ref_decode(payloads[-1]), dtype)
+            chain.decompress_add(payloads[-1], total)
+            np.testing.assert_array_equal(as_values(total), expected, err_msg=f"step {step}")
+        assert payloads[0] == payloads[1], f"step {step}"
+        assert torch.equal(one_pass.error, chunked.error), f"step {step}"
+
+    half = sample(numel, "float16", seed=4).to(torch.float16)
+    for scratch in (None, torch.empty(numel, dtype=torch.float32)):
+        total = sample(numel, "float32", seed=5) if scratch is not None else half.clone()
+        expected = total + (half.float() if scratch is not None else half)
+        _add_in_chunks(total, half, scratch)
+        assert torch.equal(total, expected)

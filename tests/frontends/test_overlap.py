@@ -1,0 +1,351 @@
+"""Periodic averaging (``sync_every``) and one-step-delayed updates (``staleness``) end to
+end on real clusters (``bpslaunch local``), against an independent numpy simulation.
+
+This module is also the worker program: ``python -m tests.frontends.test_overlap
+CONFIG_JSON`` is what every worker process runs (tests/harness/trainer_job.py's
+``worker_main`` with this module's ``train``), one trainer per configuration in
+sequence. The toy model's gradient is known in closed form
+(``grad = w - target``), so the simulation replays local steps, the compressor chains,
+the servers' sums, the outer update and the delayed application in numpy.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.harness.trainer_job import (
+    MOMENTUM,
+    PARTITION,
+    SHAPES,
+    SIM_CASES,
+    initial_params,
+    make_model,
+    nesterov,
+    reference_codec,
+    targets,
+    worker_main,
+)
+from tests.harness.trainer_job import launch as trainer_launch
+
+NODES = 2
+LRS = [0.5, 0.25, 0.25, 0.5, 0.125, 0.25, 0.125, 0.0625]  # powers of two: lr * g exact
+EF = {"ef": "vanilla", "fp16": False, "min_compress_bytes": 1000}
+CHAIN_MOMENTUM = {"momentum": "nesterov", "mu": MOMENTUM}
+
+
+def buffer_update(rank: int, step: int) -> np.float32:
+    """What a worker adds to its float buffer at a step (as a norm layer's statistics)."""
+    return np.float32(0.25 * (rank + 1) + 0.125 * step)
+
+
+# ----------------------------------------------------------------------------- worker side
+
+
+def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
+    import torch
+
+    import bps
+
+    tag = run["tag"]
+    model = make_model(rank, shapes)
+    model.register_buffer("running", torch.full((3,), float(rank + 1)))  # rank 0's at start
+    optimizer = torch.optim.SGD(model.parameters(), lr=LRS[0], momentum=MOMENTUM)
+    trainer = bps.DistributedTrainer(model, optimizer, run["params"], **run["mode"])
+    start = run.get("start", 0)
+    if start:
+        checkpoint = torch.load(out / f"ckpt{tag}{rank}.pt", weights_only=False)
+        model.load_state_dict(checkpoint["model"])
+        trainer.load_state_dict(checkpoint["trainer"])
+    goal = {name: torch.from_numpy(t) for name, t in targets(rank, shapes).items()}
+    report = {"bytes": [], "applied": [], "refused": []}
+    try:  # neither mode has a step for synchronize() to wait for, nor runs join()
+        trainer.synchronize()
+    except RuntimeError as exc:
+        report["refused"].append(str(exc))
+    try:
+        with trainer.join():
+            pass
+    except NotImplementedError as exc:
+        report["refused"].append(str(exc))
+    for step in range(start, run.get("stop", len(LRS))):
+        for group in optimizer.param_groups:
+            group["lr"] = LRS[step]
+        trainer.zero_grad()
+        sum(0.5 * ((getattr(model, n) - goal[n]) ** 2).sum() for n in shapes).backward()
+        with torch.no_grad():
+            model.running.mul_(0.5).add_(float(buffer_update(rank, step)))
+        report["applied"].append(trainer.step())
+        report["bytes"].append(trainer.stats()["bytes_pushed"])
+        if run.get("save_at") == step + 1:
+            torch.save({"model": model.state_dict(), "trainer": trainer.state_dict()},
+                       out / f"ckpt{tag}{rank}.pt")
+    np.savez(out / f"params{tag}{rank}.npz", running=model.running.numpy(),
+             **{n: getattr(model, n).detach().numpy() for n in shapes})
+    trainer.close()
+    return report
+
+
+# ----------------------------------------------------------------------------- test side
+
+
+def launch(cfg: dict, tmp: Path, env: dict | None = None,
+           timeout: float = 180) -> subprocess.CompletedProcess:
+    """tests/harness/trainer_job.py's launch, running this module on NODES nodes and 2
+    servers."""
+    return trainer_launch(cfg, tmp, NODES, 2, env={"BPS_TIMEOUT": "60", **(env or {})},
+                          timeout=timeout, module=__name__)
+
+
+def load_params(tmp: Path, tag: str, rank: int) -> dict:
+    return dict(np.load(tmp / f"params{tag}{rank}.npz"))
+
+
+class RefPipeline:
+    """docs/architecture.md's path of one step's shares (each already divided by the
+    number of nodes), in numpy: the big tensor through every node's Momentum ->
+    ErrorFeedback -> C chain per partition, the server's float32 sum in node order,
+    its ErrorFeedback -> C and the decode; the raw tensors summed in node order, with
+    the chain's Nesterov rule after the sum where momentum is on."""
+
+    def __init__(self, params: dict, nodes: int, shapes: dict) -> None:
+        from tests.harness.reference_compressors import RefChain
+
+        self.shapes, self.nodes = shapes, nodes
+        self.compressed = params.get("compressor") is not None
+        self.mu = params.get("mu", MOMENTUM) if params.get("momentum") else None
+        numel = int(np.prod(shapes["big"]))
+        self.parts = [(o, min(PARTITION, numel - o)) for o in range(0, numel, PARTITION)]
+        if self.compressed:
+            self.workers = [[RefChain(*reference_codec(params, n), n, "float32", True, self.mu)
+                             for _, n in self.parts] for _ in range(nodes)]
+            self.servers = [RefChain(*reference_codec(params, n), n, "float32", True, None)
+                            for _, n in self.parts]
+        self.local_momentum = {n: np.zeros(s, np.float32) for n, s in shapes.items()}
+
+    def aggregate(self, shares: list[dict], lr: float) -> dict:
+        f32 = np.float32
+        out = {}
+        for n, shape in self.shapes.items():
+            if n == "big" and self.compressed:
+                big = np.zeros(int(np.prod(shape)), f32)
+                for i, (offset, length) in enumerate(self.parts):
+                    summed = np.zeros(length, f32)
+                    for r in range(self.nodes):
+                        chain = self.workers[r][i]
+                        chain.set_lr(lr)
+                        piece = shares[r][n].reshape(-1)[offset:offset + length]
+                        summed = (summed + chain.decode(chain.compress(piece)).astype(f32)
+                                  ).astype(f32)
+                    self.servers[i].set_lr(lr)
+                    big[offset:offset + length] = self.servers[i].decode(
+                        self.servers[i].compress(summed))
+                out[n] = big.reshape(shape)
+                continue
+            summed = np.zeros(shape, f32)
+            for r in range(self.nodes):
+                summed = (summed + shares[r][n]).astype(f32)
+            if self.mu is not None:
+                summed, self.local_momentum[n] = nesterov(f32(self.mu), summed,
+                                                          self.local_momentum[n])
+            out[n] = summed
+        return out
+
+
+def sgd_momentum(w: np.ndarray, g: np.ndarray, buf: np.ndarray | None, lr: float
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """torch.optim.SGD with momentum 0.9 (no dampening, no Nesterov): w, buf."""
+    f32 = np.float32
+    buf = g.copy() if buf is None else (f32(MOMENTUM) * buf + g).astype(f32)
+    return (w - f32(lr) * buf).astype(f32), buf
+
+
+def simulate_periodic(params: dict, every: int, outer: dict | None, shapes: dict = SHAPES
+                      ) -> dict:
+    """Each node: local SGD with momentum on its own target; every ``every`` steps the
+    deltas ``anchor - w`` go through the pipeline with the outer lr, the outer update
+    (``outer``) moves the anchor, every node restarts from it and the float buffer is
+    the float32 mean (node order) of the nodes' buffers."""
+    f32 = np.float32
+    outer = outer or {"optimizer": "average"}
+    defaults = {"average": (1.0, 0.0), "sgd": (1.0, 0.0), "nesterov": (0.7, 0.9)}
+    lr_out = f32(outer.get("lr", defaults[outer["optimizer"]][0]))
+    mu_out = f32(outer.get("momentum", defaults[outer["optimizer"]][1]))
+    anchor = initial_params(0, shapes)
+    ws = [dict(anchor) for _ in range(NODES)]
+    bufs = [{n: None for n in shapes} for _ in range(NODES)]
+    running = [np.full(3, 1.0, f32) for _ in range(NODES)]  # rank 0's, broadcast
+    outer_momentum = {n: np.zeros(s, f32) for n, s in shapes.items()}
+    pipe = RefPipeline(params, NODES, shapes)
+    for step, lr in enumerate(LRS):
+        for r in range(NODES):
+            goal = targets(r, shapes)
+            for n in shapes:
+                ws[r][n], bufs[r][n] = sgd_momentum(ws[r][n], (ws[r][n] - goal[n]).astype(f32),
+                                                    bufs[r][n], lr)
+            running[r] = (running[r] * f32(0.5) + buffer_update(r, step)).astype(f32)
+        if (step + 1) % every:
+            continue
+        shares = [{n: ((anchor[n] - ws[r][n]).astype(f32) / f32(NODES)).astype(f32)
+                   for n in shapes} for r in range(NODES)]
+        avg = pipe.aggregate(shares, float(lr_out))
+        for n in shapes:
+            step_n = avg[n]
+            if mu_out:
+                outer_momentum[n] = (mu_out * outer_momentum[n] + avg[n]).astype(f32)
+                step_n = ((mu_out * outer_momentum[n]).astype(f32) + avg[n]).astype(f32) \
+                    if outer["optimizer"] == "nesterov" else outer_momentum[n]
+            if lr_out != 1:
+                step_n = (lr_out * step_n).astype(f32)
+            anchor[n] = (anchor[n] - step_n).astype(f32)
+        ws = [dict(anchor) for _ in range(NODES)]
+        mean = np.zeros(3, f32)
+        for r in range(NODES):
+            mean = (mean + (running[r] / f32(NODES)).astype(f32)).astype(f32)
+        running = [mean.copy() for _ in range(NODES)]
+    return [{**ws[r], "running": running[r]} for r in range(NODES)]
+
+
+PERIODIC = {
+    "onebit": ({**SIM_CASES["onebit"], **EF, **CHAIN_MOMENTUM}, 3, None),
+    "topk": ({**SIM_CASES["topk"], **EF}, 2, {"optimizer": "nesterov"}),
+    "randomk": ({**SIM_CASES["randomk"], **EF}, 2, {"optimizer": "sgd", "lr": 0.5,
+                                                     "momentum": 0.5}),
+    "dithering": ({**SIM_CASES["dithering"], **EF, **CHAIN_MOMENTUM}, 4,
+                  {"optimizer": "nesterov", "lr": 0.6, "momentum": 0.8}),
+    "bytegrad": ({**SIM_CASES["bytegrad"], **EF, **CHAIN_MOMENTUM}, 2, None),
+    "raw": ({"fp16": False}, 3, {"optimizer": "nesterov"}),
+}
+
+
+def simulate_stale(params: dict, shapes: dict = SHAPES) -> dict:
+    """Step t pushes the shares of the gradients at w_t through the pipeline with step
+    t's lr and applies the aggregate of step t-1 (nothing at step 0) with step t's lr;
+    the optimizer's momentum where the chain has none."""
+    f32 = np.float32
+    w = initial_params(0, shapes)
+    goals = [targets(r, shapes) for r in range(NODES)]
+    pipe = RefPipeline(params, NODES, shapes)
+    bufs = {n: None for n in shapes}
+    pending = None
+    for lr in LRS:
+        shares = [{n: ((w[n] - goals[r][n]).astype(f32) / f32(NODES)).astype(f32)
+                   for n in shapes} for r in range(NODES)]
+        aggregate = pipe.aggregate(shares, lr)
+        if pending is not None:
+            for n in shapes:
+                if params.get("momentum"):  # moved into the chain: plain SGD
+                    w[n] = (w[n] - f32(lr) * pending[n]).astype(f32)
+                else:
+                    w[n], bufs[n] = sgd_momentum(w[n], pending[n], bufs[n], lr)
+        pending = aggregate
+    return w
+
+
+STALE = {
+    "onebit": {**SIM_CASES["onebit"], **EF, "momentum": "nesterov"},
+    "topk": {**SIM_CASES["topk"], **EF, "momentum": "nesterov"},
+    "randomk": {**SIM_CASES["randomk"], **EF},  # the optimizer keeps its momentum
+    "dithering": {**SIM_CASES["dithering"], **EF, "momentum": "nesterov"},
+    "bytegrad": {**SIM_CASES["bytegrad"], **EF, "momentum": "nesterov"},
+    "raw": {"fp16": False, "momentum": "nesterov"},
+}
+
+
+def overlap_runs() -> list[dict]:
+    return [{"tag": f"periodic-{name}", "params": params,
+             "mode": {"sync_every": every, "outer": outer}}
+            for name, (params, every, outer) in PERIODIC.items()] + \
+        [{"tag": f"stale-{name}", "params": params, "mode": {"staleness": 1}}
+         for name, params in STALE.items()]
+
+
+def test_overlap_modes_match_simulation_and_resume_exactly(tmp_path):
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    whole.mkdir()
+    resumed.mkdir()
+    # the resumed runs come first in both launches, so their keys are numbered alike;
+    # step 4 of H = 3 is one local step into the second round; after step 4 with
+    # staleness=1 step 3's aggregate is in flight
+    resume = [{**run, "tag": f"{run['tag']}-resume", "save_at": 4}
+              for run in overlap_runs() if run["tag"] in (
+                  "periodic-onebit", "periodic-randomk", "stale-randomk", "stale-onebit")]
+    result = launch({"runs": resume + overlap_runs()}, whole)
+    assert result.returncode == 0, result.stdout[-3000:]
+    for r in range(NODES):
+        for run in resume:
+            (resumed / f"ckpt{run['tag']}{r}.pt").write_bytes(
+                (whole / f"ckpt{run['tag']}{r}.pt").read_bytes())
+    # fresh processes, another job seed: randomk's generators come from the checkpoint
+    result = launch({"runs": [{**run, "start": 4} for run in resume]}, resumed,
+                    env={"BPS_JOB_SEED": "999"})
+    assert result.returncode == 0, result.stdout[-3000:]
+    reports = [json.loads((whole / f"report{r}.json").read_text()) for r in range(NODES)]
+    for run in overlap_runs():
+        tag = run["tag"]
+        sync, join = reports[0][tag]["refused"]
+        assert "synchronize()" in sync and ("staleness=1" in sync or "sync_every" in sync)
+        assert "join()" in join, join
+        if tag.startswith("stale-"):
+            expected = simulate_stale(run["params"])
+            for r in range(NODES):
+                final = load_params(whole, tag, r)
+                for n in expected:
+                    np.testing.assert_array_equal(final[n], expected[n],
+                                                  err_msg=f"{tag} rank {r}: {n}")
+                assert reports[r][tag]["applied"] == [s > 0 for s in range(len(LRS))]
+            continue
+        params, every, outer = PERIODIC[tag.removeprefix("periodic-")]
+        expected = simulate_periodic(params, every, outer)
+        for r in range(NODES):
+            final = load_params(whole, tag, r)
+            for n in expected[r]:
+                np.testing.assert_array_equal(final[n], expected[r][n],
+                                              err_msg=f"{tag} rank {r}: {n}")
+            pushed = [b > 0 for b in reports[r][tag]["bytes"]]
+            if r == 0:  # nothing on the wire between syncs
+                assert pushed == [(s + 1) % every == 0 for s in range(len(LRS))], (tag, pushed)
+    for run in resume:
+        for r in range(NODES):
+            final, whole_run = load_params(resumed, run["tag"], r), load_params(whole, run[
+                "tag"].removesuffix("-resume"), r)
+            for n in final:
+                np.testing.assert_array_equal(final[n], whole_run[n], err_msg=run["tag"])
+
+
+def test_bad_overlap_arguments_fail_in_the_constructor_naming_them():
+    import torch
+
+    import bps
+
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    bad = [({"sync_every": 0}, "sync_every=0"), ({"sync_every": 2.5}, "sync_every=2.5"),
+           ({"sync_every": True}, "sync_every=True"),
+           ({"outer": {"optimizer": "average"}}, "needs sync_every > 1"),
+           ({"sync_every": 2, "outer": {"optimizer": "adam"}}, "outer['optimizer']='adam'"),
+           ({"sync_every": 2, "outer": {"optimizer": "sgd", "beta": 1}}, "'beta'"),
+           ({"sync_every": 2, "outer": {"optimizer": "nesterov", "lr": -1}}, "outer['lr']"),
+           ({"sync_every": 2, "outer": {"optimizer": "nesterov", "momentum": 1.0}},
+            "outer['momentum']"),
+           ({"sync_every": 2, "outer": {"optimizer": "average", "lr": 0.5}}, "'average'"),
+           ({"sync_every": 2, "outer": "nesterov"}, "outer='nesterov'"),
+           ({"sync_every": 2, "compression_params": {"momentum": "nesterov"}},
+            "compression_params['mu']"),
+           ({"staleness": 2}, "staleness=2"), ({"staleness": -1}, "staleness=-1"),
+           ({"staleness": 1.0}, "staleness=1.0"),
+           ({"staleness": 1, "sync_every": 4}, "staleness=1 with sync_every=4")]
+    for kwargs, expected in bad:
+        params = kwargs.pop("compression_params", None)
+        with pytest.raises((ValueError, TypeError)) as info:
+            bps.DistributedTrainer(model, optimizer, params, **kwargs)
+        assert expected in str(info.value), (kwargs, str(info.value))
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main(json.loads(sys.argv[1]), train))

@@ -1,0 +1,187 @@
+"""DistributedTrainer end to end: real clusters started with ``bpslaunch local``, running
+the toy job of tests/harness/trainer_job.py, whose gradient is known in closed form, so
+that every result is compared with the numpy replay of the whole pipeline."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from tests.harness.trainer_job import (
+    MOMENTUM,
+    SHAPES,
+    SIM_CASES,
+    SIM_LRS,
+    initial_params,
+    launch,
+    load_params,
+    load_reports,
+    simulate,
+    targets,
+)
+
+# where the chains run: numba on the host; torch kernels and the staging of the device
+# path forced onto CPU tensors; a CUDA model (two nodes sharing the GPU)
+PATHS = [
+    pytest.param({}, id="host"),
+    pytest.param({"env": {"BPS_DEVICE_KERNELS": "1"}}, id="device-forced"),
+    pytest.param({"cfg": {"device": "cuda"}}, id="cuda", marks=pytest.mark.cuda),
+]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_every_compressor_matches_independent_simulation(tmp_path, path):
+    common = {"ef": "vanilla", "momentum": "nesterov", "fp16": False, "min_compress_bytes": 1000}
+    runs = [{"tag": name, "params": {**case, **common}, "compressed_from": 0}
+            for name, case in SIM_CASES.items()]
+    runs += [  # warmup: raw for 2 steps; topk k=0.6 would not shrink the payload: raw
+        {"tag": "warmup", "params": {**SIM_CASES["onebit"], **common, "warmup_steps": 2},
+         "compressed_from": 2},
+        {"tag": "dense", "params": {"compressor": "topk", "k": 0.6, **common},
+         "compressed_from": None},
+    ]
+    # 3 nodes: the servers' float32 sums of 3 terms round as the simulation's only
+    # because they add the pushes in node order, whichever arrives first. 4 pushes per
+    # step: 3 partitions of big, and small and bias fused
+    result = launch({"runs": runs, "lrs": SIM_LRS, "stop": len(SIM_LRS),
+                     "pushes_per_step": 4, **path.get("cfg", {})}, tmp_path, workers=3,
+                    servers=2, env=path.get("env"))
+    assert result.returncode == 0, result.stdout[-3000:]
+    reports = load_reports(tmp_path, 3)[0]
+    for run in runs:
+        name = run["tag"]
+        finals = load_params(tmp_path, 3, name)
+        for rank in (1, 2):
+            for n in SHAPES:
+                np.testing.assert_array_equal(finals[rank][n], finals[0][n], err_msg=name)
+        expected = simulate(run["params"], 3, SIM_LRS, run["compressed_from"])
+        # on a GPU, onebit's scale (a float64 sum of |x|) is added in another order: it
+        # may round 1 float32 ulp apart (docs/compression.md); all else is exact
+        sums_on_gpu = "device" in path.get("cfg", {}) and run["params"]["compressor"] == "onebit"
+        for n in SHAPES:
+            if sums_on_gpu:
+                np.testing.assert_allclose(finals[0][n], expected[n], rtol=1e-5, atol=1e-6,
+                                           err_msg=f"{name}: {n}")
+            else:
+                np.testing.assert_array_equal(finals[0][n], expected[n], err_msg=f"{name}: {n}")
+        report = reports[name]
+        assert report["optimizer_momentum"] == 0.0 and report["counter"] == 1
+        assert [s["pushes"] for s in report["steps"]] == [4] * len(SIM_LRS), name
+        ratios = [s["compression_ratio"] for s in report["steps"]]
+        if run["compressed_from"] is None:
+            assert max(ratios) < 1.01, (name, ratios)
+        else:
+            assert max(ratios[:run["compressed_from"]], default=0) < 1.01, (name, ratios)
+            assert min(ratios[run["compressed_from"]:]) > 1.5, (name, ratios)
+
+
+def test_small_tensors_beyond_one_bucket_split_at_its_capacity(tmp_path):
+    # 100 float32 elements per bucket (BYTEPS_PARTITION_BYTES=400): in backward order
+    # e, d and c fill one bucket exactly (30 + 30 + 40), b would overflow it and starts
+    # the next with a; so a step pushes big's 3 partitions and 2 buckets. Offsets that
+    # mixed up tensors, or a bucket past its capacity, change the parameters or the count.
+    shapes = {"big": (30, 10), "a": (40,), "b": (40,), "c": (40,), "d": (30,), "e": (30,)}
+    params = {**SIM_CASES["onebit"], "ef": "vanilla", "momentum": "nesterov", "fp16": False,
+              "min_compress_bytes": 1000}
+    result = launch({"runs": [{"params": params}], "lrs": SIM_LRS, "stop": len(SIM_LRS),
+                     "pushes_per_step": 5, "shapes": shapes}, tmp_path, workers=3, servers=2)
+    assert result.returncode == 0, result.stdout[-3000:]
+    finals = load_params(tmp_path, 3)
+    expected = simulate(params, 3, SIM_LRS, shapes=shapes)
+    for n in shapes:
+        np.testing.assert_array_equal(finals[0][n], expected[n], err_msg=n)
+        np.testing.assert_array_equal(finals[2][n], finals[0][n], err_msg=n)
+    steps = load_reports(tmp_path, 3)[0][""]["steps"]
+    assert [s["pushes"] for s in steps] == [5] * len(SIM_LRS)
+
+
+def test_fp16_two_local_ranks_per_node(tmp_path):
+    shapes = {"big": (60, 50), "small": (7,), "bias": (4,)}  # small and bias: fused
+    lrs = [0.1, 0.1, 0.05, 0.05]
+    params = {"momentum": "nesterov", "fp16": True}
+    result = launch({"runs": [{"params": params}], "lrs": lrs, "stop": len(lrs),
+                     "shapes": shapes},
+                    tmp_path, workers=2, servers=2, local_size=2,
+                    env={"BYTEPS_PARTITION_BYTES": "4000"})
+    assert result.returncode == 0, result.stdout[-3000:]
+    finals = load_params(tmp_path, 4)
+    for other in finals[1:]:
+        for name in shapes:
+            np.testing.assert_array_equal(other[name], finals[0][name])
+    # Exact averaged SGD with local Nesterov momentum, in float64: fp16 only rounds.
+    w = {n: v.astype(np.float64) for n, v in initial_params(0, shapes).items()}
+    m = {n: np.zeros(shapes[n]) for n in shapes}
+    goals = [targets(r, shapes) for r in range(4)]
+    for lr in lrs:
+        for n in shapes:
+            g = np.mean([w[n] - goals[r][n] for r in range(4)], axis=0)
+            m[n] = g + MOMENTUM * m[n]
+            w[n] = w[n] - lr * (g + MOMENTUM * m[n])
+    for n in shapes:
+        np.testing.assert_allclose(finals[0][n], w[n], atol=2e-2, rtol=1e-2)
+        assert not np.array_equal(finals[0][n], w[n].astype(np.float32))  # fp16 did round
+    report = load_reports(tmp_path, 4)[0][""]
+    assert report["counter"] == 1  # rank 0's buffer everywhere
+    assert report["optimizer_momentum"] == 0.0  # moved into bps
+    raw = sum(int(np.prod(s)) * 4 for s in shapes.values())
+    assert report["steps"][-1]["raw_bytes"] == raw
+    assert 0 < report["steps"][-1]["bytes_pushed"] < 0.6 * raw  # fp16 on the wire
+
+
+def test_resume_from_state_dict_continues_exactly(tmp_path):
+    # randomk: worker and server chains carry error, momentum and RNG state
+    params = {"compressor": "randomk", "k": 0.1, "ef": "vanilla", "momentum": "nesterov",
+              "fp16": False, "min_compress_bytes": 1000}
+    lrs = [0.2, 0.2, 0.1, 0.1, 0.05, 0.05]
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    whole.mkdir()
+    resumed.mkdir()
+    # Uninterrupted 6 steps; a checkpoint is taken after step 3 (and must not disturb).
+    run = launch({"runs": [{"params": params}], "lrs": lrs, "stop": 6, "save_at": 3},
+                 whole, servers=2)
+    assert run.returncode == 0, run.stdout[-3000:]
+    for r in range(2):
+        (resumed / f"ckpt{r}.pt").write_bytes((whole / f"ckpt{r}.pt").read_bytes())
+    # Fresh processes, a different job seed: the RNG state must come from the checkpoint.
+    run = launch({"runs": [{"params": params}], "lrs": lrs, "start": 3, "stop": 6}, resumed,
+                 servers=2, env={"BPS_JOB_SEED": "999"})
+    assert run.returncode == 0, run.stdout[-3000:]
+    for r in range(2):
+        for name in SHAPES:
+            np.testing.assert_array_equal(load_params(resumed, 2)[r][name],
+                                          load_params(whole, 2)[r][name])
+    assert not np.array_equal(load_params(whole, 2)[0]["big"], initial_params(0, SHAPES)["big"])
+
+
+def test_bad_input_fails_in_constructor_on_every_rank(tmp_path):
+    bad = [({"compressor": "topk"}, "'k'"),
+           ({"compressor": "onebit", "fp16": "yes"}, "'fp16'"),
+           ({"compressor": "onebit", "colour": 1}, "'colour'"),
+           ({"momentum": "nesterov", "mu": 1.5}, "'mu'")]
+    start = time.monotonic()
+    result = launch({"bad_params": [b for b, _ in bad]}, tmp_path)
+    assert result.returncode != 0  # every rank exits 3 after the shutdown barrier
+    for r in range(2):
+        *errors, mismatch = json.loads((tmp_path / f"errors{r}.json").read_text())
+        assert len(errors) == len(bad)
+        for message, (_, key) in zip(errors, bad, strict=True):
+            assert key in message, message
+        # rank 1's model has 'big' of shape (31, 10): both ranks name it
+        assert "ModelMismatchError" in mismatch and "'big'" in mismatch, mismatch
+        assert "rank 1" in mismatch and "(30, 10)" in mismatch
+    assert "(31, 10)" in (tmp_path / "errors1.json").read_text()
+    assert time.monotonic() - start < 90
+
+
+def test_init_without_launcher_names_the_variable():
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DMLC_", "BYTEPS_"))}
+    result = subprocess.run([sys.executable, "-c", "import bps; bps.init()"], env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0
+    assert "DMLC_ROLE" in result.stderr and "bpslaunch" in result.stderr

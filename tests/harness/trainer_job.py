@@ -1,0 +1,323 @@
+"""The toy job of the front-end tests: real clusters started with ``bpslaunch local``.
+
+This module is also the worker program: ``python -m tests.harness.trainer_job
+CONFIG_JSON`` (from the repository's root) is what every worker process runs; a test
+module with a ``train`` of its own runs itself the same way, handing that ``train`` to
+``worker_main``. Each worker trains a tiny model whose gradient is known in closed form
+(loss ``0.5 * ||w - t_rank||^2``, so ``grad = w - t_rank`` exactly), which lets the
+tests replay the whole pipeline in numpy (``simulate``, ``replay``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from tests.harness.paths import ROOT
+
+# big: compressed, 3 partitions; small and bias: raw, fused into one key (next to each
+# other in backward order)
+SHAPES = {"big": (30, 10), "small": (7,), "bias": (4,)}
+MOMENTUM = 0.9
+
+
+def initial_params(rank: int, shapes: dict) -> dict:
+    rng = np.random.default_rng(rank)
+    return {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
+
+
+def targets(rank: int, shapes: dict) -> dict:
+    rng = np.random.default_rng(1000 + rank)
+    return {name: (3 * rng.standard_normal(shape)).astype(np.float32)
+            for name, shape in shapes.items()}
+
+
+# ----------------------------------------------------------------------------- worker side
+
+
+def make_model(rank: int, shapes: dict):
+    import torch
+
+    model = torch.nn.Module()
+    for name, value in initial_params(rank, shapes).items():
+        model.register_parameter(name, torch.nn.Parameter(torch.from_numpy(value)))
+    model.register_buffer("counter", torch.tensor([rank * 7 + 1], dtype=torch.int64))
+    return model
+
+
+def expect_errors(cfg: dict, rank: int, shapes: dict) -> list[str]:
+    """Every bad dict, then a model that differs on rank 1: the error each raised."""
+    import torch
+
+    import bps
+
+    errors = []
+    for params in cfg["bad_params"]:
+        model = make_model(rank, shapes)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=MOMENTUM)
+        try:
+            bps.DistributedTrainer(model, optimizer, params)
+        except (ValueError, TypeError) as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+    if rank == 1:
+        shapes = {**shapes, "big": (shapes["big"][0] + 1, *shapes["big"][1:])}
+    model = make_model(rank, shapes)
+    try:
+        bps.DistributedTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    except ValueError as exc:
+        errors.append(f"{type(exc).__name__}: {exc}")
+    return errors
+
+
+def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
+    import torch
+
+    import bps
+
+    tag = run.get("tag", "")
+    device = torch.device(cfg.get("device", "cpu"))
+    model = make_model(rank, shapes).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg["lrs"][0], momentum=MOMENTUM)
+    trainer = bps.DistributedTrainer(model, optimizer, run["params"])
+    report = {"counter": int(model.counter.item()),
+              "optimizer_momentum": optimizer.param_groups[0]["momentum"], "steps": []}
+    start = cfg.get("start", 0)
+    if start:
+        checkpoint = torch.load(out / f"ckpt{rank}.pt", weights_only=False)
+        model.load_state_dict(checkpoint["model"])
+        trainer.load_state_dict(checkpoint["trainer"])
+    goal = {name: torch.from_numpy(t).to(device) for name, t in targets(rank, shapes).items()}
+    engine = bps.core.runtime.get().engine
+    for step in range(start, cfg["stop"]):
+        for group in optimizer.param_groups:
+            group["lr"] = cfg["lrs"][step]
+        trainer.zero_grad()
+        # grad = w - t_rank, exact on every device (the backward of 0.5 * (w - t) ** 2
+        # goes through pow(x, 1), which a GPU rounds differently)
+        loss = sum((getattr(model, n) * (getattr(model, n).detach() - goal[n])).sum()
+                   for n in shapes)
+        pushes_before = engine.stats.pushes if engine is not None else 0
+        loss.backward()
+        if engine is not None and cfg.get("pushes_per_step"):
+            # The hooks alone (no step() yet) must get every push answered.
+            deadline = time.monotonic() + 20
+            while engine.stats.pushes - pushes_before < cfg["pushes_per_step"]:
+                if time.monotonic() > deadline:
+                    raise AssertionError("gradients were not pushed before step()")
+                time.sleep(0.005)
+        trainer.step()
+        report["steps"].append(trainer.stats())
+        if engine is not None:
+            report["steps"][-1]["pushes"] = engine.stats.pushes - pushes_before
+        if cfg.get("save_at") == step + 1:
+            torch.save({"model": model.state_dict(), "trainer": trainer.state_dict()},
+                       out / f"ckpt{rank}.pt")
+    np.savez(out / f"params{tag}{rank}.npz",
+             **{n: getattr(model, n).detach().cpu().numpy() for n in shapes})
+    trainer.close()
+    return report
+
+
+def worker_main(cfg: dict, train: Callable[..., dict] = train) -> int:
+    """One worker process: ``train(cfg, run, rank, shapes, out)`` for each of
+    ``cfg["runs"]``, reports to ``report{rank}.json`` (also the worker of the other
+    trainer test files, each with its own ``train``)."""
+    import torch
+
+    import bps
+
+    torch.set_num_threads(1)
+    bps.init()
+    rank = bps.rank()
+    out = Path(cfg["out"])
+    shapes = {name: tuple(shape) for name, shape in cfg["shapes"].items()}
+    if "bad_params" in cfg:
+        (out / f"errors{rank}.json").write_text(json.dumps(expect_errors(cfg, rank, shapes)))
+        bps.shutdown()  # reached by every rank only if every rank failed in the constructor
+        return 3
+    reports = {run.get("tag", ""): train(cfg, run, rank, shapes, out) for run in cfg["runs"]}
+    (out / f"report{rank}.json").write_text(json.dumps(reports))
+    bps.shutdown()
+    return 0
+
+
+# ----------------------------------------------------------------------------- test side
+
+
+def launch(cfg: dict, tmp: Path, workers: int = 2, servers: int = 1, local_size: int = 1,
+           env: dict | None = None, timeout: float = 120,
+           module: str = "tests.harness.trainer_job") -> subprocess.CompletedProcess:
+    """Run ``module``'s worker program (``python -m module``, from the repository's root)
+    on a ``bpslaunch local`` cluster with ``cfg``."""
+    from tests.harness.ps_job import BPSLAUNCH
+
+    cfg = {"shapes": SHAPES, **cfg, "out": str(tmp)}
+    cmd = [*BPSLAUNCH, "local", "--workers", str(workers), "--servers", str(servers),
+           "--local-size", str(local_size), "--", sys.executable, "-m", module,
+           json.dumps(cfg)]
+    full_env = {**os.environ, "BPS_TIMEOUT": "20", "BYTEPS_PARTITION_BYTES": "400",
+                "BPS_JOB_SEED": "4242", **(env or {})}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return subprocess.CompletedProcess(cmd, proc.returncode, output, None)
+
+
+def load_params(tmp: Path, ranks: int, tag: str = "") -> list[dict]:
+    return [dict(np.load(tmp / f"params{tag}{r}.npz")) for r in range(ranks)]
+
+
+def load_reports(tmp: Path, ranks: int) -> list[dict]:
+    return [json.loads((tmp / f"report{r}.json").read_text()) for r in range(ranks)]
+
+
+def nesterov(mu: np.float32, g: np.ndarray, m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """docs/compression.md momentum: m = g + mu*m; g' = g + mu*m (float32, two roundings each)."""
+    m = (g + mu * m).astype(np.float32)
+    return (g + mu * m).astype(np.float32), m
+
+
+SIM_LRS = [0.5, 0.25, 0.25, 0.5, 0.125]  # powers of two: lr * g is exact everywhere
+SIM_SEED = 4242  # BPS_JOB_SEED: the trainer fills compression_params["seed"] with it
+PARTITION = 100  # elements per partition: BYTEPS_PARTITION_BYTES=400, float32
+SIM_CASES = {
+    "onebit": {"compressor": "onebit", "scaling": True},
+    "topk": {"compressor": "topk", "k": 0.1},
+    "randomk": {"compressor": "randomk", "k": 0.1},
+    "dithering": {"compressor": "dithering", "k": 4},
+    "bytegrad": {"compressor": "bytegrad", "chunk": 16},
+}
+
+
+def reference_codec(params: dict, numel: int):
+    """(encode, decode) of the compressor from tests/harness/reference_compressors.py;
+    decode gives float32 values, as the receiving side holds them."""
+    import tests.harness.reference_compressors as ref
+
+    name, f32 = params["compressor"], "float32"
+    if name == "onebit":
+        return (lambda x: ref.onebit_encode(x, True),
+                lambda p: ref.onebit_decode(p, numel, f32))
+    if name == "bytegrad":
+        return (lambda x: ref.bytegrad_encode(x, params["chunk"]),
+                lambda p: ref.bytegrad_decode(p, numel, params["chunk"], f32))
+    k = max(1, int(params["k"] * numel)) if name in ("topk", "randomk") else params["k"]
+    if name == "topk":
+        return (lambda x: ref.topk_encode(x, k, f32),
+                lambda p: ref.topk_decode(p, numel, k, f32))
+    rng = ref.XorShift128Plus(SIM_SEED)
+    if name == "randomk":
+        return (lambda x: ref.randomk_encode(x, k, f32, rng),
+                lambda p: ref.randomk_decode(p, numel, k, f32))
+    return (lambda x: ref.dithering_encode(x, k, "linear", "max", rng),
+            lambda p: ref.round_to(ref.dithering_decode(p, numel, k, "linear"), f32))
+
+
+def simulate(params: dict, nodes: int, lrs: list[float], compressed_from: int | None = 0,
+             shapes: dict = SHAPES) -> dict:
+    """The pipeline of docs/architecture.md in numpy: per node, g = (w - t_node) / nodes ->
+    Momentum -> ErrorFeedback -> C; server: sum of the decoded payloads -> ErrorFeedback
+    -> C; workers decode and take an SGD step. Tensors that travel raw (the small one
+    always; the big one before step ``compressed_from``, or always if None) are summed
+    and get the same Nesterov rule after the sum."""
+    return replay(params, nodes, lrs, plain(shapes), compressed_from, shapes)
+
+
+def replay(params: dict, nodes: int, lrs: list[float], grads, compressed_from: int | None = 0,
+           shapes: dict = SHAPES) -> dict:
+    """docs/architecture.md's pipeline in numpy (see ``simulate``), with node ``r``'s
+    gradient at step ``s`` given by ``grads(s, r, w)`` (a dict of
+    float32 arrays): ``big`` is compressed (from step ``compressed_from``; None: never),
+    the rest travels raw and gets Nesterov momentum after the sum."""
+    from tests.harness.reference_compressors import RefChain
+
+    f32 = np.float32
+    w = initial_params(0, shapes)  # rank 0's parameters, broadcast at construction
+    numel = int(np.prod(shapes["big"]))
+    parts = [(o, min(PARTITION, numel - o)) for o in range(0, numel, PARTITION)]
+    workers = [[RefChain(*reference_codec(params, n), n, "float32", True, MOMENTUM)
+                for _, n in parts] for _ in range(nodes)]
+    servers = [RefChain(*reference_codec(params, n), n, "float32", True, None)
+               for _, n in parts]
+    local_momentum = {n: np.zeros(shape, f32) for n, shape in shapes.items()}
+    for step, lr in enumerate(lrs):
+        shares = [{n: (g / f32(nodes)).astype(f32) for n, g in grads(step, r, w).items()}
+                  for r in range(nodes)]
+        out = {}
+        for n in shapes:
+            if n == "big" and compressed_from is not None and step >= compressed_from:
+                continue
+            summed = np.zeros(shapes[n], f32)
+            for r in range(nodes):
+                summed = (summed + shares[r][n]).astype(f32)
+            out[n], local_momentum[n] = nesterov(f32(MOMENTUM), summed, local_momentum[n])
+        if "big" not in out:
+            big = np.zeros(numel, f32)
+            for i, (offset, n) in enumerate(parts):
+                summed = np.zeros(n, f32)
+                for r in range(nodes):
+                    workers[r][i].set_lr(lr)
+                    share = shares[r]["big"].reshape(-1)[offset:offset + n]
+                    decoded = workers[r][i].decode(workers[r][i].compress(share))
+                    summed = (summed + decoded.astype(f32)).astype(f32)
+                servers[i].set_lr(lr)
+                big[offset:offset + n] = servers[i].decode(servers[i].compress(summed))
+            out["big"] = big.reshape(shapes["big"])
+        for n in shapes:
+            w[n] = (w[n] - f32(lr) * out[n]).astype(f32)
+    return w
+
+
+def plain(shapes: dict):
+    """One backward per step: node r's gradient is ``w - t_r``."""
+    return lambda step, r, w: {n: (w[n] - targets(r, shapes)[n]).astype(np.float32)
+                               for n in shapes}
+
+
+# comm_dtype: 2 nodes x 2 local ranks, a tensor of several partitions, small and bias fused
+COMM_SHAPES = {"big": (60, 50), "small": (7,), "bias": (4,)}
+COMM_LRS = [0.5, 0.25, 0.25, 0.5]  # powers of two: lr * g is exact
+
+
+def comm_reference(comm: str, nodes: int = 2, local: int = 2) -> dict:
+    """The final parameters of COMM_SHAPES after COMM_LRS with ``comm_dtype=comm``
+    ("fp16", "bf16" or "fp32") and local Nesterov momentum, rounded to the wire's dtype
+    exactly where the pipeline of docs/trainer.md rounds: each rank's share, the
+    intra-node sum of two shares, the servers' sum of two nodes (one rounding each: a
+    sum of two halves is taken in float32 and rounded once), then float32 Nesterov
+    momentum and SGD."""
+    import torch
+
+    dtype, f32 = {"fp16": torch.float16, "bf16": torch.bfloat16,
+                  "fp32": torch.float32}[comm], np.float32
+    ranks = nodes * local
+    w = initial_params(0, COMM_SHAPES)
+    goals = [targets(r, COMM_SHAPES) for r in range(ranks)]
+    m = {n: np.zeros(s, f32) for n, s in COMM_SHAPES.items()}
+    for lr in COMM_LRS:
+        for n in COMM_SHAPES:
+            shares = [torch.from_numpy((w[n] - goals[r][n]).astype(f32) / f32(ranks)).to(dtype)
+                      for r in range(ranks)]
+            node_sums = [shares[i * local] + shares[i * local + 1] for i in range(nodes)]
+            g = (node_sums[0] + node_sums[1]).float().numpy()
+            m[n] = (g + f32(MOMENTUM) * m[n]).astype(f32)
+            g = (g + f32(MOMENTUM) * m[n]).astype(f32)
+            w[n] = (w[n] - f32(lr) * g).astype(f32)
+    return w
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main(json.loads(sys.argv[1])))

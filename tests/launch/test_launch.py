@@ -1,0 +1,214 @@
+"""bpslaunch: the role launcher, the loopback cluster, failure propagation, teardown."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from bps.launch.supervisor import Supervisor
+from tests.harness.ps_job import BPSLAUNCH, TEST_ENV, default_sigint, run_command
+
+PY = sys.executable
+
+
+def test_failing_worker_stops_everything_and_exit_code_propagates() -> None:
+    script = ("import os, sys, time\n"
+              "if os.environ['DMLC_WORKER_ID'] == '1': sys.exit(3)\n"
+              "time.sleep(600)\n")
+    code, output = run_command(BPSLAUNCH + ["local", "--workers", "2", "--servers", "1", "--",
+                                            PY, "-c", script], TEST_ENV, timeout=60)
+    assert code == 3, output
+    assert "[bpslaunch] worker1.0 exited with code 3; stopping all processes" in output
+
+
+def test_local_sets_roles_ranks_and_prefixes_output() -> None:
+    script = ("import os\nprint('env', *(os.environ[v] for v in ('DMLC_ROLE', 'DMLC_WORKER_ID',"
+              " 'BYTEPS_LOCAL_RANK', 'BYTEPS_LOCAL_SIZE', 'DMLC_NUM_WORKER', 'DMLC_NUM_SERVER',"
+              " 'BPS_LOCAL_MASTER_ADDR', 'BPS_LOCAL_MASTER_PORT')))\n")
+    code, output = run_command(BPSLAUNCH + ["local", "--workers", "2", "--servers", "1",
+                                            "--local-size", "2", "--", PY, "-c", script],
+                               TEST_ENV, timeout=60)
+    assert code == 0, output
+    lines = {line.split("] ")[0][1:]: line.split() for line in output.splitlines()
+             if "] env " in line}
+    assert sorted(lines) == ["worker0.0", "worker0.1", "worker1.0", "worker1.1"], output
+    for name, fields in lines.items():
+        node, rank = name.removeprefix("worker").split(".")
+        assert fields[2:9] == ["worker", node, rank, "2", "2", "1", "127.0.0.1"], fields
+    # one torch.distributed rendezvous per node, shared by its local ranks
+    assert lines["worker0.0"][9] == lines["worker0.1"][9] != lines["worker1.0"][9]
+
+
+def test_interrupt_tears_everything_down(tmp_path: Path) -> None:
+    script = (f"import os, time\nopen(os.path.join({str(tmp_path)!r}, str(os.getpid())), 'w')"
+              ".close()\ntime.sleep(600)\n")
+    proc = subprocess.Popen(BPSLAUNCH + ["local", "--workers", "2", "--servers", "1", "--",
+                                         PY, "-c", script], env={**os.environ, **TEST_ENV},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True, text=True, preexec_fn=default_sigint)
+    try:
+        deadline = time.monotonic() + 60
+        while len(os.listdir(tmp_path)) < 2:  # waiting for a condition, with a deadline
+            assert time.monotonic() < deadline and proc.poll() is None, proc.poll()
+            time.sleep(0.05)
+        pids = [int(name) for name in os.listdir(tmp_path)]
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 128 + signal.SIGINT, output
+        for pid in pids:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                continue
+            raise AssertionError(f"worker pid {pid} survived the interrupt")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_role_worker_starts_local_size_copies() -> None:
+    env = {**TEST_ENV, "DMLC_ROLE": "worker", "DMLC_WORKER_ID": "1", "DMLC_NUM_WORKER": "2",
+           "DMLC_NUM_SERVER": "1", "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": "9",
+           "BYTEPS_LOCAL_SIZE": "3"}
+    script = "import os; print('rank', os.environ['BYTEPS_LOCAL_RANK'])"
+    code, output = run_command(BPSLAUNCH + [PY, "-c", script], env, timeout=60)
+    assert code == 0, output
+    assert sorted(line for line in output.splitlines() if "rank" in line) == \
+        ["[worker1.0] rank 0", "[worker1.1] rank 1", "[worker1.2] rank 2"]
+
+
+def test_bad_environment_names_the_variable() -> None:
+    base = {"DMLC_ROLE": "", "DMLC_NUM_WORKER": "2", "DMLC_NUM_SERVER": "1",
+            "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": "9000"}
+    cases = [({}, "DMLC_ROLE is not set"),
+             ({"DMLC_ROLE": "boss"}, "DMLC_ROLE='boss'"),
+             ({"DMLC_ROLE": "server", "DMLC_NUM_SERVER": "x"}, "DMLC_NUM_SERVER='x'"),
+             ({"DMLC_ROLE": "worker"}, "DMLC_WORKER_ID is not set"),
+             ({"DMLC_ROLE": "worker", "DMLC_WORKER_ID": "2"}, "DMLC_WORKER_ID=2 out of range"),
+             ({"DMLC_ROLE": "scheduler", "BPS_TIMEOUT": "-1"}, "BPS_TIMEOUT='-1'")]
+    for extra, fragment in cases:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("DMLC_", "BPS_"))}
+        env.update({**base, **extra})
+        proc = subprocess.run(BPSLAUNCH + [PY, "-c", "pass"], env=env, capture_output=True,
+                              text=True, timeout=60)
+        assert proc.returncode == 2, (extra, proc.stderr)
+        assert fragment in proc.stderr, (extra, proc.stderr)
+
+
+def test_help_and_a_bare_call_show_the_three_modes() -> None:
+    """``bpslaunch --help``, and ``bpslaunch`` with no DMLC_ROLE and no command, print the
+    usage of every mode with an example of each."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DMLC_", "BPS_"))}
+    helped = subprocess.run(BPSLAUNCH + ["--help"], env=env, capture_output=True, text=True,
+                            timeout=60)
+    bare = subprocess.run(BPSLAUNCH, env=env, capture_output=True, text=True, timeout=60)
+    assert helped.returncode == 0 and bare.returncode == 2, (helped.stderr, bare.stderr)
+    assert bare.stderr == helped.stdout
+    for example in ("DMLC_ROLE=scheduler", "bpslaunch local --workers 2",
+                    "bpslaunch netem --nodes 4"):
+        assert example in helped.stdout, helped.stdout
+
+
+def test_teardown_is_bounded_when_a_child_cannot_be_waited_for() -> None:
+    # A SIGTERM turns into SystemExit wherever the launcher's main thread is; struck just
+    # after Popen.wait took its internal lock, it leaves that lock held, and a teardown
+    # that then waits without a timeout waits for itself forever.
+    out = io.StringIO()
+    supervisor = Supervisor(grace=0.5, out=out)
+    child = supervisor.spawn([sys.executable, "-c", "import time; time.sleep(120)"],
+                             dict(os.environ), "sleeper")
+    child.process._waitpid_lock.acquire()  # the state that SystemExit left behind
+    teardown = threading.Thread(target=supervisor.stop_all, daemon=True)
+    teardown.start()
+    teardown.join(timeout=60)
+    assert not teardown.is_alive(), "stop_all() hung"
+    assert "sleeper (pid" in out.getvalue() and "not reaped" in out.getvalue()
+    state = Path(f"/proc/{child.process.pid}/stat").read_text().split(")")[-1].split()[0]
+    assert state == "Z", state  # killed, left for init to reap
+    child.process._waitpid_lock.release()
+    child.process.wait(timeout=10)
+
+
+FORGETS_SHUTDOWN = """
+import sys, torch, bps
+bps.init()
+model = torch.nn.Linear(8, 1)
+trainer = bps.DistributedTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1))
+for _ in range(3):
+    trainer.zero_grad()
+    model(torch.ones(4, 8)).sum().backward()
+    trainer.step()
+print("trained", flush=True)
+if bps.rank() == 1:
+    sys.exit(0)
+"""
+
+
+def test_a_job_that_forgets_shutdown_succeeds_with_a_warning() -> None:
+    """Training finished, no bps.shutdown(): the end of the script (rank 0) and
+    sys.exit(0) (rank 1) leave as shutdown() would; the job exits 0, no ERROR line."""
+    code, output = run_command(BPSLAUNCH + ["local", "--workers", "2", "--servers", "1", "--",
+                                            PY, "-c", FORGETS_SHUTDOWN], TEST_ENV, timeout=120)
+    assert code == 0, output
+    assert output.count("trained") == 2, output
+    assert "ended without bps.shutdown()" in output, output
+    assert "ERROR" not in output and "failed" not in output, output
+    assert "all workers finished" in output, output
+
+
+def test_a_mistyped_command_is_refused_before_anything_starts() -> None:
+    for program, hint in ((".venv/bin/pyhton", "no such file"), ("pyhton", "activate")):
+        code, output = run_command(BPSLAUNCH + ["local", "--", program, "x.py"], TEST_ENV,
+                                   timeout=60)
+        assert code == 2, output
+        assert f"bpslaunch local: error: command not found: {program!r}" in output, output
+        assert hint in output and "Traceback" not in output and "[scheduler]" not in output
+
+
+def test_a_script_without_bps_init_ends_at_once_and_quietly() -> None:
+    """No worker joins: the scheduler and servers, which would wait for them, are
+    stopped as soon as the workers exit 0, without the grace period or their ERRORs."""
+    started = time.monotonic()
+    code, output = run_command(BPSLAUNCH + ["local", "--workers", "2", "--servers", "1", "--",
+                                            PY, "-c", "print('hello')"], TEST_ENV, timeout=60)
+    elapsed = time.monotonic() - started
+    assert code == 0, output
+    assert output.count("hello") == 2, output
+    assert "no worker called bps.init()" in output, output
+    assert "ERROR" not in output and "SIGTERM" not in output, output
+    assert "services still running" not in output, output  # not the grace period's stop
+    assert elapsed < Supervisor().grace + 30, (elapsed, output)
+
+
+LOCAL_RANK_RAISES = """
+import torch, bps
+bps.init()
+model = torch.nn.Linear(8, 1)
+trainer = bps.DistributedTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1))
+for step in range(2):
+    if step == 1 and bps.rank() == 1:
+        raise RuntimeError("boom")
+    trainer.zero_grad()
+    model(torch.ones(4, 8)).sum().backward()
+    trainer.step()
+bps.shutdown()
+"""
+
+
+def test_a_failing_local_rank_leaves_no_stray_abort() -> None:
+    """2 nodes x 2 local ranks, rank 1 raises: every process names the failure and ends;
+    none aborts in the teardown of its node's gloo group ("terminate called ...")."""
+    code, output = run_command(BPSLAUNCH + ["local", "--workers", "2", "--servers", "1",
+                                            "--local-size", "2", "--", PY, "-c",
+                                            LOCAL_RANK_RAISES],
+                               {**TEST_ENV, "BPS_TIMEOUT": "60"}, timeout=180)
+    assert code != 0, output
+    assert "RuntimeError: boom" in output, output
+    assert "terminate called" not in output and "Aborted" not in output, output

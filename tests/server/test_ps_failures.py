@@ -1,0 +1,222 @@
+"""Failure behaviour with real processes started one by one (no fail-fast launcher in
+between): a dead worker, a dead server or a node that never arrives makes every other
+process exit non-zero with an error naming it, within the heartbeat timeout.
+
+``test_every_role_that_fails_is_named_within_the_heartbeat_timeout`` times it: from the
+signal the test sends to the moment each other process exits (seen by ``wait``)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from tests.harness.roles import HEARTBEAT_TIMEOUT, JOB
+
+ROLE = [sys.executable, "-m", "bps.launch.cli"]
+
+# startup (imports) + heartbeat timeout + slack for a loaded 2-core machine
+EXIT_WITHIN = 60.0
+
+
+def test_killed_worker_fails_everyone_naming_it(cluster) -> None:
+    c = cluster(workers=2, servers=1)
+    c.start("scheduler", ROLE, DMLC_ROLE="scheduler")
+    c.start("server0", ROLE, DMLC_ROLE="server")
+    c.worker(0)
+    c.worker(1, "--kill-at", "3")
+    code, out = c.wait("worker1", EXIT_WITHIN)
+    assert code == -signal.SIGKILL, out
+    for name in ("scheduler", "server0", "worker0"):
+        code, out = c.wait(name, EXIT_WITHIN)
+        assert code != 0, (name, out)
+        assert "worker 1 at 127.0.0.1 died: no heartbeat" in out, (name, out)
+
+
+def test_killed_server_fails_everyone_naming_it(cluster) -> None:
+    c = cluster(workers=2, servers=2)
+    c.start("scheduler", ROLE, DMLC_ROLE="scheduler")
+    c.start("server0", ROLE, DMLC_ROLE="server", BPS_SERVER_ID="0")
+    victim = c.start("server1", ROLE, DMLC_ROLE="server", BPS_SERVER_ID="1")
+    c.worker(0, "--kill-pid", str(victim.pid), "--kill-at", "3")
+    c.worker(1)
+    for name in ("scheduler", "server0", "worker0", "worker1"):
+        code, out = c.wait(name, EXIT_WITHIN)
+        assert code != 0, (name, out)
+        assert "server 1 at tcp://127.0.0.1:" in out and "died" in out, (name, out)
+
+
+def test_missing_worker_times_out_naming_it(cluster) -> None:
+    c = cluster(workers=2, servers=1, timeout=8.0)
+    c.start("scheduler", ROLE, DMLC_ROLE="scheduler")
+    c.start("server0", ROLE, DMLC_ROLE="server")
+    c.worker(0)
+    for name in ("scheduler", "server0", "worker0"):
+        code, out = c.wait(name, EXIT_WITHIN)
+        assert code != 0, (name, out)
+        assert "rendezvous timed out" in out and "workers missing: [1]" in out, (name, out)
+
+
+def train_job(c, failing: int, how: str, at: int = 3) -> None:
+    c.start("scheduler", ROLE, DMLC_ROLE="scheduler")
+    c.start("server0", ROLE, DMLC_ROLE="server")
+    for node in range(2):
+        c.start(f"worker{node}", [sys.executable, JOB, "--out", str(c.tmp_path), "--case",
+                                  "train", "--fail", str(failing), how, str(at)],
+                DMLC_ROLE="worker", DMLC_WORKER_ID=str(node))
+
+
+@pytest.mark.parametrize(("how", "named"), [
+    ("raise", "worker 1 at 127.0.0.1 failed: RuntimeError: boom at step 3"),
+    ("exit", "worker 1 at 127.0.0.1 failed: the process exited without calling bps.shutdown()"),
+    ("interrupt", "worker 1 at 127.0.0.1 failed: KeyboardInterrupt"),
+])
+def test_a_worker_that_fails_is_named_by_everyone(cluster, how: str, named: str) -> None:
+    """An exception, sys.exit(3) or Ctrl-C in worker 1 outside bpslaunch local: it tells
+    the scheduler it failed (not that it finished), and every other process stops at once
+    with an error naming it, instead of waiting for its next push."""
+    c = cluster(workers=2, servers=1)
+    train_job(c, 1, how)
+    code, out = c.wait("worker1", EXIT_WITHIN)
+    assert code != 0, out
+    for name in ("scheduler", "server0", "worker0"):
+        code, out = c.wait(name, HEARTBEAT_TIMEOUT + 30)
+        assert code != 0, (name, out)
+        assert named in out, (name, out)
+    scheduler_log = c.wait("scheduler", 1)[1]
+    assert "worker 0 at 127.0.0.1 died" not in scheduler_log  # never the healthy one
+    assert "worker 0 at 127.0.0.1 failed" not in scheduler_log
+
+
+def test_a_worker_whose_main_thread_hangs_is_named(cluster) -> None:
+    """Its I/O thread heartbeats on, but its steps stop while worker 0 waits."""
+    c = cluster(workers=2, servers=1)
+    train_job(c, 1, "hang")
+    for name in ("scheduler", "server0", "worker0"):
+        code, out = c.wait(name, EXIT_WITHIN)
+        assert code != 0, (name, out)
+        assert "worker 1 at 127.0.0.1 stopped stepping: its last push was of step 2" in out, \
+            (name, out)
+
+
+def test_workers_that_run_different_numbers_of_steps_get_a_clear_error(cluster) -> None:
+    c = cluster(workers=2, servers=1)
+    train_job(c, 1, "finish")
+    for name in ("scheduler", "worker0", "worker1"):
+        code, out = c.wait(name, EXIT_WITHIN)
+        assert code != 0, (name, out)
+        assert "the workers ran different numbers of steps" in out, (name, out)
+
+
+def test_workers_with_different_learning_rates_get_a_clear_error(cluster) -> None:
+    c = cluster(workers=2, servers=1)
+    train_job(c, 1, "lr")
+    for name in ("scheduler", "server0", "worker0", "worker1"):
+        code, out = c.wait(name, EXIT_WITHIN)
+        assert code != 0, (name, out)
+        assert "the workers' learning rates differ" in out, (name, out)
+
+
+def test_a_late_scheduler_is_waited_for(cluster) -> None:
+    """Servers and workers started well before the scheduler (longer than the heartbeat
+    timeout) wait for it up to BPS_TIMEOUT, as documented, and the job completes."""
+    import subprocess
+
+    c = cluster(workers=2, servers=1)
+    c.start("server0", ROLE, DMLC_ROLE="server")
+    for node in range(2):
+        c.start(f"worker{node}", [sys.executable, JOB, "--out", str(c.tmp_path), "--case",
+                                  "raw"], DMLC_ROLE="worker", DMLC_WORKER_ID=str(node))
+    with pytest.raises(subprocess.TimeoutExpired):  # alive after the heartbeat timeout
+        c.procs["worker1"].wait(timeout=HEARTBEAT_TIMEOUT + 2)
+    c.start("scheduler", ROLE, DMLC_ROLE="scheduler")
+    for name in ("scheduler", "server0", "worker0", "worker1"):
+        code, out = c.wait(name, EXIT_WITHIN)
+        assert code == 0, (name, out)
+
+
+def wait_for_line(c, name: str, text: str, timeout: float = EXIT_WITHIN) -> None:
+    assert c.outputs[name].wait_for(text, timeout), (name, c.log(name))
+
+
+# A short heartbeat timeout keeps these fast. Margins for a loaded 2-core machine: naming
+# the failed node takes one more heartbeat interval and a loop turn; exiting afterwards
+# takes the interpreter's teardown, which alone is 2-5 s for a process that imported torch
+# at a load average of 10 here (nothing bps can shorten).
+FAST_HEARTBEAT_TIMEOUT = 3.0
+NAMED_MARGIN = 2.5
+EXIT_MARGIN = 12.0
+SERVER = "server 0 at tcp://127.0.0.1:"
+WORKER = "worker 1 at 127.0.0.1 "
+
+
+def exit_times(c, names: list[str], timeout: float) -> dict[str, tuple[int, float]]:
+    """Wait for every process of ``names`` at once; name -> (exit code, when it exited
+    by time.monotonic), as each one's ``wait`` returned."""
+    seen: dict[str, tuple[int, float]] = {}
+
+    def watch(name: str) -> None:
+        try:
+            code = c.procs[name].wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return
+        seen[name] = (code, time.monotonic())
+
+    threads = [threading.Thread(target=watch, args=(name,)) for name in names]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout + 5)
+    return seen
+
+
+@pytest.mark.parametrize(("victim", "how", "named"), [
+    ("server0", signal.SIGKILL, "died: no heartbeat"),
+    # a stopped process is a dead one: worker1's SIGSTOP covers it in make test
+    pytest.param("server0", signal.SIGSTOP, "died: no heartbeat", marks=pytest.mark.slow),
+    ("server0", signal.SIGINT, "failed: KeyboardInterrupt"),  # raised inside its loop
+    ("server0", signal.SIGTERM, "failed: terminated by SIGTERM"),
+    ("scheduler", signal.SIGKILL, "unreachable: no heartbeat"),
+    ("scheduler", signal.SIGINT, "failed: KeyboardInterrupt"),
+    ("worker1", signal.SIGKILL, "died: no heartbeat"),
+    ("worker1", signal.SIGSTOP, "died: no heartbeat"),
+    ("worker1", signal.SIGTERM, "failed: terminated by SIGTERM"),
+], ids=lambda v: v.name if isinstance(v, signal.Signals) else None)
+def test_every_role_that_fails_is_named_within_the_heartbeat_timeout(
+        cluster, victim: str, how: signal.Signals, named: str) -> None:
+    """kill -9, SIGSTOP, an exception (Ctrl-C's KeyboardInterrupt, raised wherever the
+    main thread is) or SIGTERM of a server, the scheduler or a worker during training:
+    every other process prints an error naming it within BPS_HEARTBEAT_TIMEOUT of the
+    signal (plus a margin) and then exits non-zero; nobody blames a healthy node."""
+    c = cluster(workers=2, servers=1, heartbeat_timeout=FAST_HEARTBEAT_TIMEOUT)
+    train_job(c, 1, "none", at=-1)
+    for node in range(2):
+        wait_for_line(c, f"worker{node}", f"worker {node}: training")
+    who = {"server0": SERVER, "worker1": WORKER,
+           "scheduler": f"scheduler at tcp://127.0.0.1:{c.env['DMLC_PS_ROOT_PORT']} "}[victim]
+    peers = [name for name in ("scheduler", "server0", "worker0", "worker1") if name != victim]
+    sent = time.monotonic()
+    os.kill(c.procs[victim].pid, how)
+    exits = exit_times(c, peers, EXIT_WITHIN)
+    for name in peers:
+        out = c.log(name)
+        assert name in exits, (name, "still running", out)
+        code, exited = exits[name]
+        assert code != 0, (name, out)
+        said = c.outputs[name].first(who, named)
+        assert said is not None, (name, out)
+        print(f"{name}: named {victim} {said - sent:.2f} s after {how.name}, exited after "
+              f"{exited - sent:.2f} s")
+        assert said - sent < FAST_HEARTBEAT_TIMEOUT + NAMED_MARGIN, (name, said - sent, out)
+        assert exited - sent < FAST_HEARTBEAT_TIMEOUT + EXIT_MARGIN, (name, exited - sent, out)
+    labels = [SERVER, WORKER, "worker 0 at 127.0.0.1 ", "scheduler at tcp://127.0.0.1:"]
+    for healthy in (label for label in labels if not who.startswith(label)):
+        blamed = re.compile(re.escape(healthy) + r"\S* ?(died|failed|unreachable|stopped)")
+        for name in peers:
+            assert not blamed.search(c.log(name)), (name, healthy, c.log(name))
