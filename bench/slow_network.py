@@ -57,7 +57,8 @@ QUICK_METHODS = ("fp32", "onebit", "ddp-powersgd")
 # report. Every method, bps and DDP, gets the same schedule.
 DEFAULT_SCHEDULE = "cosine"
 # examples/mnist.py's flags of the trainer's modes, not of compression_params
-MODE_FLAGS = ("--staleness", "--sync-every", "--outer", "--outer-lr", "--outer-momentum")
+MODE_FLAGS = ("--staleness", "--sync-every", "--outer", "--outer-lr", "--outer-momentum",
+              "--fragments", "--overlap")
 STARTUP_SECONDS = 25.0  # imports and rendezvous of every process on 2 cores, measured
 COMPUTE_SECONDS = 0.15  # one step of 4 nodes + 4 servers on 2 cores, measured unthrottled
 
@@ -111,11 +112,16 @@ def periodic_args(sync_every: int, outer: str) -> tuple[str, ...]:
 
 
 def all_methods(topk: float = 0.01, randomk: float = 0.01, levels: int = 4,
-                sync_every: int = 8, outer: str = "average") -> dict:
+                sync_every: int = 8, outer: str = "average", fragments: int = 4,
+                overlap: int | None = None) -> dict:
     """Every method the runner knows, by name; ``topk``/``randomk``: k, ``levels``: dithering;
-    ``sync_every`` / ``outer``: the ``-local`` rows (periodic averaging)."""
+    ``sync_every`` / ``outer``: the ``-local`` and ``-stream`` rows (periodic averaging);
+    ``fragments`` / ``overlap`` (default ``sync_every / fragments``): the ``-stream`` rows."""
     local = periodic_args(sync_every, outer)
     local_label = f"H={sync_every}, {outer}"
+    overlap = sync_every // fragments if overlap is None else overlap
+    stream = (*local, "--fragments", str(fragments), "--overlap", str(overlap))
+    stream_label = f"H={sync_every}, F={fragments}, T={overlap}, {outer}"
     return {m.name: m for m in (
         Method("fp32", "bps uncompressed (fp32)", "bps", ("--compressor", "none", "--no-fp16"),
                4),
@@ -151,6 +157,13 @@ def all_methods(topk: float = 0.01, randomk: float = 0.01, levels: int = 4,
                8 * topk / sync_every),
         Method("fp32-local", f"bps fp32, local SGD {local_label}", "bps",
                ("--compressor", "none", "--no-fp16", *local), 4 / sync_every),
+        Method("onebit-stream", f"bps onebit + EF, streaming syncs {stream_label}", "bps",
+               ("--compressor", "onebit", "--ef", "vanilla", *stream), 1 / 8 / sync_every),
+        Method("topk-stream", f"bps topk k={topk:g} + EF, streaming syncs {stream_label}",
+               "bps", ("--compressor", "topk", "--k", f"{topk:g}", "--ef", "vanilla",
+                       *stream), 8 * topk / sync_every),
+        Method("bytegrad-stream", f"bps bytegrad + EF, streaming syncs {stream_label}", "bps",
+               ("--compressor", "bytegrad", "--ef", "vanilla", *stream), 1 / sync_every),
         Method("ddp", "DDP allreduce (gloo)", "ddp", ("--hook", "none"), 4),
         Method("ddp-fp16", "DDP fp16 hook", "ddp", ("--hook", "fp16"), 2),
         Method("ddp-powersgd", "DDP PowerSGD hook, rank 1", "ddp",
@@ -527,6 +540,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--outer", default="average",
                    help="the -local rows' outer update: average, or OPTIMIZER:LR:MOMENTUM "
                         "with OPTIMIZER sgd or nesterov (e.g. nesterov:0.7:0.9)")
+    p.add_argument("--fragments", type=int, default=4,
+                   help="the -stream rows: fragments synced in turn, one every "
+                        "sync-every/fragments steps")
+    p.add_argument("--overlap", type=int, default=None,
+                   help="the -stream rows: local steps between a fragment's push and its "
+                        "landing (default sync-every/fragments)")
     p.add_argument("--quick", action="store_true",
                    help="2 nodes, small model, 1 epoch, methods " + ",".join(QUICK_METHODS))
     p.add_argument("--epochs", type=int, default=None,
@@ -577,7 +596,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     names = args.methods.split(",") if args.methods else list(
         QUICK_METHODS if args.quick else DEFAULT_METHODS)
     methods = all_methods(args.topk_k, args.randomk_k, args.dithering_levels,
-                          args.sync_every, args.outer)
+                          args.sync_every, args.outer, args.fragments, args.overlap)
     unknown = [n for n in names if n not in methods]
     if unknown:
         p.error(f"--methods: unknown {unknown}; choose from {','.join(methods)}")
@@ -645,7 +664,7 @@ def load_runs(path: Path, args: argparse.Namespace) -> tuple[list[Run], str]:
 def record_runs(record: dict, args: argparse.Namespace) -> list[Run]:
     """The runs of a saved JSON record (methods rebuilt with ``args``' k and levels)."""
     methods = all_methods(args.topk_k, args.randomk_k, args.dithering_levels,
-                          args.sync_every, args.outer)
+                          args.sync_every, args.outer, args.fragments, args.overlap)
     runs = []
     for saved in record["runs"]:
         known = methods[saved["method"]]

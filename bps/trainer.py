@@ -43,6 +43,7 @@ from bps.core.model_sync import ModelMismatchError, broadcast_model, check_same_
 from bps.modes import choose
 from bps.modes.delayed import validate_staleness
 from bps.modes.periodic import validate_sync_every
+from bps.modes.streaming import plan_fragments, validate_streaming
 
 __all__ = ["DistributedTrainer", "ModelMismatchError", "NonFiniteGradientError"]
 
@@ -67,6 +68,11 @@ class DistributedTrainer:
             :func:`bps.modes.periodic.validate_sync_every`).
         staleness: 1: each ``step()`` applies the aggregate of the step before, whose
             push and pull overlap this step's forward and backward (:mod:`bps.modes.delayed`).
+        fragments: with ``sync_every=H``: sync ``1/fragments`` of the parameters every
+            ``H / fragments`` local steps instead of all of them every ``H``
+            (:mod:`bps.modes.streaming`).
+        overlap: with ``sync_every``: each sync's aggregate lands ``overlap`` local steps
+            after its push, so its push and pull run while those steps compute.
 
     Each gradient is pushed once per step. Every rank saves its own ``state_dict()``
     (error-feedback state is per node). docs/trainer.md shows the training loops:
@@ -76,9 +82,11 @@ class DistributedTrainer:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  compression_params: dict | None = None,
                  backward_passes_per_step: int = 1, *, sync_every: int = 1,
-                 outer: dict | None = None, staleness: int = 0) -> None:
+                 outer: dict | None = None, staleness: int = 0, fragments: int = 1,
+                 overlap: int = 0) -> None:
         outer_spec = validate_sync_every(sync_every, outer)
         staleness = validate_staleness(staleness, sync_every)
+        streaming = validate_streaming(sync_every, fragments, overlap)
         if (isinstance(backward_passes_per_step, bool)
                 or not isinstance(backward_passes_per_step, int)
                 or backward_passes_per_step < 1):
@@ -87,18 +95,20 @@ class DistributedTrainer:
         core = FrontEndCore(compression_params, optimizer, local_steps=sync_every > 1)
         self.model, self.optimizer, self.params = model, optimizer, core.params
         core.model, core.passes = model, backward_passes_per_step
-        rt = bps_runtime.get()
-        check_same_model(rt, model)
-        broadcast_model(rt, model)
         seen, named = set(), []
         for name, p in model.named_parameters():
             if p.requires_grad and id(p) not in seen:
                 seen.add(id(p))
                 named.append((name, p))
-        core.build(rt, core.grad_tensors(named))
+        tensors = core.grad_tensors(named)
+        plan = plan_fragments(tensors, fragments) if streaming else None
+        rt = bps_runtime.get()
+        check_same_model(rt, model)
+        broadcast_model(rt, model)
         self.core = core
-        self.mode = choose(core, staleness=staleness, sync_every=sync_every, outer=outer_spec)
-        self._seen = [0] * len(core.pipeline.slots)  # backward passes per parameter this step
+        self.mode = choose(core, rt, tensors, staleness=staleness, sync_every=sync_every,
+                           outer=outer_spec, fragments=plan, overlap=overlap)
+        self._seen = [0] * len(tensors)  # backward passes per parameter this step
         self._in_step = False  # inside step(): the optimizer steps as the trainer says
         self._outside_steps = 0  # optimizer.step() calls outside step() since the last
         self._optimizer_hook = optimizer.register_step_post_hook(self._optimizer_stepped)

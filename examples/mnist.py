@@ -80,6 +80,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="outer sgd/nesterov lr (nesterov: 1.0 here, see NESTEROV_OUTER)")
     p.add_argument("--outer-momentum", type=float, default=None,
                    help="outer sgd/nesterov momentum (nesterov: 0.5 here)")
+    p.add_argument("--fragments", type=int, default=1,
+                   help="periodic averaging: sync 1/F of the parameters every "
+                        "sync-every/F steps (streaming syncs)")
+    p.add_argument("--overlap", type=int, default=0,
+                   help="periodic averaging: a sync lands this many local steps after its "
+                        "push, which runs meanwhile")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():  # before the cluster starts
         p.error("--device cuda: torch sees no CUDA device (torch.cuda.is_available() is "
@@ -119,7 +125,9 @@ def overlap_args(args: argparse.Namespace, params: dict | None) -> dict:
         outer["momentum"] = args.outer_momentum
     if params is not None and params.get("momentum"):
         params["mu"] = args.mu  # the chain's momentum acts on the pseudo-gradient
-    return {"sync_every": args.sync_every, "outer": outer}
+    streaming = {"fragments": args.fragments, "overlap": args.overlap} \
+        if args.fragments != 1 or args.overlap else {}
+    return {"sync_every": args.sync_every, "outer": outer, **streaming}
 
 
 def overlap_label(args: argparse.Namespace) -> str:
@@ -129,6 +137,8 @@ def overlap_label(args: argparse.Namespace) -> str:
     if spec is not None:
         label += ", outer " + ":".join(str(spec[k]) for k in ("optimizer", "lr", "momentum")
                                       if k in spec)
+    if args.fragments != 1 or args.overlap:
+        label += f", {args.fragments} fragment(s), overlap {args.overlap} step(s)"
     return label
 
 

@@ -141,17 +141,34 @@ class FrontEndCore:
             tensors.append(GradTensor(name, p, group_of.get(id(p), 0)))
         return tensors
 
-    def build(self, runtime, tensors: list[GradTensor], *,
-              on_step_start: Callable[[], None] | None = None,
-              on_step_done: Callable[[], None] | None = None,
-              on_error: Callable[[BaseException], None] | None = None) -> GradPipeline:
-        """Plan and declare every parameter's keys on ``runtime``: the pipeline."""
+    def attach(self, runtime) -> None:
+        """Bind the runtime: the job seed where ``seed`` is unset, and the warning that
+        the optimizer's momentum moved into the chain (rank 0)."""
         self.runtime = runtime
         if self.params["seed"] is None:
             self.params["seed"] = int(runtime.job_seed)
         if self.momentum_moved and runtime.rank == 0:
             log.warning("bps: the optimizer's momentum is turned off; Nesterov momentum "
                         "(mu=%g) runs in the compression chain instead", self.params["mu"])
+
+    def build(self, runtime, tensors: list[GradTensor], *,
+              on_step_start: Callable[[], None] | None = None,
+              on_step_done: Callable[[], None] | None = None,
+              on_error: Callable[[BaseException], None] | None = None) -> GradPipeline:
+        """Plan and declare every parameter's keys on ``runtime``: the pipeline."""
+        self.attach(runtime)
+        self.pipeline = self.new_pipeline(tensors, on_step_start=on_step_start,
+                                          on_step_done=on_step_done, on_error=on_error)
+        return self.pipeline
+
+    def new_pipeline(self, tensors: list[GradTensor], *,
+                     on_step_start: Callable[[], None] | None = None,
+                     on_step_done: Callable[[], None] | None = None,
+                     on_error: Callable[[BaseException], None] | None = None) -> GradPipeline:
+        """A pipeline of ``tensors`` on the attached runtime, with the core's learning
+        rates and loss scale (a step mode that syncs parameters in fragments holds one
+        per fragment; every rank must build them in the same order)."""
+        runtime = self.runtime
 
         def step_start() -> None:
             # stats count this step's traffic only; the scale is read once (on CUDA
@@ -161,11 +178,10 @@ class FrontEndCore:
             if on_step_start is not None:
                 on_step_start()
 
-        self.pipeline = GradPipeline(runtime, self.params, tensors, self.pipeline_lr,
-                                     lambda: self.loss_scale.change(self.scale),
-                                     on_step_start=step_start, on_step_done=on_step_done,
-                                     on_error=on_error)
-        return self.pipeline
+        return GradPipeline(runtime, self.params, tensors, self.pipeline_lr,
+                            lambda: self.loss_scale.change(self.scale),
+                            on_step_start=step_start, on_step_done=on_step_done,
+                            on_error=on_error)
 
     # -- pushes -------------------------------------------------------------------------
 
@@ -203,7 +219,7 @@ class FrontEndCore:
         """The error of a step skipped for a non-finite gradient; None (with a warning)
         where ``nonfinite`` is ``"skip"``."""
         beyond = " (or values beyond float16's range, which fp16 sends)" \
-            if self.pipeline.wire_dtype == torch.float16 else ""
+            if self.params["comm_dtype"] == "fp16" else ""
         if skip.node < 0:  # the server's float16 sum of finite pushes
             what = f"the sum over the workers of {skip.what!r} overflows float16"
         else:
@@ -220,28 +236,41 @@ class FrontEndCore:
     # -- checkpoints --------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """``{"step", "wire_step", "rank", "scale", "local_momentum", "engine"}``: the
-        pipeline's counters, the scaler's first and last scales, the local momentum by
-        parameter name, and (local rank 0) every worker and server chain of this
-        pipeline's compressed keys, by position (key numbers depend on what else the
-        process declared first)."""
-        pipe, rt = self.pipeline, self.runtime
+        """``{"rank", "scale"}`` and the pipeline's :meth:`pipeline_state`: the scaler's
+        first and last scales, the counters, local momentum and chains (a core without
+        a pipeline of its own, whose mode holds them: rank and scale only)."""
+        state = {"rank": self.runtime.rank, "scale": self.loss_scale.state()}
+        if self.pipeline is not None:
+            state.update(self.pipeline_state(self.pipeline))
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s, on the same rank of a cluster of the same shape."""
+        if state.get("rank") != self.runtime.rank:
+            raise ValueError(f"state_dict was saved by rank {state.get('rank')}, "
+                             f"this is rank {self.runtime.rank}")
+        if self.pipeline is not None:
+            self.load_pipeline_state(self.pipeline, state)
+        self.loss_scale.load(state.get("scale", (None, None)))
+
+    def pipeline_state(self, pipe: GradPipeline) -> dict:
+        """``{"step", "wire_step", "local_momentum", "engine"}`` of ``pipe``: its
+        counters, the local momentum by parameter name, and (local rank 0) every worker
+        and server chain of its compressed keys, by position (key numbers depend on
+        what else the process declared first)."""
+        rt = self.runtime
         engine = None
         if rt.engine is not None:
             full = rt.engine.state_dict()
             keys = pipe.compressed_keys()
             engine = {side: {i: full[side][k] for i, k in enumerate(keys) if k in full[side]}
                       for side in ("worker", "server")}
-        return {"step": pipe.step, "wire_step": pipe.wire_step, "rank": rt.rank,
-                "scale": self.loss_scale.state(), "local_momentum": pipe.momentum_state(),
-                "engine": engine}
+        return {"step": pipe.step, "wire_step": pipe.wire_step,
+                "local_momentum": pipe.momentum_state(), "engine": engine}
 
-    def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict`'s, on the same rank of a cluster of the same shape."""
-        pipe, rt = self.pipeline, self.runtime
-        if state.get("rank") != rt.rank:
-            raise ValueError(f"state_dict was saved by rank {state.get('rank')}, "
-                             f"this is rank {rt.rank}")
+    def load_pipeline_state(self, pipe: GradPipeline, state: dict) -> None:
+        """Restore :meth:`pipeline_state`'s into ``pipe``."""
+        rt = self.runtime
         pipe.load_momentum_state(state["local_momentum"])
         if rt.engine is not None:
             saved = state["engine"]
@@ -255,7 +284,6 @@ class FrontEndCore:
                                        for side in ("worker", "server")})
         pipe.step = int(state["step"])
         pipe.wire_step = int(state.get("wire_step", pipe.step))
-        self.loss_scale.load(state.get("scale", (None, None)))
 
     def close(self) -> None:
         """Stop the pipeline's threads."""

@@ -131,6 +131,15 @@ def outer_update(anchor: torch.Tensor, avg: torch.Tensor, momentum: torch.Tensor
     anchor.sub_(step)
 
 
+def warn_outer_defaults(core: FrontEndCore, every: int, spec: OuterSpec) -> None:
+    """One warning (rank 0) where DiLoCo's outer Nesterov defaults meet few local steps."""
+    if spec.nesterov and spec.defaulted and every < 16 and core.runtime.rank == 0:
+        log.warning("bps: outer Nesterov at its defaults (lr %g, momentum %g, DiLoCo's, "
+                    "for hundreds of local steps) overshoots with sync_every=%d; "
+                    "lr 1.0 and momentum 0.5 match the plain mean there "
+                    "(docs/trainer.md, periodic averaging)", spec.lr, spec.momentum, every)
+
+
 class PeriodicAveraging(StepMode):
     """The local steps and the outer update of a trainer with ``sync_every > 1``.
 
@@ -147,12 +156,7 @@ class PeriodicAveraging(StepMode):
         super().__init__(core)
         self.every, self.spec = every, spec
         core.chain_lr_override = lambda group: spec.lr  # error feedback's ratio: the outer lr
-        if spec.nesterov and spec.defaulted and every < 16 and core.runtime.rank == 0:
-            log.warning("bps: outer Nesterov at its defaults (lr %g, momentum %g, DiLoCo's, "
-                        "for hundreds of local steps) overshoots with sync_every=%d; "
-                        "lr 1.0 and momentum 0.5 match the plain mean there "
-                        "(docs/trainer.md, periodic averaging)", spec.lr, spec.momentum,
-                        every)
+        warn_outer_defaults(core, every, spec)
         self.local = 0  # local steps taken since the last sync
         slots = core.pipeline.slots
         self.anchor = {s.name: s.param.detach().reshape(-1).float().clone() for s in slots}

@@ -113,38 +113,41 @@ class RefPipeline:
     its ErrorFeedback -> C and the decode; the raw tensors summed in node order, with
     the chain's Nesterov rule after the sum where momentum is on."""
 
-    def __init__(self, params: dict, nodes: int, shapes: dict) -> None:
+    def __init__(self, params: dict, nodes: int, shapes: dict,
+                 compressed: tuple[str, ...] = ("big",)) -> None:
         from tests.harness.reference_compressors import RefChain
 
         self.shapes, self.nodes = shapes, nodes
-        self.compressed = params.get("compressor") is not None
+        self.compressed = compressed if params.get("compressor") is not None else ()
         self.mu = params.get("mu", MOMENTUM) if params.get("momentum") else None
-        numel = int(np.prod(shapes["big"]))
-        self.parts = [(o, min(PARTITION, numel - o)) for o in range(0, numel, PARTITION)]
-        if self.compressed:
-            self.workers = [[RefChain(*reference_codec(params, n), n, "float32", True, self.mu)
-                             for _, n in self.parts] for _ in range(nodes)]
-            self.servers = [RefChain(*reference_codec(params, n), n, "float32", True, None)
-                            for _, n in self.parts]
+        self.parts, self.workers, self.servers = {}, {}, {}
+        for name in self.compressed:
+            numel = int(np.prod(shapes[name]))
+            parts = [(o, min(PARTITION, numel - o)) for o in range(0, numel, PARTITION)]
+            self.parts[name] = parts
+            self.workers[name] = [[RefChain(*reference_codec(params, n), n, "float32", True,
+                                            self.mu) for _, n in parts] for _ in range(nodes)]
+            self.servers[name] = [RefChain(*reference_codec(params, n), n, "float32", True,
+                                           None) for _, n in parts]
         self.local_momentum = {n: np.zeros(s, np.float32) for n, s in shapes.items()}
 
     def aggregate(self, shares: list[dict], lr: float) -> dict:
         f32 = np.float32
         out = {}
         for n, shape in self.shapes.items():
-            if n == "big" and self.compressed:
+            if n in self.compressed:
                 big = np.zeros(int(np.prod(shape)), f32)
-                for i, (offset, length) in enumerate(self.parts):
+                for i, (offset, length) in enumerate(self.parts[n]):
                     summed = np.zeros(length, f32)
                     for r in range(self.nodes):
-                        chain = self.workers[r][i]
+                        chain = self.workers[n][r][i]
                         chain.set_lr(lr)
                         piece = shares[r][n].reshape(-1)[offset:offset + length]
                         summed = (summed + chain.decode(chain.compress(piece)).astype(f32)
                                   ).astype(f32)
-                    self.servers[i].set_lr(lr)
-                    big[offset:offset + length] = self.servers[i].decode(
-                        self.servers[i].compress(summed))
+                    server = self.servers[n][i]
+                    server.set_lr(lr)
+                    big[offset:offset + length] = server.decode(server.compress(summed))
                 out[n] = big.reshape(shape)
                 continue
             summed = np.zeros(shape, f32)
@@ -211,6 +214,132 @@ def simulate_periodic(params: dict, every: int, outer: dict | None, shapes: dict
     return [{**ws[r], "running": running[r]} for r in range(NODES)]
 
 
+# the fragments of SHAPES, by hand: rows go to the fragment their middle element falls
+# in (311 elements; big's rows hold 10)
+FRAGMENTS = {
+    1: [[("big", None), ("small", None), ("bias", None)]],
+    2: [[("big", (0, 16))], [("big", (16, 30)), ("small", None), ("bias", None)]],
+    4: [[("big", (0, 8))], [("big", (8, 16))], [("big", (16, 23))],
+        [("big", (23, 30)), ("small", None), ("bias", None)]],
+}
+
+
+def outer_step(anchor: np.ndarray, avg: np.ndarray, momentum: np.ndarray | None,
+               optimizer: str, lr: np.float32, mu: np.float32
+               ) -> tuple[np.ndarray, np.ndarray | None]:
+    """docs/trainer.md's outer update in float32: (anchor, momentum)."""
+    f32 = np.float32
+    step = avg
+    if mu:
+        momentum = (mu * momentum + avg).astype(f32)
+        step = ((mu * momentum).astype(f32) + avg).astype(f32) if optimizer == "nesterov" \
+            else momentum
+    if lr != 1:
+        step = (lr * step).astype(f32)
+    return (anchor - step).astype(f32), momentum
+
+
+def simulate_streaming(params: dict, every: int, fragments: int, overlap: int,
+                       outer: dict | None, shapes: dict = SHAPES) -> list[dict]:
+    """Local SGD with momentum on each node; after local step s with s % (every /
+    fragments) == 0 the next fragment's deltas go through that fragment's own pipeline
+    and its outer update lands after step s + overlap, each node keeping its local
+    change since the push (w = anchor + w - w_at_push); the float buffer travels with
+    the last fragment and merges the same way. Rounds still in flight at the end never
+    land."""
+    f32 = np.float32
+    outer = outer or {"optimizer": "average"}
+    defaults = {"average": (1.0, 0.0), "sgd": (1.0, 0.0), "nesterov": (0.7, 0.9)}
+    lr_out = f32(outer.get("lr", defaults[outer["optimizer"]][0]))
+    mu_out = f32(outer.get("momentum", defaults[outer["optimizer"]][1]))
+    plan = FRAGMENTS[fragments]
+
+    def piece_name(name: str, rows: tuple | None) -> str:
+        return name if rows is None else f"{name}[{rows[0]}:{rows[1]}]"
+
+    def view(tensors: dict, name: str, rows: tuple | None) -> np.ndarray:
+        return tensors[name] if rows is None else tensors[name][rows[0]:rows[1]]
+
+    ws = [initial_params(0, shapes) for _ in range(NODES)]
+    anchor = initial_params(0, shapes)
+    outer_momentum = {n: np.zeros(s, f32) for n, s in shapes.items()}
+    bufs = [{n: None for n in shapes} for _ in range(NODES)]
+    running = [np.full(3, 1.0, f32) for _ in range(NODES)]
+    pipes = []
+    for pieces in plan:
+        piece_shapes = {piece_name(n, rows): view(anchor, n, rows).shape for n, rows in pieces}
+        big = tuple(piece_name(n, rows) for n, rows in pieces
+                    if np.prod(view(anchor, n, rows).shape) * 4 >= params.get(
+                        "min_compress_bytes", 65536))
+        pipes.append(RefPipeline(params, NODES, piece_shapes, compressed=big))
+    rounds = []  # (fragment, lands at, avg by piece, start [node][piece], buffer round)
+
+    def land(due: tuple) -> None:
+        fragment, lands, pushed, avg, start, buffers = due
+        for n, rows in plan[fragment]:
+            name = piece_name(n, rows)
+            a, m = outer_step(view(anchor, n, rows), avg[name], view(outer_momentum, n, rows),
+                              outer["optimizer"], lr_out, mu_out)
+            view(anchor, n, rows)[...] = a
+            if m is not None:
+                view(outer_momentum, n, rows)[...] = m
+            for r in range(NODES):
+                w = view(ws[r], n, rows)
+                w[...] = (a + (w - start[r][name]).astype(f32)).astype(f32) \
+                    if lands != pushed else a
+        if buffers is not None:
+            mean, before = buffers
+            for r in range(NODES):
+                running[r] = (mean + (running[r] - before[r]).astype(f32)).astype(f32) \
+                    if lands != pushed else mean.copy()
+
+    period = every // fragments
+    for step, lr in enumerate(LRS):
+        s = step + 1
+        for r in range(NODES):
+            goal = targets(r, shapes)
+            for n in shapes:
+                ws[r][n], bufs[r][n] = sgd_momentum(ws[r][n], (ws[r][n] - goal[n]).astype(f32),
+                                                    bufs[r][n], lr)
+            running[r] = (running[r] * f32(0.5) + buffer_update(r, step)).astype(f32)
+        for due in [d for d in rounds if d[1] == s]:
+            rounds.remove(due)
+            land(due)
+        if s % period:
+            continue
+        fragment = (s // period - 1) % fragments
+        shares, start = [], []
+        for r in range(NODES):
+            shares.append({piece_name(n, rows): (((view(anchor, n, rows) - view(ws[r], n, rows))
+                                                 .astype(f32) / f32(NODES)).astype(f32))
+                           for n, rows in plan[fragment]})
+            start.append({piece_name(n, rows): view(ws[r], n, rows).copy()
+                          for n, rows in plan[fragment]})
+        avg = pipes[fragment].aggregate(shares, float(lr_out))
+        buffers = None
+        if fragment == fragments - 1:
+            mean = np.zeros(3, f32)
+            for r in range(NODES):
+                mean = (mean + (running[r] / f32(NODES)).astype(f32)).astype(f32)
+            buffers = (mean, [b.copy() for b in running])
+        due = (fragment, s + overlap, s, avg, start, buffers)
+        if overlap:
+            rounds.append(due)
+        else:
+            land(due)
+    return [{**ws[r], "running": running[r]} for r in range(NODES)]
+
+
+STREAM_EF = {**EF, "min_compress_bytes": 256}  # big's row pieces travel compressed
+STREAMING = {  # params, sync_every, fragments, overlap, outer
+    "onebit": ({**SIM_CASES["onebit"], **STREAM_EF, **CHAIN_MOMENTUM}, 4, 2, 1, None),
+    "topk": ({**SIM_CASES["topk"], **STREAM_EF}, 4, 2, 2,
+             {"optimizer": "nesterov", "lr": 0.5, "momentum": 0.5}),
+    "bytegrad": ({**SIM_CASES["bytegrad"], **STREAM_EF}, 4, 4, 0, None),
+    "raw": ({"fp16": False}, 2, 1, 2, {"optimizer": "sgd", "lr": 0.5, "momentum": 0.5}),
+}
+
+
 PERIODIC = {
     "onebit": ({**SIM_CASES["onebit"], **EF, **CHAIN_MOMENTUM}, 3, None),
     "topk": ({**SIM_CASES["topk"], **EF}, 2, {"optimizer": "nesterov"}),
@@ -262,7 +391,11 @@ def overlap_runs() -> list[dict]:
              "mode": {"sync_every": every, "outer": outer}}
             for name, (params, every, outer) in PERIODIC.items()] + \
         [{"tag": f"stale-{name}", "params": params, "mode": {"staleness": 1}}
-         for name, params in STALE.items()]
+         for name, params in STALE.items()] + \
+        [{"tag": f"stream-{name}", "params": params,
+          "mode": {"sync_every": every, "fragments": fragments, "overlap": overlap,
+                   "outer": outer}}
+         for name, (params, every, fragments, overlap, outer) in STREAMING.items()]
 
 
 def test_overlap_modes_match_simulation_and_resume_exactly(tmp_path):
@@ -271,10 +404,12 @@ def test_overlap_modes_match_simulation_and_resume_exactly(tmp_path):
     resumed.mkdir()
     # the resumed runs come first in both launches, so their keys are numbered alike;
     # step 4 of H = 3 is one local step into the second round; after step 4 with
-    # staleness=1 step 3's aggregate is in flight
+    # staleness=1 step 3's aggregate is in flight, and so is a fragment streamed with
+    # an overlap
     resume = [{**run, "tag": f"{run['tag']}-resume", "save_at": 4}
               for run in overlap_runs() if run["tag"] in (
-                  "periodic-onebit", "periodic-randomk", "stale-randomk", "stale-onebit")]
+                  "periodic-onebit", "periodic-randomk", "stale-randomk", "stale-onebit",
+                  "stream-onebit", "stream-topk")]
     result = launch({"runs": resume + overlap_runs()}, whole)
     assert result.returncode == 0, result.stdout[-3000:]
     for r in range(NODES):
@@ -299,6 +434,14 @@ def test_overlap_modes_match_simulation_and_resume_exactly(tmp_path):
                     np.testing.assert_array_equal(final[n], expected[n],
                                                   err_msg=f"{tag} rank {r}: {n}")
                 assert reports[r][tag]["applied"] == [s > 0 for s in range(len(LRS))]
+            continue
+        if tag.startswith("stream-"):
+            expected = simulate_streaming(*STREAMING[tag.removeprefix("stream-")])
+            for r in range(NODES):
+                final = load_params(whole, tag, r)
+                for n in expected[r]:
+                    np.testing.assert_array_equal(final[n], expected[r][n],
+                                                  err_msg=f"{tag} rank {r}: {n}")
             continue
         params, every, outer = PERIODIC[tag.removeprefix("periodic-")]
         expected = simulate_periodic(params, every, outer)
@@ -339,12 +482,47 @@ def test_bad_overlap_arguments_fail_in_the_constructor_naming_them():
             "compression_params['mu']"),
            ({"staleness": 2}, "staleness=2"), ({"staleness": -1}, "staleness=-1"),
            ({"staleness": 1.0}, "staleness=1.0"),
-           ({"staleness": 1, "sync_every": 4}, "staleness=1 with sync_every=4")]
+           ({"staleness": 1, "sync_every": 4}, "staleness=1 with sync_every=4"),
+           ({"sync_every": 4, "fragments": 0}, "fragments=0"),
+           ({"sync_every": 4, "fragments": 2.0}, "fragments=2.0"),
+           ({"sync_every": 4, "overlap": -1}, "overlap=-1"),
+           ({"fragments": 2}, "need sync_every > 1"),
+           ({"overlap": 1}, "need sync_every > 1"),
+           ({"sync_every": 6, "fragments": 4}, "fragments=4 does not divide sync_every=6"),
+           ({"sync_every": 4, "overlap": 5}, "overlap=5 is larger than sync_every=4"),
+           ({"sync_every": 4, "fragments": 4}, "fragment 0 without parameters")]
     for kwargs, expected in bad:
         params = kwargs.pop("compression_params", None)
         with pytest.raises((ValueError, TypeError)) as info:
             bps.DistributedTrainer(model, optimizer, params, **kwargs)
         assert expected in str(info.value), (kwargs, str(info.value))
+
+
+def test_fragments_are_runs_of_rows_of_about_equal_size():
+    """Against FRAGMENTS, worked out by hand, and a model whose rows are uneven."""
+    import torch
+
+    from bps.core.grad_pipeline import GradTensor
+    from bps.modes.streaming import plan_fragments
+
+    tensors = [GradTensor(n, torch.zeros(s), 0) for n, s in SHAPES.items()]
+    for count, expected in FRAGMENTS.items():
+        plan = plan_fragments(tensors, count)
+        names = [[t.name for t in fragment] for fragment in plan]
+        assert names == [[n if rows is None else f"{n}[{rows[0]}:{rows[1]}]"
+                          for n, rows in fragment] for fragment in expected], names
+        for fragment in plan:  # views of the parameters, not copies
+            for t in fragment:
+                whole = dict(zip(SHAPES, tensors, strict=True))[t.name.split("[")[0]].param
+                assert t.param.data_ptr() >= whole.data_ptr()
+                assert t.param.untyped_storage().data_ptr() == \
+                    whole.untyped_storage().data_ptr()
+    # a 0-dim tensor is one row; 1000 + 1 + 3 elements in 2 fragments: the matrix's
+    # 10 rows of 100 split 5/5 (middles 50..950 against 502)
+    uneven = [GradTensor("m", torch.zeros(10, 100), 0), GradTensor("s", torch.zeros(()), 0),
+              GradTensor("v", torch.zeros(3), 0)]
+    assert [[(t.name, tuple(t.param.shape)) for t in f] for f in plan_fragments(uneven, 2)] \
+        == [[("m[0:5]", (5, 100))], [("m[5:10]", (5, 100)), ("s", ()), ("v", (3,))]]
 
 
 if __name__ == "__main__":
