@@ -157,7 +157,7 @@ def build_cnn() -> torch.nn.Module:
     """A LeNet-style CNN on images (N, 1, 28, 28), 317,066 parameters: conv 1->32 5x5,
     ReLU, max-pool 2 (32x12x12); conv 32->64 5x5, ReLU, max-pool 2 (64x4x4); linear
     1024->256, ReLU; linear 256->10. No normalisation layers, no buffers. On one CPU
-    core a training step of 32 images takes 2-3x the 2.09M-parameter MLP's
+    core a training step of 32 images takes about 2.2x the 2.09M-parameter MLP's
     (docs/slow_network.md, the CNN job), with a seventh of its parameters."""
     nn = torch.nn
     return nn.Sequential(
