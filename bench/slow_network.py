@@ -17,6 +17,10 @@ Usage (root: it builds namespaces)::
     .venv/bin/python bench/slow_network.py --rate none          # unthrottled
     .venv/bin/python bench/slow_network.py --quick              # a couple of minutes
     .venv/bin/python bench/slow_network.py --methods fp32,onebit,ddp-powersgd
+    .venv/bin/python bench/slow_network.py --model cnn          # the CNN, whose compute counts
+
+``--model cnn`` trains examples/mnist_job.py's CNN (317,066 parameters, several times the
+MLP's compute per step) instead of the MLP; its results' names start slow_network_cnn_.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
 from types import ModuleType
 
@@ -258,9 +263,14 @@ class Run:
 # --------------------------------------------------------------------------- running
 
 def job_args(args: argparse.Namespace) -> list[str]:
+    """The job's flags, the same for examples/mnist.py and examples/ddp_mnist.py. The MLP's
+    are those of records before ``--model`` (saved tables stay comparable); the CNN's
+    name it and leave out the MLP's shape."""
+    model = (["--hidden", str(args.hidden), "--layers", str(args.layers)]
+             if args.model == "mlp" else ["--model", args.model])
     return ["--epochs", str(args.epochs), "--lr", str(args.lr), "--lr-schedule",
-            args.lr_schedule, "--batch-size", str(args.batch_size), "--hidden", str(args.hidden),
-            "--layers", str(args.layers), "--seed", str(args.seed)]
+            args.lr_schedule, "--batch-size", str(args.batch_size), *model,
+            "--seed", str(args.seed)]
 
 
 def command(method: Method, args: argparse.Namespace, metrics: Path, stats: Path) -> list[str]:
@@ -280,8 +290,19 @@ def command(method: Method, args: argparse.Namespace, metrics: Path, stats: Path
             *method.args, "--metrics-json", str(metrics)]
 
 
-def parameter_count(hidden: int, layers: int) -> int:
-    return 784 * hidden + hidden + (layers - 1) * (hidden * hidden + hidden) + hidden * 10 + 10
+def parameter_count(args: argparse.Namespace) -> int:
+    """Parameters of the job's model, counted by examples/mnist_job.py's builder."""
+    return _parameter_count(args.model, args.hidden, args.layers)
+
+
+@cache
+def _parameter_count(model: str, hidden: int, layers: int) -> int:
+    return load_example("mnist_job").parameter_count(model, hidden, layers)
+
+
+def model_description(args: argparse.Namespace) -> str:
+    """The model as the header names it: ``MLP 2x1100`` or ``CNN``."""
+    return f"MLP {args.layers}x{args.hidden}" if args.model == "mlp" else args.model.upper()
 
 
 def estimate_seconds(method: Method, args: argparse.Namespace, params: int) -> float:
@@ -345,7 +366,7 @@ def duration(seconds: float) -> str:
 
 
 def run_all(args: argparse.Namespace, methods: list[Method], workdir: Path) -> list[Run]:
-    params = parameter_count(args.hidden, args.layers)
+    params = parameter_count(args)
     estimates = [estimate_seconds(m, args, params) for m in methods]
     runs: list[Run] = []
     correction = 1.0  # measured / estimated, over the finished runs
@@ -444,16 +465,14 @@ def markdown_table(rows: list[dict]) -> str:
 
 def write_results(args: argparse.Namespace, runs: list[Run], target: float, rows: list[dict],
                   command_line: str) -> list[Path]:
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    schedule = "" if args.lr_schedule == DEFAULT_SCHEDULE else f"_{args.lr_schedule}"
-    stem = out / f"slow_network_{args.rate}{schedule}{'_quick' if args.quick else ''}"
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    stem = results_stem(args)
     record = {
-        "command": command_line,
+        "command": command_line, "model": args.model,
         "rate": args.rate, "nodes": args.nodes, "servers": args.servers,
         "partition_bytes": args.partition_bytes,
         "compressed_partition_bytes": args.compressed_partition_bytes,
-        "parameters": parameter_count(args.hidden, args.layers), "job": job_args(args),
+        "parameters": parameter_count(args), "job": job_args(args),
         "target_accuracy": target, "baseline": args.baseline, "rows": rows,
         "runs": [{"method": r.method.name, "label": r.method.label, "args": list(r.method.args),
                   "exit_code": r.exit_code, "run_seconds": r.seconds,
@@ -468,6 +487,19 @@ def write_results(args: argparse.Namespace, runs: list[Run], target: float, rows
             writer.writerows(rows)
     paths += plot(stem, args, runs, target)
     return paths
+
+
+def results_stem(args: argparse.Namespace) -> Path:
+    """``--out``/slow_network_[cnn_]<rate>[_<schedule>][_quick]: the MLP's names as before."""
+    model = "" if args.model == "mlp" else f"{args.model}_"
+    schedule = "" if args.lr_schedule == DEFAULT_SCHEDULE else f"_{args.lr_schedule}"
+    return Path(args.out) / f"slow_network_{model}{args.rate}{schedule}" \
+                            f"{'_quick' if args.quick else ''}"
+
+
+def job_title(args: argparse.Namespace) -> str:
+    """The figures' name of the job: ``MNIST``, or ``MNIST CNN``."""
+    return "MNIST" if args.model == "mlp" else f"MNIST {args.model.upper()}"
 
 
 def link_label(args: argparse.Namespace) -> str:
@@ -495,7 +527,7 @@ def plot(stem: Path, args: argparse.Namespace, runs: list[Run], target: float) -
     ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
     ax.set_xlabel("training wall time (s, log scale)")
     ax.set_ylabel("test accuracy (%)")
-    ax.set_title(f"MNIST, {args.nodes} emulated hosts, {link_label(args)}")
+    ax.set_title(f"{job_title(args)}, {args.nodes} emulated hosts, {link_label(args)}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -511,7 +543,8 @@ def plot(stem: Path, args: argparse.Namespace, runs: list[Run], target: float) -
     ax.bar_label(bars, labels=[f"{m:.0f} ms" for m in millis], padding=3, fontsize=8)
     ax.set_xlim(0, max(millis, default=1) * 1.15)
     ax.set_xlabel("median step time (ms)")
-    ax.set_title(f"Step time, {args.nodes} emulated hosts, {link_label(args)}")
+    title = "Step time" if args.model == "mlp" else f"Step time, {job_title(args)}"
+    ax.set_title(f"{title}, {args.nodes} emulated hosts, {link_label(args)}")
     ax.invert_yaxis()
     ax.grid(alpha=0.3, axis="x")
     fig.tight_layout()
@@ -547,7 +580,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="the -stream rows: local steps between a fragment's push and its "
                         "landing (default sync-every/fragments)")
     p.add_argument("--quick", action="store_true",
-                   help="2 nodes, small model, 1 epoch, methods " + ",".join(QUICK_METHODS))
+                   help="2 nodes, small model (the MLP; the CNN keeps its size), 1 epoch, "
+                        "methods " + ",".join(QUICK_METHODS))
     p.add_argument("--epochs", type=int, default=None,
                    help="default 16 (quick: 1); after 8, randomk 1%% is still catching up "
                         "(each weight moves about once per 1/k steps)")
@@ -556,8 +590,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="cosine (default): the lr decays to 0 over the run, for every method "
                         "alike; constant: results get a _constant suffix")
     p.add_argument("--batch-size", type=int, default=32, help="per worker")
-    p.add_argument("--hidden", type=int, default=None, help="default 1100 (quick: 128)")
-    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--model", choices=["mlp", "cnn"], default="mlp",
+                   help="mlp (default): the MLP of --layers x --hidden, whose gradients "
+                        "dominate a step on a slow link; cnn: examples/mnist_job.py's CNN "
+                        "(317,066 parameters), whose compute is not negligible")
+    p.add_argument("--hidden", type=int, default=None, help="mlp: default 1100 (quick: 128)")
+    p.add_argument("--layers", type=int, default=2, help="mlp: hidden layers")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(REPO / "bench" / "results"),
                    help="where results go (default bench/results, gitignored)")
@@ -615,9 +653,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # SIGTERM unwinds like Ctrl-C, so the running bpslaunch netem is stopped and cleans up
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    params = parameter_count(args.hidden, args.layers)
+    params = parameter_count(args)
     print(f"slow-network benchmark: {args.nodes} nodes, {args.servers} servers, {args.rate} "
-          f"links, MLP {args.layers}x{args.hidden} ({params:,} parameters), {args.epochs} "
+          f"links, {model_description(args)} ({params:,} parameters), {args.epochs} "
           f"epochs, {len(args.method_list)} methods", flush=True)
     started = time.monotonic()
     if args.from_json:
@@ -653,7 +691,9 @@ def load_runs(path: Path, args: argparse.Namespace) -> tuple[list[Run], str]:
     args.epochs, args.lr = int(job["--epochs"]), float(job["--lr"])
     args.lr_schedule = job.get("--lr-schedule", "constant")  # records before 33e4905: constant
     args.batch_size, args.seed = int(job["--batch-size"]), int(job["--seed"])
-    args.hidden, args.layers = int(job["--hidden"]), int(job["--layers"])
+    args.model = job.get("--model", "mlp")  # records before --model: the MLP
+    args.hidden = int(job.get("--hidden", args.hidden))
+    args.layers = int(job.get("--layers", args.layers))
     args.partition_bytes = record.get("partition_bytes", args.partition_bytes)
     args.compressed_partition_bytes = record.get("compressed_partition_bytes",
                                                  record.get("partition_bytes"))

@@ -5,6 +5,8 @@ Run with torchrun's variables, for example on emulated hosts::
     bpslaunch netem --nodes 4 --rate 100mbit --torchrun -- \\
         python examples/ddp_mnist.py --hook powersgd --hidden 1100 --layers 2
 
+``--model cnn`` trains mnist_job.py's CNN instead of the MLP (``--hidden``, ``--layers``).
+
 ``--hook``: ``none`` (plain allreduce), ``fp16`` (``fp16_compress_hook``),
 ``powersgd`` (``powerSGD_hook``, rank ``--powersgd-rank``, error feedback and warm
 start) or ``bps`` (:func:`bps.ddp.ps_hook` through bps's servers, with the
@@ -37,11 +39,14 @@ from mnist_job import (
     LR_SCHEDULES,
     accuracy,
     add_compression_arguments,
-    build_model,
+    add_model_arguments,
     compression_params,
     epoch_batches,
     load_mnist,
     lr_schedule,
+    make_model,
+    model_inputs,
+    model_label,
     steps_per_epoch,
 )
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
@@ -59,8 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="constant")
     p.add_argument("--batch-size", type=int, default=32, help="per worker process")
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--layers", type=int, default=1)
+    add_model_arguments(p)
     p.add_argument("--test-size", type=int, default=1000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--metrics-json", default=None)
@@ -98,19 +102,24 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
     rank, size = dist.get_rank(), dist.get_world_size()
     (x_train, y_train), (x_test, y_test) = load_mnist(args.test_size, args.seed)
+    x_train, x_test = model_inputs(x_train, args.model), model_inputs(x_test, args.model)
 
     torch.manual_seed(args.seed + rank)  # DDP broadcasts rank 0's parameters
     buckets = {} if args.hook == "bps" else {"bucket_cap_mb": SINGLE_BUCKET_MB}
-    model = DistributedDataParallel(build_model(args.hidden, args.layers), **buckets)
+    model = DistributedDataParallel(make_model(args.model, args.hidden, args.layers),
+                                    **buckets)
+    label = model_label(args.model, args.hidden, args.layers)
+    parameters = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.mu)
     state = register_hook(model, args.hook, args.powersgd_rank, optimizer, args)
     scheduler = lr_schedule(optimizer, args.lr_schedule,
                             args.epochs * steps_per_epoch(len(y_train), size, args.batch_size))
 
-    metrics: dict = {"args": vars(args), "workers": size, "steps": [], "epochs": []}
+    metrics: dict = {"args": vars(args), "model": label, "parameters": parameters,
+                     "workers": size, "steps": [], "epochs": []}
     if rank == 0:
-        print(f"ddp mnist: {size} workers, hook {args.hook}, "
-              f"{sum(p.numel() for p in model.parameters()):,} parameters", flush=True)
+        print(f"ddp mnist: {size} workers, hook {args.hook}, model {label} "
+              f"({parameters:,} parameters)", flush=True)
     generator = torch.Generator().manual_seed(args.seed)
     train_start = time.perf_counter()
     for epoch in range(args.epochs):

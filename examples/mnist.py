@@ -20,7 +20,9 @@ runs the forward pass under ``torch.autocast`` in bfloat16 on the model's device
 handed to ``trainer.step(scaler=...)``. The summary names the device and the autocast
 that ran.
 The data, model and compression flags come from ``mnist_job.py`` beside this script
-(shared with examples/ddp_mnist.py and examples/lightning_mnist.py).
+(shared with examples/ddp_mnist.py and examples/lightning_mnist.py): ``--model mlp`` (the
+default, ``--hidden`` and ``--layers``) or ``--model cnn`` (a small CNN whose compute per
+step is several times the MLP's).
 """
 
 from __future__ import annotations
@@ -36,11 +38,14 @@ from mnist_job import (
     LR_SCHEDULES,
     accuracy,
     add_compression_arguments,
-    build_model,
+    add_model_arguments,
     compression_params,
     epoch_batches,
     load_mnist,
     lr_schedule,
+    make_model,
+    model_inputs,
+    model_label,
     steps_per_epoch,
 )
 
@@ -57,8 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="constant",
                    help="cosine: the lr decays to 0 over the run, step by step")
     p.add_argument("--batch-size", type=int, default=32, help="per worker process")
-    p.add_argument("--hidden", type=int, default=512, help="width of the hidden layers")
-    p.add_argument("--layers", type=int, default=1, help="number of hidden layers")
+    add_model_arguments(p)
     p.add_argument("--test-size", type=int, default=1000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--metrics-json", default=None, help="write figures to this file (rank 0)")
@@ -184,10 +188,13 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     (x_train, y_train), (x_test, y_test) = (
-        (x.to(device), y.to(device)) for x, y in load_mnist(args.test_size, args.seed))
+        (model_inputs(x.to(device), args.model), y.to(device))
+        for x, y in load_mnist(args.test_size, args.seed))
 
     torch.manual_seed(args.seed + rank)  # different on purpose: the trainer syncs rank 0's
-    model = build_model(args.hidden, args.layers).to(device)
+    model = make_model(args.model, args.hidden, args.layers).to(device)
+    label = model_label(args.model, args.hidden, args.layers)
+    parameters = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.mu)
     trainer = bps.DistributedTrainer(model, optimizer, params,
                                      backward_passes_per_step=args.accumulate,
@@ -198,11 +205,11 @@ def main(argv: list[str] | None = None) -> int:
     steps = steps_per_epoch(len(y_train), size, args.batch_size)
     scheduler = lr_schedule(optimizer, args.lr_schedule, args.epochs * steps)
     progress = Progress(rank == 0, args.epochs, steps)
-    metrics: dict = {"args": vars(args), "compression_params": params, "workers": size,
-                     "steps": [], "epochs": []}
+    metrics: dict = {"args": vars(args), "model": label, "parameters": parameters,
+                     "compression_params": params, "workers": size, "steps": [], "epochs": []}
     if rank == 0:
         print(f"bps mnist: {size} workers, {len(y_train)} train / {len(y_test)} test digits, "
-              f"{sum(p.numel() for p in model.parameters()):,} parameters, "
+              f"model {label} ({parameters:,} parameters), "
               f"compression {json.dumps(params)}, device {device}, "
               f"{overlap_label(args)}", flush=True)
     generator = torch.Generator().manual_seed(args.seed)
@@ -247,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     raw = 2 * totals["raw_bytes"]
     rows = [
         ("device", str(device)),
+        ("model", f"{label} ({parameters:,} parameters)"),
         ("compressor", args.compressor if args.compressor != "none" else "none (fp16 raw)"
          if not args.no_fp16 else "none"),
         ("staleness / sync every", overlap_label(args)),
@@ -260,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if args.amp != "none" or args.accumulate > 1:
         autocast = "none" if amp_dtype is None else f"{args.amp} on {device.type}"
-        rows[2:2] = [("autocast / micro-batches", f"{autocast} / {args.accumulate}"),
+        rows[3:3] = [("autocast / micro-batches", f"{autocast} / {args.accumulate}"),
                      ("skipped steps", str(totals["skipped_steps"]))]
     print(summary_table(rows), flush=True)
     metrics.update(device=str(device), test_accuracy=acc, wall_time=time.perf_counter() - START,

@@ -72,3 +72,74 @@ def test_outer_nesterov_defaults_and_the_label_of_the_run() -> None:
         "staleness 1, sync every 1 step(s)"
     assert example.overlap_label(example.parse_args(["--sync-every", "4"])) == \
         "staleness 0, sync every 4 step(s), outer average"
+
+
+def load_job():
+    return load_file("mnist_job", EXAMPLE.with_name("mnist_job.py"))
+
+
+def test_cnn_is_seeded_like_the_mlp_and_takes_images() -> None:
+    """--model cnn: the same seed gives the same parameters (another seed others), the
+    flat digits go in as (N, 1, 28, 28), ten logits come out; counting parameters on the
+    meta device leaves torch's generator where it was."""
+    import torch
+
+    job = load_job()
+    weights = []
+    for seed in (0, 0, 1):
+        torch.manual_seed(seed)
+        weights.append([p.detach().clone() for p in job.make_model("cnn").parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(weights[0], weights[1], strict=True))
+    assert not torch.equal(weights[0][0], weights[2][0])
+
+    torch.manual_seed(0)
+    model = job.make_model("cnn")
+    x = job.model_inputs(torch.randn(5, 784), "cnn")
+    assert x.shape == (5, 1, 28, 28)
+    assert model(x).shape == (5, 10)
+    assert job.model_inputs(x.view(5, 784), "mlp").shape == (5, 784)
+    assert not any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+    state = torch.get_rng_state()
+    assert job.parameter_count("cnn") == sum(p.numel() for p in model.parameters()) == 317066
+    assert job.parameter_count("mlp", 1100, 2) == 2085610
+    assert torch.equal(torch.get_rng_state(), state)
+    with pytest.raises(ValueError, match="'rnn'"):
+        job.make_model("rnn")
+
+
+def test_both_scripts_take_the_model_flag(capsys) -> None:
+    """examples/mnist.py and examples/ddp_mnist.py: --model mlp by default (every earlier
+    command unchanged), cnn on request, anything else refused by argparse."""
+    example = load_example()
+    ddp = load_file("ddp_mnist_example", EXAMPLE.with_name("ddp_mnist.py"))
+    for module in (example, ddp):
+        assert module.parse_args([]).model == "mlp"
+        assert module.parse_args(["--model", "cnn"]).model == "cnn"
+        with pytest.raises(SystemExit) as exit_info:
+            module.parse_args(["--model", "rnn"])
+        assert exit_info.value.code == 2
+        assert "invalid choice: 'rnn'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("script", ["mnist.py", "ddp_mnist.py"])
+def test_one_short_epoch_of_the_cnn(tmp_path, script):
+    """The CNN through bps (examples/mnist.py) and through DDP with the bps hook
+    (examples/ddp_mnist.py), on 1,000 training digits: it trains, and the banner, the
+    summary and the metrics name the model."""
+    metrics = tmp_path / "metrics.json"
+    flags = ["--device", "cpu"] if script == "mnist.py" else ["--hook", "bps"]
+    cmd = [*BPSLAUNCH, "local", "--workers", "2", "--servers", "1", "--", sys.executable,
+           str(EXAMPLE.with_name(script)), *flags, "--model", "cnn", "--epochs", "1",
+           "--test-size", "4000", "--lr", "0.1", "--compressor", "onebit", "--ef", "vanilla",
+           "--metrics-json", str(metrics)]
+    code, output = run_command(cmd, {"BPS_TIMEOUT": "60"}, timeout=240)
+    assert code == 0, output[-3000:]
+    report = json.loads(metrics.read_text())
+    assert report["model"] == "cnn" and report["parameters"] == 317066
+    assert report["args"]["model"] == "cnn"
+    assert "model cnn (317,066 parameters)" in output  # the banner
+    if script == "mnist.py":
+        assert "| model " in output and " cnn (317,066 parameters) |" in output  # summary
+    assert len(report["steps"]) == 1000 // 2 // 32
+    assert report["test_accuracy"] > 0.3, report["test_accuracy"]  # 15 steps: it learns

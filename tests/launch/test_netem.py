@@ -648,3 +648,29 @@ def test_default_process_group_works_in_a_bps_job(leftovers):
     ranks = sorted(int(line.split("cluster-job ok ")[1].split()[0])
                    for line in done.stdout.splitlines() if "cluster-job ok " in line)
     assert ranks == [0, 1, 2, 3], done.stdout[-3000:]
+
+
+def test_runner_model_flag_reaches_both_scripts_and_names_the_results(monkeypatch, tmp_path):
+    """--model cnn: bps and DDP runs get it in the job's flags (the MLP's shape left out),
+    the parameter count comes from the CNN's builder, results are named slow_network_cnn_*;
+    the default MLP job keeps the flags and names of the saved tables."""
+    spec = importlib.util.spec_from_file_location("slow_network", BENCH / "slow_network.py")
+    runner = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "slow_network", runner)  # its dataclasses look it up
+    spec.loader.exec_module(runner)
+    mlp = runner.parse_args(["--out", str(tmp_path)])
+    saved = json.loads((DATA / "slow_network_100mbit_b6f9905.json").read_text())
+    assert runner.job_args(mlp) == saved["job"] and "--model" not in runner.job_args(mlp)
+    assert runner.parameter_count(mlp) == 2085610
+    assert runner.results_stem(mlp) == tmp_path / "slow_network_100mbit"
+
+    cnn = runner.parse_args(["--quick", "--model", "cnn", "--rate", "20mbit",
+                             "--out", str(tmp_path)])
+    job = runner.job_args(cnn)
+    assert job[job.index("--model") + 1] == "cnn" and "--hidden" not in job
+    assert runner.parameter_count(cnn) == 317066
+    assert runner.results_stem(cnn) == tmp_path / "slow_network_cnn_20mbit_quick"
+    methods = runner.all_methods()
+    for name in ("fp32", "ddp-powersgd"):
+        argv = runner.command(methods[name], cnn, tmp_path / "m.json", tmp_path / "s.json")
+        assert argv[argv.index("--model") + 1] == "cnn", name
