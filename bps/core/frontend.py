@@ -164,10 +164,12 @@ class FrontEndCore:
     def new_pipeline(self, tensors: list[GradTensor], *,
                      on_step_start: Callable[[], None] | None = None,
                      on_step_done: Callable[[], None] | None = None,
-                     on_error: Callable[[BaseException], None] | None = None) -> GradPipeline:
+                     on_error: Callable[[BaseException], None] | None = None,
+                     partition_bytes: int | None = None) -> GradPipeline:
         """A pipeline of ``tensors`` on the attached runtime, with the core's learning
         rates and loss scale (a step mode that syncs parameters in fragments holds one
-        per fragment; every rank must build them in the same order)."""
+        per fragment; every rank must build them in the same order). ``partition_bytes``:
+        its largest partition (default ``BYTEPS_PARTITION_BYTES``)."""
         runtime = self.runtime
 
         def step_start() -> None:
@@ -181,7 +183,7 @@ class FrontEndCore:
         return GradPipeline(runtime, self.params, tensors, self.pipeline_lr,
                             lambda: self.loss_scale.change(self.scale),
                             on_step_start=step_start, on_step_done=on_step_done,
-                            on_error=on_error)
+                            on_error=on_error, partition_bytes=partition_bytes)
 
     # -- pushes -------------------------------------------------------------------------
 

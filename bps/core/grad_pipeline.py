@@ -153,6 +153,7 @@ class GradPipeline:
             holds this step's average (before :meth:`finish`).
         on_error: called with the exception where a background thread fails (after it
             is recorded; :meth:`wait` then raises it).
+        partition_bytes: the largest partition (default ``BYTEPS_PARTITION_BYTES``).
 
     Counters: ``step`` counts applied steps (warmup, local momentum), ``wire_step`` every
     step (the step number the pushes carry); :meth:`end_step` advances them.
@@ -162,8 +163,10 @@ class GradPipeline:
                  lr: Callable[[int], float], rescale: Callable[[], float] | None = None,
                  on_step_start: Callable[[], None] | None = None,
                  on_step_done: Callable[[], None] | None = None,
-                 on_error: Callable[[BaseException], None] | None = None) -> None:
+                 on_error: Callable[[BaseException], None] | None = None,
+                 partition_bytes: int | None = None) -> None:
         self._rt = rt
+        self.partition_bytes = partition_bytes or rt.env.partition_bytes
         self.params = params
         self._lr = lr
         self._rescale = rescale or (lambda: 1.0)
@@ -232,7 +235,7 @@ class GradPipeline:
             half = self.wire_dtype == torch.float16
             wire = p.dtype if p.dtype == torch.bfloat16 and half else self.wire_dtype
             parts, tensor_keys, alone = plan_tensor(name, p.numel(), self.params, wire,
-                                                    rt.env.partition_bytes, tuple(p.shape))
+                                                    self.partition_bytes, tuple(p.shape))
             keys += tensor_keys
             if alone is not None:
                 small[len(slots)] = alone
@@ -249,7 +252,7 @@ class GradPipeline:
         for wire in dict.fromkeys(s.wire for s in slots):  # buckets hold one dtype each
             mine = {i: part for i, part in small.items() if slots[i].wire == wire}
             bucket_keys, buckets = plan_buckets([s.name for s in slots], mine, wire,
-                                                rt.env.partition_bytes)
+                                                self.partition_bytes)
             keys += bucket_keys
             self.buckets += buckets
         keys, batches = plan_batches(keys)  # powersgd: same-shape matrices on one key

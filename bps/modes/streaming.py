@@ -33,7 +33,8 @@ has not arrived blocks that step until it has, so every worker applies it at the
 step and a run is deterministic. Floating-point buffers travel with the last fragment
 (uncompressed) and merge the same way: their mean at the push plus the local change
 since. A fragment is a run of parameter rows in model order holding about ``1/F`` of
-the elements (a large matrix may be cut between rows).
+the elements (a large matrix may be cut between rows); its partitions are cut small
+enough to spread it over every server.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def plan_fragments(tensors: list[GradTensor], fragments: int) -> list[list[GradT
 
     >>> ts = [GradTensor("w", torch.zeros(4, 3), 0), GradTensor("b", torch.zeros(4), 0)]
     >>> [[t.name for t in f] for f in plan_fragments(ts, 2)]
-    [['w[0:2]'], ['w[2:4]', 'b']]
+    [['w[0:3]'], ['w[3:4]', 'b']]
     """
     total = sum(t.param.numel() for t in tensors)
     plan: list[list[GradTensor]] = [[] for _ in range(fragments)]
@@ -113,6 +114,21 @@ def plan_fragments(tensors: list[GradTensor], fragments: int) -> list[list[GradT
                          "parameters (a single row holds more than 1/fragments of the "
                          "model's elements): use fewer fragments")
     return plan
+
+
+def spread_bytes(fragment: list[GradTensor], env) -> int:
+    """The partition size that spreads a fragment over every server: at most
+    ``BYTEPS_PARTITION_BYTES``, at most the fragment's float32 bytes over the servers
+    (a fragment on one server would put every node's round on that server's link).
+
+    >>> from types import SimpleNamespace
+    >>> spread_bytes([GradTensor("w", torch.zeros(1000, 100), 0)],
+    ...              SimpleNamespace(partition_bytes=4096000, num_servers=4))
+    100000
+    """
+    floats = sum(t.param.numel() for t in fragment)
+    per_server = -(-floats // env.num_servers)
+    return max(4, min(env.partition_bytes, 4 * per_server))
 
 
 @dataclass
@@ -147,7 +163,9 @@ class StreamingAveraging(StepMode):
         core.chain_lr_override = lambda group: spec.lr  # error feedback's ratio: the outer lr
         warn_outer_defaults(core, every, spec)
         self.fragments = fragments
-        self.pipes: list[GradPipeline] = [core.new_pipeline(f) for f in fragments]
+        self.pipes: list[GradPipeline] = [
+            core.new_pipeline(f, partition_bytes=spread_bytes(f, core.runtime.env))
+            for f in fragments]
         self.anchor = [[t.param.detach().reshape(-1).float().clone() for t in f]
                        for f in fragments]
         self.momentum = [[torch.zeros_like(a) for a in f] for f in self.anchor] \

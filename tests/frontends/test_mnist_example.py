@@ -122,7 +122,10 @@ def test_both_scripts_take_the_model_flag(capsys) -> None:
         assert "invalid choice: 'rnn'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("script", ["mnist.py", "ddp_mnist.py"])
+# ddp_mnist.py's run: test_both_scripts_take_the_model_flag covers its flag, mnist.py's run
+# the model, and tests/frontends/test_ddp.py the hook
+@pytest.mark.parametrize("script", ["mnist.py", pytest.param("ddp_mnist.py",
+                                                             marks=pytest.mark.slow)])
 def test_one_short_epoch_of_the_cnn(tmp_path, script):
     """The CNN through bps (examples/mnist.py) and through DDP with the bps hook
     (examples/ddp_mnist.py), on 1,000 training digits: it trains, and the banner, the

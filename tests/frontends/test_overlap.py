@@ -114,7 +114,7 @@ class RefPipeline:
     the chain's Nesterov rule after the sum where momentum is on."""
 
     def __init__(self, params: dict, nodes: int, shapes: dict,
-                 compressed: tuple[str, ...] = ("big",)) -> None:
+                 compressed: tuple[str, ...] = ("big",), partition: int = PARTITION) -> None:
         from tests.harness.reference_compressors import RefChain
 
         self.shapes, self.nodes = shapes, nodes
@@ -123,7 +123,7 @@ class RefPipeline:
         self.parts, self.workers, self.servers = {}, {}, {}
         for name in self.compressed:
             numel = int(np.prod(shapes[name]))
-            parts = [(o, min(PARTITION, numel - o)) for o in range(0, numel, PARTITION)]
+            parts = [(o, min(partition, numel - o)) for o in range(0, numel, partition)]
             self.parts[name] = parts
             self.workers[name] = [[RefChain(*reference_codec(params, n), n, "float32", True,
                                             self.mu) for _, n in parts] for _ in range(nodes)]
@@ -271,7 +271,10 @@ def simulate_streaming(params: dict, every: int, fragments: int, overlap: int,
         big = tuple(piece_name(n, rows) for n, rows in pieces
                     if np.prod(view(anchor, n, rows).shape) * 4 >= params.get(
                         "min_compress_bytes", 65536))
-        pipes.append(RefPipeline(params, NODES, piece_shapes, compressed=big))
+        # partitions spread a fragment over both servers
+        floats = sum(int(np.prod(shape)) for shape in piece_shapes.values())
+        pipes.append(RefPipeline(params, NODES, piece_shapes, compressed=big,
+                                 partition=min(PARTITION, -(-floats // 2))))
     rounds = []  # (fragment, lands at, avg by piece, start [node][piece], buffer round)
 
     def land(due: tuple) -> None:

@@ -8,7 +8,6 @@ momentum and SGD."""
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
 from tests.harness.trainer_job import COMM_LRS as LRS
 from tests.harness.trainer_job import COMM_SHAPES as SHAPES
@@ -16,23 +15,30 @@ from tests.harness.trainer_job import comm_reference as reference
 from tests.harness.trainer_job import launch, load_params, load_reports
 
 
-@pytest.mark.parametrize("comm", ["bf16", "fp16"])
-def test_comm_dtype_rounds_exactly_where_the_pipeline_does(tmp_path, comm):
-    params = {"momentum": "nesterov", "comm_dtype": comm}
-    result = launch({"runs": [{"params": params}], "lrs": LRS, "stop": len(LRS),
-                     "shapes": SHAPES},
+def test_comm_dtype_rounds_exactly_where_the_pipeline_does(tmp_path):
+    """bf16 and fp16 in one cluster, one trainer after the other."""
+    runs = [{"tag": comm, "params": {"momentum": "nesterov", "comm_dtype": comm}}
+            for comm in ("bf16", "fp16")]
+    result = launch({"runs": runs, "lrs": LRS, "stop": len(LRS), "shapes": SHAPES},
                     tmp_path, workers=2, servers=2, local_size=2,
                     env={"BYTEPS_PARTITION_BYTES": "4000"})
     assert result.returncode == 0, result.stdout[-3000:]
-    finals = load_params(tmp_path, 4)
-    expected = reference(comm)
-    for name in SHAPES:
-        for rank, final in enumerate(finals):
-            np.testing.assert_array_equal(final[name], expected[name], err_msg=f"{name} {rank}")
-    # the rounding mattered: bf16 and fp16 round differently, and both differ from fp32
-    other = reference("fp16" if comm == "bf16" else "bf16")
-    assert not np.array_equal(expected["big"], other["big"])
-    assert not np.array_equal(expected["big"], reference("fp32")["big"])
+    reports = load_reports(tmp_path, 4)
     raw = sum(int(np.prod(s)) * 4 for s in SHAPES.values())
-    pushed = load_reports(tmp_path, 4)[0][""]["steps"][-1]["bytes_pushed"]
-    assert 0.5 * raw < pushed < 0.6 * raw  # two bytes per element on the wire
+    for comm in ("bf16", "fp16"):
+        finals = load_params(tmp_path, 4, comm)
+        expected = reference(comm)
+        for name in SHAPES:
+            for rank, final in enumerate(finals):
+                np.testing.assert_array_equal(final[name], expected[name],
+                                              err_msg=f"{comm} {name} {rank}")
+        # the rounding mattered: bf16 and fp16 round differently, and both differ from fp32
+        other = reference("fp16" if comm == "bf16" else "bf16")
+        assert not np.array_equal(expected["big"], other["big"])
+        assert not np.array_equal(expected["big"], reference("fp32")["big"])
+        report = reports[0][comm]
+        assert report["counter"] == 1  # rank 0's buffer everywhere
+        assert report["optimizer_momentum"] == 0.0  # moved into bps
+        assert report["steps"][-1]["raw_bytes"] == raw
+        pushed = report["steps"][-1]["bytes_pushed"]
+        assert 0.5 * raw < pushed < 0.6 * raw  # two bytes per element on the wire

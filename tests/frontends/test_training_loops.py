@@ -466,6 +466,9 @@ def test_nonfinite_on_one_local_rank_skips_the_step_on_every_rank(tmp_path):
             assert skipped == [i == INJECT_STEP for i in range(len(SIM_LRS))], (name, skipped)
 
 
+# test_join_with_several_local_ranks covers it: joined ranks, and a node whose ranks have
+# all joined, against the same simulation
+@pytest.mark.slow
 def test_join_with_unequal_shards(tmp_path):
     # rank 0 has 5 batches, rank 1 three, rank 2 four: joined ranks contribute zero, the
     # divisor stays the number of workers, and nobody waits for a timeout

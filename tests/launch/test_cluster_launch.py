@@ -175,6 +175,9 @@ def test_torchrun_job() -> None:
     finished(run_all(jobs, timeout=240), 4)
 
 
+# test_slurm_variables_map_to_roles_ranks_and_torch_variables covers the variables, and
+# test_a_failing_process_stops_every_launcher a SLURM-style job on 127.0.0.1 and 127.0.0.2
+@pytest.mark.slow
 def test_slurm_job() -> None:
     """srun --nodes 2 --ntasks-per-node 2 bpslaunch ...: the hosts are 127.0.0.1 and
     127.0.0.2, so node 1's server binds the second loopback address."""

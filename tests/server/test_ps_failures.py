@@ -25,6 +25,9 @@ ROLE = [sys.executable, "-m", "bps.launch.cli"]
 EXIT_WITHIN = 60.0
 
 
+# the [worker1-SIGKILL] case of test_every_role_that_fails_is_named_within_the_heartbeat_timeout
+# covers it (and times it)
+@pytest.mark.slow
 def test_killed_worker_fails_everyone_naming_it(cluster) -> None:
     c = cluster(workers=2, servers=1)
     c.start("scheduler", ROLE, DMLC_ROLE="scheduler")
@@ -39,6 +42,9 @@ def test_killed_worker_fails_everyone_naming_it(cluster) -> None:
         assert "worker 1 at 127.0.0.1 died: no heartbeat" in out, (name, out)
 
 
+# the [server0-SIGKILL] case of test_every_role_that_fails_is_named_within_the_heartbeat_timeout
+# covers it (and times it)
+@pytest.mark.slow
 def test_killed_server_fails_everyone_naming_it(cluster) -> None:
     c = cluster(workers=2, servers=2)
     c.start("scheduler", ROLE, DMLC_ROLE="scheduler")
@@ -75,7 +81,9 @@ def train_job(c, failing: int, how: str, at: int = 3) -> None:
 @pytest.mark.parametrize(("how", "named"), [
     ("raise", "worker 1 at 127.0.0.1 failed: RuntimeError: boom at step 3"),
     ("exit", "worker 1 at 127.0.0.1 failed: the process exited without calling bps.shutdown()"),
-    ("interrupt", "worker 1 at 127.0.0.1 failed: KeyboardInterrupt"),
+    # the same failure report as an exception's ("raise")
+    pytest.param("interrupt", "worker 1 at 127.0.0.1 failed: KeyboardInterrupt",
+                 marks=pytest.mark.slow),
 ])
 def test_a_worker_that_fails_is_named_by_everyone(cluster, how: str, named: str) -> None:
     """An exception, sys.exit(3) or Ctrl-C in worker 1 outside bpslaunch local: it tells
@@ -183,7 +191,9 @@ def exit_times(c, names: list[str], timeout: float) -> dict[str, tuple[int, floa
     ("server0", signal.SIGINT, "failed: KeyboardInterrupt"),  # raised inside its loop
     ("server0", signal.SIGTERM, "failed: terminated by SIGTERM"),
     ("scheduler", signal.SIGKILL, "unreachable: no heartbeat"),
-    ("scheduler", signal.SIGINT, "failed: KeyboardInterrupt"),
+    # a role's KeyboardInterrupt: server0's SIGINT covers the same code in make test
+    pytest.param("scheduler", signal.SIGINT, "failed: KeyboardInterrupt",
+                 marks=pytest.mark.slow),
     ("worker1", signal.SIGKILL, "died: no heartbeat"),
     ("worker1", signal.SIGSTOP, "died: no heartbeat"),
     ("worker1", signal.SIGTERM, "failed: terminated by SIGTERM"),
