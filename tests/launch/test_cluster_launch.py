@@ -165,6 +165,9 @@ def test_local_job_gives_workers_torch_distributed_variables() -> None:
     finished([(code, output)], 4)
 
 
+# test_torchrun_variables_map_to_roles_and_ranks covers the variables torchrun sets, and
+# test_local_job_gives_workers_torch_distributed_variables the job of 2 nodes x 2 processes
+@pytest.mark.slow
 def test_torchrun_job() -> None:
     """Two torchrun agents (nodes) of two processes each, each process run by bpslaunch."""
     port = free_port()

@@ -637,6 +637,9 @@ def test_delay_needs_netem(leftovers):
         assert done.returncode == 0, done.stderr
 
 
+# test_local_job_gives_workers_torch_distributed_variables (tests/launch/test_cluster_launch.py)
+# covers the job, and test_training_steps_through_emulated_network bps mode on emulated hosts
+@pytest.mark.slow
 @pytest.mark.netns
 def test_default_process_group_works_in_a_bps_job(leftovers):
     """bps mode gives every worker process torch.distributed's variables (MASTER_ADDR =
