@@ -72,6 +72,11 @@ def test_outer_nesterov_defaults_and_the_label_of_the_run() -> None:
         "staleness 1, sync every 1 step(s)"
     assert example.overlap_label(example.parse_args(["--sync-every", "4"])) == \
         "staleness 0, sync every 4 step(s), outer average"
+    streaming = example.parse_args(["--sync-every", "16", "--fragments", "4", "--overlap", "8"])
+    assert example.overlap_args(streaming, None) == {
+        "sync_every": 16, "outer": {"optimizer": "average"}, "fragments": 4, "overlap": 8}
+    assert example.overlap_label(streaming) == \
+        "staleness 0, sync every 16 step(s), outer average, 4 fragment(s), overlap 8 step(s)"
 
 
 def load_job():

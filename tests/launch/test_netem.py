@@ -677,3 +677,19 @@ def test_runner_model_flag_reaches_both_scripts_and_names_the_results(monkeypatc
     for name in ("fp32", "ddp-powersgd"):
         argv = runner.command(methods[name], cnn, tmp_path / "m.json", tmp_path / "s.json")
         assert argv[argv.index("--model") + 1] == "cnn", name
+
+
+def test_runner_streaming_rows_carry_their_mode_flags(monkeypatch):
+    """The -stream rows pass --sync-every, --fragments and --overlap (overlap H/F unless
+    given) to examples/mnist.py, and the kernels' warm-up sees only the compression flags."""
+    spec = importlib.util.spec_from_file_location("slow_network", BENCH / "slow_network.py")
+    runner = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "slow_network", runner)  # its dataclasses look it up
+    spec.loader.exec_module(runner)
+    stream = runner.all_methods(sync_every=16, fragments=4)["onebit-stream"]
+    assert stream.args == ("--compressor", "onebit", "--ef", "vanilla", "--sync-every", "16",
+                           "--outer", "average", "--fragments", "4", "--overlap", "4")
+    assert stream.compression_args == ["--compressor", "onebit", "--ef", "vanilla"]
+    args = runner.parse_args(["--methods", "topk-stream", "--sync-every", "32",
+                              "--overlap", "8"])
+    assert args.method_list[0].args[-4:] == ("--fragments", "4", "--overlap", "8")
