@@ -260,7 +260,8 @@ class StreamingAveraging(StepMode):
 
     def _land(self, due: Round) -> bool:
         """Apply a round: the outer update of its fragment's anchor, the local change
-        since its push kept; a round skipped everywhere leaves the anchor as it was.
+        since its push kept; a round skipped everywhere (a non-finite delta) puts the
+        fragment back to its anchor on every worker, as periodic averaging does.
         Returns whether it was applied."""
         self._settle(due)
         self.rounds.remove(due)
@@ -274,10 +275,10 @@ class StreamingAveraging(StepMode):
                         self.momentum[due.fragment][index]
                     outer_update(anchor, due.wire[index].float(), momentum, self.spec)
                 flat = tensor.param.view(-1)
-                if moved:
+                if moved and applied:
                     local = torch.sub(flat.float(), due.start[index])
                     flat.copy_(torch.add(anchor, local))
-                else:
+                else:  # a skipped round also drops the local steps since its push
                     flat.copy_(anchor)
         if due.buffers is not None:
             self._land_buffers(due.buffers, applied, moved)

@@ -80,6 +80,8 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
         sum(0.5 * ((getattr(model, n) - goal[n]) ** 2).sum() for n in shapes).backward()
         with torch.no_grad():
             model.running.mul_(0.5).add_(float(buffer_update(rank, step)))
+            if run.get("nan_at") == step and rank == 1:  # a delta with a NaN: skipped
+                model.small[0] = float("nan")
         report["applied"].append(trainer.step())
         report["bytes"].append(trainer.stats()["bytes_pushed"])
         if run.get("save_at") == step + 1:
@@ -240,13 +242,16 @@ def outer_step(anchor: np.ndarray, avg: np.ndarray, momentum: np.ndarray | None,
 
 
 def simulate_streaming(params: dict, every: int, fragments: int, overlap: int,
-                       outer: dict | None, shapes: dict = SHAPES) -> list[dict]:
+                       outer: dict | None, nan_at: int | None = None, shapes: dict = SHAPES
+                       ) -> list[dict]:
     """Local SGD with momentum on each node; after local step s with s % (every /
     fragments) == 0 the next fragment's deltas go through that fragment's own pipeline
     and its outer update lands after step s + overlap, each node keeping its local
     change since the push (w = anchor + w - w_at_push); the float buffer travels with
     the last fragment and merges the same way. Rounds still in flight at the end never
-    land."""
+    land. ``nan_at``: node 1's small[0] becomes NaN before that step's optimizer step;
+    the round that carries it is skipped: the chains as before it, the fragment back to
+    its anchor on every node, the buffers as they are."""
     f32 = np.float32
     outer = outer or {"optimizer": "average"}
     defaults = {"average": (1.0, 0.0), "sgd": (1.0, 0.0), "nesterov": (0.7, 0.9)}
@@ -279,6 +284,11 @@ def simulate_streaming(params: dict, every: int, fragments: int, overlap: int,
 
     def land(due: tuple) -> None:
         fragment, lands, pushed, avg, start, buffers = due
+        if avg is None:  # skipped
+            for n, rows in plan[fragment]:
+                for r in range(NODES):
+                    view(ws[r], n, rows)[...] = view(anchor, n, rows)
+            return
         for n, rows in plan[fragment]:
             name = piece_name(n, rows)
             a, m = outer_step(view(anchor, n, rows), avg[name], view(outer_momentum, n, rows),
@@ -301,9 +311,11 @@ def simulate_streaming(params: dict, every: int, fragments: int, overlap: int,
         s = step + 1
         for r in range(NODES):
             goal = targets(r, shapes)
+            grads = {n: (ws[r][n] - goal[n]).astype(f32) for n in shapes}  # before the NaN
+            if step == nan_at and r == 1:
+                ws[r]["small"][0] = np.nan  # before the optimizer step, as the worker does
             for n in shapes:
-                ws[r][n], bufs[r][n] = sgd_momentum(ws[r][n], (ws[r][n] - goal[n]).astype(f32),
-                                                    bufs[r][n], lr)
+                ws[r][n], bufs[r][n] = sgd_momentum(ws[r][n], grads[n], bufs[r][n], lr)
             running[r] = (running[r] * f32(0.5) + buffer_update(r, step)).astype(f32)
         for due in [d for d in rounds if d[1] == s]:
             rounds.remove(due)
@@ -318,7 +330,8 @@ def simulate_streaming(params: dict, every: int, fragments: int, overlap: int,
                            for n, rows in plan[fragment]})
             start.append({piece_name(n, rows): view(ws[r], n, rows).copy()
                           for n, rows in plan[fragment]})
-        avg = pipes[fragment].aggregate(shares, float(lr_out))
+        finite = all(np.isfinite(v).all() for share in shares for v in share.values())
+        avg = pipes[fragment].aggregate(shares, float(lr_out)) if finite else None
         buffers = None
         if fragment == fragments - 1:
             mean = np.zeros(3, f32)
@@ -340,6 +353,8 @@ STREAMING = {  # params, sync_every, fragments, overlap, outer
              {"optimizer": "nesterov", "lr": 0.5, "momentum": 0.5}),
     "bytegrad": ({**SIM_CASES["bytegrad"], **STREAM_EF}, 4, 4, 0, None),
     "raw": ({"fp16": False}, 2, 1, 2, {"optimizer": "sgd", "lr": 0.5, "momentum": 0.5}),
+    # node 1's delta of the last fragment holds a NaN at step 4: that round is skipped
+    "skip": ({**SIM_CASES["onebit"], **STREAM_EF, "nonfinite": "skip"}, 4, 2, 1, None, 3),
 }
 
 
@@ -395,10 +410,10 @@ def overlap_runs() -> list[dict]:
             for name, (params, every, outer) in PERIODIC.items()] + \
         [{"tag": f"stale-{name}", "params": params, "mode": {"staleness": 1}}
          for name, params in STALE.items()] + \
-        [{"tag": f"stream-{name}", "params": params,
+        [{"tag": f"stream-{name}", "params": params, "nan_at": nan_at[0] if nan_at else None,
           "mode": {"sync_every": every, "fragments": fragments, "overlap": overlap,
                    "outer": outer}}
-         for name, (params, every, fragments, overlap, outer) in STREAMING.items()]
+         for name, (params, every, fragments, overlap, outer, *nan_at) in STREAMING.items()]
 
 
 def test_overlap_modes_match_simulation_and_resume_exactly(tmp_path):
@@ -440,6 +455,8 @@ def test_overlap_modes_match_simulation_and_resume_exactly(tmp_path):
             continue
         if tag.startswith("stream-"):
             expected = simulate_streaming(*STREAMING[tag.removeprefix("stream-")])
+            if tag == "stream-skip":  # the round pushed after step 4 lands after step 5
+                assert reports[0][tag]["applied"] == [s != 4 for s in range(len(LRS))]
             for r in range(NODES):
                 final = load_params(whole, tag, r)
                 for n in expected[r]:
