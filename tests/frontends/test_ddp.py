@@ -296,6 +296,9 @@ def test_hook_matches_the_replay_for_every_compressor_and_ddp_feature(tmp_path):
                                               err_msg=f"resumed {run['tag']}: {n}")
 
 
+# tests/frontends/test_trainer_comm_dtype.py covers the pipeline's 2 x 2 fp16 roundings,
+# and test_hook_matches_the_replay_for_every_compressor_and_ddp_feature the hook
+@pytest.mark.slow
 @pytest.mark.parametrize("env", [pytest.param({}, id="host"),
                                  # the trainer's device-forced runs cover the pipeline
                                  pytest.param({"BPS_DEVICE_KERNELS": "1"}, id="device-forced",

@@ -129,8 +129,11 @@ def test_both_scripts_take_the_model_flag(capsys) -> None:
 
 # ddp_mnist.py's run: test_both_scripts_take_the_model_flag covers its flag, mnist.py's run
 # the model, and tests/frontends/test_ddp.py the hook
-@pytest.mark.parametrize("script", ["mnist.py", pytest.param("ddp_mnist.py",
-                                                             marks=pytest.mark.slow)])
+# test_cnn_is_seeded_like_the_mlp_and_takes_images covers the model, and
+# test_one_epoch_on_the_device_with_autocast the script's run (bench/stream_sweep.py --model
+# cnn trains it for 16 epochs)
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ["mnist.py", "ddp_mnist.py"])
 def test_one_short_epoch_of_the_cnn(tmp_path, script):
     """The CNN through bps (examples/mnist.py) and through DDP with the bps hook
     (examples/ddp_mnist.py), on 1,000 training digits: it trains, and the banner, the

@@ -10,6 +10,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.harness.ps_job import BPSLAUNCH
 
 # 64 kB messages: a key may carry 32,736 bytes
@@ -83,6 +85,10 @@ bps.shutdown()
 """
 
 
+# test_rounds_larger_than_a_key_are_summed_in_pieces_exactly covers the pieces bit for bit
+# on a real cluster, and tests/compressors/test_powersgd.py's
+# test_a_powersgd_matrix_larger_than_a_key_travels_as_its_rounds a trainer's matrix
+@pytest.mark.slow
 def test_a_trainer_with_rounds_larger_than_a_key_trains():
     # Before rounds travelled in pieces, the first compressed step failed: "key ...
     # ('0.weight[0] round 0'): 36000 bytes is larger than a key may be".
