@@ -131,6 +131,25 @@ def outer_update(anchor: torch.Tensor, avg: torch.Tensor, momentum: torch.Tensor
     anchor.sub_(step)
 
 
+def declare_buffer_keys(core: FrontEndCore) -> tuple[list[torch.Tensor], list[tuple[int, int]],
+                                                     list[int], Any]:
+    """The model's floating-point buffers, the float32 partitions of their concatenation,
+    a raw key declared for each, and the node's channel for them (None without any)."""
+    rt = core.runtime
+    buffers = [b for _, b in core.model.named_buffers() if b.dtype.is_floating_point]
+    numel = sum(b.numel() for b in buffers)
+    parts = partition(numel, 4, rt.env.partition_bytes) if numel else []
+    keys = []
+    for offset, length in parts:
+        key = rt.allocate_keys(1)
+        if rt.engine is not None:
+            rt.engine.declare(key, length, torch.float32, None,
+                              name=f"buffers[{offset}:{offset + length}]")
+        keys.append(key)
+    channel = rt.group.channel(rt.unique_name("buffers")) if numel else None
+    return buffers, parts, keys, channel
+
+
 def warn_outer_defaults(core: FrontEndCore, every: int, spec: OuterSpec) -> None:
     """One warning (rank 0) where DiLoCo's outer Nesterov defaults meet few local steps."""
     if spec.nesterov and spec.defaulted and every < 16 and core.runtime.rank == 0:
@@ -162,19 +181,8 @@ class PeriodicAveraging(StepMode):
         self.anchor = {s.name: s.param.detach().reshape(-1).float().clone() for s in slots}
         self.momentum = {name: torch.zeros_like(a) for name, a in self.anchor.items()} \
             if spec.momentum else {}
-        rt = core.runtime
-        self.buffers = [(name, b) for name, b in core.model.named_buffers()
-                        if b.dtype.is_floating_point]
-        numel = sum(b.numel() for _, b in self.buffers)
-        self.buffer_parts = partition(numel, 4, rt.env.partition_bytes) if numel else []
-        self.buffer_keys = []
-        for offset, length in self.buffer_parts:
-            key = rt.allocate_keys(1)
-            if rt.engine is not None:
-                rt.engine.declare(key, length, torch.float32, None,
-                                  name=f"buffers[{offset}:{offset + length}]")
-            self.buffer_keys.append(key)
-        self.buffer_ch = rt.group.channel(rt.unique_name("buffers")) if numel else None
+        self.buffers, self.buffer_parts, self.buffer_keys, self.buffer_ch = \
+            declare_buffer_keys(core)
 
     def synchronize(self) -> bool:
         raise RuntimeError("synchronize() is not for sync_every > 1: step() syncs the "
@@ -247,7 +255,7 @@ class PeriodicAveraging(StepMode):
         if not self.buffers:
             return
         rt = self.core.runtime
-        flat = torch.cat([b.detach().reshape(-1).float() for _, b in self.buffers])
+        flat = torch.cat([b.detach().reshape(-1).float() for b in self.buffers])
         flat.div_(rt.size)
         self.buffer_ch.reduce(flat)
         if rt.engine is not None:
@@ -258,7 +266,7 @@ class PeriodicAveraging(StepMode):
                 flat[offset:offset + length].copy_(future.result(timeout=rt.env.timeout * 2))
         self.buffer_ch.broadcast(flat)
         offset = 0
-        for _, buffer in self.buffers:
+        for buffer in self.buffers:
             buffer.copy_(flat[offset:offset + buffer.numel()].view_as(buffer))
             offset += buffer.numel()
 

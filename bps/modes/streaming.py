@@ -48,8 +48,12 @@ import torch
 from bps.core.frontend import FrontEndCore
 from bps.core.grad_pipeline import GradPipeline, GradTensor, Skipped
 from bps.modes.base import StepMode
-from bps.modes.periodic import OuterSpec, outer_update, warn_outer_defaults
-from bps.worker.partition import partition
+from bps.modes.periodic import (
+    OuterSpec,
+    declare_buffer_keys,
+    outer_update,
+    warn_outer_defaults,
+)
 
 
 def validate_streaming(sync_every: int, fragments: Any, overlap: Any) -> bool:
@@ -173,22 +177,8 @@ class StreamingAveraging(StepMode):
         self.local = 0  # local steps taken
         self.rounds: list[Round] = []  # in flight, in push order
         self.snapshot = core.stats.snapshot(core.runtime.engine)
-        rt = core.runtime
-        self.buffers = [b for _, b in core.model.named_buffers() if b.dtype.is_floating_point]
-        numel = sum(b.numel() for b in self.buffers)
-        self.buffer_parts = partition(numel, 4, rt.env.partition_bytes) if numel else []
-        self.buffer_keys = []
-        for offset, length in self.buffer_parts:
-            key = rt.allocate_keys(1)
-            if rt.engine is not None:
-                rt.engine.declare(key, length, torch.float32, None,
-                                  name=f"buffers[{offset}:{offset + length}]")
-            self.buffer_keys.append(key)
-        self.buffer_ch = rt.group.channel(rt.unique_name("buffers")) if numel else None
-
-    def synchronize(self) -> bool:
-        raise RuntimeError("synchronize() is not for sync_every > 1: step() syncs the "
-                           "parameters every sync_every steps")
+        self.buffers, self.buffer_parts, self.buffer_keys, self.buffer_ch = \
+            declare_buffer_keys(core)
 
     # -- a step ---------------------------------------------------------------------
 
