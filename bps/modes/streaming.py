@@ -40,7 +40,7 @@ enough to spread it over every server.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -150,7 +150,6 @@ class Round:
     buffers: tuple[torch.Tensor, torch.Tensor, list] | None = None  # start, mean, futures
     settled: bool = False
     skip: Skipped | None = None
-    before: dict = field(default_factory=dict)
 
 
 class StreamingAveraging(StepMode):

@@ -279,6 +279,13 @@ def test_accumulation_equals_summed_microbatches(tmp_path):
             (last["bytes_pushed"] + last["bytes_pulled"]) / (3 * SHAPES["big"][0])
 
 
+def one_worker(script: str) -> subprocess.CompletedProcess:
+    """``script`` (python -c) as the one worker of a bpslaunch local job with one server."""
+    return subprocess.run([*BPSLAUNCH, "local", "--workers", "1", "--servers", "1", "--",
+                           sys.executable, "-c", script], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "BPS_TIMEOUT": "20"})
+
+
 def test_second_backward_without_accumulation_keeps_its_error(tmp_path):
     script = (
         "import torch, bps\n"
@@ -292,9 +299,7 @@ def test_second_backward_without_accumulation_keeps_its_error(tmp_path):
         "    print('REFUSED', exc)\n"
         "t.step(); t.close(); bps.shutdown()\n"
     )
-    result = subprocess.run([*BPSLAUNCH, "local", "--workers", "1", "--servers", "1", "--",
-                             sys.executable, "-c", script], cwd=ROOT, capture_output=True,
-                            text=True, timeout=120, env={**os.environ, "BPS_TIMEOUT": "20"})
+    result = one_worker(script)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "REFUSED" in result.stdout and "backward_passes_per_step" in result.stdout
     assert "backward() ran again without trainer.step()" in result.stdout
@@ -318,9 +323,7 @@ def test_optimizer_step_instead_of_trainer_step_is_named(tmp_path):
         "    opt.step()\n"
         "bps.shutdown()\n"
     )
-    result = subprocess.run([*BPSLAUNCH, "local", "--workers", "1", "--servers", "1", "--",
-                             sys.executable, "-c", script], cwd=ROOT, capture_output=True,
-                            text=True, timeout=120, env={**os.environ, "BPS_TIMEOUT": "20"})
+    result = one_worker(script)
     out = result.stdout + result.stderr
     assert result.returncode != 0, out[-3000:]
     assert "backward() ran again without trainer.step()" in out, out[-3000:]
@@ -361,10 +364,7 @@ bps.shutdown()
 
 
 def test_servers_refuse_nonfinite_pushes_naming_the_node():
-    result = subprocess.run([*BPSLAUNCH, "local", "--workers", "1", "--servers", "1", "--",
-                             sys.executable, "-c", SERVER_REFUSAL], cwd=ROOT,
-                            capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "BPS_TIMEOUT": "20"})
+    result = one_worker(SERVER_REFUSAL)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     raw = next(line for line in result.stdout.splitlines() if "RAW" in line)
     assert "key 0 ('raw')" in raw and "worker 0" in raw and "inf or NaN" in raw, raw

@@ -133,25 +133,22 @@ def probe_server(engine, address: str, known_key: int, node: int) -> dict[str, s
         "frames_oversize": [encode(Op.PUSH, **{**push, "nbytes": 2**33}), *[b"\0" * 4096] * 2],
         "frames_on_pull": [encode(Op.PULL, rid=1, key=known_key, step=0), b"\0" * 4096],
     }
-    replies = {}
-    for name, frames in probes.items():
-        sock.send_multipart(frames)
-        if not sock.poll(10_000):
-            replies[name] = "<no reply>"
-            continue
-        header = decode(sock.recv_multipart()[0])
-        replies[name] = f"{header['op'].name}: {header.get('msg', '')}"
+
+    def ask(to, frames: list[bytes]) -> str:
+        """One request's reply as ``OP: msg`` (``<no reply>`` within 10 s)."""
+        to.send_multipart(frames)
+        if not to.poll(10_000):
+            return "<no reply>"
+        header = decode(to.recv_multipart()[0])
+        return f"{header['op'].name}: {header.get('msg', '')}"
+
+    replies = {name: ask(sock, frames) for name, frames in probes.items()}
     # a connection that holds the key but belongs to no worker is refused every request
     for name, frames in {"stranger_push": probes["wrong_raw_size"][:1] + [b"\0" * 65536],
                          "stranger_pull": [encode(Op.PULL, rid=1, key=known_key, step=0)],
                          "stranger_get_state": [encode(Op.GET_STATE, rid=1, key=known_key)],
                          "stranger_register": probes["bad_dtype_register"]}.items():
-        stranger.send_multipart(frames)
-        if not stranger.poll(10_000):
-            replies[name] = "<no reply>"
-            continue
-        header = decode(stranger.recv_multipart()[0])
-        replies[name] = f"{header['op'].name}: {header.get('msg', '')}"
+        replies[name] = ask(stranger, frames)
     sock.close()
     stranger.close()
     return replies
