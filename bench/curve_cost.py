@@ -15,6 +15,12 @@ Usage::
 Rounds alternate plain and CURVE; medians are printed as a markdown table and written to
 bench/results/curve_cost.json (``--heap``: curve_cost_heap.json).
 
+``--libsodium PATH [PATH ...]``: instead, only the cipher of each given libsodium file
+(for example one unpacked from another pyzmq wheel's ``pyzmq.libs/``) at 4 MB messages,
+to compare builds on one host::
+
+    .venv/bin/python bench/curve_cost.py --libsodium /tmp/pyzmq-27.2.0/pyzmq.libs/libsodium*
+
 ``--sweep``: instead, messages of one partition (4,096,000 B, as bps sends them) cut
 into frames of 64 KiB .. 4 MB (one ZeroMQ multipart message per partition), plain TCP
 and CURVE, contexts of 1 and 2 I/O threads, the receiver keeping the zero-copy frames
@@ -42,11 +48,13 @@ import zmq
 SIZES = [4096, 65536, 1 << 20, 4096000]  # 4096000: BYTEPS_PARTITION_BYTES of ps_throughput
 
 
-def libsodium() -> ctypes.CDLL:
-    """The libsodium that pyzmq's libzmq links against."""
-    libs = Path(zmq.__file__).parent.parent / "pyzmq.libs"
-    path = sorted(glob.glob(str(libs / "libsodium*.so*")))
-    sodium = ctypes.CDLL(path[0] if path else "libsodium.so")
+def libsodium(path: str | None = None) -> ctypes.CDLL:
+    """The libsodium at ``path``, by default the one pyzmq's libzmq links against."""
+    if path is None:
+        libs = Path(zmq.__file__).parent.parent / "pyzmq.libs"
+        found = sorted(glob.glob(str(libs / "libsodium*.so*")))
+        path = found[0] if found else "libsodium.so"
+    sodium = ctypes.CDLL(path)
     if sodium.sodium_init() < 0:
         raise RuntimeError("sodium_init failed")
     return sodium
@@ -83,16 +91,18 @@ def cipher_mb_s(sodium: ctypes.CDLL, size: int, mbytes: int) -> tuple[float, flo
     return moved / enc, moved / dec, moved / copy
 
 
-def zmq_mb_s(size: int, mbytes: int, curve: bool) -> float:
-    """One-way MB/s of ``mbytes`` MB in frames of ``size`` bytes over loopback TCP."""
-    return zmq_message_mb_s(size, size, mbytes, curve, io_threads=1, receive="frames")[0]
+def zmq_mb_s(size: int, mbytes: int, curve: bool, transport: str = "tcp") -> float:
+    """One-way MB/s of ``mbytes`` MB in frames of ``size`` bytes over loopback TCP or a
+    Unix domain socket (``transport="ipc"``)."""
+    return zmq_message_mb_s(size, size, mbytes, curve, io_threads=1, receive="frames",
+                            transport=transport)[0]
 
 
 SWEEP_FRAMES = [65536, 131072, 262144, 524288, 1 << 20, 2 << 20, 4096000]
 
 
 def zmq_message_mb_s(message: int, frame: int, mbytes: int, curve: bool, io_threads: int,
-                     receive: str) -> tuple[float, float]:
+                     receive: str, transport: str = "tcp") -> tuple[float, float]:
     """(MB/s, CPU seconds per GB) one way, ``mbytes`` MB in messages of ``message`` bytes,
     each a multipart message of frames of at most ``frame`` bytes. ``receive``:
     ``"frames"`` keeps each frame (zero-copy), ``"into"`` reads the frames into one
@@ -111,8 +121,12 @@ def zmq_message_mb_s(message: int, frame: int, mbytes: int, curve: bool, io_thre
         rx.curve_secretkey = secret
         tx.curve_serverkey = public
         tx.curve_publickey, tx.curve_secretkey = zmq.curve_keypair()
-    port = rx.bind_to_random_port("tcp://127.0.0.1")
-    tx.connect(f"tcp://127.0.0.1:{port}")
+    if transport == "ipc":  # an abstract Unix socket: no file, gone with the socket
+        address = f"ipc://@bps-curve-cost-{os.getpid()}-{threading.get_ident()}"
+        rx.bind(address)
+    else:
+        address = f"tcp://127.0.0.1:{rx.bind_to_random_port('tcp://127.0.0.1')}"
+    tx.connect(address)
     tx.send(b"hello")  # the handshake is not timed
     if not rx.poll(30_000):
         raise RuntimeError("no connection")
@@ -196,7 +210,20 @@ def main() -> None:
                              "(bps.common.memory.keep_buffers_in_heap) before any socket")
     parser.add_argument("--sweep", action="store_true",
                         help="frame sizes x I/O threads x receive mode (see the docstring)")
+    parser.add_argument("--transport", choices=["tcp", "ipc"], default="tcp",
+                        help="ZeroMQ over loopback TCP or a Unix domain socket")
+    parser.add_argument("--libsodium", nargs="+", metavar="PATH",
+                        help="only the cipher of these libsodium files (see the docstring)")
     args = parser.parse_args()
+    if args.libsodium:
+        print(f"4,096,000 B messages, {args.mbytes} MB, median of {args.rounds}, one core\n\n"
+              "| libsodium | encrypt | decrypt |\n|---|---:|---:|")
+        for path in args.libsodium:
+            runs = [cipher_mb_s(libsodium(path), SIZES[-1], args.mbytes)
+                    for _ in range(args.rounds)]
+            enc, dec = (statistics.median(r[i] for r in runs) for i in (0, 1))
+            print(f"| {path} | {enc:.0f} MB/s | {dec:.0f} MB/s |")
+        return
     if args.sweep:
         sweep(args.mbytes, args.rounds)
         return
@@ -213,14 +240,14 @@ def main() -> None:
             runs["enc"].append(enc)
             runs["dec"].append(dec)
             runs["copy"].append(copy)
-            runs["plain"].append(zmq_mb_s(size, args.mbytes, curve=False))
-            runs["curve"].append(zmq_mb_s(size, args.mbytes, curve=True))
+            runs["plain"].append(zmq_mb_s(size, args.mbytes, False, args.transport))
+            runs["curve"].append(zmq_mb_s(size, args.mbytes, True, args.transport))
         rows[size] = {k: statistics.median(v) for k, v in runs.items()} | {"runs": runs}
     print(f"median of {args.rounds} alternating rounds, {args.mbytes} MB per ZeroMQ run, "
-          f"malloc {'tuned' if args.heap else 'default'}, load average "
+          f"malloc {'tuned' if args.heap else 'default'}, {args.transport}, load average "
           f"{os.getloadavg()[0]:.1f}\n")
-    print("| frame size | libsodium encrypt | libsodium decrypt | memcpy | ZeroMQ plain TCP "
-          "| ZeroMQ CURVE | CURVE / plain |")
+    print(f"| frame size | libsodium encrypt | libsodium decrypt | memcpy | ZeroMQ plain "
+          f"{args.transport} | ZeroMQ CURVE | CURVE / plain |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for size, r in rows.items():
         print(f"| {size} B | {r['enc']:.0f} MB/s | {r['dec']:.0f} MB/s | {r['copy']:.0f} MB/s "
@@ -228,6 +255,8 @@ def main() -> None:
     out = Path(__file__).parent / "results"
     out.mkdir(exist_ok=True)
     name = "curve_cost_heap.json" if args.heap else "curve_cost.json"
+    if args.transport != "tcp":
+        name = name.replace(".json", f"_{args.transport}.json")
     (out / name).write_text(json.dumps({str(k): v for k, v in rows.items()}, indent=2))
 
 
