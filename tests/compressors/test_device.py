@@ -11,6 +11,8 @@ from __future__ import annotations
 import copy
 import doctest
 import importlib
+import subprocess
+import sys
 import warnings
 
 import numpy as np
@@ -464,3 +466,37 @@ def test_powersgd_syncs_once_per_step(make):
         torch.cuda.set_sync_debug_mode("default")
     syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
     assert len(syncs) <= 1, syncs  # the non-finite check of round 0
+
+
+FIRST_QR_IN_THREADS = """
+import sys, threading, torch
+from bps.compressors import build
+device, errors = sys.argv[1], []
+barrier = threading.Barrier(8)
+def codec_thread():
+    barrier.wait()  # every thread builds and runs its chain at once, as codec threads do
+    try:
+        chain = build({"compressor": "powersgd", "rank": 4, "shape": [64, 32]}, 2048,
+                      device=device)
+        q = chain.compress_round(1, chain.compress(torch.randn(2048, device=device)))
+        assert q.numel() == 32 * 4 * 4, q.numel()
+    except Exception as exc:
+        errors.append(repr(exc))
+threads = [threading.Thread(target=codec_thread) for _ in range(8)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print(errors or "ok")
+"""
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_codec_threads_make_their_first_qr_together():
+    """torch loads its CUDA linalg library on the first linalg call, and two threads making
+    that call at once fail ("lazy wrapper should be called at most once"): a fresh process,
+    so that nothing has loaded it yet."""
+    done = subprocess.run([sys.executable, "-c", FIRST_QR_IN_THREADS, "cuda"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stdout + done.stderr
