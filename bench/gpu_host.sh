@@ -2,7 +2,8 @@
 # Everything that needs a GPU, in one run on a one-GPU host with no network: the `cuda`
 # tests, then bench/gpu_step.py and the throughput benchmarks. Run from the repository
 # root with the wheels it needs in .whl/ (bps's own: `pip wheel --no-deps -w .whl .`;
-# pyzmq and mlxtend for Python 3.12 where the host lacks them):
+# pyzmq 27.3 or later and mlxtend for Python 3.12 where the host lacks them; older pyzmq
+# wheels bundle a libsodium that runs CURVE about 15x slower):
 #
 #     bash bench/gpu_host.sh [all|tests|bench] [OUTDIR]
 #

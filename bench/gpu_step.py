@@ -5,10 +5,12 @@ Usage::
     python bench/gpu_step.py                          # one GPU, 16 cores: under 4 minutes
     python bench/gpu_step.py --device cpu --quick     # tiny sizes on the CPU: a smoke run
     python bench/gpu_step.py --only mlp-onebit,gpt2-onebit --steps 30
+    python bench/gpu_step.py --only mlp-onebit --workers 1   # one node alone on the device
 
 It needs only the installed package (no checkout, no .venv): the cluster is started as
 ``[sys.executable, "-m", "bps.launch.cli", "local", "--workers", "2", "--servers", "2"]``
-(CURVE on, loopback), its 2 worker nodes sharing the device. In one run:
+(CURVE on, loopback), its 2 worker nodes sharing the device (``--workers 1``: one node,
+so no other process's work is time-sliced with it on the GPU). In one run:
 
 * the limits, in this process first: device-to-host copies of 100 MB into pinned and into
   pageable host memory, and per compressor the device compress time of one 25M-element
@@ -320,7 +322,7 @@ def run_cluster(args: argparse.Namespace) -> dict:
     """Start the loopback cluster on this file's child; rank 0's results."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        cmd = [sys.executable, "-m", "bps.launch.cli", "local", "--workers", "2",
+        cmd = [sys.executable, "-m", "bps.launch.cli", "local", "--workers", str(args.workers),
                "--servers", "2", "--", sys.executable, os.path.abspath(__file__), "--child",
                "--out", out, "--device", args.device, "--steps", str(args.steps),
                "--warmup", str(args.warmup), "--only", args.only,
@@ -345,8 +347,10 @@ def host_info(device) -> dict:
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True, cwd=Path(__file__).parent).stdout.strip() or None
+    import zmq
+
     info = {"host": socket.gethostname(), "cpus": os.cpu_count(),
-            "python": platform.python_version(),
+            "python": platform.python_version(), "pyzmq": zmq.__version__,
             "torch": torch.__version__, "device": str(device), "commit": commit,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     if device.type == "cuda":
@@ -407,14 +411,15 @@ def parent(args: argparse.Namespace) -> int:
                        for kind in kinds}
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    phase("through bps: 2 worker nodes, 2 servers, CURVE, loopback")
+    phase(f"through bps: {args.workers} worker node(s), 2 servers, CURVE, loopback")
     report["bps"] = run_cluster(args)
     report["wall_s"] = time.perf_counter() - started
 
     host = report["host"]
     print(f"\n{host.get('gpu', host['device'])}, {host['cpus']} cores, torch {host['torch']}, "
           f"commit {host['commit']}, {host['date']}; medians of {args.steps} steps after "
-          f"{args.warmup}; 2 worker nodes sharing the device, 2 servers, CURVE, loopback")
+          f"{args.warmup}; {args.workers} worker node(s) on the device, 2 servers, CURVE, "
+          f"loopback; pyzmq {host['pyzmq']}")
     copy = report["copy"]
     print(f"device-to-host {sizes['copy_bytes'] / 1e6:.0f} MB: pinned {ms(copy['pinned'])} ms, "
           f"pageable {ms(copy['pageable'])} ms; device compress of "
@@ -440,6 +445,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=None,
                    help="untimed steps first (default 5; 1 with --quick)")
     p.add_argument("--quick", action="store_true", help="tiny models and tensors")
+    p.add_argument("--workers", type=int, default=2,
+                   help="worker nodes sharing the device (default 2)")
     p.add_argument("--only", default=",".join(CONFIGS),
                    help=f"configurations, comma-separated (of {', '.join(CONFIGS)})")
     p.add_argument("--json", default=None, help="default: bench/results/gpu_step-TIME.json")
@@ -458,8 +465,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [name for name in args.only.split(",") if name not in CONFIGS]
     if unknown:
         p.error(f"--only: unknown configuration {unknown[0]!r} (of {', '.join(CONFIGS)})")
-    if args.steps < 1 or args.warmup < 0:
-        p.error("--steps must be >= 1 and --warmup >= 0")
+    if args.steps < 1 or args.warmup < 0 or args.workers < 1:
+        p.error("--steps and --workers must be >= 1 and --warmup >= 0")
     if args.device is None:
         import torch
 
