@@ -5,7 +5,12 @@
 # pyzmq 27.3 or later and mlxtend for Python 3.12 where the host lacks them; older pyzmq
 # wheels bundle a libsodium that runs CURVE about 15x slower):
 #
-#     bash bench/gpu_host.sh [all|tests|bench] [OUTDIR]
+#     bash bench/gpu_host.sh [all|tests|bench|diagnose] [OUTDIR]
+#
+# all: the tests, then the benchmarks (bench/gpu_step.py, then bench/ps_throughput.py
+# --striping --quick). diagnose: what sets the compressed steps, in about 2 minutes:
+# onebit and fp16 raw with one worker node alone on the GPU (no other process
+# time-sliced with it), then onebit with larger partitions (fewer keys, fewer waits).
 #
 # The package is installed from its wheel into a folder of its own, and the tests run
 # from a copy of tests/ and bench/ without the source tree beside them, so what runs is
@@ -25,14 +30,32 @@ mkdir -p "$run"
 cp -r tests bench examples pyproject.toml "$run"/
 cd "$run" || exit 1
 nvidia-smi -L
-python3 -c "import torch, zmq, bps; print('torch', torch.__version__, 'zmq', zmq.zmq_version(),
-    'cuda', torch.cuda.is_available(), torch.cuda.get_device_name(0))"
-if [ "$what" != bench ]; then
-    timeout "${TESTS_TIMEOUT:-200}" python3 -m pytest -q -m cuda -p no:cacheprovider tests 2>&1 \
-        | tee "$out/cuda_tests.log" | tail -40
-fi
-if [ "$what" != tests ]; then
+python3 -c "import torch, zmq, bps; print('torch', torch.__version__, 'pyzmq', zmq.__version__,
+    'libzmq', zmq.zmq_version(), 'cuda', torch.cuda.is_available(), torch.cuda.get_device_name(0))"
+step() {  # a name for the JSON, then gpu_step's arguments; the table rows to stdout
+    local name=$1
+    shift
+    timeout "${STEP_TIMEOUT:-240}" python3 bench/gpu_step.py --json "$out/$name.json" "$@" 2>&1 \
+        | tee "$out/$name.log" | grep "^| \|^NVIDIA\|failed"
+}
+if [ "$what" = all ] || [ "$what" = tests ]; then
+    workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 4")
     # shellcheck disable=SC2086
-    timeout "${STEP_TIMEOUT:-240}" python3 bench/gpu_step.py --json "$out/gpu_step.json" \
-        ${GPU_STEP_ARGS:-} 2>&1 | tee "$out/gpu_step.log"
+    timeout "${TESTS_TIMEOUT:-200}" python3 -m pytest -q -m cuda -p no:cacheprovider $workers \
+        tests 2>&1 | tee "$out/cuda_tests.log" | tail -40
+fi
+if [ "$what" = all ] || [ "$what" = bench ]; then
+    # shellcheck disable=SC2086
+    step gpu_step ${GPU_STEP_ARGS:-}
+    timeout "${STRIPING_TIMEOUT:-150}" python3 bench/ps_throughput.py --striping --quick 2>&1 \
+        | tee "$out/ps_striping.log" | tail -16
+fi
+if [ "$what" = diagnose ]; then
+    # shellcheck disable=SC2086
+    step one-node --only mlp-fp16,mlp-onebit --workers 1 --steps 5 --warmup 2 ${GPU_STEP_ARGS:-}
+    for bytes in 1024000 16384000; do
+        # shellcheck disable=SC2086
+        BYTEPS_PARTITION_BYTES=$bytes step "partitions-$bytes" --only mlp-onebit --steps 5 \
+            --warmup 2 ${GPU_STEP_ARGS:-}
+    done
 fi
