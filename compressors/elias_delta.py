@@ -23,8 +23,16 @@ from .bitstream import byteswap, delta_code, delta_length
 
 
 def delta_bits(value: int) -> int:
-    """The Elias-delta code of ``value`` as a Python int (for building tables)."""
-    return int(delta_code(value)[0])
+    """The Elias-delta code of ``value`` >= 1 as a Python int, for building the tables at
+    import in plain Python (calling ``bitstream.delta_code`` there would load numba's
+    compiled kernels in every process that imports the package): ``b << (b - 1)`` with
+    the low ``b - 1`` bits of ``value``, where ``b = bitlen(value)``.
+
+        >>> format(delta_bits(5), "b"), delta_length(5)   # 0 11 01: b = 3 in 2 bits
+        ('1101', 5)
+    """
+    top = int(value).bit_length() - 1
+    return (top + 1) << top | (int(value) ^ 1 << top)
 
 
 SMALL = 16  # gaps and levels below this encode by one lookup

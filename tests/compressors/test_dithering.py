@@ -75,6 +75,20 @@ def reference_stream(levels: np.ndarray) -> tuple[bytes, int]:
     return bytes(int(padded[j : j + 8], 2) for j in range(0, len(padded), 8)), len(stream)
 
 
+def test_table_codes_built_in_python_match_the_kernel_codes():
+    """The tables are built at import with a plain-Python Elias-delta code; it must equal
+    the kernels' own ``delta_code`` for every value the coder can meet."""
+    from bps.compressors.bitstream import delta_code
+
+    values = list(range(1, 1 << 16)) + [(1 << b) + d for b in range(16, 32) for d in (-1, 0, 1)]
+    drawn = np.random.default_rng(3).integers(1, 1 << 32, 2000)
+    values += [(1 << 32) - 1] + [int(v) for v in drawn]
+    for v in values:
+        code, length = delta_code(v)
+        assert elias_delta.delta_bits(v) == int(code), v
+        assert elias_delta.delta_length(v) == int(length), v
+
+
 def test_window_coder_codes_every_pattern_after_any_gap():
     """Every window of 4 levels the table covers (-3..4 each), each after a gap drawn from
     1..40 (zero windows in between), windows with levels outside it (slow path), windows
