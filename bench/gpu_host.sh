@@ -12,6 +12,9 @@
 # onebit and fp16 raw with one worker node alone on the GPU (no other process
 # time-sliced with it), then onebit with larger partitions (fewer keys, fewer waits).
 #
+# Write the commit beside the wheels (`git rev-parse --short HEAD > .whl/COMMIT`): the copy
+# that reaches a lent host has no .git, and the reports name it from there.
+#
 # The package is installed from its wheel into a folder of its own, and the tests run
 # from a copy of tests/ and bench/ without the source tree beside them, so what runs is
 # what `pip install` gives a user.
@@ -24,6 +27,10 @@ rm -rf "$site"
 python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .whl/*.whl \
     || exit 1
 export PYTHONPATH=$site PATH=$site/bin:$PATH PYTHONUNBUFFERED=1
+if [ -f .whl/COMMIT ]; then
+    BPS_BENCH_COMMIT=$(cat .whl/COMMIT)
+    export BPS_BENCH_COMMIT
+fi
 run=/tmp/bps-run
 rm -rf "$run"
 mkdir -p "$run"

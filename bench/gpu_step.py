@@ -345,8 +345,13 @@ def run_cluster(args: argparse.Namespace) -> dict:
 def host_info(device) -> dict:
     import torch
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, cwd=Path(__file__).parent).stdout.strip() or None
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, cwd=Path(__file__).parent).stdout.strip()
+    except OSError:  # no git on the host
+        commit = ""
+    # a copied tree without .git (a lent GPU host): the commit it was copied from
+    commit = commit or os.environ.get("BPS_BENCH_COMMIT") or None
     import zmq
 
     info = {"host": socket.gethostname(), "cpus": os.cpu_count(),
