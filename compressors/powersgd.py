@@ -36,6 +36,7 @@ Example::
 from __future__ import annotations
 
 import math
+import threading
 from typing import Any, ClassVar
 
 import torch
@@ -64,11 +65,29 @@ def should_compress(n: int, m: int, rank: int, min_rate: float) -> bool:
     return (n + m) * r * min_rate < n * m
 
 
+_linalg_lock = threading.Lock()
+_cuda_linalg_loaded = False
+
+
+def load_cuda_linalg(device: torch.device) -> None:
+    """Make this process's first CUDA linear-algebra call, under a lock. torch loads its
+    CUDA linalg library lazily on that call, and two threads making it at once fail
+    ("lazy wrapper should be called at most once"): a node's codec threads orthogonalise
+    their first Qs together."""
+    global _cuda_linalg_loaded
+    with _linalg_lock:
+        if not _cuda_linalg_loaded:
+            torch.linalg.qr(torch.eye(2, device=device))
+            _cuda_linalg_loaded = True
+
+
 def orthogonalize(matrices: torch.Tensor, epsilon: float = 0.0) -> None:
     """Orthonormalise the columns of each matrix of a (b, n, r) batch in place, with the
     torch ops of PyTorch's PowerSGD hook: Gram-Schmidt for r <= 2, QR above."""
     rank = matrices.shape[2]
     if rank > 2:
+        if matrices.is_cuda and not _cuda_linalg_loaded:
+            load_cuda_linalg(matrices.device)
         q, _ = torch.linalg.qr(matrices)
         matrices.copy_(q)
         return

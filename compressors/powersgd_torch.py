@@ -18,37 +18,11 @@ Example::
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
 from .base import Payload
 from .device import resolve_device, to_device_async
 from .powersgd import PowerSGD
-
-_linalg_lock = threading.Lock()
-_linalg_loaded = False
-
-
-def load_cuda_linalg(device: torch.device) -> bool:
-    """Make this process's first CUDA linear-algebra call on ``device``, under a lock;
-    True where this call made it.
-
-    torch loads its CUDA linalg library lazily, on the first such call, and two threads
-    making that first call at once fail ("lazy wrapper should be called at most once"):
-    the codec threads of a node orthogonalise their first Qs together. Each chain that
-    will call ``torch.linalg.qr`` on a GPU calls this when it is built, so the library
-    is loaded before any chain runs. A no-op on the CPU.
-    """
-    global _linalg_loaded
-    if device.type != "cuda":
-        return False
-    with _linalg_lock:
-        if _linalg_loaded:
-            return False
-        torch.linalg.qr(torch.eye(2, device=device))
-        _linalg_loaded = True
-        return True
 
 
 class PowerSGDTorch(PowerSGD):
@@ -64,8 +38,6 @@ class PowerSGDTorch(PowerSGD):
         self.error = None if self.error is None else self.error.to(self.device)
         self.p = self.p.to(self.device)
         self.q = self.q.to(self.device)
-        if self.rank > 2:  # orthogonalize() takes torch.linalg.qr
-            load_cuda_linalg(self.device)
 
     def random_q(self) -> torch.Tensor:
         """The host's next random Q (same draws), on the device."""

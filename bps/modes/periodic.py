@@ -131,23 +131,67 @@ def outer_update(anchor: torch.Tensor, avg: torch.Tensor, momentum: torch.Tensor
     anchor.sub_(step)
 
 
-def declare_buffer_keys(core: FrontEndCore) -> tuple[list[torch.Tensor], list[tuple[int, int]],
-                                                     list[int], Any]:
-    """The model's floating-point buffers, the float32 partitions of their concatenation,
-    a raw key declared for each, and the node's channel for them (None without any)."""
-    rt = core.runtime
-    buffers = [b for _, b in core.model.named_buffers() if b.dtype.is_floating_point]
-    numel = sum(b.numel() for b in buffers)
-    parts = partition(numel, 4, rt.env.partition_bytes) if numel else []
-    keys = []
-    for offset, length in parts:
-        key = rt.allocate_keys(1)
+@dataclass
+class PendingBuffers:
+    """One push of the buffers: their values at the push (``start``), the node's share
+    being averaged (``mean``: the servers' mean once pulled) and the futures of its keys
+    (local rank 0; empty once pulled)."""
+
+    start: torch.Tensor
+    mean: torch.Tensor
+    futures: list = field(default_factory=list)
+
+
+class BufferAverage:
+    """The mean over every worker of a model's floating-point buffers, in float32 and
+    uncompressed, on raw keys of their own (the partitions of the buffers' concatenation)
+    and a node channel; its push and its pull may be steps apart (streaming syncs)::
+
+        pending = average.push(step)      # this worker's buffers, summed over the node
+        mean = average.mean(pending)      # the servers' mean, on every local rank
+    """
+
+    def __init__(self, core: FrontEndCore) -> None:
+        rt = self.runtime = core.runtime
+        self.tensors = [b for _, b in core.model.named_buffers() if b.dtype.is_floating_point]
+        numel = sum(b.numel() for b in self.tensors)
+        self.parts = partition(numel, 4, rt.env.partition_bytes) if numel else []
+        self.keys = []
+        for offset, length in self.parts:
+            key = rt.allocate_keys(1)
+            if rt.engine is not None:
+                rt.engine.declare(key, length, torch.float32, None,
+                                  name=f"buffers[{offset}:{offset + length}]")
+            self.keys.append(key)
+        self.channel = rt.group.channel(rt.unique_name("buffers")) if numel else None
+
+    def __bool__(self) -> bool:
+        return bool(self.tensors)
+
+    def push(self, step: int) -> PendingBuffers:
+        """Every buffer divided by the workers, summed over the node and pushed raw."""
+        rt = self.runtime
+        start = torch.cat([b.detach().reshape(-1).float() for b in self.tensors])
+        pending = PendingBuffers(start, torch.div(start, rt.size))
+        self.channel.reduce(pending.mean)
         if rt.engine is not None:
-            rt.engine.declare(key, length, torch.float32, None,
-                              name=f"buffers[{offset}:{offset + length}]")
-        keys.append(key)
-    channel = rt.group.channel(rt.unique_name("buffers")) if numel else None
-    return buffers, parts, keys, channel
+            pending.futures = [rt.engine.push_pull(key, pending.mean[o:o + n], step, 0.0)
+                               for key, (o, n) in zip(self.keys, self.parts, strict=True)]
+        return pending
+
+    def pull(self, pending: PendingBuffers) -> None:
+        """The servers' mean into ``pending.mean`` (local rank 0; once)."""
+        timeout = self.runtime.env.timeout * 2
+        for (offset, length), future in zip(self.parts if pending.futures else [],
+                                            pending.futures, strict=True):
+            pending.mean[offset:offset + length].copy_(future.result(timeout=timeout))
+        pending.futures.clear()
+
+    def mean(self, pending: PendingBuffers) -> torch.Tensor:
+        """The servers' mean of ``pending``, pulled and shared with every local rank."""
+        self.pull(pending)
+        self.channel.broadcast(pending.mean)
+        return pending.mean
 
 
 def warn_outer_defaults(core: FrontEndCore, every: int, spec: OuterSpec) -> None:
@@ -181,8 +225,7 @@ class PeriodicAveraging(StepMode):
         self.anchor = {s.name: s.param.detach().reshape(-1).float().clone() for s in slots}
         self.momentum = {name: torch.zeros_like(a) for name, a in self.anchor.items()} \
             if spec.momentum else {}
-        self.buffers, self.buffer_parts, self.buffer_keys, self.buffer_ch = \
-            declare_buffer_keys(core)
+        self.buffers = BufferAverage(core)
 
     def synchronize(self) -> bool:
         raise RuntimeError("synchronize() is not for sync_every > 1: step() syncs the "
@@ -254,20 +297,10 @@ class PeriodicAveraging(StepMode):
         """The mean of every worker's floating-point buffers (float32, uncompressed)."""
         if not self.buffers:
             return
-        rt = self.core.runtime
-        flat = torch.cat([b.detach().reshape(-1).float() for b in self.buffers])
-        flat.div_(rt.size)
-        self.buffer_ch.reduce(flat)
-        if rt.engine is not None:
-            step = self.core.pipeline.wire_step
-            futures = [rt.engine.push_pull(key, flat[o:o + n], step, 0.0)
-                       for key, (o, n) in zip(self.buffer_keys, self.buffer_parts, strict=True)]
-            for (offset, length), future in zip(self.buffer_parts, futures, strict=True):
-                flat[offset:offset + length].copy_(future.result(timeout=rt.env.timeout * 2))
-        self.buffer_ch.broadcast(flat)
+        mean = self.buffers.mean(self.buffers.push(self.core.pipeline.wire_step))
         offset = 0
-        for buffer in self.buffers:
-            buffer.copy_(flat[offset:offset + buffer.numel()].view_as(buffer))
+        for buffer in self.buffers.tensors:
+            buffer.copy_(mean[offset:offset + buffer.numel()].view_as(buffer))
             offset += buffer.numel()
 
     def state_dict(self) -> dict:

@@ -49,8 +49,9 @@ from bps.core.frontend import FrontEndCore
 from bps.core.grad_pipeline import GradPipeline, GradTensor, Skipped
 from bps.modes.base import StepMode
 from bps.modes.periodic import (
+    BufferAverage,
     OuterSpec,
-    declare_buffer_keys,
+    PendingBuffers,
     outer_update,
     warn_outer_defaults,
 )
@@ -147,7 +148,7 @@ class Round:
     lands_at: int
     start: list[torch.Tensor]
     wire: list[torch.Tensor]
-    buffers: tuple[torch.Tensor, torch.Tensor, list] | None = None  # start, mean, futures
+    buffers: PendingBuffers | None = None
     settled: bool = False
     skip: Skipped | None = None
 
@@ -176,8 +177,7 @@ class StreamingAveraging(StepMode):
         self.local = 0  # local steps taken
         self.rounds: list[Round] = []  # in flight, in push order
         self.snapshot = core.stats.snapshot(core.runtime.engine)
-        self.buffers, self.buffer_parts, self.buffer_keys, self.buffer_ch = \
-            declare_buffer_keys(core)
+        self.buffers = BufferAverage(core)
 
     # -- a step ---------------------------------------------------------------------
 
@@ -233,7 +233,7 @@ class StreamingAveraging(StepMode):
                 pipe.push(index, out, out)
         due = Round(fragment, self.local, self.local + self.overlap, start, wire)
         if fragment == len(self.pipes) - 1 and self.buffers:
-            due.buffers = self._push_buffers(pipe.wire_step)
+            due.buffers = self.buffers.push(pipe.wire_step)
         self.rounds.append(due)
         return due
 
@@ -275,43 +275,19 @@ class StreamingAveraging(StepMode):
 
     # -- buffers --------------------------------------------------------------------
 
-    def _push_buffers(self, step: int) -> tuple[torch.Tensor, torch.Tensor, list]:
-        """Every floating-point buffer divided by the workers, summed over the node and
-        pushed raw; returns (the buffers now, the sum's tensor, its futures)."""
-        rt = self.core.runtime
-        start = torch.cat([b.detach().reshape(-1).float() for b in self.buffers])
-        flat = torch.div(start, rt.size)
-        self.buffer_ch.reduce(flat)
-        futures = []
-        if rt.engine is not None:
-            futures = [rt.engine.push_pull(key, flat[o:o + n], step, 0.0)
-                       for key, (o, n) in zip(self.buffer_keys, self.buffer_parts, strict=True)]
-        return start, flat, futures
-
-    def _pull_buffers(self, pushed: tuple[torch.Tensor, torch.Tensor, list]) -> None:
-        """The servers' mean into the sum's tensor (local rank 0; once)."""
-        _, flat, futures = pushed
-        timeout = self.core.runtime.env.timeout * 2
-        for (offset, length), future in zip(self.buffer_parts if futures else [], futures,
-                                                      strict=True):
-            flat[offset:offset + length].copy_(future.result(timeout=timeout))
-        futures.clear()
-
-    def _land_buffers(self, pushed: tuple[torch.Tensor, torch.Tensor, list], applied: bool,
-                      moved: bool) -> None:
-        start, flat, _ = pushed
-        self._pull_buffers(pushed)
-        self.buffer_ch.broadcast(flat)
+    def _land_buffers(self, pushed: PendingBuffers, applied: bool, moved: bool) -> None:
+        """The buffers' mean at the push, plus the local change since where it moved."""
+        mean = self.buffers.mean(pushed)
         if not applied:
             return
         offset = 0
-        for buffer in self.buffers:
+        for buffer in self.buffers.tensors:
             n = buffer.numel()
-            mean = flat[offset:offset + n]
+            value = mean[offset:offset + n]
             if moved:
-                mean = torch.add(mean, torch.sub(buffer.reshape(-1).float(),
-                                                  start[offset:offset + n]))
-            buffer.copy_(mean.view_as(buffer))
+                value = torch.add(value, torch.sub(buffer.reshape(-1).float(),
+                                                   pushed.start[offset:offset + n]))
+            buffer.copy_(value.view_as(buffer))
             offset += n
 
     # -- checkpoints, close -----------------------------------------------------------
@@ -320,7 +296,7 @@ class StreamingAveraging(StepMode):
         for due in self.rounds:  # the rounds change the chains: settle them first
             self._settle(due)
             if due.buffers is not None:
-                self._pull_buffers(due.buffers)
+                self.buffers.pull(due.buffers)
 
     def close(self) -> None:
         """Wait for the rounds in flight (they are not applied) and stop the pipelines."""
@@ -337,7 +313,7 @@ class StreamingAveraging(StepMode):
         rounds = []
         for due in self.rounds:
             buffers = None if due.buffers is None else \
-                (due.buffers[0].clone(), due.buffers[1].clone())
+                (due.buffers.start.clone(), due.buffers.mean.clone())
             rounds.append({"fragment": due.fragment, "pushed_at": due.pushed_at,
                            "lands_at": due.lands_at,
                            "start": [t.clone() for t in due.start],
@@ -373,7 +349,7 @@ class StreamingAveraging(StepMode):
             self.core.load_pipeline_state(pipe, saved)
         for saved in state["rounds"]:
             buffers = None if saved["buffers"] is None else \
-                (saved["buffers"][0].clone(), saved["buffers"][1].clone(), [])
+                PendingBuffers(saved["buffers"][0].clone(), saved["buffers"][1].clone())
             skip = None if saved["skip"] is None else Skipped(**saved["skip"])
             self.rounds.append(Round(saved["fragment"], saved["pushed_at"], saved["lands_at"],
                                      [t.clone() for t in saved["start"]],
