@@ -344,6 +344,7 @@ def run_cluster(args: argparse.Namespace) -> dict:
 
 def host_info(device) -> dict:
     import torch
+    import zmq
 
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
@@ -352,8 +353,6 @@ def host_info(device) -> dict:
         commit = ""
     # a copied tree without .git (a lent GPU host): the commit it was copied from
     commit = commit or os.environ.get("BPS_BENCH_COMMIT") or None
-    import zmq
-
     info = {"host": socket.gethostname(), "cpus": os.cpu_count(),
             "python": platform.python_version(), "pyzmq": zmq.__version__,
             "torch": torch.__version__, "device": str(device), "commit": commit,

@@ -82,16 +82,8 @@ def load(runner, args: argparse.Namespace, rate: str, config) -> dict:
     path = folder(args, rate, config) / f"{stem}.json"
     if not path.exists():
         return {}
-    record = json.loads(path.read_text())
-    known = runner.all_methods()
-    runs = {}
-    for saved in record["runs"]:
-        base = known[saved["method"]]
-        method = runner.Method(saved["method"], saved["label"], base.kind,
-                               tuple(saved["args"]), base.wire, base.hook)
-        runs[saved["method"]] = runner.Run(method, saved["metrics"], saved["netem"],
-                                           saved["run_seconds"], saved["exit_code"])
-    return runs
+    runs = runner.record_runs(json.loads(path.read_text()), runner.parse_args([]))
+    return {run.method.name: run for run in runs}
 
 
 def summarise(args: argparse.Namespace, grid: list[tuple[int, int, int]]) -> str:
