@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from bps.common.auth import AuthError, load_key
 from bps.common.env import ClusterEnv, EnvError, launch_style
 from bps.launch.supervisor import Supervisor, command_problem
-from bps.server.role import EXIT_BAD_ENV, serve, setup_process
+from bps.server.role import EXIT_BAD_ENV, end_process, serve, setup_process
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -84,7 +84,7 @@ def main(args: Sequence[str]) -> int:
             return EXIT_BAD_ENV
     setup_process()
     if env.role != "worker":
-        return serve(env)
+        end_process(serve(env))
     if not args:
         print("bpslaunch: error: DMLC_ROLE=worker needs a command to run", file=sys.stderr)
         return EXIT_BAD_ENV

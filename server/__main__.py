@@ -2,6 +2,6 @@
 
 import sys
 
-from bps.server.role import main
+from bps.server.role import end_process, main
 
-sys.exit(main(sys.argv[1:]))
+end_process(main(sys.argv[1:]))

@@ -106,6 +106,28 @@ def test_a_role_stopped_while_it_exits_ends_without_a_traceback() -> None:
     assert "Traceback" not in result.stderr, result.stderr
 
 
+ROLE_THAT_ENDS = """
+import atexit, logging
+from bps.server.role import end_process, setup_process
+setup_process()
+atexit.register(lambda: print("finalized", flush=True))
+print("buffered line")  # stdout is a pipe here: block-buffered, not yet written
+logging.getLogger("bps.server").info("last log line")
+end_process(7)
+"""
+
+
+def test_a_finished_role_keeps_its_output_and_code_but_skips_finalization() -> None:
+    """A scheduler or server that has finished flushes what it printed and logged and
+    exits with its code, without the interpreter's finalization (atexit included)."""
+    result = subprocess.run([sys.executable, "-c", ROLE_THAT_ENDS],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 7, result.stderr
+    assert result.stdout == "buffered line\n", result.stdout
+    assert "bps.server INFO: last log line" in result.stderr, result.stderr
+    assert "finalized" not in result.stdout
+
+
 def test_new_keys_go_to_the_least_loaded_engine_thread() -> None:
     engines = ["e0", "e1", "e2"]
     pick = _LeastLoaded(engines)
