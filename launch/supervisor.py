@@ -38,6 +38,16 @@ from typing import IO
 JOINED_DIR_VARIABLE = "BPS_JOINED_DIR"
 
 
+def mark_joined(rank: int) -> None:
+    """Leave this worker process's file in ``BPS_JOINED_DIR`` (under ``bpslaunch local``;
+    nothing elsewhere): the launcher then waits for the scheduler and servers to end on
+    their own once the workers have exited, instead of stopping them at once."""
+    joined_dir = os.environ.get(JOINED_DIR_VARIABLE)
+    if joined_dir and os.path.isdir(joined_dir):
+        with open(os.path.join(joined_dir, str(rank)), "w"):
+            pass
+
+
 @dataclass
 class Child:
     name: str

@@ -24,7 +24,7 @@ import threading
 
 from bps.common import trace
 from bps.common.env import ClusterEnv, EnvError, derive_worker_env
-from bps.launch.supervisor import JOINED_DIR_VARIABLE
+from bps.launch.supervisor import mark_joined
 from bps.worker.intranode import LocalGroup
 
 log = logging.getLogger("bps")
@@ -123,10 +123,7 @@ def init() -> Runtime:
             f"BPS_LOCAL_MASTER_PORT (the node-local rendezvous). {LAUNCH_HINT}"
         )
     _runtime = Runtime(env)
-    joined_dir = os.environ.get(JOINED_DIR_VARIABLE)
-    if joined_dir and os.path.isdir(joined_dir):
-        with open(os.path.join(joined_dir, str(_runtime.rank)), "w"):
-            pass
+    mark_joined(_runtime.rank)
     atexit.register(_close_at_exit)
     _watch_exits()
     return _runtime

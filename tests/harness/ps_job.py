@@ -342,9 +342,11 @@ def loop(kill_pid: int, kill_at: int) -> None:
     import signal
 
     from bps.common.env import ClusterEnv
+    from bps.launch.supervisor import mark_joined
     from bps.worker.engine import WorkerEngine
 
     engine = WorkerEngine.connect(ClusterEnv.from_environ())
+    mark_joined(engine.node_id)  # no bps.init() here; see bps.launch.supervisor
     engine.declare(7, 1000, torch.float32, None, name="loop.weight")
     for step in range(10**6):
         if step == kill_at:
@@ -411,12 +413,14 @@ def main() -> None:
 
     from bps.common.env import ClusterEnv
     from bps.common.protocol import RemoteError, torch_dtype
+    from bps.launch.supervisor import mark_joined
     from bps.worker.engine import WorkerEngine
 
     env = ClusterEnv.from_environ()
     if env.local_rank != 0:
         return
     engine = WorkerEngine.connect(env)
+    mark_joined(engine.node_id)  # no bps.init() here; see bps.launch.supervisor
     node = engine.node_id
     keys = KEY_TABLES[args.case]()
     for key, numel, dtype, params in keys:
