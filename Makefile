@@ -12,6 +12,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
 	$(PY) -m pip install -q -e '.[test,demo]'
+	$(PY) -m bps.compressors.warm  # numba's cache, so a job's processes do not compile
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -742,29 +742,20 @@ def warm_kernels(args: argparse.Namespace, methods: list[Method]) -> None:
         return
     import torch
 
-    from bps.compressors import build
+    from bps.compressors.warm import warm_kernels
     job = load_example("mnist_job")
 
-    numel = args.compressed_partition_bytes // 4
-    started = time.monotonic()
+    chains = []
     for method in compressed:
         flags = method.compression_args
         flags = flags[2:] if method.hook else flags  # less --hook bps
         params = {**job.compression_params(job.parse_compression_args(flags)),
                   "seed": args.seed + 1}
-        if params.get("momentum"):  # mu applies to the chain's momentum alone
-            params["mu"] = 0.9
-        if params.get("compressor") == "powersgd":  # torch matrix products: nothing to compile
-            continue
-        worker, server = build(params, numel), build(params, numel, role="server")
-        out, total = torch.empty(numel), torch.zeros(numel)
-        for lr in (0.05, 0.04):  # the second step rescales error feedback's error
-            worker.set_lr(lr)
-            server.set_lr(lr)
-            payload = worker.compress(torch.randn(numel))
-            server.decompress(payload, total)
-            server.decompress_add(payload, total, out)
-            worker.decompress(server.compress(total), out)
+        if params.get("compressor") != "powersgd":  # torch matrix products
+            chains.append(params)
+    started = time.monotonic()
+    warm_kernels(chains, numel=args.compressed_partition_bytes // 4,
+                 dtypes=(torch.float32,))
     print(f"compressors' kernels compiled or loaded from numba's cache in "
           f"{duration(time.monotonic() - started)}", flush=True)
 

@@ -2,6 +2,7 @@
 
 import doctest
 import importlib
+import os
 
 import msgpack
 import numpy as np
@@ -195,7 +196,8 @@ MODULES = ["bps.common.config", "bps.compressors", "bps.compressors.onebit", "bp
            "bps.compressors.dithering_quantiser", "bps.compressors.elias_delta",
            "bps.compressors.error_feedback", "bps.compressors.momentum",
            "bps.compressors.registry", "bps.compressors.wire", "bps.compressors.base",
-           "bps.compressors.sparse", "bps.compressors.bytegrad", "bps.compressors.powersgd"]
+           "bps.compressors.sparse", "bps.compressors.bytegrad", "bps.compressors.powersgd",
+           "bps.compressors.warm"]
 
 
 @pytest.mark.parametrize("module", MODULES)
@@ -219,3 +221,37 @@ def test_function_docstring_examples(name):
         runner.run(test)
     result = runner.summarize(verbose=False)
     assert result.failed == 0 and result.attempted > 0
+
+
+ONE_STEP = """
+import sys, torch
+from bps.compressors import build
+from bps.compressors.warm import warm_kernels
+params = {"compressor": "onebit", "ef": "vanilla", "momentum": "nesterov", "mu": 0.9}
+if sys.argv[1] == "warm":
+    warm_kernels([params], numel=1000, dtypes=(torch.float32,))
+else:  # one step of a job's own chains, as a worker and a server make it
+    worker, server = build(params, 1000), build(params, 1000, role="server")
+    worker.set_lr(0.1)
+    server.set_lr(0.1)
+    worker.decompress(server.compress(server.decompress(worker.compress(torch.ones(1000)))))
+"""
+
+
+def test_a_job_after_warm_kernels_compiles_nothing(tmp_path) -> None:
+    """After ``bps.compressors.warm`` (which ``make setup`` runs) a job's process loads
+    every kernel of its chain's step from numba's cache and compiles none; without it,
+    the same step compiles (the check can fail)."""
+    import subprocess
+    import sys
+
+    def step(mode: str) -> str:
+        env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path), "NUMBA_DEBUG_CACHE": "1"}
+        result = subprocess.run([sys.executable, "-c", ONE_STEP, mode], env=env,
+                                capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert result.returncode == 0, result.stderr
+        return result.stdout + result.stderr
+
+    assert "data saved" in step("warm")  # into the empty cache of this test
+    job = step("job")
+    assert "data loaded" in job and "data saved" not in job, job[-2000:]
