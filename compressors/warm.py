@@ -10,8 +10,8 @@ job's processes load the kernels instead. ``make setup`` runs it once.
 Example::
 
     >>> from bps.compressors.warm import warm_kernels
-    >>> warm_kernels([{"compressor": "onebit", "ef": "vanilla"}], numel=64)  # 2 dtypes
-    2
+    >>> warm_kernels([{"compressor": "onebit", "ef": "vanilla"}], numel=64)  # 3 dtypes
+    3
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ BUILTIN_CHAINS: tuple[dict, ...] = tuple(
         {"compressor": "dithering", "k": 4, "partition": "natural", "normalize": "l2"},
         {"compressor": "bytegrad"},
     ))
-# float16 and bfloat16 partitions go through the float32 kernels
-KERNEL_DTYPES = (torch.float32, torch.float64)
+# bfloat16's bit kernels are float16's (16-bit words)
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.float64)
 
 
 def warm_kernels(chains: Iterable[dict] = BUILTIN_CHAINS, numel: int = 4096,
@@ -58,9 +58,13 @@ def warm_kernels(chains: Iterable[dict] = BUILTIN_CHAINS, numel: int = 4096,
                 worker.set_lr(lr)
                 server.set_lr(lr)
                 payload = worker.compress(torch.randn(numel, dtype=dtype))
-                server.decompress(payload, total)
-                server.decompress_add(payload, total, out)
-                worker.decompress(server.compress(total), out)
+                # a payload from a ZeroMQ frame is read-only: numba compiles that apart
+                for form in (payload, payload.numpy().tobytes()):
+                    server.decompress(form, total)
+                    server.decompress_add(form, total, out)
+                pulled = server.compress(total)
+                for form in (pulled, pulled.numpy().tobytes()):
+                    worker.decompress(form, out)
             ran += 1
     return ran
 
