@@ -37,6 +37,8 @@ from collections.abc import Iterator
 
 import torch
 
+from bps.common.config import COMM_DTYPES
+from bps.compressors.warm import load_soon
 from bps.core import runtime as bps_runtime
 from bps.core.frontend import FrontEndCore, NonFiniteGradientError
 from bps.core.model_sync import ModelMismatchError, broadcast_model, check_same_model
@@ -93,6 +95,9 @@ class DistributedTrainer:
             raise ValueError(f"backward_passes_per_step={backward_passes_per_step!r} is "
                              "invalid: expected an int >= 1")
         core = FrontEndCore(compression_params, optimizer, local_steps=sync_every > 1)
+        if not any(p.is_cuda for p in model.parameters()):
+            # numba starts while the model is checked and broadcast (network waits)
+            load_soon(core.params, getattr(torch, COMM_DTYPES[core.params["comm_dtype"]]))
         self.model, self.optimizer, self.params = model, optimizer, core.params
         core.model, core.passes = model, backward_passes_per_step
         seen, named = set(), []

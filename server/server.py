@@ -95,6 +95,7 @@ from bps.common.striping import (
 )
 from bps.compressors.finite import tensor_finite
 from bps.compressors.threads import chunk_bounds, run_chunks
+from bps.compressors.warm import load_soon
 
 log = logging.getLogger("bps.server")
 refusals = RateLimitedLog(log)
@@ -317,6 +318,7 @@ class _KeyEngine(threading.Thread):
             except (TypeError, ValueError) as exc:
                 raise RequestError(f"key {key} ({name!r}): {exc}") from None
         self.keys[key] = _Key(key, numel, dtype, params, name, header["node"], chain)
+        load_soon(params, dtype)  # numba's start-up, beside the rest of the rendezvous
 
     def _decode(self, state: _Key, payload: list[zmq.Frame], node: int,
                 out: torch.Tensor | None = None, add_to: torch.Tensor | None = None

@@ -55,6 +55,7 @@ from bps.common.config import COMM_DTYPES
 from bps.compressors.device import forced_by_env
 from bps.compressors.finite import FLOAT16_LIMIT, divide_checked, tensor_finite
 from bps.compressors.momentum import nesterov_step_torch
+from bps.compressors.warm import load_soon
 from bps.worker.device_path import record_ready
 from bps.worker.engine import Skipped
 from bps.worker.planning import (
@@ -268,6 +269,8 @@ class GradPipeline:
                 engine.declare(key, plan.numel, plan.dtype, plan.params, name=plan.name,
                                server=server,
                                device=self.device if self.on_device else None)
+                if not self.on_device:  # the first push would wait for numba
+                    load_soon(plan.params, plan.dtype)
             setattr(plan.part, plan.field, key)
         return slots
 

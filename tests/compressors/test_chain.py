@@ -255,3 +255,35 @@ def test_a_job_after_warm_kernels_compiles_nothing(tmp_path) -> None:
     assert "data saved" in step("warm")  # into the empty cache of this test
     job = step("job")
     assert "data loaded" in job and "data saved" not in job, job[-2000:]
+
+
+LOAD_SOON = """
+import torch
+from bps.compressors.finite import divide_finite_inplace, all_finite
+from bps.compressors.onebit import pack_signs, subtract_signs, unpack_signs
+from bps.compressors.warm import load_soon, wait_loaded
+torch.manual_seed(5)
+before = torch.get_rng_state()
+load_soon({"compressor": "onebit", "ef": "vanilla"}, torch.float32)
+load_soon({"compressor": "onebit", "ef": "vanilla"}, torch.float32)  # once per process
+assert wait_loaded(timeout=240)
+assert torch.equal(torch.get_rng_state(), before), "the load drew random numbers"
+print(len(divide_finite_inplace.signatures), len(all_finite.signatures),
+      len(pack_signs.signatures), len(subtract_signs.signatures),
+      len(unpack_signs.signatures))
+"""
+
+
+def test_load_soon_loads_a_chains_kernels_without_touching_the_job() -> None:
+    """``load_soon`` (a trainer's construction, a server's declaration) leaves the
+    kernels of the declared chain and of the inf/NaN checks loaded, read-only payloads
+    included, once per process, and draws nothing from torch's random generator."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", LOAD_SOON], capture_output=True,
+                            text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    # payloads are decoded both as a chain's own (writable) and as a frame's (read-only):
+    # numba keeps a signature for each
+    assert result.stdout.split() == ["1", "1", "1", "2", "2"], result.stdout
