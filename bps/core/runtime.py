@@ -242,6 +242,7 @@ def _watch_exits() -> None:
     def hook(kind, value, traceback) -> None:  # noqa: ANN001 - sys.excepthook's signature
         global _exit_reason
         _exit_reason = f"{kind.__name__}: {value}" if str(value) else kind.__name__
+        _leaving()
         previous(kind, value, traceback)
 
     sys.excepthook = hook
@@ -263,4 +264,15 @@ def _watch_exits() -> None:
 def _on_sigterm(signum: int, frame: object) -> None:
     global _exit_reason
     _exit_reason = "terminated by SIGTERM"
+    _leaving()
     raise SystemExit(128 + signal.SIGTERM)
+
+
+def _leaving() -> None:
+    """The process is on its way out with a failure: from now on a SIGTERM (bpslaunch
+    stopping every process once the failure is known) must not interrupt the report or
+    the exit callbacks with a second traceback. The exit stays bounded: bpslaunch sends
+    SIGKILL after its grace period."""
+    if threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGTERM) is _on_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)

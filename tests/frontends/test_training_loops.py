@@ -308,10 +308,12 @@ def test_second_backward_without_accumulation_keeps_its_error(tmp_path):
 
 def test_optimizer_step_instead_of_trainer_step_is_named(tmp_path):
     """DDP's habit: optimizer.step() where trainer.step() belongs. The second backward()
-    fails saying so, and the process exits with that error alone."""
+    fails saying so, and the process exits with that error alone, also when bpslaunch's
+    SIGTERM (sent to every process once the failure is known) arrives during its exit."""
     script = (
-        "import torch, bps\n"
+        "import atexit, os, signal, torch, bps\n"
         "bps.init()\n"
+        "atexit.register(lambda: os.kill(os.getpid(), signal.SIGTERM))\n"
         "m = torch.nn.Sequential(torch.nn.Linear(300, 64), torch.nn.ReLU(),\n"
         "                        torch.nn.Linear(64, 3))\n"
         "opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)\n"
