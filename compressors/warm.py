@@ -5,7 +5,9 @@ of a job compiles the kernels it needs inside its first steps, each for itself: 
 ``bpslaunch local`` job with two workers and a server compiles the same kernels three
 times over, on cores its training needs. :func:`warm_kernels` runs every call a step
 makes through a throwaway worker chain and server chain of each configuration, so the
-job's processes load the kernels instead. ``make setup`` runs it once.
+job's processes load the kernels instead. ``make setup`` runs it once. Loading from the
+cache still costs a process's first kernel numba's start-up; :func:`load_soon` pays it
+on a thread of its own while a job starts (trainers and servers call it).
 
 Example::
 
