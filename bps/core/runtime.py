@@ -25,6 +25,7 @@ import threading
 from bps.common import trace
 from bps.common.env import ClusterEnv, EnvError, derive_worker_env
 from bps.launch.supervisor import mark_joined
+from bps.server.role import end_process
 from bps.worker.intranode import LocalGroup
 
 log = logging.getLogger("bps")
@@ -225,10 +226,7 @@ def _failure_code() -> int:
 def _exit_now(code: int) -> None:
     """End the process with ``code`` once the services and the output are settled."""
     _wait_services()
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    end_process(code)
 
 
 _exit_wrapper = None  # the sys.exit that remembers its status, once installed
