@@ -45,6 +45,7 @@ from mnist_job import (
     load_mnist,
     lr_schedule,
     make_model,
+    make_optimizer,
     model_inputs,
     model_label,
     steps_per_epoch,
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                                     **buckets)
     label = model_label(args.model, args.hidden, args.layers)
     parameters = sum(p.numel() for p in model.parameters())
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.mu)
+    optimizer = make_optimizer(model, args.lr, args.mu, torch.device("cpu"))
     state = register_hook(model, args.hook, args.powersgd_rank, optimizer, args)
     scheduler = lr_schedule(optimizer, args.lr_schedule,
                             args.epochs * steps_per_epoch(len(y_train), size, args.batch_size))

@@ -44,6 +44,7 @@ from mnist_job import (
     load_mnist,
     lr_schedule,
     make_model,
+    make_optimizer,
     model_inputs,
     model_label,
     steps_per_epoch,
@@ -195,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     model = make_model(args.model, args.hidden, args.layers).to(device)
     label = model_label(args.model, args.hidden, args.layers)
     parameters = sum(p.numel() for p in model.parameters())
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.mu)
+    optimizer = make_optimizer(model, args.lr, args.mu, device)
     trainer = bps.DistributedTrainer(model, optimizer, params,
                                      backward_passes_per_step=args.accumulate,
                                      **overlap_args(args, params))
