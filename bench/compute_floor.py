@@ -23,6 +23,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import queue
 import statistics
 import sys
 import time
@@ -30,6 +31,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "examples"))
+NODE_TIMEOUT_S = 600  # a node that takes longer has hung
 
 
 def train(rank: int, args: argparse.Namespace, barrier, results) -> None:
@@ -52,7 +54,7 @@ def train(rank: int, args: argparse.Namespace, barrier, results) -> None:
     model = make_model(args.model, args.hidden, args.layers)
     optimizer = make_optimizer(model, args.lr, 0.9, torch.device("cpu"))
     generator = torch.Generator().manual_seed(args.seed)
-    barrier.wait(timeout=300)
+    barrier.wait(timeout=NODE_TIMEOUT_S)
     start, tested = time.perf_counter(), 0.0
     for _ in range(args.epochs):
         for batch in epoch_batches(len(y_train), rank, args.nodes, args.batch_size, generator):
@@ -74,15 +76,26 @@ def one_round(args: argparse.Namespace) -> dict:
              for rank in range(args.nodes)]
     for proc in procs:
         proc.start()
+    got: list[tuple[int, float, float]] = []
+    deadline = time.monotonic() + NODE_TIMEOUT_S
     try:
-        got = [results.get(timeout=600) for _ in procs]
+        while len(got) < len(procs):
+            failed = [rank for rank, proc in enumerate(procs) if proc.exitcode]
+            if failed:
+                raise SystemExit(f"node {failed[0]} failed (exit code "
+                                 f"{procs[failed[0]].exitcode})")
+            if time.monotonic() > deadline:
+                raise SystemExit(f"nodes {sorted(set(range(len(procs))) - {r for r, *_ in got})}"
+                                 f" did not finish within {NODE_TIMEOUT_S} s")
+            try:
+                got.append(results.get(timeout=1))
+            except queue.Empty:
+                pass
     finally:
         for proc in procs:
-            proc.join(timeout=60)
+            proc.join(timeout=10)
             if proc.is_alive():
                 proc.kill()
-    if any(proc.exitcode for proc in procs):
-        raise SystemExit(f"a node failed: exit codes {[proc.exitcode for proc in procs]}")
     return {"seconds": max(seconds for _, seconds, _ in got),
             "test_seconds": sum(tested for _, _, tested in got)}
 
