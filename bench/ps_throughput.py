@@ -206,10 +206,14 @@ def run_bps(mbytes: int, steps: int, params: dict | None, tmp: Path, tag: str,
     runs = [json.loads((tmp / f"{tag}{n}.json").read_text()) for n in range(2)]
     step = statistics.median(max(pair) for pair in zip(*(r["times"] for r in runs), strict=True))
     server_threads = re.search(r"(\d+) ZeroMQ I/O thread", proc.stdout + proc.stderr)
+    # each connection's CURVE work runs on one I/O thread: the spread over the server's
+    io_cpu = re.search(r"ZeroMQ I/O threads' CPU seconds: ([\d., ]+)", proc.stdout + proc.stderr)
     return {"step_s": step, "wire_bytes_per_worker": statistics.median(runs[0]["wire"]),
             "connections": runs[0].get("connections"),
             "worker_io_threads": runs[0].get("io_threads"),
-            "server_io_threads": int(server_threads.group(1)) if server_threads else None}
+            "server_io_threads": int(server_threads.group(1)) if server_threads else None,
+            "server_io_cpu_s": [float(v) for v in io_cpu.group(1).split(", ")] if io_cpu
+            else None}
 
 
 def children_cpu() -> float:
@@ -383,18 +387,19 @@ def striping_table(mbytes: int, steps: int, rounds_count: int, tmp: Path,
           f"per step, median of {steps} steps, best of {rounds_count} alternating rounds, "
           f"{time.perf_counter() - began:.0f} s, load average {load[0]:.1f} -> {load[1]:.1f}\n")
     print("| configuration | connections per pair | I/O threads (worker, server) | step (s) "
-          "| push+pull MB/s | / N=1 | / raw plain TCP |")
-    print("|---|---:|---|---:|---:|---:|---:|")
+          "| push+pull MB/s | / N=1 | / raw plain TCP | server I/O threads' CPU (s) |")
+    print("|---|---:|---|---:|---:|---:|---:|---|")
     for secure, how in ((True, "CURVE"), (False, "plain TCP")):
         raw = best[f"raw/{'curve' if secure else 'plain'}/1"]["step_s"]
         print(f"| raw ZeroMQ echo, {how} | 1 | 1, 1 | {raw:.3f} | {moved / raw:.0f} | "
-              f"| {raw_plain / raw:.2f} |")
+              f"| {raw_plain / raw:.2f} | |")
         one = best[f"bps/{'curve' if secure else 'plain'}/1"]["step_s"]
         for n in counts:
             r = best[f"bps/{'curve' if secure else 'plain'}/{n}"]
+            spread = ", ".join(f"{v:.1f}" for v in r.get("server_io_cpu_s") or [])
             print(f"| bps uncompressed, {how} | {n} | {r['worker_io_threads']}, "
                   f"{r['server_io_threads']} | {r['step_s']:.3f} | {moved / r['step_s']:.0f} "
-                  f"| {one / r['step_s']:.2f} | {raw_plain / r['step_s']:.2f} |")
+                  f"| {one / r['step_s']:.2f} | {raw_plain / r['step_s']:.2f} | {spread} |")
     (tmp / "ps_striping.json").write_text(json.dumps(
         {"mbytes": mbytes, "steps": steps, "rounds": rounds_count, "cores": cores,
          "load": load, "runs": runs, "best": best}, indent=2))

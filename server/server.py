@@ -55,6 +55,7 @@ push, so it always arrives before that key's next step can complete.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -695,7 +696,9 @@ class ParameterServer:
             guard.close()
             if self.tracer is not None:
                 self.tracer.save()
-            log.info("server at %s: peak resident memory %.0f MB", address, peak_rss_mb())
+            log.info("server at %s: peak resident memory %.0f MB; ZeroMQ I/O threads' CPU "
+                     "seconds: %s", address, peak_rss_mb(),
+                     ", ".join(f"{s:.2f}" for s in io_thread_cpu_seconds()) or "n/a")
 
     def _loop(self, router: Any, replies: Any, link: SchedulerClient,
               engines: list[_KeyEngine]) -> int:
@@ -815,6 +818,34 @@ def _peer(frame: zmq.Frame) -> str:
         return frame.get("Peer-Address") or "?"
     except zmq.ZMQError:
         return "?"
+
+
+def io_thread_cpu_seconds() -> list[float]:
+    """CPU seconds (user + system) of each of this process's ZeroMQ I/O threads, in
+    thread-id order; empty where /proc is not there. libzmq gives each connection to
+    one I/O thread, which does all of its CURVE work: the spread shows whether the
+    connections shared the threads.
+
+        >>> all(s >= 0 for s in io_thread_cpu_seconds())
+        True
+    """
+    tick = os.sysconf("SC_CLK_TCK")
+    seconds = []
+    try:
+        tasks = sorted(os.listdir("/proc/self/task"), key=int)
+    except OSError:
+        return []
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as comm:
+                if not comm.read().startswith("ZMQbg/IO/"):
+                    continue
+            with open(f"/proc/self/task/{tid}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        seconds.append((int(fields[11]) + int(fields[12])) / tick)
+    return seconds
 
 
 def peak_rss_mb() -> float:
