@@ -158,8 +158,11 @@ def test_io_thread_cpu_seconds_counts_the_threads_that_moved_the_bytes() -> None
         pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)  # its I/O thread starts
         port = pull.bind_to_random_port("tcp://127.0.0.1")
         push.connect(f"tcp://127.0.0.1:{port}")
-        before = io_thread_cpu_seconds()
         chunk = b"\0" * 4_000_000
+        push.send(b"first")  # the I/O thread names itself once it runs: wait for that
+        assert pull.poll(10_000), "no message over loopback within 10 s"
+        pull.recv()
+        before = io_thread_cpu_seconds()
         for _ in range(50):
             push.send(chunk, copy=False)
             assert pull.poll(10_000), "no message over loopback within 10 s"
