@@ -206,7 +206,7 @@ def run_bps(mbytes: int, steps: int, params: dict | None, tmp: Path, tag: str,
     runs = [json.loads((tmp / f"{tag}{n}.json").read_text()) for n in range(2)]
     step = statistics.median(max(pair) for pair in zip(*(r["times"] for r in runs), strict=True))
     server_threads = re.search(r"(\d+) ZeroMQ I/O thread", proc.stdout + proc.stderr)
-    # each connection's CURVE work runs on one I/O thread: the spread over the server's
+    # the server's I/O threads' CPU: each connection's CURVE work runs on one of them
     io_cpu = re.search(r"ZeroMQ I/O threads' CPU seconds: ([\d., ]+)", proc.stdout + proc.stderr)
     return {"step_s": step, "wire_bytes_per_worker": statistics.median(runs[0]["wire"]),
             "connections": runs[0].get("connections"),
