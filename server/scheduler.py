@@ -10,10 +10,10 @@ Usage::
 The scheduler binds a ROUTER at ``DMLC_PS_ROOT_URI:DMLC_PS_ROOT_PORT``. Servers and
 worker nodes (local rank 0 only) say HELLO; once ``DMLC_NUM_WORKER`` workers and
 ``DMLC_NUM_SERVER`` servers are in, everyone gets a WELCOME with the server addresses
-(in server-rank order), the counts and the job seed. If that does not happen within
-``BPS_TIMEOUT`` of the first HELLO, everyone registered gets an error naming who is
-missing. Afterwards every
-node heartbeats; a node silent for ``BPS_HEARTBEAT_TIMEOUT`` is declared dead, everyone
+(in server-rank order), each server's endpoints (one per I/O thread), the counts and
+the job seed. If that does not happen within ``BPS_TIMEOUT`` of the first HELLO,
+everyone registered gets an error naming who is missing. Afterwards every node
+heartbeats; a node silent for ``BPS_HEARTBEAT_TIMEOUT`` is declared dead, everyone
 else gets PEER_DEAD naming it, and the scheduler exits non-zero; so does a node that
 reports FAILED (an exception, a signal, an exit without ``bps.shutdown()``). When every
 worker has said FINALIZE the servers get SHUTDOWN and the scheduler exits 0; workers
@@ -57,6 +57,7 @@ refusals = RateLimitedLog(log)
 # replies queued for one connection that does not read them: beyond this the ROUTER
 # drops them (a node has at most a few requests out: HELLO, heartbeat, barrier, finalize)
 PEER_QUEUE = 1000
+MAX_ENDPOINTS = 64  # a server's endpoints: one per I/O thread (bps.common.striping)
 
 
 @dataclass
@@ -68,6 +69,7 @@ class _Node:
     last_seen: float
     token: bytes = b""
     peer: str = "?"  # the connection's IP address
+    endpoints: list[str] | None = None  # a server's, one per I/O thread; else [addr]
     finalized: bool = False
     step: int = -1  # a worker's highest pushed step (heartbeats, FINALIZE)
     step_since: float = 0.0  # when that step was first reported
@@ -230,10 +232,12 @@ class Scheduler:
                 node.rank = next(free)
         servers.sort(key=lambda n: n.rank)
         addresses = [n.addr for n in servers]
+        endpoints = [n.endpoints or [n.addr] for n in servers]
         tokens = [n.token for n in sorted((n for n in self.nodes.values() if n.role == "worker"),
                                           key=lambda n: n.rank)]
         for node in self.nodes.values():
             self._send(node.identity, Op.WELCOME, node_id=node.rank, servers=addresses,
+                       endpoints=endpoints,
                        num_workers=self.env.num_workers, num_servers=self.env.num_servers,
                        seed=self.seed, members=tokens if node.role == "server" else [])
         log.info("rendezvous complete: servers %s, job seed %d", addresses, self.seed)
@@ -358,13 +362,15 @@ class Scheduler:
                 error = f"BPS_SERVER_ID={rank} out of range for DMLC_NUM_SERVER"
             elif rank >= 0 and any(n.rank == rank for n in servers):
                 error = f"BPS_SERVER_ID={rank} registered twice"
+            error = error or _endpoints_error(header.get("endpoints"))
         else:
             error = f"unknown role {role!r}"
         if error:
             self._refuse(ident, peer, f"HELLO as {role} {worker_id}: {error}")
             return
         self.nodes[ident] = _Node(ident, role, rank, addr, time.monotonic(),
-                                  token=token if role == "worker" else b"", peer=peer)
+                                  token=token if role == "worker" else b"", peer=peer,
+                                  endpoints=header.get("endpoints") if role == "server" else None)
         log.info("registered %s (connection from %s)", self.nodes[ident].label, peer)
 
     def _barrier(self, node: _Node, seq: int) -> None:
@@ -383,6 +389,18 @@ class Scheduler:
             for identity in workers:
                 self._send(identity, Op.RELEASE, seq=seq)
             del self.barrier_waiting[seq]
+
+
+def _endpoints_error(endpoints: Any) -> str | None:
+    """What is wrong with a server HELLO's optional ``endpoints`` (None if nothing)."""
+    if endpoints is None:
+        return None
+    if (not isinstance(endpoints, list) or not 1 <= len(endpoints) <= MAX_ENDPOINTS
+            or not all(isinstance(e, str) and e.startswith("tcp://") and len(e) <= 256
+                       for e in endpoints)):
+        return (f"field 'endpoints' must be a list of 1 to {MAX_ENDPOINTS} tcp:// addresses "
+                "(one per I/O thread)")
+    return None
 
 
 def _peer(frame: zmq.Frame) -> str:

@@ -88,6 +88,7 @@ from bps.common.protocol import (
 from bps.common.ratelimit import RateLimitedLog
 from bps.common.scheduler_client import SchedulerClient, failure_reason
 from bps.common.striping import (
+    bind_per_io_thread,
     core_shares,
     default_connections,
     engine_threads,
@@ -649,14 +650,17 @@ class ParameterServer:
         router.setsockopt(zmq.SNDHWM, PEER_QUEUE)
         router.setsockopt(zmq.RCVHWM, PEER_INBOUND)
         guard.serve(router)
-        port = router.bind_to_random_port(f"tcp://{self.env.node_host}")
-        address = f"tcp://{self.env.node_host}:{port}"
+        # one endpoint per I/O thread: each thread encrypts the connections of its own
+        endpoints = bind_per_io_thread(router, self.env.node_host, self.ctx.get(zmq.IO_THREADS))
+        address = endpoints[0]
         replies = new_socket(self.ctx, zmq.PULL)
         replies.bind(self.replies_address)
-        link = SchedulerClient(self.ctx, self.env, "server", address, key=key)
+        link = SchedulerClient(self.ctx, self.env, "server", address, key=key,
+                               endpoints=endpoints)
         log.info("server listening on %s (%s), waiting for the rendezvous", address,
                  "CURVE" if key is not None else "INSECURE: plain TCP")
-        log.info("server at %s: %d ZeroMQ I/O thread(s)", address, self.ctx.get(zmq.IO_THREADS))
+        log.info("server at %s: %d ZeroMQ I/O thread(s), one endpoint each: ports %s", address,
+                 len(endpoints), ", ".join(e.rsplit(":", 1)[1] for e in endpoints))
         engines: list[_KeyEngine] = []
         try:
             welcome = link.rendezvous()

@@ -63,6 +63,7 @@ from bps.common.env import ClusterEnv
 from bps.common.memory import keep_buffers_in_heap
 from bps.common.protocol import MARKS, ClusterError, Op, dtype_name
 from bps.common.scheduler_client import SchedulerClient
+from bps.common.striping import server_endpoints
 from bps.common.trace import Tracer
 from bps.compressors.base import MultiRound
 from bps.worker.codec_pool import CodecPool
@@ -125,6 +126,7 @@ class WorkerEngine:
         self.num_servers: int = welcome["num_servers"]
         self.job_seed: int = welcome["seed"]
         self.servers: list[str] = list(welcome["servers"])
+        self.endpoints = server_endpoints(welcome, self.servers)
         self.placement = Placement(self.num_servers)
         self._keys: dict[int, KeyInfo] = {}
         # multi-round keys: for each round the raw keys of its pieces
@@ -135,7 +137,8 @@ class WorkerEngine:
         self._stats = {f.name: f.default for f in fields(EngineStats)}
         self._codec = CodecPool(self._add_stats, tracer)
         self._io = IOLoop(env, ctx, link, self.servers, self.node_id, self._keys,
-                          self._add_stats, tracer, self._codec.decompress, key)
+                          self._add_stats, tracer, self._codec.decompress, key,
+                          endpoints=self.endpoints)
 
     @classmethod
     def connect(cls, env: ClusterEnv, ctx: Any = None, tracer: Tracer | None = None

@@ -55,6 +55,7 @@ from bps.common.striping import (
     host_cores,
     io_threads,
     is_loopback,
+    pinned_connection,
 )
 from bps.common.trace import Tracer
 from bps.worker.send_queues import (
@@ -91,7 +92,8 @@ class IOLoop:
                  node_id: int, keys: dict[int, KeyInfo], count: Callable[..., None],
                  tracer: Tracer | None,
                  decode_reply: Callable[[Request, list[zmq.Frame]], None],
-                 key: ClusterKey | None = None) -> None:
+                 key: ClusterKey | None = None,
+                 endpoints: list[list[str]] | None = None) -> None:
         self.env = env
         self.servers = servers
         self.node_id = node_id
@@ -112,13 +114,17 @@ class IOLoop:
         self._watch = HandshakeWatch(env, "worker")
         for server, address in enumerate(servers):
             self._dealers.append([])
+            ends = endpoints[server] if endpoints else [address]
             for stripe in range(self.connections):
                 dealer = new_socket(self._data_ctx, zmq.DEALER)
                 # the token prefix makes this connection this node's on the server
                 dealer.setsockopt(zmq.ROUTING_ID, link.token + b"engine%d" % stripe)
                 connect_as_client(dealer, key)
-                self._watch.add(dealer, f"server {server} ({address})")
-                dealer.connect(address)
+                end, thread = pinned_connection(node_id, server, stripe, self.connections,
+                                                len(ends), self.io_threads)
+                dealer.setsockopt(zmq.AFFINITY, 1 << thread)
+                self._watch.add(dealer, f"server {server} ({ends[end]})")
+                dealer.connect(ends[end])
                 self._dealers[server].append(dealer)
                 self._server_of[dealer] = server
         log.info("node %d: %d connection(s) to each of %d server(s), %d ZeroMQ I/O "

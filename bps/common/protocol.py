@@ -44,13 +44,15 @@ Worker <-> server ops (the reply echoes ``rid``):
 * ``GET_STATE`` key -> ``DATA`` (msgpack of the server chain's state) ; ``SET_STATE``
   key + payload -> ``OK``
 
-Node <-> scheduler ops: ``HELLO`` role worker_id addr token -> ``WELCOME`` (after
-everyone arrived: node_id, servers, num_workers, num_servers, seed, members: the
-servers get the workers' tokens in node order); ``HEARTBEAT`` both ways (a worker's
-carries ``step``, the highest step it pushed); ``BARRIER`` seq step -> ``RELEASE``;
-``FINALIZE`` step -> ``BYE``; ``FAILED`` msg (a node gives up: an exception, a signal,
-an exit without ``bps.shutdown()``); scheduler -> servers ``SHUTDOWN``; scheduler ->
-everyone ``PEER_DEAD`` (msg names the dead or failed process) and ``ERROR``.
+Node <-> scheduler ops: ``HELLO`` role worker_id addr token (a server's also
+``endpoints``: its addresses, one per ZeroMQ I/O thread) -> ``WELCOME`` (after
+everyone arrived: node_id, servers, endpoints (per server), num_workers, num_servers,
+seed, members: the servers get the workers' tokens in node order); ``HEARTBEAT``
+both ways (a worker's carries ``step``, the highest step it pushed); ``BARRIER`` seq
+step -> ``RELEASE``; ``FINALIZE`` step -> ``BYE``; ``FAILED`` msg (a node gives up: an
+exception, a signal, an exit without ``bps.shutdown()``); scheduler -> servers
+``SHUTDOWN``; scheduler -> everyone ``PEER_DEAD`` (msg names the dead or failed
+process) and ``ERROR``.
 
 A worker's token (16 random bytes, first byte non-zero) is the prefix of the ZeroMQ
 routing id of every connection it opens to a server: a server takes a request from a

@@ -79,10 +79,11 @@ class SchedulerClient:
     """
 
     def __init__(self, ctx: Any, env: ClusterEnv, role: str, addr: str = "",
-                 key: ClusterKey | None = None) -> None:
+                 key: ClusterKey | None = None, endpoints: list[str] | None = None) -> None:
         self.env = env
         self.role = role
         self.addr = addr
+        self.endpoints = endpoints  # a server's: one per I/O thread (bps.common.striping)
         self.token = new_token()  # this node's connections to servers carry it
         self.sock = new_socket(ctx, zmq.DEALER)
         connect_as_client(self.sock, key)
@@ -105,8 +106,9 @@ class SchedulerClient:
         scheduler that starts late is waited for up to ``BPS_TIMEOUT``; the heartbeat
         rule applies once it has answered."""
         worker_id = self.env.worker_id if self.role == "worker" else self.env.server_id
+        extra = {"endpoints": self.endpoints} if self.endpoints else {}
         self.send(Op.HELLO, role=self.role, worker_id=worker_id, addr=self.addr,
-                  token=self.token)
+                  token=self.token, **extra)
         # the scheduler's own rendezvous timeout (which names who is missing) comes first
         deadline = time.monotonic() + self.env.timeout + self.env.heartbeat_timeout
         self.last_seen = time.monotonic()

@@ -22,12 +22,27 @@ shares its host only with the servers at its own address, and a server takes the
     >>> stripes = Stripes(servers=1, connections=2)
     >>> [stripes.of(0, key, nbytes) for key, nbytes in [(0, 400), (1, 100), (2, 100)]]
     [0, 1, 1]
+
+Which I/O thread serves a connection is fixed, not left to libzmq. Left to itself,
+libzmq gives a new connection to the thread with the fewest registered sockets, and
+counts a connection only once that thread has taken it: connections that arrive
+together all go to one thread, which then encrypts for all of them while the others
+idle. So a server binds one endpoint per I/O thread, each listener pinned to its thread
+with ``ZMQ_AFFINITY`` (:func:`bind_per_io_thread`), and each worker pins every
+connection to one of its own threads and connects it to one of those endpoints
+(:func:`pinned_connection`), so that the job's connections are dealt evenly over both
+sides' threads::
+
+    >>> [pinned_connection(node, 0, stripe, connections=2, endpoints=4, threads=2)
+    ...  for node in (0, 1) for stripe in (0, 1)]
+    [(0, 0), (1, 1), (2, 0), (3, 1)]
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import Any
 from urllib.parse import urlsplit
 
 MAX_CONNECTIONS = 8  # per worker-server pair, by default: more gains little (docs/benchmarks.md)
@@ -93,6 +108,55 @@ class Stripes:
             stripe = self.stripe[key] = min(range(self.connections), key=lambda c: (loads[c], c))
             loads[stripe] += nbytes
         return stripe
+
+
+def bind_per_io_thread(sock: Any, host: str, threads: int) -> list[str]:
+    """Bind ``sock`` (a ZeroMQ socket, its security set) to one random TCP port on
+    ``host`` per I/O thread of its context: the connections that listener ``t`` accepts
+    run on I/O thread ``t`` (``ZMQ_AFFINITY``, which a listener keeps from its bind).
+    Returns the endpoints, in thread order."""
+    import zmq  # lazily, as the rest of this module needs none of it
+
+    endpoints = []
+    for thread in range(max(1, threads)):
+        sock.setsockopt(zmq.AFFINITY, 1 << (thread % MAX_IO_THREADS))
+        port = sock.bind_to_random_port(f"tcp://{host}")
+        endpoints.append(f"tcp://{host}:{port}")
+    sock.setsockopt(zmq.AFFINITY, 0)  # later connections: any thread, as before
+    return endpoints
+
+
+def pinned_connection(node: int, server: int, stripe: int, connections: int, endpoints: int,
+                      threads: int) -> tuple[int, int]:
+    """(the server endpoint, the worker's own I/O thread) of connection ``stripe`` of
+    worker ``node`` to ``server``, which has ``endpoints`` endpoints; the worker has
+    ``threads`` I/O threads and ``connections`` connections to each server. The workers'
+    connections to a server are dealt over its endpoints in node order, and a worker's
+    connections over its threads in (server, stripe) order."""
+    return ((node * connections + stripe) % max(1, endpoints),
+            (server * connections + stripe) % max(1, threads))
+
+
+def server_endpoints(welcome: dict, servers: list[str]) -> list[list[str]]:
+    """Each server's endpoints from a WELCOME (its address alone where the scheduler sent
+    none); raises ClusterError for a malformed field.
+
+        >>> server_endpoints({"endpoints": [["tcp://h:1", "tcp://h:2"]]}, ["tcp://h:1"])
+        [['tcp://h:1', 'tcp://h:2']]
+        >>> server_endpoints({}, ["tcp://h:1"])
+        [['tcp://h:1']]
+    """
+    from bps.common.protocol import ClusterError  # lazily: msgpack is not needed above
+
+    endpoints = welcome.get("endpoints")
+    if endpoints is None:
+        return [[address] for address in servers]
+    if (not isinstance(endpoints, list) or len(endpoints) != len(servers)
+            or not all(isinstance(ends, list) and ends and all(isinstance(e, str) for e in ends)
+                       for ends in endpoints)):
+        raise ClusterError(f"WELCOME: field 'endpoints' must list each of the {len(servers)} "
+                           "servers' addresses")
+    return endpoints
 
 
 def engine_threads(cores: int, servers: Sequence[str], address: str) -> int:

@@ -22,6 +22,7 @@ from bps.common.env import ClusterEnv, EnvError
 from bps.common.protocol import (
     MIN_FRAME_BYTES,
     PROTOCOL_VERSION,
+    ClusterError,
     Op,
     ProtocolError,
     check_payload,
@@ -39,6 +40,8 @@ from bps.common.striping import (
     engine_threads,
     host_cores,
     io_threads,
+    pinned_connection,
+    server_endpoints,
 )
 from bps.server.server import KEY_COST, MAX_NUMEL, _LeastLoaded
 from bps.worker.partition import Placement, partition, plan_servers
@@ -203,6 +206,23 @@ def test_striping_defaults_follow_the_host() -> None:
     assert default_connections(32, servers=4) == MAX_CONNECTIONS
     assert default_connections(16, servers=4) == 4  # cores over servers
     assert io_threads(16, connections=2) == 2  # no thread without a connection to serve
+
+
+def test_pinned_connections_deal_the_jobs_connections_over_both_sides_threads() -> None:
+    # 16 cores, 2 workers x 4 connections, a server with 8 I/O threads (8 endpoints):
+    # every server thread gets one connection, every worker thread one per server
+    servers, connections, endpoints, threads = 2, 4, 8, 4
+    for server in range(servers):
+        ends = [pinned_connection(node, server, stripe, connections, endpoints, threads)[0]
+                for node in range(2) for stripe in range(connections)]
+        assert sorted(ends) == list(range(endpoints))
+    for node in range(2):
+        mine = [pinned_connection(node, server, stripe, connections, endpoints, threads)[1]
+                for server in range(servers) for stripe in range(connections)]
+        assert [mine.count(t) for t in range(threads)] == [servers] * threads
+    # more connections than endpoints: dealt round them, as evenly as they go
+    ends = [pinned_connection(node, 0, 0, 1, 2, 1)[0] for node in range(5)]
+    assert [ends.count(e) for e in range(2)] == [3, 2]
 
 
 def test_stripes_keep_a_key_on_one_connection_and_balance_bytes() -> None:
@@ -547,6 +567,68 @@ def test_scheduler_sends_its_last_messages_before_it_returns(cluster_key: str) -
         worker.close(linger=0)
         server.close(linger=0)
         ctx.term()
+
+
+def test_the_welcome_carries_each_servers_endpoints(cluster_key: str) -> None:
+    """A server's HELLO lists its endpoints (one per I/O thread); the WELCOME hands them
+    to the workers in server order. Malformed lists are refused, naming the field."""
+    import threading
+
+    import zmq
+
+    from bps.common.auth import load_key
+    from bps.common.scheduler_client import SchedulerClient
+    from bps.launch.role import free_port
+    from bps.server.scheduler import Scheduler
+
+    env = ClusterEnv.from_environ({**BASE, "DMLC_ROLE": "scheduler", "DMLC_NUM_WORKER": "1",
+                                   "DMLC_NUM_SERVER": "1", "DMLC_WORKER_ID": "0",
+                                   "DMLC_PS_ROOT_URI": "127.0.0.1",
+                                   "DMLC_PS_ROOT_PORT": str(free_port()),
+                                   "BPS_SECRET_FILE": cluster_key})
+    scheduler = Scheduler(env)
+    thread = threading.Thread(target=scheduler.run, daemon=True)
+    thread.start()
+    ctx = zmq.Context()
+    clients = [SchedulerClient(ctx, env, role, addr, key=load_key(env))
+               for role, addr in (("worker", ""), ("server", "tcp://127.0.0.1:1"))]
+    worker, server = clients
+
+    def answer(client: SchedulerClient) -> dict:
+        assert client.sock.poll(10_000), f"{client.role}: nothing from the scheduler in 10 s"
+        return decode(client.sock.recv())
+
+    try:
+        for bad in ([], "tcp://127.0.0.1:1", [7], ["udp://127.0.0.1:1"],
+                    ["tcp://127.0.0.1:1"] * 65):
+            server.send(Op.HELLO, role="server", worker_id=-1, addr=server.addr, token=b"",
+                        endpoints=bad)
+            refusal = answer(server)
+            assert refusal["op"] == Op.ERROR and "field 'endpoints'" in refusal["msg"], bad
+        ends = ["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"]
+        server.send(Op.HELLO, role="server", worker_id=-1, addr=server.addr, token=b"",
+                    endpoints=ends)
+        worker.send(Op.HELLO, role="worker", worker_id=0, addr="", token=worker.token)
+        welcome = answer(worker)
+        assert welcome["op"] == Op.WELCOME and welcome["endpoints"] == [ends]
+        assert server_endpoints(welcome, welcome["servers"]) == [ends]
+        assert answer(server)["op"] == Op.WELCOME
+        worker.send(Op.FINALIZE, step=-1)
+        thread.join(timeout=10)
+        assert not thread.is_alive()
+    finally:
+        for client in clients:
+            client.close(linger=0)
+        ctx.term()
+
+
+def test_a_welcome_without_endpoints_means_each_servers_address() -> None:
+    servers = ["tcp://10.0.0.1:5", "tcp://10.0.0.2:5"]
+    assert server_endpoints({}, servers) == [[servers[0]], [servers[1]]]
+    for bad in ([["tcp://10.0.0.1:5"]], [["tcp://10.0.0.1:5"], []], "x",
+                [["tcp://10.0.0.1:5"], [3]]):
+        with pytest.raises(ClusterError, match="field 'endpoints'"):
+            server_endpoints({"endpoints": bad}, servers)
 
 
 def test_scheduler_port_in_use_is_a_clear_error(caplog, cluster_key: str) -> None:

@@ -355,6 +355,28 @@ def loop(kill_pid: int, kill_at: int) -> None:
         engine.push_pull(7, torch.ones(1000), step, 0.1).result()
 
 
+def bulk(steps: int, keys: int = 12, numel: int = 1_000_000) -> None:
+    """Push and pull ``keys`` raw float32 keys of ``numel`` elements for ``steps`` steps
+    (48 MB a step by default), each node's tensor all ``node + 1``: the sum is checked."""
+    from bps.common.env import ClusterEnv
+    from bps.launch.supervisor import mark_joined
+    from bps.worker.engine import WorkerEngine
+
+    engine = WorkerEngine.connect(ClusterEnv.from_environ())
+    mark_joined(engine.node_id)  # no bps.init() here; see bps.launch.supervisor
+    for key in range(keys):
+        engine.declare(key, numel, torch.float32, None, name=f"bulk.{key}")
+    tensor = torch.full((numel,), float(engine.node_id + 1))
+    expected = engine.num_workers * (engine.num_workers + 1) / 2
+    for step in range(steps):
+        futures = [engine.push_pull(key, tensor, step, 0.1) for key in range(keys)]
+        for key, future in enumerate(futures):
+            total = future.result()
+            assert bool((total == expected).all()), f"key {key} step {step}: wrong sum"
+    engine.barrier()
+    engine.close()
+
+
 def train(fail_node: int, how: str, at: int) -> None:
     """A small DistributedTrainer job (bps.init) that runs until something fails; worker
     ``fail_node`` ends at step ``at`` as ``how`` says: ``raise`` (an exception), ``exit``
@@ -394,7 +416,7 @@ def train(fail_node: int, how: str, at: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--case", choices=sorted(KEY_TABLES) + ["loop", "train"],
+    parser.add_argument("--case", choices=sorted(KEY_TABLES) + ["loop", "train", "bulk"],
                         default="raw")
     parser.add_argument("--fail", nargs=3, metavar=("NODE", "HOW", "STEP"),
                         help="train: worker NODE ends at STEP as HOW says (see train())")
@@ -409,6 +431,9 @@ def main() -> None:
         return
     if args.case == "train":
         train(int(args.fail[0]), args.fail[1], int(args.fail[2]))
+        return
+    if args.case == "bulk":
+        bulk(steps=4)
         return
 
     from bps.common.env import ClusterEnv

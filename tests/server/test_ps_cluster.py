@@ -3,6 +3,7 @@ and partitions, several steps, checked against independent numpy references."""
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -108,6 +109,25 @@ def test_keys_are_spread_over_each_servers_connections(raw_run: list[dict]) -> N
         used = {stripes[0][key] for key, *_ in raw_keys()
                 if raw_run[0]["placement"][key] == server}
         assert used == {0, 1, 2}, (server, stripes[0])
+
+
+def test_each_server_io_thread_encrypts_its_own_connections(tmp_path: Path) -> None:
+    """2 workers, 1 connection each, a server with 2 I/O threads, CURVE: each of the
+    server's threads does a fair share of the cipher work. Left to libzmq, connections
+    that arrive together both go to one thread (half of the runs, measured), and the
+    other idles; bound per thread, each thread serves one connection."""
+    env = {key: value for key, value in TEST_ENV.items() if key != "BYTEPS_PARTITION_BYTES"}
+    code, output = run_command(
+        BPSLAUNCH + ["local", "--workers", "2", "--servers", "1", "--", sys.executable, JOB,
+                     "--out", str(tmp_path), "--case", "bulk"],
+        {**env, "BPS_INSECURE": "0", "BPS_IO_THREADS": "2",
+         "BPS_CONNECTIONS_PER_SERVER": "1"}, timeout=120)
+    assert code == 0, output
+    found = re.search(r"ZeroMQ I/O threads' CPU seconds: ([\d.]+), ([\d.]+)", output)
+    assert found, output
+    first, second = float(found[1]), float(found[2])
+    assert first + second >= 0.1, output  # 2 x 4 steps x 48 MB each way went through them
+    assert min(first, second) >= 0.25 * (first + second), (first, second)
 
 
 def test_malformed_messages_get_errors_and_server_keeps_serving(raw_run: list[dict]) -> None:
