@@ -64,15 +64,16 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
         trainer.load_state_dict(checkpoint["trainer"])
     goal = {name: torch.from_numpy(t) for name, t in targets(rank, shapes).items()}
     report = {"bytes": [], "applied": [], "refused": []}
-    try:  # neither mode has a step for synchronize() to wait for, nor runs join()
-        trainer.synchronize()
-    except RuntimeError as exc:
-        report["refused"].append(str(exc))
-    try:
-        with trainer.join():
-            pass
-    except NotImplementedError as exc:
-        report["refused"].append(str(exc))
+    if run["mode"]:  # the synchronous trainer (PLAIN) has both
+        try:  # neither mode has a step for synchronize() to wait for, nor runs join()
+            trainer.synchronize()
+        except RuntimeError as exc:
+            report["refused"].append(str(exc))
+        try:
+            with trainer.join():
+                pass
+        except NotImplementedError as exc:
+            report["refused"].append(str(exc))
     for step in range(start, run.get("stop", len(LRS))):
         for group in optimizer.param_groups:
             group["lr"] = LRS[step]
@@ -404,6 +405,12 @@ STALE = {
 }
 
 
+# the synchronous trainer resumed from a checkpoint: randomk's worker and server chains
+# carry error, momentum and RNG state
+PLAIN = {"tag": "plain-randomk", "params": {**SIM_CASES["randomk"], **EF, **CHAIN_MOMENTUM},
+         "mode": {}}
+
+
 def overlap_runs() -> list[dict]:
     return [{"tag": f"periodic-{name}", "params": params,
              "mode": {"sync_every": every, "outer": outer}}
@@ -425,10 +432,10 @@ def test_overlap_modes_match_simulation_and_resume_exactly(tmp_path):
     # staleness=1 step 3's aggregate is in flight, and so is a fragment streamed with
     # an overlap
     resume = [{**run, "tag": f"{run['tag']}-resume", "save_at": 4}
-              for run in overlap_runs() if run["tag"] in (
+              for run in overlap_runs() + [PLAIN] if run["tag"] in (
                   "periodic-onebit", "periodic-randomk", "stale-randomk", "stale-onebit",
-                  "stream-onebit", "stream-topk")]
-    result = launch({"runs": resume + overlap_runs()}, whole)
+                  "stream-onebit", "stream-topk", PLAIN["tag"])]
+    result = launch({"runs": resume + overlap_runs() + [PLAIN]}, whole)
     assert result.returncode == 0, result.stdout[-3000:]
     for r in range(NODES):
         for run in resume:
@@ -479,6 +486,13 @@ def test_overlap_modes_match_simulation_and_resume_exactly(tmp_path):
                 "tag"].removesuffix("-resume"), r)
             for n in final:
                 np.testing.assert_array_equal(final[n], whole_run[n], err_msg=run["tag"])
+    # the synchronous trainer, too (and its checkpoint did not disturb its own run)
+    assert not np.array_equal(load_params(whole, PLAIN["tag"], 0)["big"],
+                              initial_params(0, SHAPES)["big"])
+    for r in range(NODES):
+        checkpointed = load_params(whole, f"{PLAIN['tag']}-resume", r)
+        for n, value in load_params(whole, PLAIN["tag"], r).items():
+            np.testing.assert_array_equal(checkpointed[n], value, err_msg=n)
 
 
 def test_bad_overlap_arguments_fail_in_the_constructor_naming_them():

@@ -253,15 +253,16 @@ def simulate(params: dict | None, nodes: int, lrs: list[float], passes: int = 1,
 COMMON = {"ef": "vanilla", "momentum": "nesterov", "fp16": False, "min_compress_bytes": 1000}
 
 
-def test_accumulation_equals_summed_microbatches(tmp_path):
-    runs = [{"tag": "onebit", "params": {**SIM_CASES["onebit"], **COMMON}, "passes": 3},
-            {"tag": "raw", "params": {"fp16": False}, "passes": 3}]
-    result = launch({"runs": runs, "lrs": SIM_LRS, "stop": len(SIM_LRS)}, tmp_path,
-                    workers=3, servers=2)
-    assert result.returncode == 0, result.stdout[-3000:]
+ACCUMULATION_RUNS = [
+    {"tag": "acc-onebit", "params": {**SIM_CASES["onebit"], **COMMON}, "passes": 3},
+    {"tag": "acc-raw", "params": {"fp16": False}, "passes": 3}]
+
+
+def test_accumulation_equals_summed_microbatches(three_nodes):
+    tmp_path, _ = three_nodes
     reports = load_reports(tmp_path, 3)
-    for run in runs:
-        expected = simulate(run["params"] if run["tag"] != "raw" else None, 3, SIM_LRS,
+    for run in ACCUMULATION_RUNS:
+        expected = simulate(run["params"] if run["tag"] != "acc-raw" else None, 3, SIM_LRS,
                             passes=3)
         for rank in range(3):
             final = load_state(tmp_path, run["tag"], rank)["params"]
@@ -382,12 +383,9 @@ NONFINITE_CASES = {
 }
 
 
-@pytest.mark.parametrize("env", [pytest.param(None, id="host"),
-                                 pytest.param({"BPS_DEVICE_KERNELS": "1"}, id="device-forced")])
-def test_nonfinite_step_leaves_no_trace_anywhere(tmp_path, env):
-    # Per compressor and policy, a run where rank 1's gradient has an inf at step 2
-    # against a run that never takes step 2: every parameter, optimizer buffer, local
-    # momentum and worker and server chain state (error, momentum, RNG) is bit-identical.
+def nonfinite_runs() -> list[dict]:
+    """Per compressor and policy, a run where rank 1's gradient has an inf at step 2,
+    and a run that never takes step 2 (``-ref``)."""
     runs = []
     for name, params in NONFINITE_CASES.items():
         runs.append({"tag": f"{name}-ref", "params": params, "skip_steps": [INJECT_STEP]})
@@ -410,11 +408,29 @@ def test_nonfinite_step_leaves_no_trace_anywhere(tmp_path, env):
         runs.append({"tag": f"{name}-scaler", "params": params, **grows, "inject": True})
         runs.append({"tag": f"{name}-unscaled-ref", "params": params,
                      "skip_steps": [INJECT_STEP]})
-    result = launch({"runs": runs, "lrs": SIM_LRS, "stop": len(SIM_LRS)}, tmp_path,
-                    workers=3, servers=2, env=env)
+    return runs
+
+
+@pytest.fixture(scope="module", params=[
+    pytest.param(None, id="host"), pytest.param({"BPS_DEVICE_KERNELS": "1"}, id="device-forced")])
+def three_nodes(request, tmp_path_factory) -> tuple[Path, str]:
+    """One launch per path (3 nodes, 2 servers) of the non-finite runs, then the
+    accumulation runs (after them: the keys of the runs before keep their numbers);
+    the run directory and the job's output."""
+    tmp_path = tmp_path_factory.mktemp("loops")
+    result = launch({"runs": nonfinite_runs() + ACCUMULATION_RUNS, "lrs": SIM_LRS,
+                     "stop": len(SIM_LRS)}, tmp_path, workers=3, servers=2, env=request.param)
     assert result.returncode == 0, result.stdout[-3000:]
+    return tmp_path, result.stdout
+
+
+def test_nonfinite_step_leaves_no_trace_anywhere(three_nodes):
+    # every parameter, optimizer buffer, local momentum and worker and server chain
+    # state (error, momentum, RNG) of a run that skipped the inf's step is bit-identical
+    # to that of a run that never took it
+    tmp_path, output = three_nodes
     reports = load_reports(tmp_path, 3)
-    for run in runs:
+    for run in nonfinite_runs():
         tag = run["tag"]
         if tag.endswith("-ref"):
             continue
@@ -444,21 +460,42 @@ def test_nonfinite_step_leaves_no_trace_anywhere(tmp_path, env):
                 assert f"step {INJECT_STEP}" in message, message
             else:
                 assert report["errors"] == [], (tag, report["errors"])
-    assert "skipped" in result.stdout  # the skip policy's warning
+    assert "skipped" in output  # the skip policy's warning
 
 
-def test_nonfinite_on_one_local_rank_skips_the_step_on_every_rank(tmp_path):
-    # 2 nodes x 2 local ranks: an inf on rank 3 (node 1's second local rank) reaches the
-    # node's sum; its root marks it, and all 4 ranks skip the step and end as a run
-    # without it
+def local_rank_runs() -> list[dict]:
     runs = []
     for name in ("none", "onebit"):
         params = {**NONFINITE_CASES[name], "nonfinite": "skip"}
         runs += [{"tag": f"{name}-ref", "params": params, "skip_steps": [INJECT_STEP]},
                  {"tag": name, "params": params, "inject": True, "inject_rank": 3}]
-    result = launch({"runs": runs, "lrs": SIM_LRS, "stop": len(SIM_LRS)}, tmp_path,
-                    workers=2, servers=2, local_size=2)
+    return runs
+
+
+# 2 nodes x 2 local ranks with 2, 5, 3 and 4 batches in the join runs
+JOIN_LENGTHS = [2, 5, 3, 4]
+JOIN_RUNS = [{"tag": "join-onebit", "params": {**SIM_CASES["onebit"], **COMMON}, "join": True,
+              "steps_per_rank": JOIN_LENGTHS},
+             {"tag": "join-raw", "params": {"fp16": False}, "join": True,
+              "steps_per_rank": JOIN_LENGTHS}]
+
+
+@pytest.fixture(scope="module")
+def local_ranks(tmp_path_factory) -> Path:
+    """One launch (2 nodes x 2 local ranks, 2 servers) of the local-rank non-finite runs,
+    then the join runs."""
+    tmp_path = tmp_path_factory.mktemp("local_ranks")
+    result = launch({"runs": local_rank_runs() + JOIN_RUNS, "lrs": SIM_LRS,
+                     "stop": len(SIM_LRS)}, tmp_path, workers=2, servers=2, local_size=2,
+                    timeout=150)
     assert result.returncode == 0, result.stdout[-3000:]
+    return tmp_path
+
+
+def test_nonfinite_on_one_local_rank_skips_the_step_on_every_rank(local_ranks):
+    # an inf on rank 3 (node 1's second local rank) reaches the node's sum; its root
+    # marks it, and all 4 ranks skip the step and end as a run without it
+    tmp_path = local_ranks
     reports = load_reports(tmp_path, 4)
     for name in ("none", "onebit"):
         for rank in range(4):
@@ -492,22 +529,15 @@ def test_join_with_unequal_shards(tmp_path):
             assert final["trainer"]["step"] == max(lengths)
 
 
-def test_join_with_several_local_ranks(tmp_path):
-    # 2 nodes x 2 local ranks with 2, 5, 3 and 4 batches: a joined rank adds zeros to its
-    # node's sum, a node whose ranks have all joined pushes nothing, and the last step's
-    # only rank with data is local rank 1 of node 0, whose model every rank ends with
-    lengths = [2, 5, 3, 4]
-    runs = [{"tag": "onebit", "params": {**SIM_CASES["onebit"], **COMMON}, "join": True,
-             "steps_per_rank": lengths},
-            {"tag": "raw", "params": {"fp16": False}, "join": True, "steps_per_rank": lengths}]
-    result = launch({"runs": runs, "lrs": SIM_LRS, "stop": len(SIM_LRS)}, tmp_path,
-                    workers=2, servers=2, local_size=2, timeout=150)
-    assert result.returncode == 0, result.stdout[-3000:]
-    for run in runs:
-        expected = simulate(run["params"] if run["tag"] != "raw" else None, 2, SIM_LRS,
-                            steps_per_rank=lengths, local_size=2)
+def test_join_with_several_local_ranks(local_ranks):
+    # a joined rank adds zeros to its node's sum, a node whose ranks have all joined
+    # pushes nothing, and the last step's only rank with data is local rank 1 of node 0,
+    # whose model every rank ends with
+    for run in JOIN_RUNS:
+        expected = simulate(run["params"] if run["tag"] != "join-raw" else None, 2, SIM_LRS,
+                            steps_per_rank=JOIN_LENGTHS, local_size=2)
         for rank in range(4):
-            final = load_state(tmp_path, run["tag"], rank)
+            final = load_state(local_ranks, run["tag"], rank)
             for n in SHAPES:
                 np.testing.assert_array_equal(final["params"][n].numpy(), expected[n],
                                               err_msg=f"{run['tag']} rank {rank}: {n}")

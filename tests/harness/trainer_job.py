@@ -106,10 +106,11 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
                    for n in shapes)
         pushes_before = engine.stats.pushes if engine is not None else 0
         loss.backward()
-        if engine is not None and cfg.get("pushes_per_step"):
+        pushes = run.get("pushes_per_step", cfg.get("pushes_per_step"))
+        if engine is not None and pushes:
             # The hooks alone (no step() yet) must get every push answered.
             deadline = time.monotonic() + 20
-            while engine.stats.pushes - pushes_before < cfg["pushes_per_step"]:
+            while engine.stats.pushes - pushes_before < pushes:
                 if time.monotonic() > deadline:
                     raise AssertionError("gradients were not pushed before step()")
                 time.sleep(0.005)
@@ -128,8 +129,9 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
 
 def worker_main(cfg: dict, train: Callable[..., dict] = train) -> int:
     """One worker process: ``train(cfg, run, rank, shapes, out)`` for each of
-    ``cfg["runs"]``, reports to ``report{rank}.json`` (also the worker of the other
-    trainer test files, each with its own ``train``)."""
+    ``cfg["runs"]`` (``shapes``: the run's own, else ``cfg["shapes"]``), reports to
+    ``report{rank}.json`` (also the worker of the other trainer test files, each with
+    its own ``train``)."""
     import torch
 
     import bps
@@ -143,7 +145,9 @@ def worker_main(cfg: dict, train: Callable[..., dict] = train) -> int:
         (out / f"errors{rank}.json").write_text(json.dumps(expect_errors(cfg, rank, shapes)))
         bps.shutdown()  # reached by every rank only if every rank failed in the constructor
         return 3
-    reports = {run.get("tag", ""): train(cfg, run, rank, shapes, out) for run in cfg["runs"]}
+    reports = {run.get("tag", ""): train(
+        cfg, run, rank, {n: tuple(v) for n, v in run["shapes"].items()} if "shapes" in run
+        else shapes, out) for run in cfg["runs"]}
     (out / f"report{rank}.json").write_text(json.dumps(reports))
     bps.shutdown()
     return 0

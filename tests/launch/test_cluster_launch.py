@@ -10,6 +10,7 @@ the backend string docs/runtime.md gives for CPU and CUDA tensors is checked too
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -231,7 +232,9 @@ def test_the_gpu_backend_string_serves_cpu_tensors() -> None:
 
 def test_a_failing_process_stops_every_launcher() -> None:
     """SLURM-style, one task per node: task 1 exits with 3 after bps.init(); every
-    bpslaunch ends non-zero, task 0's with an error naming worker 1, and none hangs."""
+    bpslaunch ends non-zero, task 0's (the scheduler's, server 0's and worker 0's
+    output) with the error naming worker 1 and what it did, never worker 0, and none
+    hangs."""
     script = ("import sys, bps\nbps.init()\n"
               "if bps.rank() == 1: sys.exit(3)\nbps.shutdown()\n")
     port = free_port()
@@ -241,4 +244,8 @@ def test_a_failing_process_stops_every_launcher() -> None:
               "MASTER_PORT": str(port)}) for task in range(2)]
     results = run_all(jobs, timeout=180)
     assert results[1][0] != 0 and results[0][0] != 0, results
-    assert "worker 1 at 127.0.0.2 failed" in results[0][1], results[0][1]
+    named = "worker 1 at 127.0.0.2 failed: the process exited without calling bps.shutdown()"
+    for role in ("scheduler", "server0", "worker0"):
+        assert re.search(rf"\[{role}[^\]]*\].*{re.escape(named)}", results[0][1]), \
+            (role, results[0][1])
+    assert not re.search(r"worker 0 at \S+ (died|failed)", results[0][1]), results[0][1]

@@ -53,6 +53,9 @@ def test_raw_aggregates_match_numpy_sum(raw_run: list[dict]) -> None:
     check_raw_aggregates(raw_run)
 
 
+# the same job, checked the same way, runs in tests/common/test_security.py's
+# test_fuzzed_frames_from_a_key_holder_change_nothing
+@pytest.mark.slow
 def test_two_workers_sum_narrow_dtypes_exactly(tmp_path: Path) -> None:
     # two terms are summed in float16/bfloat16 themselves: still exactly the float32 sum
     # rounded once, which is what numpy_sum gives

@@ -80,7 +80,10 @@ def train_job(c, failing: int, how: str, at: int = 3) -> None:
 
 @pytest.mark.parametrize(("how", "named"), [
     ("raise", "worker 1 at 127.0.0.1 failed: RuntimeError: boom at step 3"),
-    ("exit", "worker 1 at 127.0.0.1 failed: the process exited without calling bps.shutdown()"),
+    # the same report as tests/launch/test_cluster_launch.py's
+    # test_a_failing_process_stops_every_launcher, where worker 1 exits with 3
+    pytest.param("exit", "worker 1 at 127.0.0.1 failed: the process exited without calling "
+                 "bps.shutdown()", marks=pytest.mark.slow),
     # the same failure report as an exception's ("raise")
     pytest.param("interrupt", "worker 1 at 127.0.0.1 failed: KeyboardInterrupt",
                  marks=pytest.mark.slow),
@@ -197,7 +200,9 @@ def exit_times(c, names: list[str], timeout: float) -> dict[str, tuple[int, floa
     # a role's KeyboardInterrupt: server0's SIGINT covers the same code in make test
     pytest.param("scheduler", signal.SIGINT, "failed: KeyboardInterrupt",
                  marks=pytest.mark.slow),
-    ("worker1", signal.SIGKILL, "died: no heartbeat"),
+    # the scheduler's silence rule is the same for every role (server0's SIGKILL times
+    # it), and the peers' answer to worker 1's loss is worker1's SIGTERM's
+    pytest.param("worker1", signal.SIGKILL, "died: no heartbeat", marks=pytest.mark.slow),
     # silence, as worker1's SIGKILL: the same heartbeat rule names it
     pytest.param("worker1", signal.SIGSTOP, "died: no heartbeat", marks=pytest.mark.slow),
     ("worker1", signal.SIGTERM, "failed: terminated by SIGTERM"),
