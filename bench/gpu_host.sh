@@ -8,9 +8,11 @@
 #     bash bench/gpu_host.sh [all|tests|bench|diagnose] [OUTDIR]
 #
 # all: the tests, then the benchmarks (bench/gpu_step.py, then bench/ps_throughput.py
-# --striping --quick). diagnose: what sets the compressed steps, in about 2 minutes:
+# --striping --quick). diagnose: what sets the compressed steps, in about 3 minutes:
 # onebit and fp16 raw with one worker node alone on the GPU (no other process
-# time-sliced with it), then onebit with larger partitions (fewer keys, fewer waits).
+# time-sliced with it), then onebit with larger partitions (fewer keys, fewer waits),
+# then the host's CURVE striping with pinned connections (bench/ps_throughput.py
+# --striping --quick, whose last column shows how the server's I/O threads shared it).
 #
 # Write the commit beside the wheels (`git rev-parse --short HEAD > .whl/COMMIT`): the copy
 # that reaches a lent host has no .git, and the reports name it from there.
@@ -65,4 +67,6 @@ if [ "$what" = diagnose ]; then
         BYTEPS_PARTITION_BYTES=$bytes step "partitions-$bytes" --only mlp-onebit --steps 5 \
             --warmup 2 ${GPU_STEP_ARGS:-}
     done
+    timeout "${STRIPING_TIMEOUT:-150}" python3 bench/ps_throughput.py --striping --quick 2>&1 \
+        | tee "$out/ps_striping.log" | tail -16
 fi
