@@ -523,6 +523,17 @@ def test_own_stall_is_not_taken_for_a_silent_peer() -> None:
         client.close(linger=0)
 
 
+def one_worker_scheduler_env(cluster_key: str) -> ClusterEnv:
+    """A scheduler's environment for one worker and one server, on a free loopback port."""
+    from bps.launch.role import free_port
+
+    return ClusterEnv.from_environ({**BASE, "DMLC_ROLE": "scheduler", "DMLC_NUM_WORKER": "1",
+                                    "DMLC_NUM_SERVER": "1", "DMLC_WORKER_ID": "0",
+                                    "DMLC_PS_ROOT_URI": "127.0.0.1",
+                                    "DMLC_PS_ROOT_PORT": str(free_port()),
+                                    "BPS_SECRET_FILE": cluster_key})
+
+
 def test_scheduler_sends_its_last_messages_before_it_returns(cluster_key: str) -> None:
     """When every worker has said FINALIZE, the scheduler answers BYE, sends the servers
     SHUTDOWN and returns 0. By then it has terminated its own ZeroMQ context, which only
@@ -534,14 +545,9 @@ def test_scheduler_sends_its_last_messages_before_it_returns(cluster_key: str) -
 
     from bps.common.auth import load_key
     from bps.common.scheduler_client import SchedulerClient
-    from bps.launch.role import free_port
     from bps.server.scheduler import Scheduler
 
-    env = ClusterEnv.from_environ({**BASE, "DMLC_ROLE": "scheduler", "DMLC_NUM_WORKER": "1",
-                                   "DMLC_NUM_SERVER": "1", "DMLC_WORKER_ID": "0",
-                                   "DMLC_PS_ROOT_URI": "127.0.0.1",
-                                   "DMLC_PS_ROOT_PORT": str(free_port()),
-                                   "BPS_SECRET_FILE": cluster_key})
+    env = one_worker_scheduler_env(cluster_key)
     scheduler = Scheduler(env)
     codes: list[int] = []
     thread = threading.Thread(target=lambda: codes.append(scheduler.run()), daemon=True)
@@ -578,14 +584,9 @@ def test_the_welcome_carries_each_servers_endpoints(cluster_key: str) -> None:
 
     from bps.common.auth import load_key
     from bps.common.scheduler_client import SchedulerClient
-    from bps.launch.role import free_port
     from bps.server.scheduler import Scheduler
 
-    env = ClusterEnv.from_environ({**BASE, "DMLC_ROLE": "scheduler", "DMLC_NUM_WORKER": "1",
-                                   "DMLC_NUM_SERVER": "1", "DMLC_WORKER_ID": "0",
-                                   "DMLC_PS_ROOT_URI": "127.0.0.1",
-                                   "DMLC_PS_ROOT_PORT": str(free_port()),
-                                   "BPS_SECRET_FILE": cluster_key})
+    env = one_worker_scheduler_env(cluster_key)
     scheduler = Scheduler(env)
     thread = threading.Thread(target=scheduler.run, daemon=True)
     thread.start()
