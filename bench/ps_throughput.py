@@ -19,8 +19,10 @@ Results go to stdout (a markdown table) and bench/results/ps_throughput.json.
 ``--striping``: instead, bps uncompressed with N = 1, 2, 4, ... connections per
 worker-server pair (``BPS_CONNECTIONS_PER_SERVER``, up to the host's cores), CURVE and
 plain TCP, against the raw ZeroMQ echo (one connection per worker) in the same run;
-best of ``--rounds`` alternating rounds; to bench/results/ps_striping.json. ``--quick``
-(1 round, 3 steps, 50 MB) keeps it under 3 minutes on a 16-core host::
+best of ``--rounds`` alternating rounds; to bench/results/ps_striping.json. The last
+two columns are the CPU seconds of each ZeroMQ I/O thread of the server and of worker
+0 (its scheduler link's first): how evenly the connections' CURVE work was spread.
+``--quick`` (1 round, 3 steps, 50 MB) keeps it under 3 minutes on a 16-core host::
 
     python bench/ps_throughput.py --striping --quick
 
@@ -186,7 +188,11 @@ def bps_worker(mbytes: int, steps: int, params_json: str, out: str) -> None:
         delta = engine.stats - before
         wire.append(delta.bytes_pushed + delta.bytes_pulled)
     engine.barrier()
-    striping = {"connections": engine._io.connections, "io_threads": engine._io.io_threads}
+    from bps.server.server import io_thread_cpu_seconds
+
+    # the scheduler link's thread first (its context is older), then the data connections'
+    striping = {"connections": engine._io.connections, "io_threads": engine._io.io_threads,
+                "io_cpu_s": io_thread_cpu_seconds()}
     engine.close()
     Path(out.format(node=engine.node_id)).write_text(json.dumps({"times": times[WARMUP_STEPS:],
                                                                 "wire": wire[WARMUP_STEPS:],
@@ -205,7 +211,8 @@ def run_bps(mbytes: int, steps: int, params: dict | None, tmp: Path, tag: str,
         raise RuntimeError(f"bps run {tag} failed:\n{proc.stdout[-4000:]}")
     runs = [json.loads((tmp / f"{tag}{n}.json").read_text()) for n in range(2)]
     step = statistics.median(max(pair) for pair in zip(*(r["times"] for r in runs), strict=True))
-    server_threads = re.search(r"(\d+) ZeroMQ I/O thread", proc.stdout + proc.stderr)
+    server_threads = re.search(r"server at \S+: (\d+) ZeroMQ I/O thread",
+                               proc.stdout + proc.stderr)
     # the server's I/O threads' CPU: each connection's CURVE work runs on one of them
     io_cpu = re.search(r"ZeroMQ I/O threads' CPU seconds: ([\d., ]+)", proc.stdout + proc.stderr)
     return {"step_s": step, "wire_bytes_per_worker": statistics.median(runs[0]["wire"]),
@@ -213,7 +220,7 @@ def run_bps(mbytes: int, steps: int, params: dict | None, tmp: Path, tag: str,
             "worker_io_threads": runs[0].get("io_threads"),
             "server_io_threads": int(server_threads.group(1)) if server_threads else None,
             "server_io_cpu_s": [float(v) for v in io_cpu.group(1).split(", ")] if io_cpu
-            else None}
+            else None, "worker_io_cpu_s": [r.get("io_cpu_s") for r in runs]}
 
 
 def children_cpu() -> float:
@@ -387,19 +394,22 @@ def striping_table(mbytes: int, steps: int, rounds_count: int, tmp: Path,
           f"per step, median of {steps} steps, best of {rounds_count} alternating rounds, "
           f"{time.perf_counter() - began:.0f} s, load average {load[0]:.1f} -> {load[1]:.1f}\n")
     print("| configuration | connections per pair | I/O threads (worker, server) | step (s) "
-          "| push+pull MB/s | / N=1 | / raw plain TCP | server I/O threads' CPU (s) |")
-    print("|---|---:|---|---:|---:|---:|---:|---|")
+          "| push+pull MB/s | / N=1 | / raw plain TCP | server I/O threads' CPU (s) "
+          "| worker 0's (s) |")
+    print("|---|---:|---|---:|---:|---:|---:|---|---|")
     for secure, how in ((True, "CURVE"), (False, "plain TCP")):
         raw = best[f"raw/{'curve' if secure else 'plain'}/1"]["step_s"]
         print(f"| raw ZeroMQ echo, {how} | 1 | 1, 1 | {raw:.3f} | {moved / raw:.0f} | "
-              f"| {raw_plain / raw:.2f} | |")
+              f"| {raw_plain / raw:.2f} | | |")
         one = best[f"bps/{'curve' if secure else 'plain'}/1"]["step_s"]
         for n in counts:
             r = best[f"bps/{'curve' if secure else 'plain'}/{n}"]
             spread = ", ".join(f"{v:.1f}" for v in r.get("server_io_cpu_s") or [])
+            worker = ", ".join(f"{v:.1f}" for v in (r.get("worker_io_cpu_s") or [None])[0] or [])
             print(f"| bps uncompressed, {how} | {n} | {r['worker_io_threads']}, "
                   f"{r['server_io_threads']} | {r['step_s']:.3f} | {moved / r['step_s']:.0f} "
-                  f"| {one / r['step_s']:.2f} | {raw_plain / r['step_s']:.2f} | {spread} |")
+                  f"| {one / r['step_s']:.2f} | {raw_plain / r['step_s']:.2f} | {spread} "
+                  f"| {worker} |")
     (tmp / "ps_striping.json").write_text(json.dumps(
         {"mbytes": mbytes, "steps": steps, "rounds": rounds_count, "cores": cores,
          "load": load, "runs": runs, "best": best}, indent=2))
