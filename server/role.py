@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -44,7 +45,19 @@ def serve(env: ClusterEnv) -> int:
             from bps.server.scheduler import run_scheduler
             return run_scheduler(env)
         if env.role == "server":
-            from bps.server.server import run_server
+            # torch and numba's objects live as long as the process: collections that
+            # walk them again and again took a tenth of a server's CPU
+            # (docs/benchmarks.md, "The main job"), so none runs while they are
+            # imported, and they are kept out of the collector's sight afterwards
+            gc.disable()
+            try:
+                from bps.server.server import run_server
+                gc.freeze()
+            finally:
+                gc.enable()
+            logging.getLogger("bps.server").info(
+                "%d objects from start-up kept out of the garbage collector",
+                gc.get_freeze_count())
             return run_server(env)
         raise ValueError(f"DMLC_ROLE={env.role!r}: bps.server runs the scheduler or a server")
     finally:

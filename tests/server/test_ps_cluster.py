@@ -114,23 +114,37 @@ def test_keys_are_spread_over_each_servers_connections(raw_run: list[dict]) -> N
         assert used == {0, 1, 2}, (server, stripes[0])
 
 
-def test_each_server_io_thread_encrypts_its_own_connections(tmp_path: Path) -> None:
-    """2 workers, 1 connection each, a server with 2 I/O threads, CURVE: each of the
-    server's threads does a fair share of the cipher work. Left to libzmq, connections
-    that arrive together both go to one thread (half of the runs, measured), and the
-    other idles; bound per thread, each thread serves one connection."""
+@pytest.fixture(scope="module")
+def bulk_output(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """2 workers, 1 connection each, a server with 2 I/O threads, CURVE: 4 steps of 48 MB
+    each way per worker; the job's output."""
     env = {key: value for key, value in TEST_ENV.items() if key != "BYTEPS_PARTITION_BYTES"}
     code, output = run_command(
         BPSLAUNCH + ["local", "--workers", "2", "--servers", "1", "--", sys.executable, JOB,
-                     "--out", str(tmp_path), "--case", "bulk"],
+                     "--out", str(tmp_path_factory.mktemp("bulk")), "--case", "bulk"],
         {**env, "BPS_INSECURE": "0", "BPS_IO_THREADS": "2",
          "BPS_CONNECTIONS_PER_SERVER": "1"}, timeout=120)
     assert code == 0, output
-    found = re.search(r"ZeroMQ I/O threads' CPU seconds: ([\d.]+), ([\d.]+)", output)
-    assert found, output
+    return output
+
+
+def test_each_server_io_thread_encrypts_its_own_connections(bulk_output: str) -> None:
+    """Each of the server's 2 threads does a fair share of the cipher work. Left to
+    libzmq, connections that arrive together both go to one thread (half of the runs,
+    measured), and the other idles; bound per thread, each thread serves one connection."""
+    found = re.search(r"ZeroMQ I/O threads' CPU seconds: ([\d.]+), ([\d.]+)", bulk_output)
+    assert found, bulk_output
     first, second = float(found[1]), float(found[2])
-    assert first + second >= 0.1, output  # 2 x 4 steps x 48 MB each way went through them
+    assert first + second >= 0.1, bulk_output  # 2 x 4 steps x 48 MB each way went through
     assert min(first, second) >= 0.25 * (first + second), (first, second)
+
+
+def test_a_server_keeps_its_start_up_objects_out_of_the_collector(bulk_output: str) -> None:
+    # torch and numba make some 190,000 objects, which every full collection would walk
+    # while the server serves
+    found = re.search(r"\[server0\] .*: (\d+) objects from start-up kept out of the garbage "
+                      r"collector", bulk_output)
+    assert found and int(found[1]) > 100_000, bulk_output[-3000:]
 
 
 def test_malformed_messages_get_errors_and_server_keeps_serving(raw_run: list[dict]) -> None:
