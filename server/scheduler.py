@@ -34,6 +34,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import zmq
 
@@ -396,11 +397,21 @@ def _endpoints_error(endpoints: Any) -> str | None:
     if endpoints is None:
         return None
     if (not isinstance(endpoints, list) or not 1 <= len(endpoints) <= MAX_ENDPOINTS
-            or not all(isinstance(e, str) and e.startswith("tcp://") and len(e) <= 256
-                       for e in endpoints)):
-        return (f"field 'endpoints' must be a list of 1 to {MAX_ENDPOINTS} tcp:// addresses "
-                "(one per I/O thread)")
+            or not all(_is_tcp_address(e) for e in endpoints)):
+        return (f"field 'endpoints' must be a list of 1 to {MAX_ENDPOINTS} addresses "
+                "tcp://host:port (one per I/O thread)")
     return None
+
+
+def _is_tcp_address(value: Any) -> bool:
+    """Whether ``value`` is ``tcp://host:port`` with a port in 1-65535."""
+    if not isinstance(value, str) or len(value) > 256 or not value.startswith("tcp://"):
+        return False
+    try:
+        parts = urlsplit(value)
+        return bool(parts.hostname) and parts.port is not None and 0 < parts.port < 65536
+    except ValueError:  # a port that is not a number, or out of range
+        return False
 
 
 def _peer(frame: zmq.Frame) -> str:

@@ -153,10 +153,10 @@ class WorkerEngine:
         link = SchedulerClient(ctx, env, "worker", env.node_host, key=key)
         try:
             welcome = link.rendezvous()
+            return cls(env, ctx, link, welcome, tracer, key)
         except BaseException:
             link.close()
             raise
-        return cls(env, ctx, link, welcome, tracer, key)
 
     # ------------------------------------------------------------------ public API
 

@@ -50,6 +50,7 @@ from bps.common.protocol import (
 from bps.common.scheduler_client import SchedulerClient
 from bps.common.striping import (
     Stripes,
+    affinity_mask,
     core_shares,
     default_connections,
     host_cores,
@@ -112,21 +113,16 @@ class IOLoop:
         self._dealers: list[list[Any]] = []  # [server][connection]
         self._server_of: dict[Any, int] = {}
         self._watch = HandshakeWatch(env, "worker")
-        for server, address in enumerate(servers):
-            self._dealers.append([])
-            ends = endpoints[server] if endpoints else [address]
-            for stripe in range(self.connections):
-                dealer = new_socket(self._data_ctx, zmq.DEALER)
-                # the token prefix makes this connection this node's on the server
-                dealer.setsockopt(zmq.ROUTING_ID, link.token + b"engine%d" % stripe)
-                connect_as_client(dealer, key)
-                end, thread = pinned_connection(node_id, server, stripe, self.connections,
-                                                len(ends), self.io_threads)
-                dealer.setsockopt(zmq.AFFINITY, 1 << thread)
-                self._watch.add(dealer, f"server {server} ({ends[end]})")
-                dealer.connect(ends[end])
-                self._dealers[server].append(dealer)
-                self._server_of[dealer] = server
+        try:
+            for server, address in enumerate(servers):
+                self._connect(server, endpoints[server] if endpoints else [address],
+                              link.token, key)
+        except BaseException:  # an endpoint libzmq refuses: nothing of ours stays open
+            self._watch.close()
+            for dealer in self._server_of:
+                dealer.close(linger=0)
+            self._data_ctx.term()
+            raise
         log.info("node %d: %d connection(s) to each of %d server(s), %d ZeroMQ I/O "
                  "thread(s)", node_id, self.connections, len(servers), self.io_threads)
         self._stopping = False
@@ -142,6 +138,24 @@ class IOLoop:
             fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_NONBLOCK)
         self._thread = threading.Thread(target=self._run, name="bps-engine-io", daemon=True)
         self._thread.start()
+
+    def _connect(self, server: int, ends: list[str], token: bytes,
+                 key: ClusterKey | None) -> None:
+        """Open this node's connections to ``server`` (its endpoints ``ends``), each
+        pinned to one of our I/O threads and dealt over the server's endpoints."""
+        self._dealers.append([])
+        for stripe in range(self.connections):
+            dealer = new_socket(self._data_ctx, zmq.DEALER)
+            self._server_of[dealer] = server
+            # the token prefix makes this connection this node's on the server
+            dealer.setsockopt(zmq.ROUTING_ID, token + b"engine%d" % stripe)
+            connect_as_client(dealer, key)
+            end, thread = pinned_connection(self.node_id, server, stripe, self.connections,
+                                            len(ends), self.io_threads)
+            dealer.setsockopt(zmq.AFFINITY, affinity_mask(thread))
+            self._watch.add(dealer, f"server {server} ({ends[end]})")
+            dealer.connect(ends[end])
+            self._dealers[server].append(dealer)
 
     # ------------------------------------------------------------------ callers' side
 

@@ -110,6 +110,18 @@ class Stripes:
         return stripe
 
 
+def affinity_mask(thread: int) -> int:
+    """The ``ZMQ_AFFINITY`` value that names I/O thread ``thread`` (0-63) alone: bit
+    ``thread`` of a 64-bit mask, which pyzmq takes as a signed integer.
+
+        >>> affinity_mask(2), affinity_mask(63) == -(1 << 63)
+        (4, True)
+    """
+    if not 0 <= thread < MAX_IO_THREADS:
+        raise ValueError(f"I/O thread {thread} out of range: a mask names threads 0-63")
+    return (1 << thread) - (1 << 64 if thread == 63 else 0)
+
+
 def bind_per_io_thread(sock: Any, host: str, threads: int) -> list[str]:
     """Bind ``sock`` (a ZeroMQ socket, its security set) to one random TCP port on
     ``host`` per I/O thread of its context: the connections that listener ``t`` accepts
@@ -119,7 +131,7 @@ def bind_per_io_thread(sock: Any, host: str, threads: int) -> list[str]:
 
     endpoints = []
     for thread in range(max(1, threads)):
-        sock.setsockopt(zmq.AFFINITY, 1 << (thread % MAX_IO_THREADS))
+        sock.setsockopt(zmq.AFFINITY, affinity_mask(thread))
         port = sock.bind_to_random_port(f"tcp://{host}")
         endpoints.append(f"tcp://{host}:{port}")
     sock.setsockopt(zmq.AFFINITY, 0)  # later connections: any thread, as before

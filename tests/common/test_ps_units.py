@@ -35,6 +35,7 @@ from bps.common.protocol import (
 from bps.common.striping import (
     MAX_CONNECTIONS,
     Stripes,
+    affinity_mask,
     core_shares,
     default_connections,
     engine_threads,
@@ -223,6 +224,31 @@ def test_pinned_connections_deal_the_jobs_connections_over_both_sides_threads() 
     # more connections than endpoints: dealt round them, as evenly as they go
     ends = [pinned_connection(node, 0, 0, 1, 2, 1)[0] for node in range(5)]
     assert [ends.count(e) for e in range(2)] == [3, 2]
+
+
+def test_a_server_of_64_io_threads_binds_one_endpoint_each() -> None:
+    # thread 63's mask is the sign bit of the 64-bit option
+    import zmq
+
+    from bps.common.striping import bind_per_io_thread
+
+    ctx = zmq.Context(io_threads=64)
+    try:
+        router = ctx.socket(zmq.ROUTER)
+        endpoints = bind_per_io_thread(router, "127.0.0.1", 64)
+        assert len(set(endpoints)) == 64
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.AFFINITY, affinity_mask(63))
+        dealer.connect(endpoints[63])
+        dealer.send(b"to the last thread")
+        assert router.poll(10_000), "nothing arrived through I/O thread 63 within 10 s"
+        assert router.recv_multipart()[1] == b"to the last thread"
+        for sock in (router, dealer):
+            sock.close(linger=0)
+    finally:
+        ctx.term()
+    with pytest.raises(ValueError, match="I/O thread 64 out of range"):
+        affinity_mask(64)
 
 
 def test_stripes_keep_a_key_on_one_connection_and_balance_bytes() -> None:
@@ -601,7 +627,8 @@ def test_the_welcome_carries_each_servers_endpoints(cluster_key: str) -> None:
 
     try:
         for bad in ([], "tcp://127.0.0.1:1", [7], ["udp://127.0.0.1:1"],
-                    ["tcp://127.0.0.1:1"] * 65):
+                    ["tcp://127.0.0.1:1"] * 65, ["tcp://127.0.0.1"], ["tcp://:5"],
+                    ["tcp://127.0.0.1:port"], ["tcp://127.0.0.1:70000"]):
             server.send(Op.HELLO, role="server", worker_id=-1, addr=server.addr, token=b"",
                         endpoints=bad)
             refusal = answer(server)
