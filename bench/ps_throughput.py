@@ -188,7 +188,7 @@ def bps_worker(mbytes: int, steps: int, params_json: str, out: str) -> None:
         delta = engine.stats - before
         wire.append(delta.bytes_pushed + delta.bytes_pulled)
     engine.barrier()
-    from bps.server.server import io_thread_cpu_seconds
+    from bps.common.striping import io_thread_cpu_seconds
 
     # the scheduler link's thread first (its context is older), then the data connections'
     striping = {"connections": engine._io.connections, "io_threads": engine._io.io_threads,

@@ -52,13 +52,13 @@ from bps.common.protocol import (
 )
 from bps.common.ratelimit import RateLimitedLog
 from bps.common.scheduler_client import LoopClock, failure_reason
+from bps.common.striping import MAX_IO_THREADS
 
 log = logging.getLogger("bps.scheduler")
 refusals = RateLimitedLog(log)
 # replies queued for one connection that does not read them: beyond this the ROUTER
 # drops them (a node has at most a few requests out: HELLO, heartbeat, barrier, finalize)
 PEER_QUEUE = 1000
-MAX_ENDPOINTS = 64  # a server's endpoints: one per I/O thread (bps.common.striping)
 
 
 @dataclass
@@ -396,9 +396,9 @@ def _endpoints_error(endpoints: Any) -> str | None:
     """What is wrong with a server HELLO's optional ``endpoints`` (None if nothing)."""
     if endpoints is None:
         return None
-    if (not isinstance(endpoints, list) or not 1 <= len(endpoints) <= MAX_ENDPOINTS
+    if (not isinstance(endpoints, list) or not 1 <= len(endpoints) <= MAX_IO_THREADS
             or not all(_is_tcp_address(e) for e in endpoints)):
-        return (f"field 'endpoints' must be a list of 1 to {MAX_ENDPOINTS} addresses "
+        return (f"field 'endpoints' must be a list of 1 to {MAX_IO_THREADS} addresses "
                 "tcp://host:port (one per I/O thread)")
     return None
 

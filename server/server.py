@@ -55,7 +55,6 @@ push, so it always arrives before that key's next step can complete.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -93,6 +92,7 @@ from bps.common.striping import (
     default_connections,
     engine_threads,
     host_cores,
+    io_thread_cpu_seconds,
     io_threads,
 )
 from bps.compressors.finite import tensor_finite
@@ -822,34 +822,6 @@ def _peer(frame: zmq.Frame) -> str:
         return frame.get("Peer-Address") or "?"
     except zmq.ZMQError:
         return "?"
-
-
-def io_thread_cpu_seconds() -> list[float]:
-    """CPU seconds (user + system) of each of this process's ZeroMQ I/O threads, in
-    thread-id order; empty where /proc is not there. libzmq gives each connection to
-    one I/O thread, which does all of its CURVE work: the spread shows whether the
-    connections shared the threads.
-
-        >>> all(s >= 0 for s in io_thread_cpu_seconds())
-        True
-    """
-    tick = os.sysconf("SC_CLK_TCK")
-    seconds = []
-    try:
-        tasks = sorted(os.listdir("/proc/self/task"), key=int)
-    except OSError:
-        return []
-    for tid in tasks:
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as comm:
-                if not comm.read().startswith("ZMQbg/IO/"):
-                    continue
-            with open(f"/proc/self/task/{tid}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
-        except OSError:  # the thread ended meanwhile
-            continue
-        seconds.append((int(fields[11]) + int(fields[12])) / tick)
-    return seconds
 
 
 def peak_rss_mb() -> float:

@@ -155,7 +155,7 @@ def test_io_thread_cpu_seconds_counts_the_threads_that_moved_the_bytes() -> None
     time shows among the process's ZeroMQ I/O threads, and no thread goes backwards."""
     import zmq
 
-    from bps.server.server import io_thread_cpu_seconds
+    from bps.common.striping import io_thread_cpu_seconds
 
     ctx = zmq.Context(io_threads=1)
     try:
