@@ -42,6 +42,19 @@ PATHS = [
 # tensors, or a bucket past its capacity, change the parameters or the count.
 BUCKET_SHAPES = {"big": (30, 10), "a": (40,), "b": (40,), "c": (40,), "d": (30,), "e": (30,)}
 COMMON = {"ef": "vanilla", "momentum": "nesterov", "fp16": False, "min_compress_bytes": 1000}
+BUCKETS = {"tag": "buckets", "params": {**SIM_CASES["onebit"], **COMMON},
+           "shapes": BUCKET_SHAPES, "pushes_per_step": 5}
+
+
+def assert_simulated(final: np.ndarray, expected: np.ndarray, path: dict, params: dict,
+                     err_msg: str) -> None:
+    """``final`` is the simulation's ``expected`` bit for bit; except that on a GPU,
+    onebit's scale (a float64 sum of |x|) is added in another order, so it may round 1
+    float32 ulp apart (docs/compression.md)."""
+    if "device" in path.get("cfg", {}) and params["compressor"] == "onebit":
+        np.testing.assert_allclose(final, expected, rtol=1e-5, atol=1e-6, err_msg=err_msg)
+    else:
+        np.testing.assert_array_equal(final, expected, err_msg=err_msg)
 
 
 @pytest.fixture(scope="module", params=PATHS)
@@ -57,12 +70,10 @@ def simulated(request, tmp_path_factory) -> tuple[Path, list[dict], dict]:
         {"tag": "dense", "params": {"compressor": "topk", "k": 0.6, **COMMON},
          "compressed_from": None},
     ]
-    buckets = {"tag": "buckets", "params": {**SIM_CASES["onebit"], **COMMON},
-               "shapes": BUCKET_SHAPES, "pushes_per_step": 5}
     # 3 nodes: the servers' float32 sums of 3 terms round as the simulation's only
     # because they add the pushes in node order, whichever arrives first. 4 pushes per
     # step: 3 partitions of big, and small and bias fused
-    result = launch({"runs": [*runs, buckets], "lrs": SIM_LRS, "stop": len(SIM_LRS),
+    result = launch({"runs": [*runs, BUCKETS], "lrs": SIM_LRS, "stop": len(SIM_LRS),
                      "pushes_per_step": 4, **path.get("cfg", {})}, tmp_path, workers=3,
                     servers=2, env=path.get("env"))
     assert result.returncode == 0, result.stdout[-3000:]
@@ -79,15 +90,8 @@ def test_every_compressor_matches_independent_simulation(simulated):
             for n in SHAPES:
                 np.testing.assert_array_equal(finals[rank][n], finals[0][n], err_msg=name)
         expected = simulate(run["params"], 3, SIM_LRS, run["compressed_from"])
-        # on a GPU, onebit's scale (a float64 sum of |x|) is added in another order: it
-        # may round 1 float32 ulp apart (docs/compression.md); all else is exact
-        sums_on_gpu = "device" in path.get("cfg", {}) and run["params"]["compressor"] == "onebit"
         for n in SHAPES:
-            if sums_on_gpu:
-                np.testing.assert_allclose(finals[0][n], expected[n], rtol=1e-5, atol=1e-6,
-                                           err_msg=f"{name}: {n}")
-            else:
-                np.testing.assert_array_equal(finals[0][n], expected[n], err_msg=f"{name}: {n}")
+            assert_simulated(finals[0][n], expected[n], path, run["params"], f"{name}: {n}")
         report = reports[name]
         assert report["optimizer_momentum"] == 0.0 and report["counter"] == 1
         assert [s["pushes"] for s in report["steps"]] == [4] * len(SIM_LRS), name
@@ -101,17 +105,12 @@ def test_every_compressor_matches_independent_simulation(simulated):
 
 def test_small_tensors_beyond_one_bucket_split_at_its_capacity(simulated):
     tmp_path, _, path = simulated
-    finals = load_params(tmp_path, 3, "buckets")
-    params = {**SIM_CASES["onebit"], **COMMON}
-    expected = simulate(params, 3, SIM_LRS, shapes=BUCKET_SHAPES)
+    finals = load_params(tmp_path, 3, BUCKETS["tag"])
+    expected = simulate(BUCKETS["params"], 3, SIM_LRS, shapes=BUCKET_SHAPES)
     for n in BUCKET_SHAPES:
-        if "device" in path.get("cfg", {}):  # onebit's scale, as above
-            np.testing.assert_allclose(finals[0][n], expected[n], rtol=1e-5, atol=1e-6,
-                                       err_msg=n)
-        else:
-            np.testing.assert_array_equal(finals[0][n], expected[n], err_msg=n)
+        assert_simulated(finals[0][n], expected[n], path, BUCKETS["params"], n)
         np.testing.assert_array_equal(finals[2][n], finals[0][n], err_msg=n)
-    steps = load_reports(tmp_path, 3)[0]["buckets"]["steps"]
+    steps = load_reports(tmp_path, 3)[0][BUCKETS["tag"]]["steps"]
     assert [s["pushes"] for s in steps] == [5] * len(SIM_LRS)
 
 
