@@ -336,6 +336,22 @@ class ResidualCompress(Protocol):
 
 
 @runtime_checkable
+class PayloadSum(Protocol):
+    """A server's sum of pushes, its error feedback's correction and the compression in
+    one pass, without decoding the pushes first (onebit): ``check_payload(payload)``
+    raises ValueError for a payload ``decompress`` refuses, and
+    ``compress_sum_corrected(payloads, ratio, error, out)`` writes ``out = (D(p_0) +
+    D(p_1) + ...) + ratio * error`` (float32/float64 arrays) with the bits of decoding,
+    adding in order and error feedback's pass, and returns ``out``'s payload, or None
+    where a value of ``out`` is not finite."""
+
+    def check_payload(self, payload: Payload) -> None: ...
+
+    def compress_sum_corrected(self, payloads: list[Payload], ratio: float,
+                               error: np.ndarray, out: np.ndarray) -> torch.Tensor | None: ...
+
+
+@runtime_checkable
 class CorrectedCompress(Protocol):
     """A chain that builds its input ``g' = g + ratio * e`` itself, in a pass the
     decorator before it writes (error feedback, for Nesterov momentum's fused pass):

@@ -35,6 +35,7 @@ from .base import (
     FastErrorUpdate,
     NonFiniteError,
     Payload,
+    PayloadSum,
     ResidualCompress,
     check_state_keys,
     load_buffer,
@@ -81,6 +82,9 @@ class ErrorFeedback(StagedChain, Compressor):
         # or by decoding (asked once: a protocol check walks the class's attributes)
         self.residual_in_pass = isinstance(inner, ResidualCompress)
         self.fast_update = isinstance(inner, FastErrorUpdate)
+        # a server sums its pushes in error feedback's pass (compress_sum)
+        self.sums_payloads = (isinstance(inner, PayloadSum) and self.fast_update
+                              and not self.staged and inner.dtype in KERNEL_FLOAT_DTYPES)
         self.bounds = chunk_bounds(inner.numel)  # a large input runs on several threads
         self.error = torch.zeros(inner.numel, dtype=inner.dtype, device=self.device)
         self.spare: torch.Tensor | None = None  # the other buffer (made on first use)
@@ -185,6 +189,40 @@ class ErrorFeedback(StagedChain, Compressor):
             self._refuse()
         return self._send(self.spare)
 
+    def check_payload(self, payload: Payload) -> None:
+        """Raise ValueError for a payload that ``compress_sum`` would refuse (a chain
+        whose ``sums_payloads`` is True)."""
+        self.inner.check_payload(payload)
+
+    def compress_sum(self, payloads: list[Payload]) -> torch.Tensor:
+        """``compress`` of the sum of the decoded ``payloads`` (added in order, as a
+        server adds its nodes' pushes), the sum built in the pass that adds the error:
+        one pass over the partition where decoding, adding and correcting take three.
+        For chains whose ``sums_payloads`` is True; the same bits as decoding the first
+        payload, ``decompress_add`` of the others and ``compress``.
+
+            >>> import torch
+            >>> from bps.compressors.onebit import OneBit
+            >>> worker, server = OneBit(numel=2, scaling=True), ErrorFeedback(OneBit(
+            ...     numel=2, scaling=True))
+            >>> pushes = [worker.compress(torch.tensor([1.0, -1.0])),  # decodes to [1, -1]
+            ...           worker.compress(torch.tensor([3.0, 1.0]))]   # decodes to [2, 2]
+            >>> server.set_lr(0.1)
+            >>> server.decompress(server.compress_sum(pushes))  # the sum [3, 1], scale 2
+            tensor([2., 2.])
+            >>> server.error                                    # what it did not send
+            tensor([ 1., -1.])
+        """
+        self.undo = None
+        corrected = self._spare()
+        payload = self.inner.compress_sum_corrected(payloads, self.ratio, self.error.numpy(),
+                                                    corrected.numpy())
+        if payload is None:
+            self._refuse()
+        self.inner.fast_update_error(corrected, payload)
+        self._keep(corrected)
+        return payload
+
     def _refuse(self) -> None:
         """Raise NonFiniteError for an inf or NaN in ``g'``, this step's set_lr undone."""
         self._restore_lr()
@@ -216,13 +254,18 @@ class ErrorFeedback(StagedChain, Compressor):
         except NonFiniteError:
             self._restore_lr()
             raise
+        self._keep(corrected)
+        return payload
+
+    def _keep(self, corrected: torch.Tensor) -> None:
+        """``corrected``, its payload's residual now, becomes the error; the error before
+        stays in the other buffer for ``rollback``."""
         lrs = self.lr_before if self.lr_before is not None else (self.lr_prev, self.lr_now)
         self.undo = (lrs, self.error)
         self.lr_before = None
         if corrected is self.spare:
             self.spare = self.error
         self.error = corrected
-        return payload
 
     def rollback(self) -> None:
         """Back to the error and learning rates before the last ``compress`` (and the

@@ -87,6 +87,56 @@ def subtract_signs(corrected, words, scale):
             corrected[w * 32 + j] -= -scale if negative else scale
 
 
+@njit(nogil=True, cache=True)
+def sum_signs_and_pack(words, scale_bits, sign_mask, ratio, error, out, bits, signs):
+    """A server's onebit step in one pass: ``out[i] = (t_0 + t_1 + ...) + ratio *
+    error[i]``, where node m's term t_m has the raw bits ``scale_bits[m]`` with
+    ``sign_mask`` set where bit i of ``words[m]`` is (the pushes decoded and summed in
+    node order, then error feedback's correction, each operation rounded as decoding,
+    adding and ``add_scaled_error`` round them), and the sign words of ``out`` written
+    into ``signs`` as ``pack_signs`` writes them. ``bits`` is ``out``'s raw bits.
+    Returns (sum(|out|) in float64, whether every value is finite).
+
+    Each block of 32 elements is finished while it is in cache (its terms decoded into
+    a small buffer), |out| is summed in 32 float64 lanes, and each loop over a block
+    vectorises without reordering a rounded operation."""
+    n = out.size
+    terms = np.empty(32, out.dtype)
+    term_bits = terms.view(bits.dtype)
+    lanes = np.zeros(32, np.float64)
+    zero = bits.dtype.type(0)
+    bad = 0
+    for w in range((n + 31) // 32):
+        base = w * 32
+        size = min(32, n - base)
+        word, scale = words[0, w], scale_bits[0]
+        for j in range(size):
+            negative = (word >> np.uint32(31 - j)) & np.uint32(1)
+            bits[base + j] = scale | (sign_mask if negative else zero)
+        for m in range(1, words.shape[0]):
+            word, scale = words[m, w], scale_bits[m]
+            for j in range(size):
+                negative = (word >> np.uint32(31 - j)) & np.uint32(1)
+                term_bits[j] = scale | (sign_mask if negative else zero)
+            for j in range(size):
+                out[base + j] += terms[j]
+        packed = np.uint32(0)
+        for j in range(size):
+            value = out[base + j] + ratio * error[base + j]
+            out[base + j] = value
+            bad |= not abs(value) < np.inf
+            lanes[j] += abs(np.float64(value))
+            packed |= np.uint32(value < 0) << np.uint32(31 - j)
+        signs[w] = packed
+    total = 0.0
+    for j in range(32):
+        total += lanes[j]
+    return total, bad == 0
+
+
+_UNSIGNED_OF = {4: np.uint32, 8: np.uint64}  # raw bits of float32, float64
+
+
 class OneBit(Compressor):
     """Sign compression: 1 bit per element plus a float32 scale."""
 
@@ -125,12 +175,16 @@ class OneBit(Compressor):
         total = sum(sums)
         if not math.isfinite(total):  # sum(|x|) in float64: inf or NaN only from the input
             raise self.nonfinite_input()
+        self._write_scale(buffer, total)
+        return payload
+
+    def _write_scale(self, buffer: np.ndarray, total: float) -> None:
+        """The payload's scale from sum(|x|) (finite)."""
         if self.scaling:
             scale = total / self.numel
         else:  # docs/compression.md: an all-zero input decodes to zeros, so its unscaled scale is 0
             scale = 0.0 if total == 0.0 else 1.0
         sub_array(buffer, 4 * self.num_words, np.float32, 1)[0] = scale
-        return payload
 
     def _parse(self, payload: Payload) -> tuple[np.ndarray, float]:
         buffer = payload_bytes(payload)
@@ -171,6 +225,47 @@ class OneBit(Compressor):
         """``subtract_signs`` over the chunks of a large array on several threads."""
         run_chunks(lambda lo, hi: subtract_signs(array[lo:hi], words[lo // 32 :], scale),
                    self.bounds)
+
+    def check_payload(self, payload: Payload) -> None:
+        """Raise ValueError for a payload ``decompress`` refuses (decoding nothing)."""
+        self._parse(payload)
+
+    def compress_sum_corrected(self, payloads: list[Payload], ratio: float,
+                               error: np.ndarray, out: np.ndarray) -> torch.Tensor | None:
+        """The payload of ``out = (decompress(p_0) + decompress(p_1) + ...) + ratio *
+        error``, with ``out`` written, in one pass over float32/float64 arrays; None where
+        a value of ``out`` is not finite. ``out`` has the bits of decoding and adding the
+        payloads one by one, then error feedback's pass; the payload is ``compress(out)``'s,
+        except that sum(|out|) adds in another order (the scale may differ in its last
+        bit).
+
+            >>> import numpy as np, torch
+            >>> c = OneBit(numel=2, scaling=True)
+            >>> pushes = [c.compress(torch.tensor([1.0, -1.0])),  # decodes to [1, -1]
+            ...           c.compress(torch.tensor([3.0, 1.0]))]   # decodes to [2, 2]
+            >>> out = np.empty(2, dtype=np.float32)
+            >>> c.decompress(c.compress_sum_corrected(
+            ...     pushes, 1.0, np.array([0.5, 0.0], dtype=np.float32), out))
+            tensor([2.2500, 2.2500])
+            >>> out
+            array([3.5, 1. ], dtype=float32)
+        """
+        parsed = [self._parse(payload) for payload in payloads]
+        words = np.stack([words for words, _ in parsed])
+        bits = out.view(_UNSIGNED_OF[out.itemsize])
+        scale_bits = np.array([scale for _, scale in parsed], dtype=out.dtype).view(bits.dtype)
+        sign_mask = bits.dtype.type(1 << (8 * bits.itemsize - 1))
+        factor = out.dtype.type(ratio)
+        payload = torch.empty(self.payload_size, dtype=torch.uint8)
+        buffer = payload.numpy()
+        signs = sub_array(buffer, 0, np.uint32, self.num_words)
+        chunks = run_chunks(lambda lo, hi: sum_signs_and_pack(
+            words[:, lo // 32 :], scale_bits, sign_mask, factor, error[lo:hi], out[lo:hi],
+            bits[lo:hi], signs[lo // 32 :]), self.bounds)
+        if not all(finite for _, finite in chunks):
+            return None
+        self._write_scale(buffer, sum(total for total, _ in chunks))
+        return payload
 
     def fast_update_error(self, corrected: torch.Tensor, payload: Payload) -> torch.Tensor:
         """corrected -= decompress(payload), in one pass for float32/float64."""

@@ -44,12 +44,13 @@ server stops reading until they catch up), and warnings (rate-limited).
 Non-finite gradients: a push whose values are inf or NaN is refused, naming the node
 (workers never send one: they mark it, see ``bps.common.protocol``). A step of a key with a
 ``nonfinite`` mark is answered with a skip and nothing summed; the server chain then
-stays as it was. So is a float16 raw key whose finite pushes sum beyond float16's
-range (``skip_node`` -1). Where a worker learns that the whole step is skipped (another
-key's mark), node 0 sends ``ABORT`` for its keys: a chain that compressed that step returns
-to its state before it (error feedback keeps the previous error buffer for this, see
-``Compressor.rollback``). The ABORT travels on node 0's connection ahead of its next
-push, so it always arrives before that key's next step can complete.
+stays as it was. So is a key whose finite pushes sum beyond its dtype's range (float16
+raw keys; compressed keys once the server chain's error is added): ``skip_node`` -1.
+Where a worker learns that the whole step is skipped (another key's mark), node 0 sends
+``ABORT`` for its keys: a chain that compressed that step returns to its state before it
+(error feedback keeps the previous error buffer for this, see ``Compressor.rollback``).
+The ABORT travels on node 0's connection ahead of its next push, so it always arrives
+before that key's next step can complete.
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ from bps.common.striping import (
     io_thread_cpu_seconds,
     io_threads,
 )
+from bps.compressors.base import NonFiniteError
 from bps.compressors.finite import tensor_finite
 from bps.compressors.threads import chunk_bounds, run_chunks
 from bps.compressors.warm import load_soon
@@ -123,6 +125,7 @@ class _Step:
     """The sum of one step of one key while its pushes arrive."""
 
     total: torch.Tensor | None = None
+    payloads: list[torch.Tensor] = field(default_factory=list)  # checked, summed at the end
     held: dict[int, tuple[bytes, dict, list[zmq.Frame]]] = field(default_factory=dict)  # not added
     summed: int = 0  # the pushes of nodes 0 .. summed - 1 are in total
     waiters: list[tuple[bytes, int]] = field(default_factory=list)
@@ -139,6 +142,10 @@ class _Step:
     def started(self) -> bool:
         """Whether any push of this step arrived."""
         return self.summed > 0 or bool(self.held)
+
+    def has_values(self) -> bool:
+        """Whether a push with values (not a mark) was added."""
+        return self.total is not None or bool(self.payloads)
 
 
 @dataclass
@@ -161,6 +168,12 @@ class _Key:
     joined: torch.Tensor | None = None  # a raw push in several frames joined, reused
     spare: list[torch.Tensor] = field(default_factory=list)  # sums of finished steps
     state_blob: bytes | None = None  # GET_STATE's answer until the state changes
+
+    def sums_at_the_end(self) -> bool:
+        """Compressed pushes are checked as they arrive and summed in the server chain's
+        error feedback pass once the last one is in (``compress_sum``: one pass where
+        decoding, adding and correcting take three)."""
+        return self.chain is not None and getattr(self.chain, "sums_payloads", False)
 
     def sums_in_place(self) -> bool:
         """Compressed pushes are summed in the key's own dtype (decoded into a reused
@@ -207,6 +220,13 @@ def _add_in_chunks(total: torch.Tensor, values: torch.Tensor,
         total[lo:hi].add_(part)
 
     run_chunks(add, chunk_bounds(total.numel()))
+
+
+def _payload_data(payload: list[zmq.Frame]) -> torch.Tensor:
+    """A compressed push's bytes: a view of its frame, or its frames joined."""
+    if len(payload) > 1:
+        return torch.from_numpy(join_frames(payload))
+    return torch.frombuffer(payload[0].buffer, dtype=torch.uint8)
 
 
 def _as_bytes(tensor: torch.Tensor) -> memoryview:
@@ -341,8 +361,7 @@ class _KeyEngine(threading.Thread):
                 raise RequestError(f"key {state.key} ({state.name!r}): the push of worker "
                                    f"{node} has inf or NaN values")
             return values
-        data = torch.from_numpy(join_frames(payload)) if len(payload) > 1 else \
-            torch.frombuffer(payload[0].buffer, dtype=torch.uint8)
+        data = _payload_data(payload)
         try:
             if add_to is not None:
                 if state.decoded is None:
@@ -472,6 +491,17 @@ class _KeyEngine(threading.Thread):
             if header["mark"] == "nonfinite" and pending.nonfinite is None:
                 pending.nonfinite = (node, header.get("what", ""))
             return
+        if state.sums_at_the_end():
+            data = _payload_data(payload)
+            try:
+                state.chain.check_payload(data)
+            except ValueError as exc:
+                raise RequestError(f"key {state.key} ({state.name!r}): cannot decode payload "
+                                   f"from worker {node}: {exc}") from None
+            if not pending.payloads:
+                pending.lr = float(header["lr"])
+            pending.payloads.append(data)
+            return
         if pending.total is not None and state.sums_in_place():
             # a compressed push adds into the sum directly (a sparse payload touches only
             # its k elements); it is decoded before anything is added
@@ -525,23 +555,24 @@ class _KeyEngine(threading.Thread):
             del state.steps[step]
             state.last_step = step
             state.last_server_s = pending.busy_ns / 1e9
-            if pending.nonfinite is not None or pending.total is None:
+            if pending.nonfinite is not None or not pending.has_values():
                 self._skip(state, step, pending)
                 continue
             summed_ns = time.monotonic_ns()
-            total = pending.total.to(state.dtype)
+            total = None if pending.payloads else pending.total.to(state.dtype)
             if state.chain is None and state.dtype == torch.float16 and not tensor_finite(total):
                 # finite pushes whose sum overflows float16: skipped like an inf pushed
                 pending.nonfinite = (-1, state.name)
                 self._skip(state, step, pending)
                 continue
             if state.chain is not None:
-                if pending.lr > 0:
-                    state.chain.set_lr(pending.lr)
-                summed, total = total, state.chain.compress(total)
+                try:
+                    total = self._compress(state, pending, total)
+                except NonFiniteError:  # finite pushes whose sum (with the error) overflows
+                    pending.nonfinite = (-1, state.name)
+                    self._skip(state, step, pending)
+                    continue
                 state.committed_step = step
-                if state.sums_in_place() and not _shares_memory(summed, total):
-                    state.spare.append(summed)
             encoded_ns = time.monotonic_ns()
             state.last_server_s += (encoded_ns - summed_ns) / 1e9
             tracer = self.server.tracer
@@ -554,6 +585,25 @@ class _KeyEngine(threading.Thread):
             state.last_payload, state.last_skip = total, None
             state.state_blob = None
             self._send_data(state, step, pending.waiters)
+
+    def _compress(self, state: _Key, pending: _Step, total: torch.Tensor | None
+                  ) -> torch.Tensor:
+        """The server chain's payload of the step's sum (``total``, or the checked
+        ``pending.payloads`` where the chain sums them itself). Raises NonFiniteError with
+        the chain unchanged."""
+        chain = state.chain
+        if pending.lr > 0:
+            chain.set_lr(pending.lr)
+        try:
+            if pending.payloads:
+                return chain.compress_sum(pending.payloads)
+            payload = chain.compress(total)
+        except NonFiniteError:
+            chain.cancel()
+            raise
+        if state.sums_in_place() and not _shares_memory(total, payload):
+            state.spare.append(total)
+        return payload
 
     def _skip(self, state: _Key, step: int, pending: _Step) -> None:
         """Answer a step that is not summed: a non-finite mark, or only zero marks."""

@@ -1,6 +1,8 @@
 """Summing pushes without decoding them: ``decompress_add`` against the reference
-decoders, and a server key engine summing real pushes in place (duplicate and
-malformed pushes must leave the sum untouched)."""
+decoders, onebit's sum in the server's error feedback pass (``compress_sum``) against
+the reference chain, and a server key engine summing real pushes (duplicate and
+malformed pushes must leave the sum untouched; a sum beyond the dtype's range skips the
+step and leaves the server chain as it was)."""
 
 import struct
 
@@ -11,6 +13,7 @@ import zmq
 
 from bps.common.protocol import Op, decode, encode
 from bps.compressors import Compressor, build
+from bps.compressors.base import NonFiniteError
 from bps.server.server import RequestError
 from tests.harness import reference_compressors as ref
 from tests.harness.key_engine import serving_key_engine
@@ -85,6 +88,80 @@ def test_bad_payload_leaves_the_sum_untouched(params, payload, match):
     assert total.tolist() == list(range(6))
     with pytest.raises(ValueError, match="total must be"):
         c.decompress_add(c.compress(torch.ones(6)), torch.zeros(7))
+
+
+def onebit_payload(numel: int, negative: list[int], scale: float) -> bytes:
+    """A onebit payload: the sign bits of the indices in ``negative`` set, then the scale."""
+    words = [0] * ((numel + 31) // 32)
+    for i in negative:
+        words[i // 32] |= 1 << (31 - i % 32)
+    return struct.pack(f"<{len(words)}If", *words, scale)
+
+
+ONEBIT_EF = {"compressor": "onebit", "scaling": True, "ef": "vanilla"}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("chunked", [False, True], ids=["one-pass", "chunks"])
+def test_a_server_chain_sums_onebit_pushes_in_its_error_feedback_pass(monkeypatch, dtype,
+                                                                       chunked):
+    """``compress_sum``: 3 nodes' pushes decoded and added in node order, the error added
+    (scaled when the learning rate changes), one bit per value and the residual kept:
+    the payload and error of the reference chain given the reference sum, step after
+    step, in one pass or in chunks on several threads (numel 1000 ends in a part word)."""
+    from bps.compressors import threads
+
+    if chunked:
+        monkeypatch.setattr(threads, "MIN_CHUNK", 64)
+        monkeypatch.setattr(threads, "THREADS", 4)
+    numel, torch_dtype = 1000, ref.TORCH_DTYPE[dtype]
+    server = build(ONEBIT_EF, numel, torch_dtype, role="server")
+    assert server.sums_payloads and len(server.inner.bounds) == (4 if chunked else 1)
+    encode_ref, decode_ref = ref_codec(ONEBIT_EF, numel, dtype)
+    reference = ref.RefChain(encode_ref, decode_ref, numel, dtype, ef=True, mu=None)
+    workers = [build({"compressor": "onebit", "scaling": True}, numel, torch_dtype)
+               for _ in range(3)]
+    for step, lr in enumerate([0.1, 0.05, 0.05]):
+        pushes = [w.compress(sample(numel, dtype, seed=10 * step + n))
+                  for n, w in enumerate(workers)]
+        total = np.zeros(numel)
+        for push in pushes:
+            total = ref.round_to(total + decode_ref(push.numpy().tobytes()), dtype)
+        server.set_lr(lr)
+        reference.set_lr(lr)
+        payload = server.compress_sum(pushes)
+        assert payload.numpy().tobytes() == reference.compress(total), f"step {step}"
+        np.testing.assert_array_equal(as_values(server.error), reference.error,
+                                      err_msg=f"step {step}")
+
+
+def test_a_server_sum_beyond_the_dtype_range_changes_nothing():
+    """Finite pushes whose sum overflows float32: NonFiniteError, and the chain's error
+    and learning rates stay as they were (the next step is the reference's, which never
+    saw the refused one)."""
+    numel = 40
+    server = build(ONEBIT_EF, numel, role="server")
+    encode_ref, decode_ref = ref_codec(ONEBIT_EF, numel, "float32")
+    reference = ref.RefChain(encode_ref, decode_ref, numel, "float32", ef=True, mu=None)
+    worker = build({"compressor": "onebit", "scaling": True}, numel)
+
+    def step(lr: float, seed: int) -> None:
+        pushes = [worker.compress(sample(numel, "float32", seed=seed + n)) for n in range(2)]
+        total = ref.round_to(decode_ref(pushes[0].numpy().tobytes())
+                             + decode_ref(pushes[1].numpy().tobytes()), "float32")
+        server.set_lr(lr)
+        reference.set_lr(lr)
+        assert server.compress_sum(pushes).numpy().tobytes() == reference.compress(total)
+
+    step(0.1, seed=1)
+    error = server.error.clone()
+    huge = onebit_payload(numel, [3], 3e38)  # 3e38 + 3e38 is beyond float32
+    server.set_lr(0.4)
+    with pytest.raises(NonFiniteError, match="inf or NaN"):
+        server.compress_sum([huge, huge])
+    assert torch.equal(server.error, error) and server.ratio == 1.0
+    step(0.05, seed=3)  # the ratio is 0.1 / 0.05, not 0.4 / 0.05
+    np.testing.assert_array_equal(as_values(server.error), reference.error)
 
 
 class PlainCodec(Compressor):
@@ -170,6 +247,48 @@ def test_server_sums_compressed_pushes_in_place(key_engine):
             data = reply()
             assert data["op"] == Op.DATA and bytes(data["body"]) == expected, f"step {step}"
     assert len(engine.keys[5].spare) == 1  # one sum buffer, reused every step
+
+
+@pytest.mark.parametrize("params", [ONEBIT_EF, {"compressor": "topk", "k": 2, "ef": "vanilla"}],
+                         ids=["onebit", "topk"])
+def test_a_compressed_sum_beyond_the_dtype_range_skips_the_step(key_engine, params):
+    """Finite pushes whose float32 sum overflows: every pusher gets the step's skip
+    (``skip_node`` -1, as a float16 raw key's overflow), not an error to one of them and
+    silence to the others, and the server chain is as before: the next step's aggregate
+    is the reference's that never saw the skipped one. onebit sums in its error
+    feedback pass, topk decodes and adds each push as it arrives."""
+    engine, request, reply = key_engine
+    numel = 64
+    request(Op.REGISTER, key=8, numel=numel, dtype="float32", name="w", params=params, node=0)
+    assert engine.keys[8].sums_at_the_end() == (params is ONEBIT_EF)
+    if params is ONEBIT_EF:
+        huge = onebit_payload(numel, [5], 3e38)
+    else:
+        huge = topk_payload([5, 9], [3e38, 1.0])
+    worker = build({key: value for key, value in params.items() if key != "ef"}, numel)
+    encode_ref, decode_ref = ref_codec(params, numel, "float32")
+    reference = ref.RefChain(encode_ref, decode_ref, numel, "float32", ef=True, mu=None)
+
+    def push(node: int, body: bytes, step: int) -> dict:
+        return request(Op.PUSH, body, key=8, step=step, node=node, dtype="float32",
+                       numel=numel, nbytes=len(body), lr=0.1)
+
+    for node in range(3):
+        assert push(node, huge, step=0)["op"] == Op.ACK
+    for _ in range(3):
+        data = reply()
+        assert (data["op"], data["skip"], data["skip_node"]) == (Op.DATA, "nonfinite", -1)
+    pushes = [worker.compress(sample(numel, "float32", seed=n, distinct=True)).numpy().tobytes()
+              for n in range(3)]
+    total = np.zeros(numel)
+    for node, body in enumerate(pushes):
+        assert push(node, body, step=1)["op"] == Op.ACK
+        total = ref.round_to(total + decode_ref(body), "float32")
+    reference.set_lr(0.1)
+    expected = reference.compress(total)
+    for _ in range(3):
+        data = reply()
+        assert data["op"] == Op.DATA and "skip" not in data and data["body"] == expected
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
