@@ -19,6 +19,7 @@ Example::
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import threading
 import time
@@ -29,6 +30,8 @@ import torch
 
 from .finite import divide_checked, tensor_finite
 from .registry import build
+
+log = logging.getLogger("bps.compressors")
 
 # Every built-in host chain in the forms jobs use most: error feedback and the
 # worker's Nesterov momentum around each compressor, and dithering's other options.
@@ -77,6 +80,8 @@ def _run_chain(params: dict, numel: int, dtype: torch.dtype) -> None:
             server.decompress(form, total)
             server.decompress_add(form, total, out)
         pulled = server.compress(total)
+        if getattr(server, "sums_payloads", False):  # a server sums these in one pass
+            pulled = server.compress_sum([payload, payload.numpy().tobytes()])
         for form in (pulled, pulled.numpy().tobytes()):
             worker.decompress(form, out)
 
@@ -128,7 +133,12 @@ def _load(params: dict | None, dtype: torch.dtype) -> None:
     divide_checked(values.numpy().copy(), 2.0, np.inf)  # a worker's push of its share
     tensor_finite(values.to(dtype))  # a server's check of an uncompressed push
     if params is not None and params.get("compressor") is not None:
-        _run_chain(params, LOAD_NUMEL, dtype)
+        try:
+            _run_chain(params, LOAD_NUMEL, dtype)
+        except (TypeError, ValueError) as exc:
+            # a chain whose options fix its size (powersgd's matrix shape) has no chain of
+            # LOAD_NUMEL elements: its kernels load with its first step
+            log.debug("kernels of %s not loaded ahead: %s", params.get("compressor"), exc)
 
 
 def main() -> int:

@@ -260,30 +260,35 @@ def test_a_job_after_warm_kernels_compiles_nothing(tmp_path) -> None:
 LOAD_SOON = """
 import torch
 from bps.compressors.finite import divide_finite_inplace, all_finite
-from bps.compressors.onebit import pack_signs, subtract_signs, unpack_signs
+from bps.compressors.onebit import pack_signs, subtract_signs, sum_signs_and_pack, unpack_signs
 from bps.compressors.warm import load_soon, wait_loaded
 torch.manual_seed(5)
 before = torch.get_rng_state()
 load_soon({"compressor": "onebit", "ef": "vanilla"}, torch.float32)
 load_soon({"compressor": "onebit", "ef": "vanilla"}, torch.float32)  # once per process
+# a chain whose size its options fix (a key's matrix shape) loads with its first step
+load_soon({"compressor": "powersgd", "rank": 1, "shape": [1, 150, 150]}, torch.float32)
 assert wait_loaded(timeout=240)
 assert torch.equal(torch.get_rng_state(), before), "the load drew random numbers"
 print(len(divide_finite_inplace.signatures), len(all_finite.signatures),
       len(pack_signs.signatures), len(subtract_signs.signatures),
-      len(unpack_signs.signatures))
+      len(unpack_signs.signatures), len(sum_signs_and_pack.signatures))
 """
 
 
 def test_load_soon_loads_a_chains_kernels_without_touching_the_job() -> None:
     """``load_soon`` (a trainer's construction, a server's declaration) leaves the
     kernels of the declared chain and of the inf/NaN checks loaded, read-only payloads
-    included, once per process, and draws nothing from torch's random generator."""
+    and the server's sum in its error feedback pass included, once per process, draws
+    nothing from torch's random generator, and passes over a chain it cannot build at
+    its size without a word."""
     import subprocess
     import sys
 
     result = subprocess.run([sys.executable, "-c", LOAD_SOON], capture_output=True,
                             text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
     # payloads are decoded both as a chain's own (writable) and as a frame's (read-only):
-    # numba keeps a signature for each
-    assert result.stdout.split() == ["1", "1", "1", "2", "2"], result.stdout
+    # numba keeps a signature for each; the server's sum stacks them into one array
+    assert result.stdout.split() == ["1", "1", "1", "2", "2", "1"], result.stdout
