@@ -191,22 +191,26 @@ class Scheduler:
 
     def _check_stalls(self, now: float) -> None:
         """A worker that has pushed before but stays behind another worker's step for
-        BPS_HEARTBEAT_TIMEOUT has stopped stepping (its main thread hangs, while its I/O
-        thread still heartbeats): the others wait for a push that does not come."""
+        BPS_HEARTBEAT_TIMEOUT, pushing nothing for as long, has stopped stepping (its main
+        thread hangs, while its I/O thread still heartbeats): the others wait for a push
+        that does not come. Of several, the one silent longest is named. Its last step may
+        have been reported after the leader's (heartbeats are periodic, each node's in its
+        own phase): it still counts from its own report."""
         workers = [n for n in self.nodes.values() if n.role == "worker" and not n.finalized]
         if len(workers) < 2:
             return
+        timeout = self.env.heartbeat_timeout
         leader = max(workers, key=lambda n: (n.step, -n.step_since))
         waited = now - leader.step_since
-        if waited <= self.env.heartbeat_timeout:
+        if waited <= timeout:
             return
-        for node in workers:
-            if 0 <= node.step < leader.step and now - node.step_since > waited - 1e-9:
-                self._fail(f"{node.label} stopped stepping: its last push was of step "
-                           f"{node.step}, {now - node.step_since:.1f} s ago, while "
-                           f"{leader.label} has waited {waited:.1f} s with step {leader.step} "
-                           f"(BPS_HEARTBEAT_TIMEOUT={self.env.heartbeat_timeout:g})")
-                return
+        behind = [n for n in workers if 0 <= n.step < leader.step and now - n.step_since > timeout]
+        if behind:
+            node = min(behind, key=lambda n: n.step_since)
+            self._fail(f"{node.label} stopped stepping: its last push was of step "
+                       f"{node.step}, {now - node.step_since:.1f} s ago, while "
+                       f"{leader.label} has waited {waited:.1f} s with step {leader.step} "
+                       f"(BPS_HEARTBEAT_TIMEOUT={timeout:g})")
 
     def _silent_node(self, now: float) -> _Node | None:
         """A node not finished and silent for more than BPS_HEARTBEAT_TIMEOUT, or None.

@@ -549,6 +549,41 @@ def test_own_stall_is_not_taken_for_a_silent_peer() -> None:
         client.close(linger=0)
 
 
+def test_a_worker_that_stopped_stepping_is_named_whenever_its_step_was_reported() -> None:
+    """The scheduler's stall rule: a worker behind the leader's step, pushing nothing for
+    BPS_HEARTBEAT_TIMEOUT while the leader waits as long, is named, also where its last
+    step's heartbeat arrived after the leader's (each node heartbeats in its own phase);
+    one that pushed within the timeout is not, and neither is anyone before the leader
+    has waited the timeout."""
+    import time
+
+    import zmq
+
+    from bps.server.scheduler import Scheduler, _Node
+
+    env = ClusterEnv.from_environ({**BASE, "DMLC_PS_ROOT_URI": "127.0.0.1"})
+    timeout, start = env.heartbeat_timeout, time.monotonic()
+    scheduler = Scheduler(env)
+    scheduler.sock = zmq.Context.instance().socket(zmq.ROUTER)  # PEER_DEAD to nobody
+    try:
+        nodes = [_Node(f"w{rank}".encode(), "worker", rank, "127.0.0.1", last_seen=start)
+                 for rank in range(3)]
+        scheduler.nodes = {node.identity: node for node in nodes}
+        steps = [(3, start), (2, start + 0.1), (2, start + 0.2)]  # 1 and 2 heard after 0
+        for node, (step, since) in zip(nodes, steps, strict=True):
+            node.step, node.step_since = step, since
+        scheduler._check_stalls(start + timeout - 0.1)  # the leader has not waited enough
+        assert scheduler.verdict is None
+        nodes[2].step_since = start + timeout  # worker 2 pushed again since: not it
+        scheduler._check_stalls(start + timeout + 0.5)
+        assert scheduler.verdict is not None
+        assert scheduler.verdict.startswith("worker 1 at 127.0.0.1 stopped stepping: its "
+                                            "last push was of step 2"), scheduler.verdict
+        assert "while worker 0 at 127.0.0.1 has waited" in scheduler.verdict
+    finally:
+        scheduler.sock.close(linger=0)
+
+
 def one_worker_scheduler_env(cluster_key: str) -> ClusterEnv:
     """A scheduler's environment for one worker and one server, on a free loopback port."""
     from bps.launch.role import free_port
