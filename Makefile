@@ -20,11 +20,16 @@ setup: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check .
 
+# Most tests run real processes that wait on each other: two test processes keep two
+# cores busy. A file's tests stay in one of them, so they share the file's clusters.
+TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+
 test: $(STAMP) lint
-	$(PY) -m pytest -q -m "not slow"
+	$(PYTEST) -m "not slow"
 
 test-all: $(STAMP) lint
-	$(PY) -m pytest -q
+	$(PYTEST)
 
 demo: $(STAMP)
 	PYTHONUNBUFFERED=1 $(VENV)/bin/bpslaunch local --workers 2 --servers 1 -- \
