@@ -337,18 +337,18 @@ class ResidualCompress(Protocol):
 
 @runtime_checkable
 class PayloadSum(Protocol):
-    """A server's sum of pushes, its error feedback's correction and the compression in
-    one pass, without decoding the pushes first (onebit): ``check_payload(payload)``
-    raises ValueError for a payload ``decompress`` refuses, and
-    ``compress_sum_corrected(payloads, ratio, error, out)`` writes ``out = (D(p_0) +
-    D(p_1) + ...) + ratio * error`` (float32/float64 arrays) with the bits of decoding,
-    adding in order and error feedback's pass, and returns ``out``'s payload, or None
-    where a value of ``out`` is not finite."""
+    """A server's step of error feedback around this compressor with the sum of the
+    pushes built in its pass, the pushes never decoded on their own (onebit, bytegrad):
+    ``check_payload(payload)`` raises ValueError for a payload ``decompress`` refuses, and
+    ``compress_sum_residual(payloads, ratio, error, out)`` (float32/float64 arrays) builds
+    ``g' = (D(p_0) + D(p_1) + ...) + ratio * error`` with the bits of decoding, adding in
+    order and error feedback's pass, and returns the payload of ``g'`` with ``out`` holding
+    ``g' - D(payload)``, the new error; or None where a value of ``g'`` is not finite."""
 
     def check_payload(self, payload: Payload) -> None: ...
 
-    def compress_sum_corrected(self, payloads: list[Payload], ratio: float,
-                               error: np.ndarray, out: np.ndarray) -> torch.Tensor | None: ...
+    def compress_sum_residual(self, payloads: list[Payload], ratio: float,
+                              error: np.ndarray, out: np.ndarray) -> torch.Tensor | None: ...
 
 
 @runtime_checkable

@@ -169,6 +169,57 @@ def decode_chunks(ranges, codes, chunk, first, out, mode):
             decode_sub(codes[start:stop], lo, w, out[start:stop])
 
 
+@njit(nogil=True, cache=True)
+def sum_encode_chunks(ranges_in, codes_in, ratio, error, out, chunk, first, ranges, codes,
+                      scratch):
+    """A server's bytegrad step with error feedback, chunk by chunk while each is in
+    cache: ``g' = (y_0 + y_1 + ...) + ratio * error`` (node m's decoded values from its
+    ``ranges_in[m]`` and ``codes_in[m]``, added in node order into ``out``, each operation
+    rounded as ``decode_chunks`` and ``add_scaled_error`` round them), encoded into
+    ``ranges`` and ``codes`` as ``encode_chunks`` encodes (from a float32 copy of the
+    chunk in ``scratch``), and ``out -= decoded`` as ``decode_chunks`` mode 2,
+    leaving the residual. ``out``, ``error`` and ``codes_in``'s columns start at chunk
+    ``first``. Returns (status, chunk) as ``encode_chunks``."""
+    n = out.size
+    for c in range((n + chunk - 1) // chunk):
+        start = c * chunk
+        stop = min(n, start + chunk)
+        part = out[start:stop]
+        at = 2 * (first + c)
+        for m in range(codes_in.shape[0]):
+            lo = ranges_in[m, at]
+            w = (ranges_in[m, at + 1] - lo) * INV256
+            if m == 0:
+                decode_set(codes_in[m, start:stop], lo, w, part)
+            else:
+                decode_add(codes_in[m, start:stop], lo, w, part)
+        bad = 0
+        for i in range(stop - start):
+            value = part[i] + ratio * error[start + i]
+            part[i] = value
+            bad |= not abs(value) < np.inf
+        if bad:
+            return NOT_FINITE, first + c
+        values = scratch[: stop - start]  # float32, as compress sees a float64 tensor
+        for i in range(stop - start):
+            values[i] = np.float32(part[i])
+        lo, hi, finite = chunk_range(values)
+        if not finite:  # a float64 value beyond float32's range
+            return NOT_FINITE, first + c
+        span = hi - lo
+        if span == np.inf:
+            return RANGE_OVERFLOW, first + c
+        w = span * INV256
+        ranges[at] = lo
+        ranges[at + 1] = hi
+        if w > np.float32(0.0):
+            quantise(values, lo, w, codes[start:stop])
+        else:
+            codes[start:stop] = 0
+        decode_sub(codes[start:stop], lo, w, part)
+    return OK, 0
+
+
 def split_chunks(numel: int, chunk: int) -> list[tuple[int, int]]:
     """Element ranges, on chunk boundaries, for at most THREADS threads of at least
     MIN_CHUNK elements each."""
@@ -222,14 +273,54 @@ class ByteGrad(Compressor):
             lambda lo, hi: encode_chunks(values[lo:hi], chunk, lo // chunk, ranges,
                                          codes[lo:hi]),
             self.bounds)
+        self._check_results(results)
+        return payload
+
+    def _check_results(self, results: list[tuple[int, int]]) -> None:
+        """Raise for the first chunk an encoding refused (NonFiniteError, ValueError)."""
+        chunk = self.chunk
         for status, index in results:
             if status == NOT_FINITE:
                 raise NonFiniteError(f"bytegrad: chunk {index} (elements {index * chunk} to "
-                                 f"{min(self.numel, (index + 1) * chunk) - 1}) holds inf or "
+                                     f"{min(self.numel, (index + 1) * chunk) - 1}) holds inf or "
                                      "NaN entries; bytegrad compresses finite values only")
             if status == RANGE_OVERFLOW:
                 raise ValueError(f"bytegrad: chunk {index}: max - min overflows float32 "
                                  "(values beyond +-1.7e38 of opposite signs)")
+
+    def check_payload(self, payload: Payload) -> None:
+        """Raise ValueError for a payload ``decompress`` refuses (decoding nothing)."""
+        self._parse(payload)
+
+    def compress_sum_residual(self, payloads: list[Payload], ratio: float,
+                              error: np.ndarray, out: np.ndarray) -> torch.Tensor | None:
+        """The payload of ``g' = (decompress(p_0) + decompress(p_1) + ...) + ratio *
+        error`` (float32/float64 arrays) with ``out`` holding ``g' - decompress(payload)``:
+        decoded, added, corrected, encoded and subtracted chunk by chunk, each chunk in
+        cache. The same bits as those steps one pass each; None where a value of ``g'``
+        is not finite (in float32), ValueError where a chunk's range overflows.
+
+            >>> import numpy as np, torch
+            >>> c = ByteGrad(numel=4, chunk=4)
+            >>> pushes = [c.compress(torch.tensor([0.0, 1.0, 2.0, 256.0]))] * 2
+            >>> out = np.empty(4, dtype=np.float32)  # g' = [1, 3, 5, 511]
+            >>> c.decompress(c.compress_sum_residual(pushes, 1.0, np.zeros(4, np.float32), out))
+            tensor([  1.9961,   3.9883,   5.9805, 510.0039])
+        """
+        parsed = [self._parse(payload) for payload in payloads]
+        ranges_in = np.stack([ranges for ranges, _ in parsed])
+        codes_in = np.stack([codes for _, codes in parsed])
+        payload = torch.empty(self.payload_size, dtype=torch.uint8)
+        buffer = payload.numpy()
+        ranges = sub_array(buffer, 0, np.float32, 2 * self.num_chunks)
+        codes = buffer[8 * self.num_chunks:]
+        factor, chunk = out.dtype.type(ratio), self.chunk
+        results = run_chunks(lambda lo, hi: sum_encode_chunks(
+            ranges_in, codes_in[:, lo:hi], factor, error[lo:hi], out[lo:hi], chunk,
+            lo // chunk, ranges, codes[lo:hi], np.empty(chunk, np.float32)), self.bounds)
+        if any(status == NOT_FINITE for status, _ in results):
+            return None
+        self._check_results(results)
         return payload
 
     def _parse(self, payload: Payload) -> tuple[np.ndarray, np.ndarray]:

@@ -83,8 +83,8 @@ class ErrorFeedback(StagedChain, Compressor):
         self.residual_in_pass = isinstance(inner, ResidualCompress)
         self.fast_update = isinstance(inner, FastErrorUpdate)
         # a server sums its pushes in error feedback's pass (compress_sum)
-        self.sums_payloads = (isinstance(inner, PayloadSum) and self.fast_update
-                              and not self.staged and inner.dtype in KERNEL_FLOAT_DTYPES)
+        self.sums_payloads = (isinstance(inner, PayloadSum) and not self.staged
+                              and inner.dtype in KERNEL_FLOAT_DTYPES)
         self.bounds = chunk_bounds(inner.numel)  # a large input runs on several threads
         self.error = torch.zeros(inner.numel, dtype=inner.dtype, device=self.device)
         self.spare: torch.Tensor | None = None  # the other buffer (made on first use)
@@ -196,10 +196,10 @@ class ErrorFeedback(StagedChain, Compressor):
 
     def compress_sum(self, payloads: list[Payload]) -> torch.Tensor:
         """``compress`` of the sum of the decoded ``payloads`` (added in order, as a
-        server adds its nodes' pushes), the sum built in the pass that adds the error:
-        one pass over the partition where decoding, adding and correcting take three.
-        For chains whose ``sums_payloads`` is True; the same bits as decoding the first
-        payload, ``decompress_add`` of the others and ``compress``.
+        server adds its nodes' pushes), the sum built in the pass that adds the error
+        (:class:`~bps.compressors.base.PayloadSum`). For chains whose ``sums_payloads`` is
+        True; the same bits as decoding the first payload, ``decompress_add`` of the
+        others and ``compress`` (onebit's scale aside: see its ``compress_sum_residual``).
 
             >>> import torch
             >>> from bps.compressors.onebit import OneBit
@@ -214,13 +214,12 @@ class ErrorFeedback(StagedChain, Compressor):
             tensor([ 1., -1.])
         """
         self.undo = None
-        corrected = self._spare()
-        payload = self.inner.compress_sum_corrected(payloads, self.ratio, self.error.numpy(),
-                                                    corrected.numpy())
+        residual = self._spare()
+        payload = self.inner.compress_sum_residual(payloads, self.ratio, self.error.numpy(),
+                                                   residual.numpy())
         if payload is None:
             self._refuse()
-        self.inner.fast_update_error(corrected, payload)
-        self._keep(corrected)
+        self._keep(residual)
         return payload
 
     def _refuse(self) -> None:

@@ -178,13 +178,15 @@ class OneBit(Compressor):
         self._write_scale(buffer, total)
         return payload
 
-    def _write_scale(self, buffer: np.ndarray, total: float) -> None:
-        """The payload's scale from sum(|x|) (finite)."""
+    def _write_scale(self, buffer: np.ndarray, total: float) -> float:
+        """Write the payload's scale from sum(|x|) (finite); return it as sent (float32)."""
         if self.scaling:
             scale = total / self.numel
         else:  # docs/compression.md: an all-zero input decodes to zeros, so its unscaled scale is 0
             scale = 0.0 if total == 0.0 else 1.0
-        sub_array(buffer, 4 * self.num_words, np.float32, 1)[0] = scale
+        sent = sub_array(buffer, 4 * self.num_words, np.float32, 1)
+        sent[0] = scale
+        return float(sent[0])
 
     def _parse(self, payload: Payload) -> tuple[np.ndarray, float]:
         buffer = payload_bytes(payload)
@@ -230,25 +232,26 @@ class OneBit(Compressor):
         """Raise ValueError for a payload ``decompress`` refuses (decoding nothing)."""
         self._parse(payload)
 
-    def compress_sum_corrected(self, payloads: list[Payload], ratio: float,
-                               error: np.ndarray, out: np.ndarray) -> torch.Tensor | None:
-        """The payload of ``out = (decompress(p_0) + decompress(p_1) + ...) + ratio *
-        error``, with ``out`` written, in one pass over float32/float64 arrays; None where
-        a value of ``out`` is not finite. ``out`` has the bits of decoding and adding the
-        payloads one by one, then error feedback's pass; the payload is ``compress(out)``'s,
-        except that sum(|out|) adds in another order (the scale may differ in its last
-        bit).
+    def compress_sum_residual(self, payloads: list[Payload], ratio: float,
+                              error: np.ndarray, out: np.ndarray) -> torch.Tensor | None:
+        """The payload of ``g' = (decompress(p_0) + decompress(p_1) + ...) + ratio *
+        error`` (float32/float64 arrays), built in the pass that packs its signs and sums
+        ``|g'|``; ``out`` then holds ``g' - decompress(payload)`` (a second pass). None
+        where a value of ``g'`` is not finite. ``g'`` has the bits of decoding and adding
+        the payloads one by one, then error feedback's pass; the payload is
+        ``compress(g')``'s, except that sum(|g'|) adds in another order (the scale may
+        differ in its last bit).
 
             >>> import numpy as np, torch
             >>> c = OneBit(numel=2, scaling=True)
             >>> pushes = [c.compress(torch.tensor([1.0, -1.0])),  # decodes to [1, -1]
             ...           c.compress(torch.tensor([3.0, 1.0]))]   # decodes to [2, 2]
-            >>> out = np.empty(2, dtype=np.float32)
-            >>> c.decompress(c.compress_sum_corrected(
+            >>> out = np.empty(2, dtype=np.float32)                # g' = [3.5, 1]
+            >>> c.decompress(c.compress_sum_residual(
             ...     pushes, 1.0, np.array([0.5, 0.0], dtype=np.float32), out))
             tensor([2.2500, 2.2500])
             >>> out
-            array([3.5, 1. ], dtype=float32)
+            array([ 1.25, -1.25], dtype=float32)
         """
         parsed = [self._parse(payload) for payload in payloads]
         words = np.stack([words for words, _ in parsed])
@@ -264,7 +267,8 @@ class OneBit(Compressor):
             bits[lo:hi], signs[lo // 32 :]), self.bounds)
         if not all(finite for _, finite in chunks):
             return None
-        self._write_scale(buffer, sum(total for total, _ in chunks))
+        scale = self._write_scale(buffer, sum(total for total, _ in chunks))
+        self._subtract_signs(out, signs, out.dtype.type(scale))
         return payload
 
     def fast_update_error(self, corrected: torch.Tensor, payload: Payload) -> torch.Tensor:

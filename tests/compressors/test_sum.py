@@ -98,29 +98,52 @@ def onebit_payload(numel: int, negative: list[int], scale: float) -> bytes:
     return struct.pack(f"<{len(words)}If", *words, scale)
 
 
+def bytegrad_payload(numel: int, chunk: int, value: float) -> bytes:
+    """A bytegrad payload that decodes to ``value`` everywhere: lo = hi = value."""
+    chunks = -(-numel // chunk)
+    return struct.pack(f"<{2 * chunks}f", *[value] * (2 * chunks)) + b"\0" * numel
+
+
 ONEBIT_EF = {"compressor": "onebit", "scaling": True, "ef": "vanilla"}
+BYTEGRAD_EF = {"compressor": "bytegrad", "chunk": 16, "ef": "vanilla"}
+SUMMED_IN_ONE_PASS = [pytest.param(ONEBIT_EF, id="onebit"),
+                      pytest.param(BYTEGRAD_EF, id="bytegrad")]
+
+
+def worker_of(params: dict, numel: int, dtype: torch.dtype = torch.float32) -> Compressor:
+    """A worker's chain of ``params`` without its error feedback (pushes of a step)."""
+    return build({key: value for key, value in params.items() if key != "ef"}, numel, dtype)
+
+
+def huge_payload(params: dict, numel: int) -> bytes:
+    """A push whose values are finite, but twice which is beyond float32."""
+    if params["compressor"] == "onebit":
+        return onebit_payload(numel, [3], 3e38)
+    return bytegrad_payload(numel, params["chunk"], 3e38)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("chunked", [False, True], ids=["one-pass", "chunks"])
-def test_a_server_chain_sums_onebit_pushes_in_its_error_feedback_pass(monkeypatch, dtype,
-                                                                       chunked):
+@pytest.mark.parametrize("params", SUMMED_IN_ONE_PASS)
+def test_a_server_chain_sums_pushes_in_its_error_feedback_pass(monkeypatch, params, dtype,
+                                                                chunked):
     """``compress_sum``: 3 nodes' pushes decoded and added in node order, the error added
-    (scaled when the learning rate changes), one bit per value and the residual kept:
-    the payload and error of the reference chain given the reference sum, step after
-    step, in one pass or in chunks on several threads (numel 1000 ends in a part word)."""
-    from bps.compressors import threads
+    (scaled when the learning rate changes), compressed and the residual kept: the
+    payload and error of the reference chain given the reference sum, step after step,
+    in one pass or in chunks on several threads (numel 1000 ends in a part word and a
+    part chunk)."""
+    from bps.compressors import bytegrad, threads
 
     if chunked:
-        monkeypatch.setattr(threads, "MIN_CHUNK", 64)
-        monkeypatch.setattr(threads, "THREADS", 4)
+        for module in (threads, bytegrad):
+            monkeypatch.setattr(module, "MIN_CHUNK", 64)
+            monkeypatch.setattr(module, "THREADS", 4)
     numel, torch_dtype = 1000, ref.TORCH_DTYPE[dtype]
-    server = build(ONEBIT_EF, numel, torch_dtype, role="server")
+    server = build(params, numel, torch_dtype, role="server")
     assert server.sums_payloads and len(server.inner.bounds) == (4 if chunked else 1)
-    encode_ref, decode_ref = ref_codec(ONEBIT_EF, numel, dtype)
+    encode_ref, decode_ref = ref_codec(params, numel, dtype)
     reference = ref.RefChain(encode_ref, decode_ref, numel, dtype, ef=True, mu=None)
-    workers = [build({"compressor": "onebit", "scaling": True}, numel, torch_dtype)
-               for _ in range(3)]
+    workers = [worker_of(params, numel, torch_dtype) for _ in range(3)]
     for step, lr in enumerate([0.1, 0.05, 0.05]):
         pushes = [w.compress(sample(numel, dtype, seed=10 * step + n))
                   for n, w in enumerate(workers)]
@@ -135,15 +158,16 @@ def test_a_server_chain_sums_onebit_pushes_in_its_error_feedback_pass(monkeypatc
                                       err_msg=f"step {step}")
 
 
-def test_a_server_sum_beyond_the_dtype_range_changes_nothing():
+@pytest.mark.parametrize("params", SUMMED_IN_ONE_PASS)
+def test_a_server_sum_beyond_the_dtype_range_changes_nothing(params):
     """Finite pushes whose sum overflows float32: NonFiniteError, and the chain's error
     and learning rates stay as they were (the next step is the reference's, which never
     saw the refused one)."""
     numel = 40
-    server = build(ONEBIT_EF, numel, role="server")
-    encode_ref, decode_ref = ref_codec(ONEBIT_EF, numel, "float32")
+    server = build(params, numel, role="server")
+    encode_ref, decode_ref = ref_codec(params, numel, "float32")
     reference = ref.RefChain(encode_ref, decode_ref, numel, "float32", ef=True, mu=None)
-    worker = build({"compressor": "onebit", "scaling": True}, numel)
+    worker = worker_of(params, numel)
 
     def step(lr: float, seed: int) -> None:
         pushes = [worker.compress(sample(numel, "float32", seed=seed + n)) for n in range(2)]
@@ -155,7 +179,7 @@ def test_a_server_sum_beyond_the_dtype_range_changes_nothing():
 
     step(0.1, seed=1)
     error = server.error.clone()
-    huge = onebit_payload(numel, [3], 3e38)  # 3e38 + 3e38 is beyond float32
+    huge = huge_payload(params, numel)
     server.set_lr(0.4)
     with pytest.raises(NonFiniteError, match="inf or NaN"):
         server.compress_sum([huge, huge])
@@ -249,23 +273,21 @@ def test_server_sums_compressed_pushes_in_place(key_engine):
     assert len(engine.keys[5].spare) == 1  # one sum buffer, reused every step
 
 
-@pytest.mark.parametrize("params", [ONEBIT_EF, {"compressor": "topk", "k": 2, "ef": "vanilla"}],
-                         ids=["onebit", "topk"])
+@pytest.mark.parametrize("params", [*SUMMED_IN_ONE_PASS, pytest.param(
+    {"compressor": "topk", "k": 2, "ef": "vanilla"}, id="topk")])
 def test_a_compressed_sum_beyond_the_dtype_range_skips_the_step(key_engine, params):
     """Finite pushes whose float32 sum overflows: every pusher gets the step's skip
     (``skip_node`` -1, as a float16 raw key's overflow), not an error to one of them and
     silence to the others, and the server chain is as before: the next step's aggregate
-    is the reference's that never saw the skipped one. onebit sums in its error
-    feedback pass, topk decodes and adds each push as it arrives."""
+    is the reference's that never saw the skipped one. onebit and bytegrad sum in their
+    error feedback pass, topk decodes and adds each push as it arrives."""
     engine, request, reply = key_engine
     numel = 64
     request(Op.REGISTER, key=8, numel=numel, dtype="float32", name="w", params=params, node=0)
-    assert engine.keys[8].sums_at_the_end() == (params is ONEBIT_EF)
-    if params is ONEBIT_EF:
-        huge = onebit_payload(numel, [5], 3e38)
-    else:
-        huge = topk_payload([5, 9], [3e38, 1.0])
-    worker = build({key: value for key, value in params.items() if key != "ef"}, numel)
+    sparse = params["compressor"] == "topk"
+    assert engine.keys[8].sums_at_the_end() == (not sparse)
+    huge = topk_payload([5, 9], [3e38, 1.0]) if sparse else huge_payload(params, numel)
+    worker = worker_of(params, numel)
     encode_ref, decode_ref = ref_codec(params, numel, "float32")
     reference = ref.RefChain(encode_ref, decode_ref, numel, "float32", ef=True, mu=None)
 
