@@ -572,6 +572,9 @@ class _KeyEngine(threading.Thread):
                     pending.nonfinite = (-1, state.name)
                     self._skip(state, step, pending)
                     continue
+                except Exception as exc:  # every waiter hears of it, not only the last pusher
+                    self._fail_step(state, step, pending, exc)
+                    continue
                 state.committed_step = step
             encoded_ns = time.monotonic_ns()
             state.last_server_s += (encoded_ns - summed_ns) / 1e9
@@ -589,8 +592,8 @@ class _KeyEngine(threading.Thread):
     def _compress(self, state: _Key, pending: _Step, total: torch.Tensor | None
                   ) -> torch.Tensor:
         """The server chain's payload of the step's sum (``total``, or the checked
-        ``pending.payloads`` where the chain sums them itself). Raises NonFiniteError with
-        the chain unchanged."""
+        ``pending.payloads`` where the chain sums them itself). Raises what the chain
+        raised (NonFiniteError, ...), its learning rate as before."""
         chain = state.chain
         if pending.lr > 0:
             chain.set_lr(pending.lr)
@@ -598,17 +601,32 @@ class _KeyEngine(threading.Thread):
             if pending.payloads:
                 return chain.compress_sum(pending.payloads)
             payload = chain.compress(total)
-        except NonFiniteError:
+        except Exception:
             chain.cancel()
             raise
         if state.sums_in_place() and not _shares_memory(total, payload):
             state.spare.append(total)
         return payload
 
-    def _skip(self, state: _Key, step: int, pending: _Step) -> None:
-        """Answer a step that is not summed: a non-finite mark, or only zero marks."""
+    def _fail_step(self, state: _Key, step: int, pending: _Step, exc: Exception) -> None:
+        """The server chain failed on the step's sum: an ERROR to every push and PULL of
+        the step, which no later PULL can fetch either."""
+        msg = (f"key {state.key} ({state.name!r}) step {step}: the server chain failed on "
+               f"the sum: {type(exc).__name__}: {exc}")
+        log.error(msg)
+        self._release(state, pending)
+        state.last_payload, state.last_skip, state.state_blob = None, None, None
+        for ident, rid in pending.waiters:
+            self.out.send_multipart([ident, encode(Op.ERROR, rid=rid, msg=error_text(msg))])
+
+    def _release(self, state: _Key, pending: _Step) -> None:
+        """Give a step's sum buffer back to the key, where it owns one."""
         if pending.total is not None and state.sums_in_place():
             state.spare.append(pending.total)
+
+    def _skip(self, state: _Key, step: int, pending: _Step) -> None:
+        """Answer a step that is not summed: a non-finite mark, or only zero marks."""
+        self._release(state, pending)
         node, what = pending.nonfinite if pending.nonfinite is not None else (-1, "")
         state.last_payload = torch.zeros(0, dtype=torch.uint8)
         state.last_skip = {"skip": "nonfinite" if pending.nonfinite else "zero",

@@ -313,6 +313,46 @@ def test_a_compressed_sum_beyond_the_dtype_range_skips_the_step(key_engine, para
         assert data["op"] == Op.DATA and "skip" not in data and data["body"] == expected
 
 
+def test_a_server_chain_that_fails_on_the_sum_tells_every_waiter(key_engine):
+    """bytegrad refuses a chunk whose max - min overflows float32 (ValueError), which
+    finite pushes can sum to: each of the step's 3 pushers gets an ERROR naming the key,
+    the step and the cause (none waits for its timeout), a late PULL of the step is
+    refused, and the chain is as before: the next step is the reference's."""
+    engine, request, reply = key_engine
+    numel, chunk = 64, 16
+    params = {**BYTEGRAD_EF, "chunk": chunk}
+    request(Op.REGISTER, key=9, numel=numel, dtype="float32", name="w", params=params, node=0)
+    codes = bytes([0, 255] + [128] * (numel - 2))  # about -1e38 and 1e38 in chunk 0
+    wide = struct.pack(f"<{2 * numel // chunk}f", *[-1e38, 1e38] * (numel // chunk)) + codes
+
+    def push(node: int, body: bytes, step: int) -> dict:
+        return request(Op.PUSH, body, key=9, step=step, node=node, dtype="float32",
+                       numel=numel, nbytes=len(body), lr=0.1)
+
+    for node in range(3):
+        assert push(node, wide, step=0)["op"] == Op.ACK
+    for _ in range(3):
+        error = reply()
+        assert error["op"] == Op.ERROR, error
+        assert "key 9 ('w') step 0: the server chain failed" in error["msg"], error
+        assert "max - min overflows float32" in error["msg"], error
+    with pytest.raises(RequestError, match="already completed"):
+        request(Op.PULL, key=9, step=0, node=0)
+    worker = worker_of(params, numel)
+    encode_ref, decode_ref = ref_codec(params, numel, "float32")
+    reference = ref.RefChain(encode_ref, decode_ref, numel, "float32", ef=True, mu=None)
+    total = np.zeros(numel)
+    for node in range(3):
+        body = worker.compress(sample(numel, "float32", seed=node)).numpy().tobytes()
+        assert push(node, body, step=1)["op"] == Op.ACK
+        total = ref.round_to(total + decode_ref(body), "float32")
+    reference.set_lr(0.1)
+    expected = reference.compress(total)
+    for _ in range(3):
+        data = reply()
+        assert data["op"] == Op.DATA and data["body"] == expected
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_a_large_partition_in_chunks_gives_the_bits_of_one_pass(monkeypatch, dtype):
     """The server's error feedback, onebit's sum and re-encode, and a raw sum run a large
