@@ -273,6 +273,33 @@ def test_server_sums_compressed_pushes_in_place(key_engine):
     assert len(engine.keys[5].spare) == 1  # one sum buffer, reused every step
 
 
+def pusher(request, key: int, numel: int):
+    """``push(node, body, step)``: a float32 PUSH of ``key`` at learning rate 0.1."""
+    def push(node: int, body: bytes, step: int) -> dict:
+        return request(Op.PUSH, body, key=key, step=step, node=node, dtype="float32",
+                       numel=numel, nbytes=len(body), lr=0.1)
+    return push
+
+
+def assert_first_step_of_reference(push, reply, params: dict, numel: int, step: int) -> None:
+    """3 workers' pushes of ``step`` get the aggregate of a reference server chain whose
+    first step this is (one that never saw the steps before)."""
+    worker = worker_of(params, numel)
+    encode_ref, decode_ref = ref_codec(params, numel, "float32")
+    reference = ref.RefChain(encode_ref, decode_ref, numel, "float32", ef=True, mu=None)
+    total = np.zeros(numel)
+    for node in range(3):
+        body = worker.compress(sample(numel, "float32", seed=node, distinct=True))
+        body = body.numpy().tobytes()
+        assert push(node, body, step=step)["op"] == Op.ACK
+        total = ref.round_to(total + decode_ref(body), "float32")
+    reference.set_lr(0.1)
+    expected = reference.compress(total)
+    for _ in range(3):
+        data = reply()
+        assert data["op"] == Op.DATA and "skip" not in data and data["body"] == expected
+
+
 @pytest.mark.parametrize("params", [*SUMMED_IN_ONE_PASS, pytest.param(
     {"compressor": "topk", "k": 2, "ef": "vanilla"}, id="topk")])
 def test_a_compressed_sum_beyond_the_dtype_range_skips_the_step(key_engine, params):
@@ -287,30 +314,13 @@ def test_a_compressed_sum_beyond_the_dtype_range_skips_the_step(key_engine, para
     sparse = params["compressor"] == "topk"
     assert engine.keys[8].sums_at_the_end() == (not sparse)
     huge = topk_payload([5, 9], [3e38, 1.0]) if sparse else huge_payload(params, numel)
-    worker = worker_of(params, numel)
-    encode_ref, decode_ref = ref_codec(params, numel, "float32")
-    reference = ref.RefChain(encode_ref, decode_ref, numel, "float32", ef=True, mu=None)
-
-    def push(node: int, body: bytes, step: int) -> dict:
-        return request(Op.PUSH, body, key=8, step=step, node=node, dtype="float32",
-                       numel=numel, nbytes=len(body), lr=0.1)
-
+    push = pusher(request, 8, numel)
     for node in range(3):
         assert push(node, huge, step=0)["op"] == Op.ACK
     for _ in range(3):
         data = reply()
         assert (data["op"], data["skip"], data["skip_node"]) == (Op.DATA, "nonfinite", -1)
-    pushes = [worker.compress(sample(numel, "float32", seed=n, distinct=True)).numpy().tobytes()
-              for n in range(3)]
-    total = np.zeros(numel)
-    for node, body in enumerate(pushes):
-        assert push(node, body, step=1)["op"] == Op.ACK
-        total = ref.round_to(total + decode_ref(body), "float32")
-    reference.set_lr(0.1)
-    expected = reference.compress(total)
-    for _ in range(3):
-        data = reply()
-        assert data["op"] == Op.DATA and "skip" not in data and data["body"] == expected
+    assert_first_step_of_reference(push, reply, params, numel, step=1)
 
 
 def test_a_server_chain_that_fails_on_the_sum_tells_every_waiter(key_engine):
@@ -324,11 +334,7 @@ def test_a_server_chain_that_fails_on_the_sum_tells_every_waiter(key_engine):
     request(Op.REGISTER, key=9, numel=numel, dtype="float32", name="w", params=params, node=0)
     codes = bytes([0, 255] + [128] * (numel - 2))  # about -1e38 and 1e38 in chunk 0
     wide = struct.pack(f"<{2 * numel // chunk}f", *[-1e38, 1e38] * (numel // chunk)) + codes
-
-    def push(node: int, body: bytes, step: int) -> dict:
-        return request(Op.PUSH, body, key=9, step=step, node=node, dtype="float32",
-                       numel=numel, nbytes=len(body), lr=0.1)
-
+    push = pusher(request, 9, numel)
     for node in range(3):
         assert push(node, wide, step=0)["op"] == Op.ACK
     for _ in range(3):
@@ -338,19 +344,7 @@ def test_a_server_chain_that_fails_on_the_sum_tells_every_waiter(key_engine):
         assert "max - min overflows float32" in error["msg"], error
     with pytest.raises(RequestError, match="already completed"):
         request(Op.PULL, key=9, step=0, node=0)
-    worker = worker_of(params, numel)
-    encode_ref, decode_ref = ref_codec(params, numel, "float32")
-    reference = ref.RefChain(encode_ref, decode_ref, numel, "float32", ef=True, mu=None)
-    total = np.zeros(numel)
-    for node in range(3):
-        body = worker.compress(sample(numel, "float32", seed=node)).numpy().tobytes()
-        assert push(node, body, step=1)["op"] == Op.ACK
-        total = ref.round_to(total + decode_ref(body), "float32")
-    reference.set_lr(0.1)
-    expected = reference.compress(total)
-    for _ in range(3):
-        data = reply()
-        assert data["op"] == Op.DATA and data["body"] == expected
+    assert_first_step_of_reference(push, reply, params, numel, step=1)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
