@@ -12,7 +12,9 @@
 # onebit and fp16 raw with one worker node alone on the GPU (no other process
 # time-sliced with it), then onebit with larger partitions (fewer keys, fewer waits),
 # then the host's CURVE striping with pinned connections (bench/ps_throughput.py
-# --striping --quick, whose last column shows how the server's I/O threads shared it).
+# --striping --quick, whose last column shows how the server's I/O threads shared it),
+# then one server's decode, sum and re-encode of GPT-2 small's share on 1 to 16 engine
+# threads (bench/server_throughput.py, about a minute).
 #
 # Write the commit beside the wheels (`git rev-parse --short HEAD > .whl/COMMIT`): the copy
 # that reaches a lent host has no .git, and the reports name it from there.
@@ -58,6 +60,9 @@ if [ "$what" = all ] || [ "$what" = bench ]; then
     step gpu_step ${GPU_STEP_ARGS:-}
     timeout "${STRIPING_TIMEOUT:-150}" python3 bench/ps_throughput.py --striping --quick 2>&1 \
         | tee "$out/ps_striping.log" | tail -16
+    timeout "${SERVER_TIMEOUT:-90}" python3 bench/server_throughput.py --keys 80 \
+        --cases onebit bytegrad --threads 1 4 8 16 --steps 3 \
+        --json "$out/server_throughput.json" 2>&1 | tee "$out/server_throughput.log" | tail -12
 fi
 if [ "$what" = diagnose ]; then
     # shellcheck disable=SC2086
@@ -69,4 +74,7 @@ if [ "$what" = diagnose ]; then
     done
     timeout "${STRIPING_TIMEOUT:-150}" python3 bench/ps_throughput.py --striping --quick 2>&1 \
         | tee "$out/ps_striping.log" | tail -16
+    timeout "${SERVER_TIMEOUT:-90}" python3 bench/server_throughput.py --keys 80 \
+        --cases onebit bytegrad --threads 1 4 8 16 --steps 3 \
+        --json "$out/server_throughput.json" 2>&1 | tee "$out/server_throughput.log" | tail -12
 fi
