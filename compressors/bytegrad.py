@@ -170,17 +170,21 @@ def decode_chunks(ranges, codes, chunk, first, out, mode):
 
 
 @njit(nogil=True, cache=True)
-def sum_encode_chunks(ranges_in, codes_in, ratio, error, out, chunk, first, ranges, codes,
-                      scratch):
+def sum_encode_chunks(ranges_in, codes_in, offset, ratio, error, out, chunk, first, ranges,
+                      codes, scratch):
     """A server's bytegrad step with error feedback, chunk by chunk while each is in
     cache: ``g' = (y_0 + y_1 + ...) + ratio * error`` (node m's decoded values from its
     ``ranges_in[m]`` and ``codes_in[m]``, added in node order into ``out``, each operation
     rounded as ``decode_chunks`` and ``add_scaled_error`` round them), encoded into
     ``ranges`` and ``codes`` as ``encode_chunks`` encodes (from a float32 copy of the
     chunk in ``scratch``), and ``out -= decoded`` as ``decode_chunks`` mode 2,
-    leaving the residual. ``out``, ``error`` and ``codes_in``'s columns start at chunk
-    ``first``. Returns (status, chunk) as ``encode_chunks``."""
+    leaving the residual. ``out`` and ``error`` start at chunk ``first``, which is
+    element ``offset`` of ``codes_in`` (whole: a 2-D slice would compile apart).
+    Returns (status, chunk) as ``encode_chunks``, except that a chunk that is not finite
+    wins over an earlier one whose range overflows (as error feedback's check of the
+    whole ``g'`` comes before ``compress``)."""
     n = out.size
+    overflow = -1
     for c in range((n + chunk - 1) // chunk):
         start = c * chunk
         stop = min(n, start + chunk)
@@ -189,10 +193,11 @@ def sum_encode_chunks(ranges_in, codes_in, ratio, error, out, chunk, first, rang
         for m in range(codes_in.shape[0]):
             lo = ranges_in[m, at]
             w = (ranges_in[m, at + 1] - lo) * INV256
+            pushed = codes_in[m, offset + start : offset + stop]
             if m == 0:
-                decode_set(codes_in[m, start:stop], lo, w, part)
+                decode_set(pushed, lo, w, part)
             else:
-                decode_add(codes_in[m, start:stop], lo, w, part)
+                decode_add(pushed, lo, w, part)
         bad = 0
         for i in range(stop - start):
             value = part[i] + ratio * error[start + i]
@@ -200,6 +205,8 @@ def sum_encode_chunks(ranges_in, codes_in, ratio, error, out, chunk, first, rang
             bad |= not abs(value) < np.inf
         if bad:
             return NOT_FINITE, first + c
+        if overflow >= 0:  # the payload is refused: only g' is still checked
+            continue
         values = scratch[: stop - start]  # float32, as compress sees a float64 tensor
         for i in range(stop - start):
             values[i] = np.float32(part[i])
@@ -208,7 +215,8 @@ def sum_encode_chunks(ranges_in, codes_in, ratio, error, out, chunk, first, rang
             return NOT_FINITE, first + c
         span = hi - lo
         if span == np.inf:
-            return RANGE_OVERFLOW, first + c
+            overflow = first + c
+            continue
         w = span * INV256
         ranges[at] = lo
         ranges[at + 1] = hi
@@ -217,6 +225,8 @@ def sum_encode_chunks(ranges_in, codes_in, ratio, error, out, chunk, first, rang
         else:
             codes[start:stop] = 0
         decode_sub(codes[start:stop], lo, w, part)
+    if overflow >= 0:
+        return RANGE_OVERFLOW, overflow
     return OK, 0
 
 
@@ -298,7 +308,7 @@ class ByteGrad(Compressor):
         error`` (float32/float64 arrays) with ``out`` holding ``g' - decompress(payload)``:
         decoded, added, corrected, encoded and subtracted chunk by chunk, each chunk in
         cache. The same bits as those steps one pass each; None where a value of ``g'``
-        is not finite (in float32), ValueError where a chunk's range overflows.
+        is not finite (in float32), else ValueError where a chunk's range overflows.
 
             >>> import numpy as np, torch
             >>> c = ByteGrad(numel=4, chunk=4)
@@ -316,8 +326,9 @@ class ByteGrad(Compressor):
         codes = buffer[8 * self.num_chunks:]
         factor, chunk = out.dtype.type(ratio), self.chunk
         results = run_chunks(lambda lo, hi: sum_encode_chunks(
-            ranges_in, codes_in[:, lo:hi], factor, error[lo:hi], out[lo:hi], chunk,
-            lo // chunk, ranges, codes[lo:hi], np.empty(chunk, np.float32)), self.bounds)
+            ranges_in, codes_in, lo, factor, error[lo:hi], out[lo:hi], chunk,
+            lo // chunk, ranges, codes[lo:hi], np.empty(min(chunk, hi - lo), np.float32)),
+            self.bounds)
         if any(status == NOT_FINITE for status, _ in results):
             return None
         self._check_results(results)

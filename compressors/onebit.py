@@ -9,7 +9,8 @@ Payload (little-endian), ``W = ceil(numel / 32)``, ``4 * W + 4`` bytes::
                  or 0.0 for an all-zero input (which must decode to zeros)
 
 An input with inf or NaN entries raises NonFiniteError (their sum(|x|) is not finite:
-the check costs nothing); a payload whose scale is not finite is refused.
+the check costs nothing), a float64 one whose scale float32 cannot hold ValueError; a
+payload whose scale is not finite is refused.
 
 Example::
 
@@ -88,13 +89,14 @@ def subtract_signs(corrected, words, scale):
 
 
 @njit(nogil=True, cache=True)
-def sum_signs_and_pack(words, scale_bits, sign_mask, ratio, error, out, bits, signs):
+def sum_signs_and_pack(words, first, scale_bits, sign_mask, ratio, error, out, bits, signs):
     """A server's onebit step in one pass: ``out[i] = (t_0 + t_1 + ...) + ratio *
     error[i]``, where node m's term t_m has the raw bits ``scale_bits[m]`` with
     ``sign_mask`` set where bit i of ``words[m]`` is (the pushes decoded and summed in
     node order, then error feedback's correction, each operation rounded as decoding,
     adding and ``add_scaled_error`` round them), and the sign words of ``out`` written
-    into ``signs`` as ``pack_signs`` writes them. ``bits`` is ``out``'s raw bits.
+    into ``signs`` as ``pack_signs`` writes them. ``bits`` is ``out``'s raw bits; ``out``
+    starts at word ``first`` of ``words`` (whole: a 2-D slice would compile apart).
     Returns (sum(|out|) in float64, whether every value is finite).
 
     Each block of 32 elements is finished while it is in cache (its terms decoded into
@@ -109,12 +111,12 @@ def sum_signs_and_pack(words, scale_bits, sign_mask, ratio, error, out, bits, si
     for w in range((n + 31) // 32):
         base = w * 32
         size = min(32, n - base)
-        word, scale = words[0, w], scale_bits[0]
+        word, scale = words[0, first + w], scale_bits[0]
         for j in range(size):
             negative = (word >> np.uint32(31 - j)) & np.uint32(1)
             bits[base + j] = scale | (sign_mask if negative else zero)
         for m in range(1, words.shape[0]):
-            word, scale = words[m, w], scale_bits[m]
+            word, scale = words[m, first + w], scale_bits[m]
             for j in range(size):
                 negative = (word >> np.uint32(31 - j)) & np.uint32(1)
                 term_bits[j] = scale | (sign_mask if negative else zero)
@@ -179,13 +181,18 @@ class OneBit(Compressor):
         return payload
 
     def _write_scale(self, buffer: np.ndarray, total: float) -> float:
-        """Write the payload's scale from sum(|x|) (finite); return it as sent (float32)."""
+        """Write the payload's scale from sum(|x|) (finite); return it as sent (float32).
+        ValueError where it is beyond float32 or the dtype (a float64 input's can be)."""
         if self.scaling:
             scale = total / self.numel
         else:  # docs/compression.md: an all-zero input decodes to zeros, so its unscaled scale is 0
             scale = 0.0 if total == 0.0 else 1.0
         sent = sub_array(buffer, 4 * self.num_words, np.float32, 1)
-        sent[0] = scale
+        with np.errstate(over="ignore"):
+            sent[0] = scale
+        if not float(sent[0]) <= self.max_scale:
+            raise ValueError(f"onebit: the scale, mean |x| = {scale:g}, is beyond float32's "
+                             f"range (numel={self.numel}, {self.dtype})")
         return float(sent[0])
 
     def _parse(self, payload: Payload) -> tuple[np.ndarray, float]:
@@ -263,7 +270,7 @@ class OneBit(Compressor):
         buffer = payload.numpy()
         signs = sub_array(buffer, 0, np.uint32, self.num_words)
         chunks = run_chunks(lambda lo, hi: sum_signs_and_pack(
-            words[:, lo // 32 :], scale_bits, sign_mask, factor, error[lo:hi], out[lo:hi],
+            words, lo // 32, scale_bits, sign_mask, factor, error[lo:hi], out[lo:hi],
             bits[lo:hi], signs[lo // 32 :]), self.bounds)
         if not all(finite for _, finite in chunks):
             return None

@@ -132,13 +132,15 @@ def _load(params: dict | None, dtype: torch.dtype) -> None:
     values = torch.linspace(-1.0, 1.0, LOAD_NUMEL)
     divide_checked(values.numpy().copy(), 2.0, np.inf)  # a worker's push of its share
     tensor_finite(values.to(dtype))  # a server's check of an uncompressed push
-    if params is not None and params.get("compressor") is not None:
-        try:
-            _run_chain(params, LOAD_NUMEL, dtype)
-        except (TypeError, ValueError) as exc:
-            # a chain whose options fix its size (powersgd's matrix shape) has no chain of
-            # LOAD_NUMEL elements: its kernels load with its first step
-            log.debug("kernels of %s not loaded ahead: %s", params.get("compressor"), exc)
+    # a chain whose options fix its size (powersgd's matrix shape) has no chain of
+    # LOAD_NUMEL elements: its kernels load with its first step
+    if params is None or params.get("compressor") is None or params.get("shape"):
+        return
+    try:
+        _run_chain(params, LOAD_NUMEL, dtype)
+    except Exception as exc:  # a job's own steps will meet it: no traceback from here
+        log.warning("the kernels of %s were not loaded ahead: %s: %s",
+                    params["compressor"], type(exc).__name__, exc)
 
 
 def main() -> int:

@@ -128,7 +128,7 @@ def huge_payload(params: dict, numel: int) -> bytes:
 def test_a_server_chain_sums_pushes_in_its_error_feedback_pass(monkeypatch, params, dtype,
                                                                 chunked):
     """``compress_sum``: 3 nodes' pushes decoded and added in node order, the error added
-    (scaled when the learning rate changes), compressed and the residual kept: the
+    (scaled as the learning rate changes), compressed and the residual kept: the
     payload and error of the reference chain given the reference sum, step after step,
     in one pass or in chunks on several threads (numel 1000 ends in a part word and a
     part chunk)."""
@@ -144,7 +144,8 @@ def test_a_server_chain_sums_pushes_in_its_error_feedback_pass(monkeypatch, para
     encode_ref, decode_ref = ref_codec(params, numel, dtype)
     reference = ref.RefChain(encode_ref, decode_ref, numel, dtype, ef=True, mu=None)
     workers = [worker_of(params, numel, torch_dtype) for _ in range(3)]
-    for step, lr in enumerate([0.1, 0.05, 0.05]):
+    # ratios 0.7, 0.43 and 1: a product that rounds, so a fused multiply-add would show
+    for step, lr in enumerate([0.1, 0.07, 0.03, 0.03]):
         pushes = [w.compress(sample(numel, dtype, seed=10 * step + n))
                   for n, w in enumerate(workers)]
         total = np.zeros(numel)
@@ -321,6 +322,60 @@ def test_a_compressed_sum_beyond_the_dtype_range_skips_the_step(key_engine, para
         data = reply()
         assert (data["op"], data["skip"], data["skip_node"]) == (Op.DATA, "nonfinite", -1)
     assert_first_step_of_reference(push, reply, params, numel, step=1)
+
+
+def test_a_sum_the_payload_cannot_carry_is_refused_with_nothing_changed():
+    """Where the old passes refused a sum, so does the one pass, with the chain's error
+    as before: a float64 onebit key whose finite sum has a mean |g'| beyond float32 (its
+    scale's type) raises ValueError; a bytegrad sum with a chunk whose range overflows
+    float32 and a later one that is not finite raises NonFiniteError, as error
+    feedback's check of the whole sum comes first."""
+    numel = 40
+    onebit = build(ONEBIT_EF, numel, torch.float64, role="server")
+    onebit.set_lr(0.1)
+    huge = onebit_payload(numel, [3], 3e38)  # float64 holds 6e38; float32 does not
+    with pytest.raises(ValueError, match="beyond float32's range"):
+        onebit.compress_sum([huge, huge])
+    assert not onebit.error.any()
+
+    chunk = 16
+    bytegrad = build({**BYTEGRAD_EF, "chunk": chunk}, 2 * chunk, role="server")
+    bytegrad.set_lr(0.1)
+    ranges = struct.pack("<4f", -1e38, 1e38, 2e38, 2e38)  # chunk 0 wide, chunk 1 huge
+    wide_then_huge = ranges + bytes([0, 255] + [128] * (chunk - 2)) + bytes(chunk)
+    with pytest.raises(NonFiniteError):
+        bytegrad.compress_sum([wide_then_huge] * 3)
+    assert not bytegrad.error.any()
+
+
+def test_held_pushes_marks_and_abort_on_a_key_summed_at_the_end(key_engine):
+    """A onebit key summed in its error feedback pass: pushes arriving as node 2, then a
+    zero mark of node 1 (a joined worker), then node 0 are summed in node order without
+    the mark; ABORT of that step returns the server chain to its state before it, so
+    the next step is the first step of a fresh reference."""
+    engine, request, reply = key_engine
+    numel = 96
+    request(Op.REGISTER, key=7, numel=numel, dtype="float32", name="w", params=ONEBIT_EF,
+            node=0)
+    assert engine.keys[7].sums_at_the_end()
+    push = pusher(request, 7, numel)
+    worker = worker_of(ONEBIT_EF, numel)
+    encode_ref, decode_ref = ref_codec(ONEBIT_EF, numel, "float32")
+    bodies = {node: worker.compress(sample(numel, "float32", seed=40 + node)).numpy().tobytes()
+              for node in (0, 2)}
+    assert push(2, bodies[2], step=0)["op"] == Op.ACK
+    assert request(Op.PUSH, None, key=7, step=0, node=1, dtype="float32", numel=numel,
+                   nbytes=0, lr=0.1, mark="zero")["op"] == Op.ACK
+    assert push(0, bodies[0], step=0)["op"] == Op.ACK
+    reference = ref.RefChain(encode_ref, decode_ref, numel, "float32", ef=True, mu=None)
+    reference.set_lr(0.1)
+    total = ref.round_to(decode_ref(bodies[0]) + decode_ref(bodies[2]), "float32")
+    expected = reference.compress(total)
+    for _ in range(3):
+        data = reply()
+        assert data["op"] == Op.DATA and data["body"] == expected
+    assert request(Op.ABORT, key=7, step=0)["op"] == Op.OK
+    assert_first_step_of_reference(push, reply, ONEBIT_EF, numel, step=1)
 
 
 def test_a_server_chain_that_fails_on_the_sum_tells_every_waiter(key_engine):
