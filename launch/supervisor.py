@@ -13,10 +13,11 @@ Each child runs in its own process group, so the whole tree under it (for instan
 are written to our stdout prefixed with ``[name]``. :meth:`wait` returns 0 when every
 non-service child exited 0 (service children, such as the scheduler and the servers, are
 then given ``grace`` seconds to exit on their own before being stopped); as soon as any
-child fails it stops all others and returns that child's exit code (128 + signal for a
-child killed by a signal). Leaving the ``with`` block, an exception or Ctrl-C stops
-every child: SIGTERM, then SIGKILL after ``grace`` seconds. Children get SIGKILL if the
-supervisor itself dies.
+child fails, the others get ``grace`` seconds to exit on their own (the cluster tells its
+processes, and each names the failure as it exits), the rest are stopped, and it returns
+that child's exit code (128 + signal for a child killed by a signal). Leaving the
+``with`` block, an exception or Ctrl-C stops every child: SIGTERM, then SIGKILL after
+``grace`` seconds. Children get SIGKILL if the supervisor itself dies.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO
@@ -146,9 +148,21 @@ class Supervisor:
             if code != 0:
                 self._log(f"{by_process[id(process)].name} exited with code {code}; "
                           "stopping all processes")
+                self._let_exit(running)
                 self.stop_all()
                 return code
         return 0
+
+    def _let_exit(self, running: set[int]) -> None:
+        """Give the children in ``running`` up to ``grace`` seconds to exit on their own
+        after another failed: the cluster tells its processes of a failure, and each
+        names it as it exits (a signal at once would cut those reports short)."""
+        deadline = time.monotonic() + self.grace
+        while running and (left := deadline - time.monotonic()) > 0:
+            try:  # short waits keep Ctrl-C responsive
+                running.discard(id(self._exits.get(timeout=min(left, 0.5))))
+            except queue.Empty:
+                continue
 
     def _get(self) -> subprocess.Popen:
         # short timeouts keep Ctrl-C (KeyboardInterrupt) responsive in the main thread
