@@ -13,7 +13,7 @@ Each child runs in its own process group, so the whole tree under it (for instan
 are written to our stdout prefixed with ``[name]``. :meth:`wait` returns 0 when every
 non-service child exited 0 (service children, such as the scheduler and the servers, are
 then given ``grace`` seconds to exit on their own before being stopped); as soon as any
-child fails, the others get ``grace`` seconds to exit on their own (the cluster tells its
+child fails, the others get ``report`` seconds to exit on their own (the cluster tells its
 processes, and each names the failure as it exits), the rest are stopped, and it returns
 that child's exit code (128 + signal for a child killed by a signal). Leaving the
 ``with`` block, an exception or Ctrl-C stops every child: SIGTERM, then SIGKILL after
@@ -84,8 +84,10 @@ def exit_code(returncode: int) -> int:
 class Supervisor:
     """Starts children and watches them; see the module docstring."""
 
-    def __init__(self, grace: float = 5.0, out: IO[str] | None = None) -> None:
+    def __init__(self, grace: float = 5.0, out: IO[str] | None = None,
+                 report: float = 2.0) -> None:
         self.grace = grace
+        self.report = report  # seconds the others get to name a failure and exit
         self.out = out or sys.stdout
         self.children: list[Child] = []
         self._exits: queue.Queue = queue.Queue()
@@ -154,10 +156,11 @@ class Supervisor:
         return 0
 
     def _let_exit(self, running: set[int]) -> None:
-        """Give the children in ``running`` up to ``grace`` seconds to exit on their own
+        """Give the children in ``running`` up to ``report`` seconds to exit on their own
         after another failed: the cluster tells its processes of a failure, and each
-        names it as it exits (a signal at once would cut those reports short)."""
-        deadline = time.monotonic() + self.grace
+        names it as it exits (a signal at once would cut those reports short). A child
+        that is not a cluster process is told nothing: it waits that long to be stopped."""
+        deadline = time.monotonic() + self.report
         while running and (left := deadline - time.monotonic()) > 0:
             try:  # short waits keep Ctrl-C responsive
                 running.discard(id(self._exits.get(timeout=min(left, 0.5))))

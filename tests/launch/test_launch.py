@@ -118,15 +118,15 @@ def test_help_and_a_bare_call_show_the_three_modes() -> None:
 
 def test_the_others_name_a_failure_before_anything_is_stopped(tmp_path: Path) -> None:
     """One child fails; another, told of it (through a pipe here, by the scheduler in a
-    job), needs a moment to say so and exit: it gets that moment (the grace period) and
-    its line is in the output, and the supervisor returns as soon as it has exited."""
+    job), needs a moment to say so and exit: it gets that moment and its line is in the
+    output, and the supervisor returns as soon as it has exited."""
     told = tmp_path / "told"
     os.mkfifo(told)
     out = io.StringIO()
-    with Supervisor(grace=60, out=out) as supervisor:
+    with Supervisor(out=out, report=60) as supervisor:
         supervisor.spawn([PY, "-c", f"open({str(told)!r}, 'w').write('x'); raise SystemExit(3)"],
                          dict(os.environ), "failing")
-        supervisor.spawn([PY, "-c", f"import time; open({str(told)!r}).read(); time.sleep(1); "
+        supervisor.spawn([PY, "-c", f"import time; open({str(told)!r}).read(); time.sleep(0.3); "
                                     "print('the other one failed', flush=True); "
                                     "raise SystemExit(1)"], dict(os.environ), "peer")
         started = time.monotonic()
@@ -134,7 +134,7 @@ def test_the_others_name_a_failure_before_anything_is_stopped(tmp_path: Path) ->
         waited = time.monotonic() - started
     assert code == 3, out.getvalue()
     assert "[peer] the other one failed" in out.getvalue(), out.getvalue()
-    assert waited < 30, waited  # the peer's exit ended the wait, not the grace period
+    assert waited < 30, waited  # the peer's exit ended the wait, not the report window
 
 
 def test_teardown_is_bounded_when_a_child_cannot_be_waited_for() -> None:
