@@ -93,6 +93,7 @@ class Supervisor:
         self._exits: queue.Queue = queue.Queue()
         self._write_lock = threading.Lock()
         self._muted: set[str] = set()  # children whose output is dropped from now on
+        self._out_closed = False  # ``out`` refused a write: output is dropped from now on
 
     def __enter__(self) -> Supervisor:
         return self
@@ -113,15 +114,23 @@ class Supervisor:
         return child
 
     def _pump(self, name: str, process: subprocess.Popen) -> None:
-        for raw in iter(process.stdout.readline, b""):
-            line = raw.decode("utf-8", "replace").rstrip("\n")
-            if name in self._muted:
-                continue
-            with self._write_lock:
-                self.out.write(f"[{name}] {line}\n")
-                self.out.flush()
-        process.wait()
-        self._exits.put(process)
+        """Copy the child's lines to ``out``; its exit is queued whatever happens to
+        ``out`` (a reader that went away, as ``bpslaunch ... | head``: the child's
+        output is then drained and dropped, and the job still ends)."""
+        try:
+            for raw in iter(process.stdout.readline, b""):
+                if name in self._muted or self._out_closed:
+                    continue
+                line = raw.decode("utf-8", "replace").rstrip("\n")
+                try:
+                    with self._write_lock:
+                        self.out.write(f"[{name}] {line}\n")
+                        self.out.flush()
+                except (OSError, ValueError):  # a broken pipe, a closed file
+                    self._out_closed = True
+        finally:
+            process.wait()
+            self._exits.put(process)
 
     def wait(self, joined: Callable[[], bool] | None = None) -> int:
         """Block until the job ends; returns the exit code (see the module docstring).

@@ -137,6 +137,26 @@ def test_the_others_name_a_failure_before_anything_is_stopped(tmp_path: Path) ->
     assert waited < 30, waited  # the peer's exit ended the wait, not the report window
 
 
+class GoneReader(io.StringIO):
+    """Where the output goes when its reader went away (``bpslaunch ... | head``)."""
+
+    def write(self, text: str) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_a_reader_that_goes_away_does_not_hold_the_job() -> None:
+    """Output that can no longer be written is dropped; the children's exits still end
+    the wait (a child that prints a lot is drained, so it does not block either)."""
+    supervisor = Supervisor(out=GoneReader())
+    with supervisor:
+        supervisor.spawn([PY, "-c", "for i in range(100000): print(i)"], dict(os.environ),
+                         "chatty")
+        finished = threading.Thread(target=lambda: supervisor.wait(), daemon=True)
+        finished.start()
+        finished.join(timeout=60)
+    assert not finished.is_alive(), "wait() hung after its output went away"
+
+
 def test_teardown_is_bounded_when_a_child_cannot_be_waited_for() -> None:
     # A SIGTERM turns into SystemExit wherever the launcher's main thread is; struck just
     # after Popen.wait took its internal lock, it leaves that lock held, and a teardown
