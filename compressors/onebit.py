@@ -136,9 +136,6 @@ def sum_signs_and_pack(words, first, scale_bits, sign_mask, ratio, error, out, b
     return total, bad == 0
 
 
-_UNSIGNED_OF = {4: np.uint32, 8: np.uint64}  # raw bits of float32, float64
-
-
 class OneBit(Compressor):
     """Sign compression: 1 bit per element plus a float32 scale."""
 
@@ -262,8 +259,8 @@ class OneBit(Compressor):
         """
         parsed = [self._parse(payload) for payload in payloads]
         words = np.stack([words for words, _ in parsed])
-        bits = out.view(_UNSIGNED_OF[out.itemsize])
-        scale_bits = np.array([scale for _, scale in parsed], dtype=out.dtype).view(bits.dtype)
+        bits = bit_view(torch.from_numpy(out))
+        scale_bits = bit_view(torch.tensor([scale for _, scale in parsed], dtype=self.dtype))
         sign_mask = bits.dtype.type(1 << (8 * bits.itemsize - 1))
         factor = out.dtype.type(ratio)
         payload = torch.empty(self.payload_size, dtype=torch.uint8)
