@@ -265,7 +265,11 @@ class _KeyEngine(threading.Thread):
         msg = error_text(msg)
         refusals.warning("refused %s from %s: %s", header["op"].name, header.get("peer", "?"),
                          msg)
-        self.out.send_multipart([ident, encode(Op.ERROR, rid=header["rid"], msg=msg)])
+        self._send_error(ident, header["rid"], msg)
+
+    def _send_error(self, ident: bytes, rid: int, msg: str) -> None:
+        """An ERROR reply to request ``rid``; ``msg`` as ``error_text`` bounds it."""
+        self.out.send_multipart([ident, encode(Op.ERROR, rid=rid, msg=msg)])
 
     def _reply(self, ident: bytes, header: bytes, payload: Any = None) -> None:
         """Send a reply; ``payload`` (a buffer) in frames of BPS_FRAME_BYTES."""
@@ -611,13 +615,13 @@ class _KeyEngine(threading.Thread):
     def _fail_step(self, state: _Key, step: int, pending: _Step, exc: Exception) -> None:
         """The server chain failed on the step's sum: an ERROR to every push and PULL of
         the step, which no later PULL can fetch either."""
-        msg = (f"key {state.key} ({state.name!r}) step {step}: the server chain failed on "
-               f"the sum: {type(exc).__name__}: {exc}")
+        msg = error_text(f"key {state.key} ({state.name!r}) step {step}: the server chain "
+                         f"failed on the sum: {type(exc).__name__}: {exc}")
         log.error(msg)
         self._release(state, pending)
         state.last_payload, state.last_skip, state.state_blob = None, None, None
         for ident, rid in pending.waiters:
-            self.out.send_multipart([ident, encode(Op.ERROR, rid=rid, msg=error_text(msg))])
+            self._send_error(ident, rid, msg)
 
     def _release(self, state: _Key, pending: _Step) -> None:
         """Give a step's sum buffer back to the key, where it owns one."""
