@@ -92,6 +92,8 @@ def dequantise(codes: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
 class ByteGradTorch(TorchKernels, ByteGrad):
     """ByteGrad on ``device`` with torch kernels (payload also on ``device``)."""
 
+    graphable = True
+
     def __init__(self, numel: int, dtype: torch.dtype = torch.float32, chunk: int = 1024,
                  device: torch.device | str | None = None):
         ByteGrad.__init__(self, numel, dtype, chunk)
@@ -126,7 +128,8 @@ class ByteGradTorch(TorchKernels, ByteGrad):
                               "NaN entries; bytegrad compresses finite values only")
 
     def _decode_device(self, payload: Payload) -> torch.Tensor:
-        """The float32 values; the ranges are checked on the host (one host sync)."""
+        """The values in the chain's dtype; the ranges are checked on the host (one host
+        sync)."""
         payload = self.device_payload(payload)
         ranges = typed_part(payload, 0, torch.float32, 2 * self.num_chunks)
         host = np.ascontiguousarray(ranges.cpu().numpy())
@@ -135,14 +138,21 @@ class ByteGradTorch(TorchKernels, ByteGrad):
             lo, hi = host[2 * bad], host[2 * bad + 1]
             raise self.bad_payload(f"chunk {bad} has lo={lo}, hi={hi}: expected finite "
                                    "lo <= hi with a finite hi - lo")
-        pairs = ranges.view(-1, 2)
-        return dequantise(payload[8 * self.num_chunks :], pairs[:, 0], pairs[:, 1], self.chunk)
+        return self.decode_checked(payload, ())
+
+    def decode_key(self, payload: np.ndarray) -> tuple:
+        self.check_payload(payload)  # the host decoder's checks
+        return ()
+
+    def decode_checked(self, payload: torch.Tensor, key: tuple) -> torch.Tensor:
+        pairs = typed_part(payload, 0, torch.float32, 2 * self.num_chunks).view(-1, 2)
+        decoded = dequantise(payload[8 * self.num_chunks :], pairs[:, 0], pairs[:, 1],
+                             self.chunk)
+        return decoded if self.dtype == torch.float32 else decoded.to(self.dtype)
 
     def decompress(self, payload: Payload, out: torch.Tensor | None = None) -> torch.Tensor:
-        decoded = self._decode_device(payload)
-        return self.output(out).copy_(decoded)
+        return self.output(out).copy_(self._decode_device(payload))
 
     def fast_update_error(self, corrected: torch.Tensor, payload: Payload) -> torch.Tensor:
         """corrected -= decompress(payload)."""
-        decoded = self._decode_device(payload)
-        return corrected.sub_(decoded if self.dtype == torch.float32 else decoded.to(self.dtype))
+        return corrected.sub_(self._decode_device(payload))

@@ -99,6 +99,22 @@ class StagedChain:
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
+    def graph_key(self) -> tuple | None:
+        """Whether this step's ``encode`` can be replayed from a captured CUDA graph: a
+        hashable tuple of what its kernels bake in besides the input (the addresses of
+        the buffers they read and write), or None where it cannot (host work or a host
+        sync inside, or Python numbers that change between steps). A chain that returns a
+        tuple splits ``encode`` into :meth:`prepare` and :meth:`encode_kernels`."""
+        return None
+
+    def prepare(self) -> None:
+        """The part of ``encode`` that a graph's replay would miss: changes to Python
+        state, and device scalars written before the kernels (none here)."""
+
+    def encode_kernels(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``encode`` after :meth:`prepare`: kernels only, on a checked input."""
+        return self.encode(x)
+
     def commit(self) -> None:
         """Make the state that the last ``encode`` staged current."""
 
@@ -133,12 +149,29 @@ class TorchKernels(StagedChain, Compressor):
         Compressor.__init__(self, numel, dtype)
         self.device = resolve_device(device)
 
+    # whether ``encode`` is kernels only, with no host sync and no per-step Python number
+    graphable: bool = False
+
     def compress(self, x: torch.Tensor) -> torch.Tensor:
         return self.run_staged(x)
+
+    def graph_key(self) -> tuple | None:
+        return () if self.graphable else None
 
     def encode_residual(self, corrected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``encode(corrected)``, then ``corrected -= decompress(payload)`` in place
         (error feedback's residual; ``corrected`` is a scratch buffer of the chain)."""
+        raise NotImplementedError
+
+    def decode_key(self, payload: np.ndarray) -> tuple | None:
+        """Check a payload still on the host as ``decompress`` would, raising the same
+        errors, and return what decoding it depends on besides its bytes (the key of
+        :meth:`decode_checked`'s CUDA graph); None where the checks run on the device."""
+        return None
+
+    def decode_checked(self, payload: torch.Tensor, key: tuple) -> torch.Tensor:
+        """The decoding of a payload (on the device) that :meth:`decode_key` passed with
+        ``key``, as a new tensor of the chain's dtype: kernels only, no host sync."""
         raise NotImplementedError
 
     def status_error(self, code: int, detail: int) -> Exception:

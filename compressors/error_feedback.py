@@ -56,11 +56,13 @@ def add_scaled_error(x, ratio, error, out):
     return bad == 0
 
 
-def add_scaled_error_torch(x: torch.Tensor, ratio: float, error: torch.Tensor,
+def add_scaled_error_torch(x: torch.Tensor, ratio: float | torch.Tensor, error: torch.Tensor,
                            out: torch.Tensor) -> torch.Tensor:
     """``out = x + ratio * error`` with torch ops, each rounded to the tensors' dtype (a
     multiply, then an add: never fused), as ``add_scaled_error`` rounds; ``out`` must not
     alias ``x``. The chains on a device and the float16/bfloat16 host chains use it.
+    ``ratio`` may be a 0-dim tensor of ``error``'s dtype on its device (the same
+    product, and a graph replay reads it anew).
 
         >>> add_scaled_error_torch(torch.ones(2), 0.5, torch.tensor([2.0, -4.0]),
         ...                        torch.empty(2))
@@ -92,6 +94,8 @@ class ErrorFeedback(StagedChain, Compressor):
         self.lr_now: float | None = None
         self.lr_before: tuple | None = None  # (lr_prev, lr_now) before this step's set_lr
         self.undo: tuple | None = None  # (learning rates, error) before the last compress
+        # the ratio on the device, written before the kernels: a replayed graph reads it
+        self.ratio_on_device: torch.Tensor | None = None
 
     def set_lr(self, lr: float) -> None:
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (
@@ -137,8 +141,26 @@ class ErrorFeedback(StagedChain, Compressor):
         spare buffer, the inner chain's payload and the residual in it, no state
         changed and no host sync; ``commit`` or ``discard`` follows."""
         x = self.check_input(x)
+        self.prepare()
+        return self.encode_kernels(x)
+
+    def graph_key(self) -> tuple | None:
+        inner = self.inner.graph_key() if is_staged(self.inner) else None
+        if inner is None or self.dtype not in KERNEL_FLOAT_DTYPES:
+            return None  # float16/bfloat16: the ratio rounds as a float32 scalar
+        return ("error feedback", self.error.data_ptr(), self._spare().data_ptr(), inner)
+
+    def prepare(self) -> None:
         self.undo = None
-        corrected = add_scaled_error_torch(x, self.ratio, self.error, self._spare())
+        self.inner.prepare()
+        if self.dtype in KERNEL_FLOAT_DTYPES:
+            if self.ratio_on_device is None:
+                self.ratio_on_device = torch.empty((), dtype=self.dtype, device=self.device)
+            self.ratio_on_device.fill_(self.ratio)
+
+    def encode_kernels(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ratio = self.ratio if self.ratio_on_device is None else self.ratio_on_device
+        corrected = add_scaled_error_torch(x, ratio, self.error, self._spare())
         refused = flag_status(~torch.isfinite(corrected).all(), CHAIN_NONFINITE)
         if isinstance(self.inner, TorchKernels):
             payload, status = self.inner.encode_residual(corrected)

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from .base import Payload
-from .device import INPUT_NONFINITE, TorchKernels, flag_status, int_view
+from .device import INPUT_NONFINITE, TorchKernels, flag_status
 from .onebit import OneBit
 
 
@@ -75,6 +75,8 @@ def sign_scale(x: torch.Tensor, scaling: bool) -> tuple[torch.Tensor, torch.Tens
 class OneBitTorch(TorchKernels, OneBit):
     """OneBit on ``device`` with torch kernels (payload also on ``device``)."""
 
+    graphable = True
+
     def __init__(self, numel: int, dtype: torch.dtype = torch.float32, scaling: bool = False,
                  device: torch.device | str | None = None):
         OneBit.__init__(self, numel, dtype, scaling)
@@ -98,27 +100,30 @@ class OneBitTorch(TorchKernels, OneBit):
         corrected.sub_(torch.where(negative, -step, step))
         return payload, status
 
-    def _parse_device(self, payload: Payload) -> tuple[torch.Tensor, float]:
-        """(the sign bytes, the scale); the checks read 8 bytes on the host."""
+    def decompress(self, payload: Payload, out: torch.Tensor | None = None) -> torch.Tensor:
         payload = self.device_payload(payload)
-        head = payload[4 * self.num_words - 4 :].cpu().numpy()  # last word and the scale
+        self._check_tail(payload[4 * self.num_words - 4 :].cpu().numpy())  # 8 bytes cross
+        return self.output(out).copy_(self.decode_checked(payload, ()))
+
+    def _check_tail(self, head: np.ndarray) -> None:
+        """The checks of the last sign word and the scale (8 bytes on the host)."""
         scale = float(head[4:].view(np.float32)[0])
         if not (0.0 <= scale <= self.max_scale):  # also inf and NaN
             raise self.bad_payload(f"scale {scale} is not finite and >= 0 in {self.dtype}")
         tail = self.numel % 32
         if tail and int(head[:4].view(np.uint32)[0]) & ((1 << (32 - tail)) - 1):
             raise self.bad_payload("padding bits of the last sign word are not zero")
-        return payload[: 4 * self.num_words], scale
 
-    def decompress(self, payload: Payload, out: torch.Tensor | None = None) -> torch.Tensor:
-        words, scale = self._parse_device(payload)
-        out = self.output(out)
-        positive = int(int_view(torch.tensor([scale], dtype=self.dtype))[0])
-        sign = -(1 << (8 * out.element_size() - 1))
-        bits = int_view(out)
-        bits.fill_(positive)
-        bits.masked_fill_(unpack_signs(words, self.numel), positive | sign)
-        return out
+    def decode_key(self, payload: np.ndarray) -> tuple:
+        self.check_payload(payload)  # the host decoder's checks
+        return ()
+
+    def decode_checked(self, payload: torch.Tensor, key: tuple) -> torch.Tensor:
+        """+scale or -scale by each sign bit (the scale checked >= 0: negating it sets
+        the sign bit alone, as the host decoder does)."""
+        scale = payload[4 * self.num_words :].view(torch.float32)[0].to(self.dtype)
+        return torch.where(unpack_signs(payload[: 4 * self.num_words], self.numel),
+                           -scale, scale)
 
     def fast_update_error(self, corrected: torch.Tensor, payload: Payload) -> torch.Tensor:
         """corrected -= decompress(payload)."""

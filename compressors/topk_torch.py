@@ -16,6 +16,7 @@ Example::
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .base import Payload
@@ -90,6 +91,8 @@ class SparseTorchKernels(TorchKernels):
 class TopKTorch(SparseTorchKernels, TopK):
     """TopK on ``device`` with torch kernels (payload also on ``device``)."""
 
+    graphable = True
+
     def __init__(self, numel: int, dtype: torch.dtype = torch.float32, k: int = 1,
                  device: torch.device | str | None = None):
         TopK.__init__(self, numel, dtype, k)
@@ -123,10 +126,20 @@ class TopKTorch(SparseTorchKernels, TopK):
         return indices.long(), values, ascending
 
     def decompress(self, payload: Payload, out: torch.Tensor | None = None) -> torch.Tensor:
-        indices, values, ascending = self._parse_device(payload)
-        out = self.output(out)
-        out.zero_()
-        if not ascending:  # repeats possible: every write of an index writes its last value
+        _, _, ascending = self._parse_device(payload)
+        decoded = self.decode_checked(self.device_payload(payload), (ascending,))
+        return self.output(out).copy_(decoded)
+
+    def decode_key(self, payload: np.ndarray) -> tuple:
+        indices, _ = self._parse(payload)  # the host decoder's checks
+        return (bool(np.all(indices[1:] > indices[:-1])),)
+
+    def decode_checked(self, payload: torch.Tensor, key: tuple) -> torch.Tensor:
+        """``key``: (whether the indices ascend: else repeats may need the last value)."""
+        indices = typed_part(payload, 0, torch.int32, self.k).long()
+        values = typed_part(payload, self.values_offset, self.dtype, self.k)
+        out = torch.zeros(self.numel, dtype=self.dtype, device=payload.device)
+        if not key[0]:  # every write of an index writes its last value
             values = values[last_of_repeats(indices, self.numel)]
         int_view(out)[indices] = int_view(values)
         return out

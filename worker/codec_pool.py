@@ -120,7 +120,7 @@ class CodecPool:
             elif staging.host_chain:
                 result = decode_into(info.chain, self._joined(frames), info.out)
             else:
-                result = decode_into(info.chain, staging.to_device(frames), info.out)
+                result = staging.decode(info.chain, frames, info.out)
             wait_side_stream(staging.device)
         if staging.device.type == "cuda":
             self._count(pcie_bytes=nbytes if not staging.host_chain
@@ -169,7 +169,7 @@ class CodecPool:
         chain, staging = info.chain, info.staging
         chain.set_lr(lr)
         chain.scale_momentum(momentum_scale)
-        payload, status = chain.encode(tensor)  # no payload where the input is refused
+        payload, status = staging.encode(chain, tensor)  # no payload where refused
         if payload is not None:
             payload = staging.to_host(payload)
         status = staging.status_to_host(status)

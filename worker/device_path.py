@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from bps.common.protocol import join_frames
+from bps.worker.device_graphs import KeyGraphs
 
 __all__ = ["KeyStaging", "decode_into", "on_side_stream", "record_ready", "wait_side_stream"]
 
@@ -85,9 +86,12 @@ class KeyStaging:
     and its pushed bytes have left the worker before its reply arrives, so one set of
     buffers per key suffices."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, cuda_graphs: bool = False, name: str = "") -> None:
         self.device = device
         self.host_chain = False  # the key's chain runs on the host (no device kernels)
+        graphs = cuda_graphs and device.type == "cuda"  # replay kernels (worker.device_graphs)
+        self.encode_graphs = KeyGraphs(graphs, f"{name} encode")
+        self.decode_graphs = KeyGraphs(graphs, f"{name} decode")
         self._host: torch.Tensor | None = None
         self._up: torch.Tensor | None = None
         self._flag: torch.Tensor | None = None
@@ -98,6 +102,41 @@ class KeyStaging:
             pin = self.device.type == "cuda"
             self._host = torch.empty(max(nbytes, 64), dtype=torch.uint8, pin_memory=pin)
         return self._host[:nbytes]
+
+    def encode(self, chain, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key's ``chain.encode(x)``, replayed from a CUDA graph where the chain
+        allows (:mod:`bps.worker.device_graphs`); the payload and status tensors are
+        overwritten by the key's next encode."""
+        key = chain.graph_key() if self.encode_graphs.enabled else None
+        if key is None:
+            return chain.encode(x)
+        x = chain.check_input(x)
+        chain.prepare()
+        return self.encode_graphs.run(key, (x,), chain.encode_kernels)
+
+    def decode(self, chain, frames: list, out: torch.Tensor | None) -> torch.Tensor:
+        """A pulled aggregate (the reply's frames) decoded on the device into ``out``
+        (or a new tensor), queued on the current stream: where the compressor checks
+        payloads on the host (``decode_key``), it is checked before it goes up and
+        decoded without a host sync, from a CUDA graph where they are on; else
+        ``chain.decompress`` checks it on the device."""
+        compressor = chain
+        while hasattr(compressor, "inner"):  # decorators decode as their compressor
+            compressor = compressor.inner
+        decode_key = getattr(compressor, "decode_key", None)
+        if decode_key is None:
+            return decode_into(chain, self.to_device(frames), out)
+        if self.device.type == "cuda":
+            payload = self._host_bytes(sum(len(frame) for frame in frames)).numpy()
+            join_frames(frames, payload)
+        else:
+            payload = join_frames(frames)
+        key = decode_key(payload)
+        if key is None:
+            return decode_into(chain, self.to_device(frames), out)
+        up = self._upload(payload)
+        result = self.decode_graphs.run(key, (up,), lambda p: compressor.decode_checked(p, key))
+        return result.clone() if out is None else out.copy_(result)
 
     def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         """Queue the copy of a device tensor into the key's host buffer on the current
@@ -153,11 +192,19 @@ class KeyStaging:
             join_frames(data, host.numpy())
         else:
             np.copyto(host.numpy(), data)
+        return self._upload(host.numpy()).view(dtype)
+
+    def _upload(self, host: np.ndarray) -> torch.Tensor:
+        """Bytes in the key's pinned buffer (``host``, a view of it) copied up into the
+        key's device buffer, queued on the current stream; on the CPU, as a tensor."""
+        if self.device.type != "cuda":
+            return torch.from_numpy(host)
+        nbytes = host.size
         if self._up is None or self._up.numel() < nbytes:
             self._up = torch.empty(max(nbytes, 64), dtype=torch.uint8, device=self.device)
         up = self._up[:nbytes]
-        up.copy_(host, non_blocking=True)
-        return up.view(dtype)
+        up.copy_(self._host_bytes(nbytes), non_blocking=True)
+        return up
 
 def decode_into(chain, payload: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     """``chain.decompress(payload)`` written into ``out``, which may have another float

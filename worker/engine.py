@@ -67,6 +67,7 @@ from bps.common.striping import server_endpoints
 from bps.common.trace import Tracer
 from bps.compressors.base import MultiRound
 from bps.worker.codec_pool import CodecPool
+from bps.worker.device_graphs import enabled_by_env
 from bps.worker.device_path import KeyStaging, decode_into, on_side_stream, wait_side_stream
 from bps.worker.io_loop import IOLoop, log
 from bps.worker.partition import Placement, partition
@@ -133,6 +134,7 @@ class WorkerEngine:
         self._rounds: dict[int, list[list[KeyInfo]]] = {}
         self._barrier_seq = itertools.count()
         self._host_chain_logged: set[str] = set()
+        self._cuda_graphs = enabled_by_env()  # device chains replay CUDA graphs
         self._stats_lock = threading.Lock()
         self._stats = {f.name: f.default for f in fields(EngineStats)}
         self._codec = CodecPool(self._add_stats, tracer)
@@ -188,7 +190,8 @@ class WorkerEngine:
         if key in self._keys:
             raise ValueError(f"key {key} ({name!r}) declared twice")
         chain = None
-        staging = None if device is None else KeyStaging(torch.device(device))
+        staging = None if device is None else KeyStaging(torch.device(device),
+                                                         self._cuda_graphs, name)
         if params is not None:
             chain = self._build_chain(params, numel, dtype, staging)
             if isinstance(chain, MultiRound):  # only its rounds travel (each declared)

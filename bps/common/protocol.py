@@ -182,6 +182,9 @@ def error_text(msg: str) -> str:
     return msg if len(msg) <= MAX_ERROR_CHARS else msg[:MAX_ERROR_CHARS] + "..."
 
 
+_OPS = {int(op): op for op in Op}
+
+
 def encode(op: Op, **fields: Any) -> bytes:
     """Pack a header frame for ``op`` with ``fields``."""
     fields["v"] = PROTOCOL_VERSION
@@ -203,10 +206,9 @@ def decode(frame: bytes | memoryview) -> dict[str, Any]:
     if version != PROTOCOL_VERSION:
         raise ProtocolError(f"field 'v' (protocol version) is {version!r}, "
                             f"expected {PROTOCOL_VERSION}")
-    try:
-        op = Op(header.get("op"))
-    except ValueError:
-        raise ProtocolError(f"field 'op' has unknown value {header.get('op')!r}") from None
+    op = _OPS.get(header.get("op"))  # a dict, not Op(): Enum's lookup is slow per message
+    if op is None or isinstance(header.get("op"), bool):
+        raise ProtocolError(f"field 'op' has unknown value {header.get('op')!r}")
     header["op"] = op
     for name, types in FIELDS[op].items():
         value = header.get(name, _MISSING)

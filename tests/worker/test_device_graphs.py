@@ -1,0 +1,223 @@
+"""Device chains replayed from CUDA graphs: the same payloads and state as running eagerly.
+
+The CPU tests check which chains may be replayed and the split of ``encode`` that a
+replay relies on; the ``cuda`` test runs graphed chains against eager ones on a GPU.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+
+from bps.compressors import build
+from bps.compressors.device import OK
+from bps.worker.device_graphs import enabled_by_env
+from bps.worker.device_path import KeyStaging
+
+
+@pytest.fixture
+def device_chain(monkeypatch):
+    def make(params: dict, numel: int, dtype=torch.float32, device: str = "cpu"):
+        monkeypatch.setenv("BPS_DEVICE_KERNELS", "1" if device == "cpu" else "0")
+        return build(params, numel, dtype, device=device)
+    return make
+
+
+ONEBIT = {"compressor": "onebit", "scaling": True, "ef": "vanilla"}
+GRAPHED = {
+    "onebit": ONEBIT,
+    "topk": {"compressor": "topk", "k": 0.05, "ef": "vanilla"},
+    "bytegrad": {"compressor": "bytegrad", "chunk": 64, "ef": "vanilla"},
+}
+
+
+def test_the_switch_is_0_or_1():
+    assert enabled_by_env({}) and not enabled_by_env({"BPS_CUDA_GRAPHS": "0"})
+    with pytest.raises(ValueError, match="BPS_CUDA_GRAPHS must be 0 or 1, got 'yes'"):
+        enabled_by_env({"BPS_CUDA_GRAPHS": "yes"})
+
+
+@pytest.mark.parametrize("params", [
+    {"compressor": "randomk", "k": 0.1, "seed": 3, "ef": "vanilla"},  # host draws
+    {"compressor": "dithering", "k": 4, "seed": 3},                     # host coding
+    {**ONEBIT, "momentum": "nesterov", "mu": 0.9},                      # Python decay
+], ids=["randomk", "dithering", "momentum"])
+def test_chains_that_cannot_be_replayed_say_so(device_chain, params):
+    assert device_chain(params, 100).graph_key() is None
+
+
+@pytest.mark.parametrize("name", GRAPHED)
+def test_bare_compressors_are_replayed_with_nothing_baked_in(device_chain, name):
+    params = {k: v for k, v in GRAPHED[name].items() if k != "ef"}
+    assert device_chain(params, 100).graph_key() == ()
+
+
+def test_float16_error_feedback_is_not_replayed(device_chain):
+    # its ratio rounds as a float32 scalar, which a float16 device scalar would not
+    assert device_chain(ONEBIT, 100, torch.float16).graph_key() is None
+
+
+@pytest.mark.parametrize("name", GRAPHED)
+def test_error_feedback_alternates_between_two_graph_keys(device_chain, name):
+    chain = device_chain(GRAPHED[name], 200)
+    keys = []
+    for step in range(4):
+        chain.set_lr(0.1 * (step + 1))  # the ratio changes: not part of the key
+        keys.append(chain.graph_key())
+        payload, status = chain.encode(torch.randn(200))
+        assert status.tolist()[0] == OK
+        chain.commit()
+    assert keys[0] != keys[1] and keys[0] == keys[2] and keys[1] == keys[3]
+
+
+@pytest.mark.parametrize("name", GRAPHED)
+def test_prepare_then_kernels_is_encode(device_chain, name):
+    # a replay runs prepare() in Python and the kernels from the graph: the ratio must
+    # reach them through the device scalar that prepare writes
+    eager, split = device_chain(GRAPHED[name], 300), device_chain(GRAPHED[name], 300)
+    gen = torch.Generator().manual_seed(5)
+    for lr in (0.5, 0.2, 0.3):
+        x = torch.randn(300, generator=gen)
+        eager.set_lr(lr)
+        split.set_lr(lr)
+        a, _ = eager.encode(x)
+        split.prepare()
+        assert float(split.ratio_on_device) == pytest.approx(split.ratio)
+        b, _ = split.encode_kernels(x)
+        assert torch.equal(a, b)
+        eager.commit()
+        split.commit()
+        assert torch.equal(eager.error, split.error)
+
+
+def test_on_the_cpu_nothing_is_captured(device_chain):
+    chain = device_chain(ONEBIT, 64)
+    staging = KeyStaging(torch.device("cpu"), cuda_graphs=True, name="w")
+    assert not staging.encode_graphs.enabled  # CUDA graphs need a CUDA device
+    chain.set_lr(0.1)
+    payload, status = staging.encode(chain, torch.randn(64))
+    assert staging.encode_graphs.captures == 0 and payload.numel() == 12
+
+
+def staged_step(encode, chain, x):
+    """What the codec thread does: encode, read the status, commit or discard; the
+    payload copied (a graph's output is overwritten by its next replay)."""
+    payload, status = encode(x)
+    code, _ = status.tolist()
+    if code != OK:
+        chain.discard()
+        return None
+    chain.commit()
+    return payload.clone()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", GRAPHED)
+def test_graphs_give_the_eager_payloads_and_state(device_chain, name):
+    numel = 4000
+    eager = device_chain(GRAPHED[name], numel, device="cuda")
+    graphed = device_chain(GRAPHED[name], numel, device="cuda")
+    staging = KeyStaging(torch.device("cuda"), cuda_graphs=True, name=name)
+    side = torch.cuda.Stream()
+    gen = torch.Generator().manual_seed(3)
+    with torch.cuda.stream(side):
+        for step in range(9):
+            x = (torch.randn(numel, generator=gen) * 3).cuda()
+            if step == 5:
+                x[7] = torch.nan  # refused by both: nothing changes
+            lr = [0.5, 0.4, 0.4, 0.1, 0.3, 0.3, 0.2, 0.6, 0.6][step]
+            eager.set_lr(lr)
+            graphed.set_lr(lr)
+            before = copy.deepcopy(graphed.state_dict())
+            a = staged_step(eager.encode, eager, x)
+            b = staged_step(lambda x: staging.encode(graphed, x), graphed, x)
+            assert (a is None) == (b is None) == (step == 5), step
+            if a is not None:
+                assert torch.equal(a, b), f"{name}: step {step}: payloads differ"
+            if step == 6:  # rolled back, then done again
+                eager.rollback()
+                graphed.rollback()
+                assert torch.equal(graphed.state_dict()["error"], before["error"])
+                eager.set_lr(lr)
+                graphed.set_lr(lr)
+                a = staged_step(eager.encode, eager, x)
+                b = staged_step(lambda x: staging.encode(graphed, x), graphed, x)
+                assert torch.equal(a, b), f"{name}: step {step} again: payloads differ"
+            assert torch.equal(eager.state_dict()["error"], graphed.state_dict()["error"])
+    graphs = staging.encode_graphs
+    assert graphs.enabled and graphs.captures == 2 and graphs.replays >= 6
+
+
+def aggregates(chain, numel: int, steps: int) -> list[torch.Tensor]:
+    """Payloads as a server sends them: a topk one with repeated, unordered indices."""
+    gen = torch.Generator().manual_seed(9)
+    payloads = []
+    for _ in range(steps):
+        chain.set_lr(0.1)
+        payload = chain.compress(torch.randn(numel, generator=gen).to(chain.device))
+        payloads.append(payload.cpu().clone())
+    if "TopK" in type(chain.inner).__name__:
+        k = chain.inner.k
+        indices = payloads[-1][: 4 * k].view(torch.int32)
+        indices[0], indices[1] = indices[1].clone(), indices[1].clone()  # repeat, not ascending
+    return payloads
+
+
+def frames_of(payload: torch.Tensor) -> list[bytes]:
+    data = payload.numpy().tobytes()
+    return [data[:5], data[5:]]  # a reply in two frames
+
+
+@pytest.mark.parametrize("name", GRAPHED)
+def test_staged_decode_is_decompress(device_chain, name):
+    numel = 300
+    chain = device_chain(GRAPHED[name], numel)
+    staging = KeyStaging(torch.device("cpu"), name=name)
+    for payload in aggregates(device_chain(GRAPHED[name], numel), numel, 3):
+        expected = chain.decompress(payload.clone())
+        out = torch.full((numel,), 5.0)
+        assert staging.decode(chain, frames_of(payload), out) is out
+        assert torch.equal(out.view(torch.int32), expected.view(torch.int32))
+        assert torch.equal(staging.decode(chain, frames_of(payload), None), expected)
+
+
+@pytest.mark.parametrize("name", GRAPHED)
+def test_staged_decode_refuses_what_decompress_refuses(device_chain, name):
+    numel = 300
+    chain = device_chain(GRAPHED[name], numel)
+    payload = aggregates(device_chain(GRAPHED[name], numel), numel, 1)[0]
+    broken = {"onebit": lambda p: p[-4:].copy_(torch.tensor([-1.0]).view(torch.uint8)),
+              "topk": lambda p: p[:4].copy_(torch.tensor([numel]).int().view(torch.uint8)),
+              "bytegrad": lambda p: p[:4].copy_(torch.tensor([9.0]).view(torch.uint8))}
+    bad = payload.clone()
+    broken[name](bad)
+    with pytest.raises(ValueError) as refused:
+        chain.decompress(bad.clone())
+    with pytest.raises(ValueError, match=re.escape(str(refused.value))):
+        KeyStaging(torch.device("cpu")).decode(chain, frames_of(bad), torch.empty(numel))
+    with pytest.raises(ValueError, match="expected exactly"):
+        KeyStaging(torch.device("cpu")).decode(chain, frames_of(payload[:-1]), None)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", GRAPHED)
+def test_graphed_decode_is_decompress(device_chain, name):
+    numel = 4000
+    chain = device_chain(GRAPHED[name], numel, device="cuda")
+    staging = KeyStaging(torch.device("cuda"), cuda_graphs=True, name=name)
+    payloads = aggregates(device_chain(GRAPHED[name], numel, device="cuda"), numel, 6)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        for payload in payloads:
+            expected = chain.decompress(payload.cuda())
+            out = torch.full((numel,), 5.0, device="cuda")
+            staging.decode(chain, frames_of(payload), out)
+            side.synchronize()
+            assert torch.equal(out.view(torch.int32), expected.view(torch.int32))
+    graphs = staging.decode_graphs
+    assert graphs.enabled and graphs.captures >= 1 and graphs.replays >= 3

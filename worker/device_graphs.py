@@ -1,0 +1,124 @@
+"""A key's device kernels replayed from CUDA graphs: one launch instead of dozens.
+
+A chain on a GPU compresses a partition in some 50 small kernels and decodes an
+aggregate in about 10. Each is launched from Python by a codec thread that holds the GIL
+while it does, so with a few dozen keys a step those launches, not the GPU, set the
+step's time. Where a key's kernels depend only on tensors (a chain's ``graph_key()``,
+a compressor's ``decode_key()``: ``bps.compressors.device``), they are captured into a
+CUDA graph once and replayed after that: a replay is one launch.
+
+The first run of a key's kernels is eager (lazy initialisation cannot be captured); the
+next captures them on static input buffers; each later one copies its inputs into those
+buffers and replays the graph captured for the same key (error feedback alternates
+between two buffers, so its encode holds two graphs). Results come back in the graph's
+own output tensors, which the key's next replay overwrites: one push_pull of a key is
+in flight at a time, and its results are copied out before the next.
+
+``BPS_CUDA_GRAPHS=0`` turns this off (the kernels run eagerly, as on the CPU). A key
+that asks for more than :data:`MAX_CAPTURES` captures, or whose capture fails, runs
+eagerly from then on (logged once).
+
+Example (on a codec thread's side stream, as :mod:`bps.worker.device_path` runs it)::
+
+    graphs = KeyGraphs(enabled=True, name="fc.weight[0] encode")
+    payload, status = graphs.run(chain.graph_key(), (x,), chain.encode_kernels)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["ENV_SWITCH", "MAX_CAPTURES", "KeyGraphs", "enabled_by_env"]
+
+log = logging.getLogger("bps")
+
+ENV_SWITCH = "BPS_CUDA_GRAPHS"
+MAX_CAPTURES = 8  # per key: more means its buffers or branches keep changing
+MAX_GRAPHS = 4  # per key: the least recently captured goes first
+_capture_lock = threading.Lock()  # one capture at a time in the process
+
+
+def enabled_by_env(environ: dict | None = None) -> bool:
+    """Whether ``BPS_CUDA_GRAPHS`` (default 1) lets device kernels replay CUDA graphs.
+
+        >>> enabled_by_env({}), enabled_by_env({"BPS_CUDA_GRAPHS": "0"})
+        (True, False)
+    """
+    value = (os.environ if environ is None else environ).get(ENV_SWITCH, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"environment variable {ENV_SWITCH} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+class KeyGraphs:
+    """One key's kernels of one kind (encode, decode) run as ``fn(*inputs)``, replayed
+    from a CUDA graph per ``key`` where enabled; ``enabled`` only on a CUDA device."""
+
+    def __init__(self, enabled: bool, name: str = "") -> None:
+        self.enabled = enabled
+        self.name = name
+        self.captures = 0
+        self.replays = 0
+        self._inputs: tuple[torch.Tensor, ...] | None = None
+        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, object]] = {}
+        self._eager_runs = 0
+
+    def run(self, key: tuple | None, inputs: tuple[torch.Tensor, ...],
+            fn: Callable[..., object]) -> object:
+        """``fn(*inputs)`` on the current (side) stream, or the replay of the graph that
+        captured it for ``key`` (None: always eager). ``fn`` launches kernels only: no
+        host sync, no Python number that is not in ``key``."""
+        if key is None or not self.enabled:
+            return fn(*inputs)
+        entry = self._graphs.get(key)
+        if entry is None:
+            if self.captures >= MAX_CAPTURES:
+                self._stop(f"it asked for more than {MAX_CAPTURES} captures")
+            if self._eager_runs == 0 or not self.enabled:
+                self._eager_runs += 1
+                return fn(*inputs)
+            entry = self._capture(key, inputs, fn)
+            if entry is None:
+                return fn(*inputs)
+        for static, value in zip(self._inputs, inputs, strict=True):
+            static.copy_(value)
+        entry[0].replay()
+        self.replays += 1
+        return entry[1]
+
+    def _capture(self, key: tuple, inputs: tuple[torch.Tensor, ...],
+                 fn: Callable[..., object]) -> tuple | None:
+        """Capture ``fn`` on the static inputs (nothing runs yet); None where the
+        capture failed (the key runs eagerly from then on)."""
+        if self._inputs is None or any(s.shape != v.shape or s.dtype != v.dtype
+                                       for s, v in zip(self._inputs, inputs, strict=True)):
+            self._inputs = tuple(torch.empty_like(value) for value in inputs)
+            self._graphs.clear()
+        graph = torch.cuda.CUDAGraph()
+        with _capture_lock:
+            try:
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    outputs = fn(*self._inputs)
+                finally:
+                    graph.capture_end()
+            except RuntimeError as exc:
+                self._stop(f"capturing it failed: {exc}")
+                return None
+        self.captures += 1
+        if len(self._graphs) >= MAX_GRAPHS:
+            del self._graphs[next(iter(self._graphs))]
+        self._graphs[key] = (graph, outputs)
+        return self._graphs[key]
+
+    def _stop(self, why: str) -> None:
+        if self.enabled:
+            log.warning("%s: %s; its kernels run without CUDA graphs from now on (%s=0 "
+                        "turns them off for every key)", self.name or "a key", why, ENV_SWITCH)
+        self.enabled = False
+        self._graphs.clear()
