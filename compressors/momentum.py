@@ -65,12 +65,14 @@ def nesterov_step_corrected(grad, momentum, decay, mu, ratio, error, momentum_ou
     return bad == 0
 
 
-def nesterov_step_torch(grad: torch.Tensor, momentum: torch.Tensor, decay: float, mu: float,
-                        lookahead: torch.Tensor, momentum_out: torch.Tensor) -> torch.Tensor:
+def nesterov_step_torch(grad: torch.Tensor, momentum: torch.Tensor,
+                        decay: float | torch.Tensor, mu: float, lookahead: torch.Tensor,
+                        momentum_out: torch.Tensor) -> torch.Tensor:
     """``momentum_out = decay * momentum + grad``; ``lookahead = grad + mu * momentum_out``
     with torch ops, each rounded to the tensors' dtype (never fused), as
     ``nesterov_step`` rounds; returns ``lookahead``. The chains on a device and the
-    float16/bfloat16 host chains use it.
+    float16/bfloat16 host chains use it. ``decay`` may be a 0-dim tensor of the
+    momentum's dtype on its device (the same product).
 
         >>> m, look = torch.empty(1), torch.empty(1)
         >>> nesterov_step_torch(torch.ones(1), torch.ones(1), 0.5, 0.5, look, m), m
@@ -98,6 +100,9 @@ class Momentum(StagedChain, Compressor):
         self.lookahead: torch.Tensor | None = None  # g' when the inner chain takes a tensor
         self.undo: torch.Tensor | None = None  # the momentum before the last compress
         self.factor = 1.0  # scale_momentum's, for the next compress only
+        # this step's decay, on the device (written before the kernels: a replayed graph
+        # reads it anew) or, for float16/bfloat16, a Python number
+        self.decay: torch.Tensor | float | None = None
 
     def set_lr(self, lr: float) -> None:
         self.inner.set_lr(lr)
@@ -151,13 +156,34 @@ class Momentum(StagedChain, Compressor):
         state changed (but ``scale_momentum``'s factor, used up as on the host) and no
         host sync; ``commit`` or ``discard`` follows."""
         x = self.check_input(x)
+        self.prepare()
+        return self.encode_kernels(x)
+
+    def graph_key(self) -> tuple | None:
+        inner = self.inner.graph_key() if is_staged(self.inner) else None
+        if inner is None or self.dtype not in KERNEL_FLOAT_DTYPES:
+            return None  # float16/bfloat16: the decay rounds as a float32 scalar
+        self._buffers()
+        return ("momentum", self.momentum.data_ptr(), self.spare.data_ptr(),
+                self._lookahead().data_ptr(), inner)
+
+    def prepare(self) -> None:
         self.undo = None
         decay, self.factor = self.mu * self.factor, 1.0
         self._buffers()
-        lookahead = nesterov_step_torch(x, self.momentum, decay, self.mu, self._lookahead(),
-                                        self.spare)
+        if self.dtype in KERNEL_FLOAT_DTYPES:
+            if not isinstance(self.decay, torch.Tensor):
+                self.decay = torch.empty((), dtype=self.dtype, device=self.device)
+            self.decay.fill_(decay)
+        else:
+            self.decay = decay
+        self.inner.prepare()
+
+    def encode_kernels(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        lookahead = nesterov_step_torch(x, self.momentum, self.decay, self.mu,
+                                        self._lookahead(), self.spare)
         refused = flag_status(~torch.isfinite(lookahead).all(), CHAIN_NONFINITE)
-        payload, status = self.inner.encode(lookahead)
+        payload, status = self.inner.encode_kernels(lookahead)
         return payload, first_bad(refused, status)
 
     def commit(self) -> None:
