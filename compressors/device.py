@@ -28,11 +28,12 @@ Example::
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
-from .base import Compressor, NonFiniteError, Payload, payload_tensor
+from .base import KERNEL_FLOAT_DTYPES, Compressor, NonFiniteError, Payload, payload_tensor
 
 ENV_SWITCH = "BPS_DEVICE_KERNELS"
 OK, CHAIN_NONFINITE, INPUT_NONFINITE, RANGE_OVERFLOW = 0, 1, 2, 3
@@ -97,7 +98,11 @@ class StagedChain:
     staged: bool = True
 
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError
+        """``(payload, status)`` of ``x``; decorators: the input checked, then
+        :meth:`prepare` and :meth:`encode_kernels` (compressors define their own)."""
+        x = self.check_input(x)
+        self.prepare()
+        return self.encode_kernels(x)
 
     def graph_key(self) -> tuple | None:
         """Whether this step's ``encode`` can be replayed from a captured CUDA graph: a
@@ -134,6 +139,18 @@ class StagedChain:
             raise self.status_error(code, detail)
         self.commit()
         return payload
+
+
+def decorator_graph_key(chain, name: str,
+                        buffers: Callable[[], list[torch.Tensor]]) -> tuple | None:
+    """A decorator's ``graph_key``: None where its inner chain's is None, or where its
+    dtype is float16/bfloat16 (the numbers it writes into device scalars round as
+    float32 ones there); else ``name``, the addresses of ``buffers()`` (made on first
+    use) and the inner chain's key."""
+    inner = chain.inner.graph_key() if is_staged(chain.inner) else None
+    if inner is None or chain.dtype not in KERNEL_FLOAT_DTYPES:
+        return None
+    return (name, *(buffer.data_ptr() for buffer in buffers()), inner)
 
 
 def is_staged(chain: object) -> bool:

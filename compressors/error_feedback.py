@@ -40,7 +40,15 @@ from .base import (
     check_state_keys,
     load_buffer,
 )
-from .device import CHAIN_NONFINITE, StagedChain, TorchKernels, first_bad, flag_status, is_staged
+from .device import (
+    CHAIN_NONFINITE,
+    StagedChain,
+    TorchKernels,
+    decorator_graph_key,
+    first_bad,
+    flag_status,
+    is_staged,
+)
 from .threads import chunk_bounds, run_chunks
 
 
@@ -136,19 +144,8 @@ class ErrorFeedback(StagedChain, Compressor):
             self.spare = torch.empty_like(self.error)
         return self.spare
 
-    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The staged half of ``compress`` (a chain with torch kernels): ``g'`` into the
-        spare buffer, the inner chain's payload and the residual in it, no state
-        changed and no host sync; ``commit`` or ``discard`` follows."""
-        x = self.check_input(x)
-        self.prepare()
-        return self.encode_kernels(x)
-
     def graph_key(self) -> tuple | None:
-        inner = self.inner.graph_key() if is_staged(self.inner) else None
-        if inner is None or self.dtype not in KERNEL_FLOAT_DTYPES:
-            return None  # float16/bfloat16: the ratio rounds as a float32 scalar
-        return ("error feedback", self.error.data_ptr(), self._spare().data_ptr(), inner)
+        return decorator_graph_key(self, "error feedback", lambda: [self.error, self._spare()])
 
     def prepare(self) -> None:
         self.undo = None
@@ -159,6 +156,9 @@ class ErrorFeedback(StagedChain, Compressor):
             self.ratio_on_device.fill_(self.ratio)
 
     def encode_kernels(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The staged half of ``compress`` (a chain with torch kernels): ``g'`` into the
+        spare buffer, the inner chain's payload and the residual in it, no state
+        changed and no host sync; ``commit`` or ``discard`` follows."""
         ratio = self.ratio if self.ratio_on_device is None else self.ratio_on_device
         corrected = add_scaled_error_torch(x, ratio, self.error, self._spare())
         refused = flag_status(~torch.isfinite(corrected).all(), CHAIN_NONFINITE)

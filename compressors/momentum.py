@@ -30,7 +30,14 @@ from .base import (
     check_state_keys,
     load_buffer,
 )
-from .device import CHAIN_NONFINITE, StagedChain, first_bad, flag_status, is_staged
+from .device import (
+    CHAIN_NONFINITE,
+    StagedChain,
+    decorator_graph_key,
+    first_bad,
+    flag_status,
+    is_staged,
+)
 
 
 @njit(nogil=True, cache=True)
@@ -150,22 +157,11 @@ class Momentum(StagedChain, Compressor):
             self.lookahead = torch.empty_like(self.momentum)
         return self.lookahead
 
-    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The staged half of ``compress`` (a chain with torch kernels): the new momentum
-        into the spare buffer, the lookahead through the inner chain's ``encode``; no
-        state changed (but ``scale_momentum``'s factor, used up as on the host) and no
-        host sync; ``commit`` or ``discard`` follows."""
-        x = self.check_input(x)
-        self.prepare()
-        return self.encode_kernels(x)
-
     def graph_key(self) -> tuple | None:
-        inner = self.inner.graph_key() if is_staged(self.inner) else None
-        if inner is None or self.dtype not in KERNEL_FLOAT_DTYPES:
-            return None  # float16/bfloat16: the decay rounds as a float32 scalar
-        self._buffers()
-        return ("momentum", self.momentum.data_ptr(), self.spare.data_ptr(),
-                self._lookahead().data_ptr(), inner)
+        def buffers() -> list[torch.Tensor]:
+            self._buffers()
+            return [self.momentum, self.spare, self._lookahead()]
+        return decorator_graph_key(self, "momentum", buffers)
 
     def prepare(self) -> None:
         self.undo = None
@@ -180,6 +176,9 @@ class Momentum(StagedChain, Compressor):
         self.inner.prepare()
 
     def encode_kernels(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The staged half of ``compress`` (a chain with torch kernels): the new momentum
+        into the spare buffer, the lookahead through the inner chain's; no state changed
+        and no host sync; ``commit`` or ``discard`` follows."""
         lookahead = nesterov_step_torch(x, self.momentum, self.decay, self.mu,
                                         self._lookahead(), self.spare)
         refused = flag_status(~torch.isfinite(lookahead).all(), CHAIN_NONFINITE)

@@ -36,6 +36,20 @@ GRAPHED = {
 }
 
 
+def on_cuda(test):
+    """Marked ``cuda``, and skipped without a CUDA device."""
+    needs = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+    return pytest.mark.cuda(needs(test))
+
+
+def cuda_pair(name: str, make) -> tuple:
+    """Two chains of ``GRAPHED[name]`` on the GPU and a staging with graphs on."""
+    numel = 4000
+    return (numel, make(GRAPHED[name], numel, device="cuda"),
+            make(GRAPHED[name], numel, device="cuda"),
+            KeyStaging(torch.device("cuda"), cuda_graphs=True, name=name))
+
+
 def test_the_switch_is_0_or_1():
     assert enabled_by_env({}) and not enabled_by_env({"BPS_CUDA_GRAPHS": "0"})
     with pytest.raises(ValueError, match="BPS_CUDA_GRAPHS must be 0 or 1, got 'yes'"):
@@ -140,14 +154,10 @@ def staged_step(encode, chain, x):
     return payload.clone()
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@on_cuda
 @pytest.mark.parametrize("name", GRAPHED)
 def test_graphs_give_the_eager_payloads_and_state(device_chain, name):
-    numel = 4000
-    eager = device_chain(GRAPHED[name], numel, device="cuda")
-    graphed = device_chain(GRAPHED[name], numel, device="cuda")
-    staging = KeyStaging(torch.device("cuda"), cuda_graphs=True, name=name)
+    numel, eager, graphed, staging = cuda_pair(name, device_chain)
     side = torch.cuda.Stream()
     gen = torch.Generator().manual_seed(3)
     with torch.cuda.stream(side):
@@ -229,14 +239,11 @@ def test_staged_decode_refuses_what_decompress_refuses(device_chain, name):
         KeyStaging(torch.device("cpu")).decode(chain, frames_of(payload[:-1]), None)
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@on_cuda
 @pytest.mark.parametrize("name", GRAPHED)
 def test_graphed_decode_is_decompress(device_chain, name):
-    numel = 4000
-    chain = device_chain(GRAPHED[name], numel, device="cuda")
-    staging = KeyStaging(torch.device("cuda"), cuda_graphs=True, name=name)
-    payloads = aggregates(device_chain(GRAPHED[name], numel, device="cuda"), numel, 6)
+    numel, chain, sender, staging = cuda_pair(name, device_chain)
+    payloads = aggregates(sender, numel, 6)
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
         for payload in payloads:
