@@ -5,7 +5,7 @@
 # pyzmq 27.3 or later and mlxtend for Python 3.12 where the host lacks them; older pyzmq
 # wheels bundle a libsodium that runs CURVE about 15x slower):
 #
-#     bash bench/gpu_host.sh [all|tests|bench|diagnose] [OUTDIR]
+#     bash bench/gpu_host.sh [all|tests|bench|diagnose|profile] [OUTDIR]
 #
 # all: the tests, then the benchmarks (bench/gpu_step.py, then bench/ps_throughput.py
 # --striping --quick). diagnose: what sets the compressed steps, in about 3 minutes:
@@ -14,7 +14,10 @@
 # then the host's CURVE striping with pinned connections (bench/ps_throughput.py
 # --striping --quick, whose last column shows how the server's I/O threads shared it),
 # then one server's decode, sum and re-encode of GPT-2 small's share on 1 to 16 engine
-# threads (bench/server_throughput.py, about a minute).
+# threads (bench/server_throughput.py, about a minute). profile: where one worker node's
+# onebit steps hold the GIL (bench/gil_profile.py under py-spy, whose wheel goes in .whl/
+# too: `pip download py-spy --no-deps --only-binary=:all: --platform manylinux1_x86_64`),
+# with 4 and 32 MB partitions, about 2 minutes.
 #
 # Write the commit beside the wheels (`git rev-parse --short HEAD > .whl/COMMIT`): the copy
 # that reaches a lent host has no .git, and the reports name it from there.
@@ -77,4 +80,12 @@ if [ "$what" = diagnose ]; then
     timeout "${SERVER_TIMEOUT:-90}" python3 bench/server_throughput.py --keys 80 \
         --cases onebit bytegrad --threads 1 4 8 16 --steps 3 \
         --json "$out/server_throughput.json" 2>&1 | tee "$out/server_throughput.log" | tail -12
+fi
+if [ "$what" = profile ]; then
+    for bytes in 4096000 33554432; do
+        BYTEPS_PARTITION_BYTES=$bytes timeout "${PROFILE_TIMEOUT:-100}" python3 \
+            bench/gil_profile.py --out "$out/gil-$bytes.txt" -- python3 bench/gpu_step.py \
+            --only mlp-onebit --workers 1 --steps 300 --warmup 3 --json "$out/gil-$bytes.json" \
+            2>&1 | tee "$out/gil-$bytes.log" | grep -v "^\[" | tail -60
+    done
 fi
