@@ -206,9 +206,10 @@ def decode(frame: bytes | memoryview) -> dict[str, Any]:
     if version != PROTOCOL_VERSION:
         raise ProtocolError(f"field 'v' (protocol version) is {version!r}, "
                             f"expected {PROTOCOL_VERSION}")
-    op = _OPS.get(header.get("op"))  # a dict, not Op(): Enum's lookup is slow per message
-    if op is None or isinstance(header.get("op"), bool):
-        raise ProtocolError(f"field 'op' has unknown value {header.get('op')!r}")
+    value = header.get("op")  # a dict, not Op(): Enum's lookup is slow per message
+    op = _OPS.get(value) if type(value) is int else None  # a list is not hashable
+    if op is None:
+        raise ProtocolError(f"field 'op' has unknown value {value!r}")
     header["op"] = op
     for name, types in FIELDS[op].items():
         value = header.get(name, _MISSING)
