@@ -96,6 +96,8 @@ class StagedChain:
     device: torch.device
     # whether compress runs the two halves: a decorator's follows its inner chain
     staged: bool = True
+    # whether encode_kernels launches kernels only (no host sync), given its inner chain's
+    kernels_only: bool = True
 
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(payload, status)`` of ``x``; decorators: the input checked, then
@@ -143,14 +145,23 @@ class StagedChain:
 
 def decorator_graph_key(chain, name: str,
                         buffers: Callable[[], list[torch.Tensor]]) -> tuple | None:
-    """A decorator's ``graph_key``: None where its inner chain's is None, or where its
-    dtype is float16/bfloat16 (the numbers it writes into device scalars round as
-    float32 ones there); else ``name``, the addresses of ``buffers()`` (made on first
-    use) and the inner chain's key."""
+    """A decorator's ``graph_key``: None where its inner chain's is None, where its
+    ``encode_kernels`` would sync with the host, or where its dtype is float16/bfloat16
+    (the numbers it writes into device scalars round as float32 ones there); else
+    ``name``, the addresses of ``buffers()`` (made on first use) and the inner key."""
     inner = chain.inner.graph_key() if is_staged(chain.inner) else None
-    if inner is None or chain.dtype not in KERNEL_FLOAT_DTYPES:
+    if inner is None or chain.dtype not in KERNEL_FLOAT_DTYPES or not chain.kernels_only:
         return None
     return (name, *(buffer.data_ptr() for buffer in buffers()), inner)
+
+
+def write_scalar(scalar: torch.Tensor, value: float) -> None:
+    """``value`` into a 0-dim float tensor as a multiply by the Python number rounds it:
+    beyond float32's range, inf (where ``fill_`` would refuse it)."""
+    if scalar.dtype == torch.float32:
+        with np.errstate(over="ignore"):
+            value = float(np.float32(value))
+    scalar.fill_(value)
 
 
 def is_staged(chain: object) -> bool:

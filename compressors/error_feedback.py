@@ -48,6 +48,7 @@ from .device import (
     first_bad,
     flag_status,
     is_staged,
+    write_scalar,
 )
 from .threads import chunk_bounds, run_chunks
 
@@ -88,6 +89,8 @@ class ErrorFeedback(StagedChain, Compressor):
         self.inner = inner
         self.device = inner.device
         self.staged = is_staged(inner)  # the inner chain has torch kernels: so has this one
+        # a decorator in between is decoded after it encodes: a host sync
+        self.kernels_only = isinstance(inner, TorchKernels)
         # how the residual g' - D(c) is made: in the compressor's pass, without decoding,
         # or by decoding (asked once: a protocol check walks the class's attributes)
         self.residual_in_pass = isinstance(inner, ResidualCompress)
@@ -153,7 +156,7 @@ class ErrorFeedback(StagedChain, Compressor):
         if self.dtype in KERNEL_FLOAT_DTYPES:
             if self.ratio_on_device is None:
                 self.ratio_on_device = torch.empty((), dtype=self.dtype, device=self.device)
-            self.ratio_on_device.fill_(self.ratio)
+            write_scalar(self.ratio_on_device, self.ratio)
 
     def encode_kernels(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The staged half of ``compress`` (a chain with torch kernels): ``g'`` into the

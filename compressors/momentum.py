@@ -37,6 +37,7 @@ from .device import (
     first_bad,
     flag_status,
     is_staged,
+    write_scalar,
 )
 
 
@@ -170,7 +171,7 @@ class Momentum(StagedChain, Compressor):
         if self.dtype in KERNEL_FLOAT_DTYPES:
             if not isinstance(self.decay, torch.Tensor):
                 self.decay = torch.empty((), dtype=self.dtype, device=self.device)
-            self.decay.fill_(decay)
+            write_scalar(self.decay, decay)
         else:
             self.decay = decay
         self.inner.prepare()

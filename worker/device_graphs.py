@@ -18,6 +18,11 @@ in flight at a time, and its results are copied out before the next.
 that asks for more than :data:`MAX_CAPTURES` captures, or whose capture fails, runs
 eagerly from then on (logged once).
 
+The graphs of one key share a memory pool: they never run at once (one push_pull of a
+key is in flight, and each replay's outputs are copied out before the key's next).
+Different keys' graphs do run at once, on different codec threads, so each key has a
+pool of its own: a key keeps about one capture's intermediates on its device.
+
 Example (on a codec thread's side stream, as :mod:`bps.worker.device_path` runs it)::
 
     graphs = KeyGraphs(enabled=True, name="fc.weight[0] encode")
@@ -59,9 +64,10 @@ class KeyGraphs:
     """One key's kernels of one kind (encode, decode) run as ``fn(*inputs)``, replayed
     from a CUDA graph per ``key`` where enabled; ``enabled`` only on a CUDA device."""
 
-    def __init__(self, enabled: bool, name: str = "") -> None:
+    def __init__(self, enabled: bool, name: str = "", pool: tuple | None = None) -> None:
         self.enabled = enabled
         self.name = name
+        self.pool = pool  # a memory pool the key's graphs share (graph_pool_handle())
         self.captures = 0
         self.replays = 0
         self._inputs: tuple[torch.Tensor, ...] | None = None
@@ -102,12 +108,13 @@ class KeyGraphs:
         graph = torch.cuda.CUDAGraph()
         with _capture_lock:
             try:
-                graph.capture_begin(capture_error_mode="thread_local")
+                graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
                 try:
                     outputs = fn(*self._inputs)
                 finally:
                     graph.capture_end()
             except RuntimeError as exc:
+                _release_pool(graph)
                 self._stop(f"capturing it failed: {exc}")
                 return None
         self.captures += 1
@@ -122,3 +129,15 @@ class KeyGraphs:
                         "turns them off for every key)", self.name or "a key", why, ENV_SWITCH)
         self.enabled = False
         self._graphs.clear()
+
+
+def _release_pool(graph: torch.cuda.CUDAGraph) -> None:
+    """After a failed capture: let the caching allocator stop routing to the graph's
+    pool (torch's capture_end raises before it does so itself); best effort, through
+    torch's private hook where this version has it."""
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    try:
+        if end is not None:
+            end(torch.cuda.current_device(), graph.pool())
+    except (RuntimeError, TypeError):
+        pass

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections.abc import Iterator
 
 import numpy as np
@@ -37,14 +38,52 @@ __all__ = ["KeyStaging", "decode_into", "on_side_stream", "record_ready", "wait_
 _local = threading.local()
 
 
+class _ThreadStreams(dict):
+    """A thread's side streams by device index; given back to the pool of free ones when
+    the thread ends (its thread-local data goes, and this with it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        weakref.finalize(self, _give_back, self.handles)
+
+    @property
+    def handles(self) -> list[int]:
+        return self.__dict__.setdefault("_handles", [])
+
+
+def _give_back(handles: list[int]) -> None:
+    with _taken_lock:
+        _taken.difference_update(handles)
+
+
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
     streams = getattr(_local, "streams", None)
     if streams is None:
-        streams = _local.streams = {}
+        streams = _local.streams = _ThreadStreams()
     stream = streams.get(device.index)
     if stream is None:
-        stream = streams[device.index] = torch.cuda.Stream(device)
+        stream = streams[device.index] = _own_stream(device)
+        streams.handles.append(stream.cuda_stream)
     return stream
+
+
+_taken: set[int] = set()  # the live codec threads' side streams, by their CUDA handle
+_taken_lock = threading.Lock()
+
+
+def _own_stream(device: torch.device) -> torch.cuda.Stream:
+    """A stream from torch's pool that no other live codec thread has: a CUDA graph
+    captures whatever is launched on its stream, so two threads must never share one.
+    The pool hands out its streams in turn (32 per device), so a few tries find a free
+    one while fewer than 32 threads hold one."""
+    with _taken_lock:
+        for _ in range(64):
+            stream = torch.cuda.Stream(device)
+            if stream.cuda_stream not in _taken and \
+                    stream.cuda_stream != torch.cuda.current_stream(device).cuda_stream:
+                _taken.add(stream.cuda_stream)
+                return stream
+    raise RuntimeError(f"no CUDA stream of {device} left for a codec thread of its own")
 
 
 @contextlib.contextmanager
@@ -90,8 +129,9 @@ class KeyStaging:
         self.device = device
         self.host_chain = False  # the key's chain runs on the host (no device kernels)
         graphs = cuda_graphs and device.type == "cuda"  # replay kernels (worker.device_graphs)
-        self.encode_graphs = KeyGraphs(graphs, f"{name} encode")
-        self.decode_graphs = KeyGraphs(graphs, f"{name} decode")
+        pool = torch.cuda.graph_pool_handle() if graphs else None  # the key's graphs share it
+        self.encode_graphs = KeyGraphs(graphs, f"{name} encode", pool)
+        self.decode_graphs = KeyGraphs(graphs, f"{name} decode", pool)
         self._host: torch.Tensor | None = None
         self._up: torch.Tensor | None = None
         self._flag: torch.Tensor | None = None
@@ -132,11 +172,13 @@ class KeyStaging:
         else:
             payload = join_frames(frames)
         key = decode_key(payload)
-        if key is None:
-            return decode_into(chain, self.to_device(frames), out)
         up = self._upload(payload)
+        if key is None:
+            return decode_into(chain, up, out)
         result = self.decode_graphs.run(key, (up,), lambda p: compressor.decode_checked(p, key))
-        return result.clone() if out is None else out.copy_(result)
+        if out is None:  # a graph's output is overwritten by the key's next decode
+            return result.clone() if self.decode_graphs.enabled else result
+        return out.copy_(result)
 
     def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         """Queue the copy of a device tensor into the key's host buffer on the current

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from bps.compressors import build
+from bps.compressors.base import NonFiniteError
 from bps.compressors.device import OK
 from bps.worker.device_graphs import enabled_by_env
 from bps.worker.device_path import KeyStaging
@@ -68,6 +69,41 @@ def test_chains_that_cannot_be_replayed_say_so(device_chain, params):
 def test_bare_compressors_are_replayed_with_nothing_baked_in(device_chain, name):
     params = {k: v for k, v in GRAPHED[name].items() if k != "ef"}
     assert device_chain(params, 100).graph_key() == ()
+
+
+def test_error_feedback_over_a_decorator_is_not_replayed(device_chain):
+    # it decodes its inner chain's payload after encoding it: a host sync in the kernels
+    from bps.compressors.error_feedback import ErrorFeedback
+    from bps.compressors.momentum import Momentum
+    from bps.compressors.onebit_torch import OneBitTorch
+    inner = Momentum(OneBitTorch(100, torch.float32, scaling=True, device="cpu"), 0.9)
+    assert inner.graph_key() is not None
+    assert ErrorFeedback(inner).graph_key() is None
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # the host chain's
+@pytest.mark.parametrize("chain", ["ef", "momentum"])
+def test_a_ratio_or_decay_beyond_float32_is_refused_as_the_host_refuses(device_chain, chain):
+    # lr_prev / lr_now = 1e39 (or a momentum scale of 1e39): inf in float32, so g' has
+    # inf or NaN and both chains refuse the step, changing nothing
+    params = ONEBIT if chain == "ef" else GRAPHED["topk+momentum"]
+    host = build(params, 64, torch.float32)
+    device = device_chain(params, 64)
+    staging = KeyStaging(torch.device("cpu"))
+    x = torch.randn(64)
+    for c in (host, device):
+        c.set_lr(1.0)
+    host.compress(x)
+    payload, status = staging.encode(device, x)
+    device.commit()
+    for c in (host, device):
+        c.set_lr(1e-39)
+        c.scale_momentum(1e39 if chain == "momentum" else 1.0)
+    with pytest.raises(NonFiniteError):
+        host.compress(x)
+    payload, status = staging.encode(device, x)
+    assert status.tolist()[0] != OK
+    device.discard()
 
 
 @pytest.mark.parametrize("params", [ONEBIT, GRAPHED["topk+momentum"]], ids=["ef", "momentum"])
@@ -208,12 +244,16 @@ def frames_of(payload: torch.Tensor) -> list[bytes]:
     return [data[:5], data[5:]]  # a reply in two frames
 
 
-@pytest.mark.parametrize("name", GRAPHED)
+RANDOMK = {"compressor": "randomk", "k": 0.1, "seed": 3, "ef": "vanilla"}
+
+
+@pytest.mark.parametrize("name", [*GRAPHED, "randomk"])
 def test_staged_decode_is_decompress(device_chain, name):
     numel = 300
-    chain = device_chain(GRAPHED[name], numel)
+    params = RANDOMK if name == "randomk" else GRAPHED[name]  # randomk: checked on the device
+    chain = device_chain(params, numel)
     staging = KeyStaging(torch.device("cpu"), name=name)
-    for payload in aggregates(device_chain(GRAPHED[name], numel), numel, 3):
+    for payload in aggregates(device_chain(params, numel), numel, 3):
         expected = chain.decompress(payload.clone())
         out = torch.full((numel,), 5.0)
         assert staging.decode(chain, frames_of(payload), out) is out
@@ -254,3 +294,25 @@ def test_graphed_decode_is_decompress(device_chain, name):
             assert torch.equal(out.view(torch.int32), expected.view(torch.int32))
     graphs = staging.decode_graphs
     assert graphs.enabled and graphs.captures >= 1 and graphs.replays >= 3
+
+
+@on_cuda
+def test_codec_threads_never_share_a_side_stream():
+    # a graph captures whatever runs on its stream: two codec threads on one would mix
+    import threading
+
+    from bps.worker.device_path import _side_stream, _taken
+    handles, together = [], threading.Barrier(12)
+
+    def codec_thread() -> None:
+        handles.append(_side_stream(torch.device("cuda", 0)).cuda_stream)
+        together.wait(timeout=30)  # all alive at once, each holding its stream
+
+    for _ in range(3):  # streams of ended threads are free again
+        threads = [threading.Thread(target=codec_thread) for _ in range(12)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert len(set(handles[-12:])) == 12
+    assert not _taken.intersection(handles)
