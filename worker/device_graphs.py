@@ -71,7 +71,7 @@ class KeyGraphs:
         self.captures = 0
         self.replays = 0
         self._inputs: tuple[torch.Tensor, ...] | None = None
-        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, object]] = {}
+        self._graphs: dict[tuple, tuple] = {}  # key -> (graph, its outputs)
         self._eager_runs = 0
 
     def run(self, key: tuple | None, inputs: tuple[torch.Tensor, ...],
@@ -105,16 +105,12 @@ class KeyGraphs:
                                        for s, v in zip(self._inputs, inputs, strict=True)):
             self._inputs = tuple(torch.empty_like(value) for value in inputs)
             self._graphs.clear()
-        graph = torch.cuda.CUDAGraph()
+        for static, value in zip(self._inputs, inputs, strict=True):
+            static.copy_(value)  # a recording that runs (tests) sees real values
         with _capture_lock:
             try:
-                graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
-                try:
-                    outputs = fn(*self._inputs)
-                finally:
-                    graph.capture_end()
+                graph, outputs = self.record(fn, self._inputs)
             except RuntimeError as exc:
-                _release_pool(graph)
                 self._stop(f"capturing it failed: {exc}")
                 return None
         self.captures += 1
@@ -122,6 +118,21 @@ class KeyGraphs:
             del self._graphs[next(iter(self._graphs))]
         self._graphs[key] = (graph, outputs)
         return self._graphs[key]
+
+    def record(self, fn: Callable[..., object], inputs: tuple[torch.Tensor, ...]) -> tuple:
+        """``(graph, outputs)``: ``fn(*inputs)`` captured into a CUDA graph on the current
+        stream (nothing runs; ``graph.replay()`` runs it). Tests record otherwise."""
+        graph = torch.cuda.CUDAGraph()
+        try:
+            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+            try:
+                outputs = fn(*inputs)
+            finally:
+                graph.capture_end()
+        except RuntimeError:
+            _release_pool(graph)
+            raise
+        return graph, outputs
 
     def _stop(self, why: str) -> None:
         if self.enabled:

@@ -7,6 +7,7 @@ replay relies on; the ``cuda`` test runs graphed chains against eager ones on a 
 from __future__ import annotations
 
 import copy
+import random
 import re
 
 import pytest
@@ -17,6 +18,7 @@ from bps.compressors.base import NonFiniteError
 from bps.compressors.device import OK
 from bps.worker.device_graphs import enabled_by_env
 from bps.worker.device_path import KeyStaging
+from tests.harness.graph_replay import RecordedGraphs
 
 
 @pytest.fixture
@@ -316,3 +318,104 @@ def test_codec_threads_never_share_a_side_stream():
             thread.join()
         assert len(set(handles[-12:])) == 12
     assert not _taken.intersection(handles)
+
+
+REPLAYED = {
+    **GRAPHED,
+    "onebit+momentum": {"compressor": "onebit", "scaling": True, "ef": "vanilla",
+                        "momentum": "nesterov", "mu": 0.9},
+    "bytegrad+momentum": {"compressor": "bytegrad", "chunk": 64, "ef": "vanilla",
+                          "momentum": "nesterov", "mu": 0.9},
+    "onebit-unscaled+momentum": {"compressor": "onebit", "momentum": "nesterov", "mu": 0.5},
+}
+
+
+def step_both(eager, replayed, staging, x, lr: float, scale: float):
+    """One codec-thread step of each chain; their payloads (None where refused)."""
+    payloads = []
+    for chain, encode in ((eager, eager.encode),
+                          (replayed, lambda x: staging.encode(replayed, x))):
+        chain.set_lr(lr)
+        chain.scale_momentum(scale)
+        payload, status = encode(x)
+        if status.tolist()[0] != OK:
+            chain.discard()
+            chain.cancel()
+            payloads.append(None)
+        else:
+            chain.commit()
+            payloads.append(payload.clone())
+    return payloads
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("name", REPLAYED)
+def test_replays_give_the_eager_bytes_whatever_the_steps(device_chain, name, dtype):
+    # kernels recorded once and replayed without Python (tests/harness/graph_replay.py)
+    # against the same chain run eagerly: learning rates and loss scales that change,
+    # refused steps, rollbacks, checkpoints loaded, skipped steps
+    rng = random.Random(name)
+    gen = torch.Generator().manual_seed(4)
+    numel = 257
+    eager, replayed = device_chain(REPLAYED[name], numel, dtype), \
+        device_chain(REPLAYED[name], numel, dtype)
+    staging = KeyStaging(torch.device("cpu"))
+    staging.encode_graphs = RecordedGraphs(name)
+    saved = None
+    for step in range(30):
+        x = (torch.randn(numel, generator=gen) * rng.choice([1, 3, 100])).to(dtype)
+        if rng.random() < 0.1:
+            x[rng.randrange(numel)] = float("nan")
+        a, b = step_both(eager, replayed, staging, x, rng.choice([0.1, 0.3, 0.7, 1.3]),
+                         rng.choice([1.0, 1.0, 0.5, 2.0]))
+        assert (a is None) == (b is None), step
+        assert a is None or torch.equal(a, b), f"step {step}: payloads differ"
+        assert_same_state(eager.state_dict(), replayed.state_dict())
+        event = rng.random()
+        if event < 0.15 and a is not None:
+            eager.rollback()
+            replayed.rollback()
+        elif event < 0.25:
+            saved = copy.deepcopy(eager.state_dict())
+        elif event < 0.35 and saved is not None:
+            eager.load_state_dict(copy.deepcopy(saved))
+            replayed.load_state_dict(copy.deepcopy(saved))
+        elif event < 0.4:  # a step the chains skip (warm-up, a marker): set_lr undone
+            for chain in (eager, replayed):
+                chain.set_lr(0.2)
+                chain.cancel()
+    graphs = staging.encode_graphs
+    assert graphs.enabled and 2 <= graphs.captures <= 4 and graphs.replays >= 15
+
+
+def test_a_python_number_baked_into_the_kernels_is_caught(device_chain, monkeypatch):
+    # the stand-in is strict: error feedback reading its ratio as a Python number
+    # (as before it had a device scalar) gives other bytes once the ratio changes
+    from bps.compressors.error_feedback import ErrorFeedback
+    monkeypatch.setattr(ErrorFeedback, "prepare",
+                        lambda self: (setattr(self, "undo", None), self.inner.prepare()))
+    eager, replayed = device_chain(ONEBIT, 64), device_chain(ONEBIT, 64)
+    staging = KeyStaging(torch.device("cpu"))
+    staging.encode_graphs = RecordedGraphs("baked")
+    gen = torch.Generator().manual_seed(1)
+    differ = False
+    for lr in (0.5, 0.5, 0.5, 0.1, 0.9, 0.3):
+        a, b = step_both(eager, replayed, staging, torch.randn(64, generator=gen), lr, 1.0)
+        differ |= not torch.equal(a, b)
+    assert differ
+
+
+@pytest.mark.parametrize("name", [*GRAPHED, "randomk"])
+def test_replayed_decodes_are_decompress(device_chain, name):
+    numel = 300
+    params = RANDOMK if name == "randomk" else GRAPHED[name]
+    chain = device_chain(params, numel)
+    staging = KeyStaging(torch.device("cpu"))
+    staging.decode_graphs = RecordedGraphs(name)
+    for payload in aggregates(device_chain(params, numel), numel, 5):
+        expected = chain.decompress(payload.clone())
+        out = torch.full((numel,), 5.0)
+        staging.decode(chain, frames_of(payload), out)
+        assert torch.equal(out.view(torch.int32), expected.view(torch.int32))
+    replays = staging.decode_graphs.replays
+    assert replays == 0 if name == "randomk" else replays >= 2
