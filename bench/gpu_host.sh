@@ -17,7 +17,8 @@
 # threads (bench/server_throughput.py, about a minute). profile: where one worker node's
 # onebit steps hold the GIL (bench/gil_profile.py under py-spy, whose wheel goes in .whl/
 # too: `pip download py-spy --no-deps --only-binary=:all: --platform manylinux1_x86_64`),
-# with 4 and 32 MB partitions, about 2 minutes.
+# with 4 and 32 MB partitions, and GPT-2 small's with 32 MB (whose main thread, not its
+# waits, held its step at 3c58fc9), about 3 minutes.
 #
 # Write the commit beside the wheels (`git rev-parse --short HEAD > .whl/COMMIT`): the copy
 # that reaches a lent host has no .git, and the reports name it from there.
@@ -82,10 +83,12 @@ if [ "$what" = diagnose ]; then
         --json "$out/server_throughput.json" 2>&1 | tee "$out/server_throughput.log" | tail -12
 fi
 if [ "$what" = profile ]; then
-    for bytes in 4096000 33554432; do
+    for run in mlp-onebit:4096000:300 mlp-onebit:33554432:300 gpt2-onebit:33554432:40; do
+        IFS=: read -r config bytes steps <<<"$run"
         BYTEPS_PARTITION_BYTES=$bytes timeout "${PROFILE_TIMEOUT:-100}" python3 \
-            bench/gil_profile.py --out "$out/gil-$bytes.txt" -- python3 bench/gpu_step.py \
-            --only mlp-onebit --workers 1 --steps 300 --warmup 3 --json "$out/gil-$bytes.json" \
-            2>&1 | tee "$out/gil-$bytes.log" | grep -v "^\[" | tail -60
+            bench/gil_profile.py --out "$out/gil-$config-$bytes.txt" -- python3 \
+            bench/gpu_step.py --only "$config" --workers 1 --steps "$steps" --warmup 3 \
+            --json "$out/gil-$config-$bytes.json" 2>&1 | tee "$out/gil-$config-$bytes.log" \
+            | grep -v "^\[" | tail -60
     done
 fi
