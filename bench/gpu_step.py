@@ -42,6 +42,7 @@ import json
 import numbers
 import os
 import platform
+import re
 import socket
 import statistics
 import subprocess
@@ -339,7 +340,23 @@ def run_cluster(args: argparse.Namespace) -> dict:
         if done.returncode:
             raise SystemExit(f"the cluster failed with exit code {done.returncode}:\n"
                              f"{(done.stdout or '')[-4000:]}")
-        return json.loads(Path(out).read_text())
+        return json.loads(Path(out).read_text()), warnings_of(done.stdout or "")
+
+
+def warnings_of(log: str) -> list[str]:
+    """The cluster log's WARNING and ERROR lines, each once (without its time), such as
+    a key whose CUDA graph capture failed; empty with --verbose (the log was shown).
+
+        >>> warnings_of("[worker0.0] 2026-11-27 16:23:52,001 bps WARNING: x\\n"
+        ...             "[worker0.0] 2026-11-27 16:23:53,002 bps WARNING: x\\n")
+        ['[worker0.0] bps WARNING: x']
+    """
+    found = []
+    for line in log.splitlines():
+        match = re.match(r"^(\[[^\]]*\]) \S+ \S+ (\S+ (?:WARNING|ERROR):.*)$", line)
+        if match:
+            found.append(f"{match[1]} {match[2]}")
+    return list(dict.fromkeys(found))
 
 
 def host_info(device) -> dict:
@@ -416,7 +433,7 @@ def parent(args: argparse.Namespace) -> int:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     phase(f"through bps: {args.workers} worker node(s), 2 servers, CURVE, loopback")
-    report["bps"] = run_cluster(args)
+    report["bps"], report["cluster_warnings"] = run_cluster(args)
     report["wall_s"] = time.perf_counter() - started
 
     host = report["host"]
@@ -432,6 +449,10 @@ def parent(args: argparse.Namespace) -> int:
     for name, value in report["device_compress"].items():
         if isinstance(value, str):
             print(f"device compress {name}: {value}")
+    for line in report["cluster_warnings"][:20]:
+        print(f"cluster: {line}")
+    if len(report["cluster_warnings"]) > 20:
+        print(f"cluster: ... {len(report['cluster_warnings']) - 20} more in the JSON")
     path = Path(args.json) if args.json else Path(__file__).parent / "results" / \
         f"gpu_step-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.parent.mkdir(parents=True, exist_ok=True)

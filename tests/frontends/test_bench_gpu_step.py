@@ -26,6 +26,7 @@ def test_quick_cpu_run_reports_every_selected_configuration(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())
     assert set(report["bps"]) == {"mlp-fp16", "mlp-onebit"}
+    assert report["cluster_warnings"] == []  # the cluster's warnings are kept: none here
     assert set(report["alone"]) == {"mlp"} and report["alone"]["mlp"] > 0
     # quick MLP: 2 x Linear(128, 128) + Linear(128, 10)
     params = 2 * (128 * 128 + 128) + 128 * 10 + 10
