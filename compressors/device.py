@@ -155,13 +155,17 @@ def decorator_graph_key(chain, name: str,
     return (name, *(buffer.data_ptr() for buffer in buffers()), inner)
 
 
-def write_scalar(scalar: torch.Tensor, value: float) -> None:
-    """``value`` into a 0-dim float tensor as a multiply by the Python number rounds it:
-    beyond float32's range, inf (where ``fill_`` would refuse it)."""
+def write_scalar(scalar: torch.Tensor | None, value: float,
+                 like: torch.Tensor) -> torch.Tensor:
+    """``value`` in a 0-dim tensor of ``like``'s dtype and device (``scalar``, or a new
+    one where None), rounded as a multiply by the Python number rounds it: beyond
+    float32's range, inf (where ``fill_`` would refuse it)."""
+    if scalar is None:
+        scalar = torch.empty((), dtype=like.dtype, device=like.device)
     if scalar.dtype == torch.float32:
         with np.errstate(over="ignore"):
             value = float(np.float32(value))
-    scalar.fill_(value)
+    return scalar.fill_(value)
 
 
 def is_staged(chain: object) -> bool:

@@ -154,9 +154,7 @@ class ErrorFeedback(StagedChain, Compressor):
         self.undo = None
         self.inner.prepare()
         if self.dtype in KERNEL_FLOAT_DTYPES:
-            if self.ratio_on_device is None:
-                self.ratio_on_device = torch.empty((), dtype=self.dtype, device=self.device)
-            write_scalar(self.ratio_on_device, self.ratio)
+            self.ratio_on_device = write_scalar(self.ratio_on_device, self.ratio, self.error)
 
     def encode_kernels(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The staged half of ``compress`` (a chain with torch kernels): ``g'`` into the

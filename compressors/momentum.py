@@ -168,12 +168,8 @@ class Momentum(StagedChain, Compressor):
         self.undo = None
         decay, self.factor = self.mu * self.factor, 1.0
         self._buffers()
-        if self.dtype in KERNEL_FLOAT_DTYPES:
-            if not isinstance(self.decay, torch.Tensor):
-                self.decay = torch.empty((), dtype=self.dtype, device=self.device)
-            write_scalar(self.decay, decay)
-        else:
-            self.decay = decay
+        self.decay = write_scalar(self.decay, decay, self.momentum) \
+            if self.dtype in KERNEL_FLOAT_DTYPES else decay
         self.inner.prepare()
 
     def encode_kernels(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -126,8 +126,9 @@ class TopKTorch(SparseTorchKernels, TopK):
         return indices.long(), values, ascending
 
     def decompress(self, payload: Payload, out: torch.Tensor | None = None) -> torch.Tensor:
+        payload = self.device_payload(payload)
         _, _, ascending = self._parse_device(payload)
-        decoded = self.decode_checked(self.device_payload(payload), (ascending,))
+        decoded = self.decode_checked(payload, (ascending,))
         return self.output(out).copy_(decoded)
 
     def decode_key(self, payload: np.ndarray) -> tuple:

@@ -81,32 +81,33 @@ class KeyGraphs:
         host sync, no Python number that is not in ``key``."""
         if key is None or not self.enabled:
             return fn(*inputs)
-        entry = self._graphs.get(key)
-        if entry is None:
+        if key not in self._graphs:
             if self.captures >= MAX_CAPTURES:
                 self._stop(f"it asked for more than {MAX_CAPTURES} captures")
             if self._eager_runs == 0 or not self.enabled:
                 self._eager_runs += 1
                 return fn(*inputs)
-            entry = self._capture(key, inputs, fn)
-            if entry is None:
-                return fn(*inputs)
-        for static, value in zip(self._inputs, inputs, strict=True):
-            static.copy_(value)
+        self._load(inputs)  # before a capture too: a recording that runs (tests) reads them
+        entry = self._graphs.get(key) or self._capture(key, fn)
+        if entry is None:
+            return fn(*inputs)
         entry[0].replay()
         self.replays += 1
         return entry[1]
 
-    def _capture(self, key: tuple, inputs: tuple[torch.Tensor, ...],
-                 fn: Callable[..., object]) -> tuple | None:
-        """Capture ``fn`` on the static inputs (nothing runs yet); None where the
-        capture failed (the key runs eagerly from then on)."""
+    def _load(self, inputs: tuple[torch.Tensor, ...]) -> None:
+        """Copy ``inputs`` into the static input buffers (made on first use, or anew,
+        dropping the graphs, where their shapes change)."""
         if self._inputs is None or any(s.shape != v.shape or s.dtype != v.dtype
                                        for s, v in zip(self._inputs, inputs, strict=True)):
             self._inputs = tuple(torch.empty_like(value) for value in inputs)
             self._graphs.clear()
         for static, value in zip(self._inputs, inputs, strict=True):
-            static.copy_(value)  # a recording that runs (tests) sees real values
+            static.copy_(value)
+
+    def _capture(self, key: tuple, fn: Callable[..., object]) -> tuple | None:
+        """Capture ``fn`` on the static inputs (nothing runs yet); None where the
+        capture failed (the key runs eagerly from then on)."""
         with _capture_lock:
             try:
                 graph, outputs = self.record(fn, self._inputs)

@@ -38,17 +38,18 @@ __all__ = ["KeyStaging", "decode_into", "on_side_stream", "record_ready", "wait_
 _local = threading.local()
 
 
+_taken: set[int] = set()  # the live codec threads' side streams, by their CUDA handle
+_taken_lock = threading.Lock()
+
+
 class _ThreadStreams(dict):
     """A thread's side streams by device index; given back to the pool of free ones when
     the thread ends (its thread-local data goes, and this with it)."""
 
     def __init__(self) -> None:
         super().__init__()
+        self.handles: list[int] = []
         weakref.finalize(self, _give_back, self.handles)
-
-    @property
-    def handles(self) -> list[int]:
-        return self.__dict__.setdefault("_handles", [])
 
 
 def _give_back(handles: list[int]) -> None:
@@ -65,10 +66,6 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
         stream = streams[device.index] = _own_stream(device)
         streams.handles.append(stream.cuda_stream)
     return stream
-
-
-_taken: set[int] = set()  # the live codec threads' side streams, by their CUDA handle
-_taken_lock = threading.Lock()
 
 
 def _own_stream(device: torch.device) -> torch.cuda.Stream:
@@ -166,11 +163,7 @@ class KeyStaging:
         decode_key = getattr(compressor, "decode_key", None)
         if decode_key is None:
             return decode_into(chain, self.to_device(frames), out)
-        if self.device.type == "cuda":
-            payload = self._host_bytes(sum(len(frame) for frame in frames)).numpy()
-            join_frames(frames, payload)
-        else:
-            payload = join_frames(frames)
+        payload = self._gather(frames)
         key = decode_key(payload)
         up = self._upload(payload)
         if key is None:
@@ -221,20 +214,23 @@ class KeyStaging:
         OpenMP team on every codec thread at once), then copied up asynchronously into
         the key's device buffer, which the next call overwrites. On the CPU: the bytes
         themselves (frames joined into a new array)."""
-        if isinstance(data, list):
-            nbytes = sum(len(frame) for frame in data)
-        else:
-            nbytes = data.size
+        host = self._gather(data)
+        if self.device.type != "cuda" and not host.size:
+            return torch.zeros(0, dtype=dtype)
+        return self._upload(host).view(dtype)
+
+    def _gather(self, data: np.ndarray | list) -> np.ndarray:
+        """Host bytes (a uint8 array, or a reply's frames) where an upload starts: in the
+        key's pinned buffer on a GPU; on the CPU the bytes themselves (frames joined)."""
         if self.device.type != "cuda":
-            array = join_frames(data) if isinstance(data, list) else data
-            return torch.from_numpy(array).view(dtype) if nbytes else \
-                torch.zeros(0, dtype=dtype)
-        host = self._host_bytes(nbytes)
+            return join_frames(data) if isinstance(data, list) else data
+        nbytes = sum(len(frame) for frame in data) if isinstance(data, list) else data.size
+        host = self._host_bytes(nbytes).numpy()
         if isinstance(data, list):
-            join_frames(data, host.numpy())
+            join_frames(data, host)
         else:
-            np.copyto(host.numpy(), data)
-        return self._upload(host.numpy()).view(dtype)
+            np.copyto(host, data)
+        return host
 
     def _upload(self, host: np.ndarray) -> torch.Tensor:
         """Bytes in the key's pinned buffer (``host``, a view of it) copied up into the
