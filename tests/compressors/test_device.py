@@ -21,8 +21,9 @@ import torch
 
 from bps.compressors import build, register, supports_device, unregister
 from bps.compressors.base import NonFiniteError
-from bps.compressors.device import forced_by_env, int_view
+from bps.compressors.device import forced_by_env
 from bps.compressors.topk import TopK
+from tests.harness.chain_state import assert_same_state, bits
 
 DEVICES = [
     pytest.param("cpu", id="cpu"),
@@ -64,22 +65,6 @@ def innermost(chain):
     while hasattr(chain, "inner"):
         chain = chain.inner
     return chain
-
-
-def bits(tensor: torch.Tensor) -> torch.Tensor:
-    return int_view(tensor.detach().cpu().contiguous())
-
-
-def assert_same_state(host: dict, device: dict, path: str = "") -> None:
-    assert host.keys() == device.keys(), path
-    for key in host:
-        a, b = host[key], device[key]
-        if isinstance(a, dict):
-            assert_same_state(a, b, f"{path}.{key}")
-        elif isinstance(a, torch.Tensor):
-            assert torch.equal(bits(a), bits(b)), f"{path}.{key}"
-        else:
-            assert a == b, f"{path}.{key}"
 
 
 def scale_ulps(host: torch.Tensor, device: torch.Tensor) -> int:

@@ -18,6 +18,7 @@ from bps.compressors.base import NonFiniteError
 from bps.compressors.device import OK
 from bps.worker.device_graphs import enabled_by_env
 from bps.worker.device_path import KeyStaging
+from tests.harness.chain_state import assert_same_state
 from tests.harness.graph_replay import RecordedGraphs
 
 
@@ -160,17 +161,6 @@ def test_the_ratio_and_decay_reach_the_kernels_as_device_scalars(device_chain):
     assert chain.factor == 1.0  # used up by this step
 
 
-def assert_same_state(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for key, value in a.items():
-        if isinstance(value, dict):
-            assert_same_state(value, b[key])
-        elif isinstance(value, torch.Tensor):
-            assert torch.equal(value, b[key]), key
-        else:
-            assert value == b[key], key
-
-
 def test_on_the_cpu_nothing_is_captured(device_chain):
     chain = device_chain(ONEBIT, 64)
     staging = KeyStaging(torch.device("cpu"), cuda_graphs=True, name="w")
@@ -181,12 +171,12 @@ def test_on_the_cpu_nothing_is_captured(device_chain):
 
 
 def staged_step(encode, chain, x):
-    """What the codec thread does: encode, read the status, commit or discard; the
-    payload copied (a graph's output is overwritten by its next replay)."""
+    """What the codec thread does: encode, read the status, commit, or discard and
+    cancel; the payload copied (a graph's output is overwritten by its next replay)."""
     payload, status = encode(x)
-    code, _ = status.tolist()
-    if code != OK:
+    if status.tolist()[0] != OK:
         chain.discard()
+        chain.cancel()
         return None
     chain.commit()
     return payload.clone()
@@ -337,14 +327,7 @@ def step_both(eager, replayed, staging, x, lr: float, scale: float):
                           (replayed, lambda x: staging.encode(replayed, x))):
         chain.set_lr(lr)
         chain.scale_momentum(scale)
-        payload, status = encode(x)
-        if status.tolist()[0] != OK:
-            chain.discard()
-            chain.cancel()
-            payloads.append(None)
-        else:
-            chain.commit()
-            payloads.append(payload.clone())
+        payloads.append(staged_step(encode, chain, x))
     return payloads
 
 
