@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from .finite import divide_checked, tensor_finite
-from .registry import build
+from .registry import build, compressor_class
 
 log = logging.getLogger("bps.compressors")
 
@@ -132,9 +132,11 @@ def _load(params: dict | None, dtype: torch.dtype) -> None:
     values = torch.linspace(-1.0, 1.0, LOAD_NUMEL)
     divide_checked(values.numpy().copy(), 2.0, np.inf)  # a worker's push of its share
     tensor_finite(values.to(dtype))  # a server's check of an uncompressed push
-    # a chain whose options fix its size (powersgd's matrix shape) has no chain of
-    # LOAD_NUMEL elements: its kernels load with its first step
-    if params is None or params.get("compressor") is None or params.get("shape"):
+    # a chain whose options fix its size (powersgd's matrix shape, set per key) has no
+    # chain of LOAD_NUMEL elements: its kernels load with its first step
+    if params is None or params.get("compressor") is None:
+        return
+    if "shape" in getattr(compressor_class(params), "keys", {}):
         return
     try:
         _run_chain(params, LOAD_NUMEL, dtype)

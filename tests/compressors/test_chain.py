@@ -268,6 +268,8 @@ load_soon({"compressor": "onebit", "ef": "vanilla"}, torch.float32)
 load_soon({"compressor": "onebit", "ef": "vanilla"}, torch.float32)  # once per process
 # a chain whose size its options fix (a key's matrix shape) loads with its first step
 load_soon({"compressor": "powersgd", "rank": 1, "shape": [1, 150, 150]}, torch.float32)
+# a trainer's construction: the job's params, no shape yet, on the wire's float16
+load_soon({"compressor": "powersgd", "rank": 1}, torch.float16)
 assert wait_loaded(timeout=240)
 assert torch.equal(torch.get_rng_state(), before), "the load drew random numbers"
 print(len(divide_finite_inplace.signatures), len(all_finite.signatures),
@@ -289,6 +291,7 @@ def test_load_soon_loads_a_chains_kernels_without_touching_the_job() -> None:
                             text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr, result.stderr
+    assert "not loaded ahead" not in result.stderr, result.stderr
     # payloads are decoded both as a chain's own (writable) and as a frame's (read-only):
     # numba keeps a signature for each; the server's sum stacks them into one array
     assert result.stdout.split() == ["1", "1", "1", "2", "2", "1"], result.stdout

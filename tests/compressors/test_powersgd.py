@@ -237,8 +237,8 @@ for step in range(3):
         reference(x).pow(2).mean().backward()
         reference.weight.grad = reference.weight.grad.half().float()
         reference_optimizer.step()
-        print("WARM", step, torch.equal(model.weight, reference.weight))
-print("TRAINED", bool(torch.isfinite(model.weight).all()))
+        print(f"WARM {step} {torch.equal(model.weight, reference.weight)}")
+print(f"TRAINED {bool(torch.isfinite(model.weight).all())}")
 trainer.close()
 bps.shutdown()
 """
