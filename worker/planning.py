@@ -2,9 +2,9 @@
 
 Each float32 parameter is cut into partitions of ``BYTEPS_PARTITION_BYTES``; a partition
 travels on a compressed key where its compressor's payload is smaller than the raw
-bytes, else on a raw key (also during warmup). Small tensors next to each other in
-backward order share a bucket (one raw key), and every key goes to a server so that
-the bytes a step pushes are balanced::
+bytes, else on a raw key (also during warmup). Small tensors close to each other in
+backward order (at most a partition of other gradients apart) share a bucket (one raw
+key), and every key goes to a server so that the bytes a step pushes are balanced::
 
     >>> import torch
     >>> params = {"compressor": "onebit", "scaling": False, "k": None, "seed": 1,
@@ -46,7 +46,7 @@ class Part:
 
 @dataclass
 class Bucket:
-    """Small tensors next to each other in backward order that travel as one raw key
+    """Small tensors close to each other in backward order that travel as one raw key
     (DDP's buckets, Horovod's tensor fusion): one message instead of one per tensor."""
 
     name: str
@@ -134,21 +134,35 @@ def _plan_whole(name: str, numel: int, params: dict, wire_dtype: torch.dtype,
 
 
 def plan_buckets(names: list[str], small: dict[int, Part], wire_dtype: torch.dtype,
-                 partition_bytes: int) -> tuple[list[KeyPlan], list[Bucket]]:
+                 partition_bytes: int, numels: list[int]) -> tuple[list[KeyPlan], list[Bucket]]:
     """Key plans for the small tensors (``small``: tensor index -> its only part; ``names``
-    of all tensors in model order): runs of them next to each other in backward order
-    share a bucket of up to ``partition_bytes`` on the wire; one alone keeps a raw key
-    of its own. Returns the plans and the buckets."""
+    and ``numels`` of all tensors in model order): in backward order they share buckets
+    of up to ``partition_bytes`` on the wire, as DDP's buckets do, except that a bucket
+    closes once more than ``partition_bytes`` of other gradients (counted in float32, as
+    partitions are) came after its first member, so that no small gradient waits for
+    much of the backward pass. One alone keeps a raw key of its own. Returns the plans
+    and the buckets.
+
+        >>> import torch
+        >>> names, numels = ["w1", "b1", "w2", "b2", "w3", "b3"], [64, 8, 64, 8, 16, 8]
+        >>> small = {i: Part(0, numels[i]) for i in (1, 3, 5)}
+        >>> plans, buckets = plan_buckets(names, small, torch.float32, 256, numels)
+        >>> [p.name for p in plans]  # w3's 64 bytes pass, w2's 256 more close the bucket
+        ['fused(b3, b2)', 'b1[0]']
+    """
     capacity = max(1, partition_bytes // wire_dtype.itemsize)
     runs: list[list[int]] = []
-    run: list[int] | None = None  # the open run; a tensor that is not small ends it
-    filled = 0  # elements in the open run
+    run: list[int] | None = None  # the open bucket
+    filled = 0  # elements in the open bucket
+    passed = 0  # bytes of other gradients since its first member
     for index in reversed(range(len(names))):  # backward order
         if index not in small:
-            run = None
+            passed += 4 * numels[index]
+            if passed > partition_bytes:
+                run = None
             continue
         if run is None or filled + small[index].length > capacity:
-            run, filled = [], 0
+            run, filled, passed = [], 0, 0
             runs.append(run)
         run.append(index)
         filled += small[index].length

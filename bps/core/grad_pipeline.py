@@ -253,7 +253,8 @@ class GradPipeline:
         for wire in dict.fromkeys(s.wire for s in slots):  # buckets hold one dtype each
             mine = {i: part for i, part in small.items() if slots[i].wire == wire}
             bucket_keys, buckets = plan_buckets([s.name for s in slots], mine, wire,
-                                                self.partition_bytes)
+                                                self.partition_bytes,
+                                                [s.param.numel() for s in slots])
             keys += bucket_keys
             self.buckets += buckets
         keys, batches = plan_batches(keys)  # powersgd: same-shape matrices on one key

@@ -404,6 +404,51 @@ def plan_loads(sizes: list[int], servers: list[int], count: int,
     return totals
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 60), st.booleans()), min_size=1, max_size=12),
+       st.sampled_from([64, 160, 400]))
+def test_small_tensors_fuse_greedily_within_a_span_of_other_gradients(
+        tensors: list[tuple[int, bool]], partition_bytes: int) -> None:
+    """In backward order, a bucket takes every next small tensor that fits its capacity,
+    until more than a partition of other gradients (float32 bytes) came after its first
+    member: the plan holds each small tensor once, keeps both bounds, and closes no
+    bucket that the next small tensor could have joined."""
+    import torch
+
+    from bps.worker.planning import Part, plan_buckets
+
+    numels = [numel for numel, _ in tensors]
+    names = [f"t{i}" for i in range(len(tensors))]
+    small = {i: Part(0, numel) for i, (numel, is_small) in enumerate(tensors) if is_small}
+    capacity = partition_bytes // 2  # float16 elements
+    plans, buckets = plan_buckets(names, small, torch.float16, partition_bytes, numels)
+    groups = []  # tensor indices per key, in backward order
+    for plan in plans:
+        members = plan.name.removeprefix("fused(").removesuffix(")").split(", ")
+        groups.append([int(m.removesuffix("[0]")[1:]) for m in members])
+    assert sorted(i for g in groups for i in g) == sorted(small)
+    assert len(buckets) == sum(len(g) > 1 for g in groups)
+    for plan, group in zip(plans, groups, strict=True):  # members packed in their order
+        if len(group) > 1:
+            assert any(plan.part is b for b in buckets)
+            assert plan.numel == sum(numels[i] for i in group)
+            assert [small[i].bucket_offset for i in group] == list(
+                itertools.accumulate([numels[i] for i in group[:-1]], initial=0))
+
+    def between(first: int, last: int) -> int:  # other gradients' float32 bytes
+        return 4 * sum(numels[j] for j in range(last + 1, first) if j not in small)
+
+    for n, group in enumerate(groups):
+        following = groups[n + 1] if n + 1 < len(groups) else None
+        assert group == sorted(group, reverse=True)  # backward order
+        assert sum(numels[i] for i in group) <= capacity or len(group) == 1
+        assert between(group[0], group[-1]) <= partition_bytes
+        if following is not None:  # the next small tensor could not have joined
+            nxt = following[0]
+            assert (sum(numels[i] for i in group) + numels[nxt] > capacity
+                    or between(group[0], nxt) > partition_bytes)
+
+
 def test_plan_servers_places_largest_first() -> None:
     # in declaration order the two small keys would take both servers and the large
     # one would land on top of one of them (largest load 30)

@@ -1,0 +1,239 @@
+"""What bps costs per parameter and per key: a worker's CPU per step, thread by thread.
+
+Usage::
+
+    python bench/key_overhead.py                          # host chains and device path
+    python bench/key_overhead.py --layers 74 --width 256 --steps 100 --rounds 3
+    python bench/key_overhead.py --convoy                 # torch calls beside a busy thread
+
+A model of ``--layers`` ``Linear(width, width)`` layers (a weight over
+``min_compress_bytes``, compressed, and a small bias each) on a batch of 4 has almost no
+compute: what a step costs beyond the model alone is bps's own work for each parameter
+(the autograd hook) and each key (reduce thread, codec threads, I/O thread, the
+broadcast thread). That per-key work is what a GPU job pays in Python, under the GIL,
+for every partition (docs/benchmarks.md, one GPU host).
+
+Per configuration and round, ``bpslaunch local --workers 1 --servers 1`` (CURVE on)
+runs the model alone, then through a ``DistributedTrainer`` with onebit + error
+feedback: the host chains, and the device path forced onto CPU tensors
+(``BPS_DEVICE_KERNELS=1``). The job runs with ``OMP_NUM_THREADS=1``: on a host of few
+cores, torch's OpenMP workers otherwise spin for cores the job's threads need. Per
+configuration: the median step, the worker's CPU per step in all and by thread (from
+``/proc/self/task``), the pushes per step, and CPU per push beyond the model alone;
+medians over ``--rounds``. JSON: ``--json`` (default bench/results/key_overhead-TIME.json).
+
+``--convoy`` times a hook's kinds of calls alone and beside one thread that runs Python
+without pause: torch releases the GIL in each op it dispatches, and taking it back
+waits for the other thread to give it up (``sys.getswitchinterval()``, 5 ms by
+default), so every such call in a hook can cost milliseconds while bps's threads run
+Python.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PARAMS = {"compressor": "onebit", "ef": "vanilla"}
+CONFIGS = {"alone": None, "host": {}, "device path": {"BPS_DEVICE_KERNELS": "1"}}
+
+
+def thread_cpu_s() -> dict[str, float]:
+    """CPU seconds so far of each of this process's threads, by name (numbered
+    threads of one pool summed; threads without a Python name by their OS name)."""
+    import threading
+
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    out: collections.Counter = collections.Counter()
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                comm = f.read().strip()
+        except OSError:  # the thread ended meanwhile
+            continue
+        name = (names.get(int(tid)) or comm).rstrip("0123456789_/")
+        out[name] += (int(fields[11]) + int(fields[12])) / tick
+    return dict(out)
+
+
+def child(args: argparse.Namespace) -> None:
+    """One worker's measurement (runs under bpslaunch)."""
+    import torch
+
+    import bps
+
+    bps.init()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(args.width, args.width)
+                                  for _ in range(args.layers)])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    trainer = None if args.alone else bps.DistributedTrainer(model, optimizer, PARAMS)
+    x = torch.randn(4, args.width)
+
+    def step() -> None:
+        (trainer or optimizer).zero_grad()
+        model(x).square().mean().backward()
+        (trainer or optimizer).step()
+
+    for _ in range(args.warmup):
+        step()
+    pushes_before = trainer.core.runtime.engine.stats.pushes if trainer else 0
+    before, walls = thread_cpu_s(), []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        step()
+        walls.append(time.perf_counter() - start)
+    after = thread_cpu_s()
+    pushes = (trainer.core.runtime.engine.stats.pushes - pushes_before) if trainer else 0
+    if trainer is not None:
+        trainer.close()
+    threads = {name: (after[name] - before.get(name, 0.0)) / args.steps for name in after}
+    Path(args.out).write_text(json.dumps({
+        "step_s": statistics.median(walls), "pushes": pushes / args.steps,
+        "threads_s": {k: v for k, v in threads.items() if v > 0}}))
+    bps.shutdown()
+
+
+def convoy(calls: int = 50) -> str:
+    """Microseconds per call of a hook's kinds of calls, alone and beside a thread that
+    runs Python without pause (the table ``--convoy`` prints)."""
+    import threading
+
+    import torch
+
+    tensor = torch.zeros(65536)
+    param = torch.nn.Parameter(torch.zeros(65536))
+    param.grad = torch.zeros(65536)
+    cases = {"Tensor.view": lambda: tensor.view(-1), "Tensor.detach": tensor.detach,
+             "Tensor.div_ (10 elements)": lambda: tensor[:10].div_(1.0),
+             "Tensor.numpy": tensor.numpy, "Parameter.grad": lambda: param.grad,
+             "Tensor.numel": tensor.numel, "a Python call": lambda: sum(range(10))}
+
+    def per_call(fn) -> float:
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        return (time.perf_counter() - start) / calls * 1e6
+
+    alone = {name: per_call(fn) for name, fn in cases.items()}
+    stop = threading.Event()
+
+    def busy() -> None:
+        count = 0
+        while not stop.is_set():
+            count += 1
+
+    thread = threading.Thread(target=busy, daemon=True)
+    thread.start()
+    try:
+        beside = {name: per_call(fn) for name, fn in cases.items()}
+    finally:
+        stop.set()
+        thread.join()
+    rows = [f"switch interval {sys.getswitchinterval() * 1e3:g} ms; {calls} calls each\n",
+            "| call | alone us | beside a busy Python thread us |", "|---|---:|---:|"]
+    rows += [f"| {name} | {alone[name]:.2f} | {beside[name]:.1f} |" for name in cases]
+    return "\n".join(rows)
+
+
+def run_config(args: argparse.Namespace, env: dict | None) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        cmd = [sys.executable, "-m", "bps.launch.cli", "local", "--workers", "1",
+               "--servers", "1", "--", sys.executable, os.path.abspath(__file__), "--child",
+               "--out", out, "--layers", str(args.layers), "--width", str(args.width),
+               "--steps", str(args.steps), "--warmup", str(args.warmup)]
+        cmd += ["--alone"] if env is None else []
+        full_env = {**os.environ, **(env or {}), "OMP_NUM_THREADS": "1"}
+        full_env.pop("BPS_INSECURE", None)
+        done = subprocess.run(cmd, env=full_env, capture_output=True, text=True,
+                              timeout=args.timeout)
+        if done.returncode != 0 or not os.path.exists(out):
+            raise SystemExit(f"the job failed (exit {done.returncode}):\n"
+                             f"{(done.stdout + done.stderr)[-3000:]}")
+        return json.loads(Path(out).read_text())
+
+
+def table(results: dict) -> str:
+    names = sorted({t for rounds in results.values() for r in rounds for t in r["threads_s"]},
+                   key=lambda t: (t != "MainThread", t))
+    alone = statistics.median(sum(r["threads_s"].values()) for r in results["alone"])
+    rows = ["| configuration | step ms | CPU ms | pushes | CPU us / push beyond alone | "
+            + " | ".join(names) + " |", "|---|" + "---:|" * (4 + len(names))]
+    for config, rounds in results.items():
+        def med(get, rounds=rounds):
+            return statistics.median(get(r) for r in rounds)
+        cpu = med(lambda r: sum(r["threads_s"].values()))
+        pushes = med(lambda r: r["pushes"])
+        per_push = f"{(cpu - alone) / pushes * 1e6:.0f}" if pushes else ""
+        cells = [f"{med(lambda r, t=t: r['threads_s'].get(t, 0.0)) * 1e3:.1f}" for t in names]
+        rows.append(f"| {config} | {med(lambda r: r['step_s']) * 1e3:.1f} | {cpu * 1e3:.1f} "
+                    f"| {pushes:.0f} | {per_push} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--layers", type=int, default=74, help="Linear layers (default 74)")
+    p.add_argument("--width", type=int, default=256, help="their width (default 256)")
+    p.add_argument("--steps", type=int, default=60, help="timed steps per job (default 60)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
+    p.add_argument("--rounds", type=int, default=3, help="jobs per configuration, "
+                   "taking turns (default 3)")
+    p.add_argument("--only", default=",".join(CONFIGS),
+                   help=f"configurations, comma-separated (of {', '.join(CONFIGS)})")
+    p.add_argument("--timeout", type=int, default=300, help="seconds per job")
+    p.add_argument("--json", default=None)
+    p.add_argument("--convoy", action="store_true",
+                   help="only time torch calls beside a busy Python thread")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--alone", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        child(args)
+        return
+    if args.convoy:
+        print(convoy())
+        return
+    configs = args.only.split(",")
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown:
+        p.error(f"--only: unknown configuration {unknown[0]!r}")
+    if "alone" not in configs:
+        configs.insert(0, "alone")  # the baseline of the per-push column
+    started = time.monotonic()
+    results: dict[str, list] = {c: [] for c in configs}
+    for round_ in range(args.rounds):
+        for config in configs:
+            print(f"[{time.monotonic() - started:6.1f} s] round {round_ + 1}: {config}",
+                  file=sys.stderr, flush=True)
+            results[config].append(run_config(args, CONFIGS[config]))
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True, cwd=Path(__file__).parent).stdout.strip() or "?"
+    print(f"\n{os.cpu_count()} cores, commit {commit}, "
+          f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}; {args.layers} x "
+          f"Linear({args.width}, {args.width}), onebit + EF, 1 worker, 1 server, CURVE; "
+          f"medians of {args.rounds} rounds of {args.steps} steps\n")
+    print(table(results))
+    path = Path(args.json or Path(__file__).parent / "results" /
+                f"key_overhead-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"args": vars(args), "commit": commit, "results": results},
+                               indent=1))
+    print(f"\n{time.monotonic() - started:.0f} s in all; wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+"""bench/key_overhead.py end to end on a tiny model: the jobs run, the table counts the
+pushes a step makes (small tensors fused into one bucket) and the worker's threads."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.harness import paths
+
+
+def test_a_step_pushes_the_weights_and_one_bucket_of_biases(tmp_path):
+    # 4 x Linear(128, 128): each weight (64 KiB) is compressed, and the four biases
+    # (128 floats each, 256 KiB of weights between the first and the last) share a
+    # bucket of the 4 MB default partition: 5 pushes a step
+    out = tmp_path / "result.json"
+    done = subprocess.run([sys.executable, str(paths.BENCH / "key_overhead.py"), "--layers",
+                           "4", "--width", "128", "--steps", "4", "--warmup", "1",
+                           "--rounds", "1", "--only", "host", "--json", str(out)],
+                          capture_output=True, text=True, timeout=240, cwd=paths.ROOT)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    results = json.loads(out.read_text())["results"]
+    assert [r["pushes"] for r in results["host"]] == [5.0]
+    assert [r["pushes"] for r in results["alone"]] == [0.0]
+    assert "MainThread" in results["host"][0]["threads_s"], results["host"]
+    assert "| host |" in done.stdout and "| alone |" in done.stdout
+
+
+def test_convoy_times_each_call_alone_and_beside_a_busy_thread():
+    done = subprocess.run([sys.executable, str(paths.BENCH / "key_overhead.py"), "--convoy"],
+                          capture_output=True, text=True, timeout=120, cwd=paths.ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| Tensor.")]
+    assert len(rows) == 5 and all(len(row.split("|")) == 5 for row in rows), done.stdout
