@@ -18,7 +18,8 @@ runs the model alone, then through a ``DistributedTrainer`` with onebit + error
 feedback: the host chains, and the device path forced onto CPU tensors
 (``BPS_DEVICE_KERNELS=1``). The job runs with ``OMP_NUM_THREADS=1``: on a host of few
 cores, torch's OpenMP workers otherwise spin for cores the job's threads need. Per
-configuration: the median step, the worker's CPU per step in all and by thread (from
+configuration: the median step and its forward and backward pass (where the hooks
+run), the worker's CPU per step in all and by thread (from
 ``/proc/self/task``), the pushes per step, and CPU per push beyond the model alone;
 medians over ``--rounds``. JSON: ``--json`` (default bench/results/key_overhead-TIME.json).
 
@@ -81,13 +82,18 @@ def child(args: argparse.Namespace) -> None:
     trainer = None if args.alone else bps.DistributedTrainer(model, optimizer, PARAMS)
     x = torch.randn(4, args.width)
 
+    backward_s: list[float] = []
+
     def step() -> None:
         (trainer or optimizer).zero_grad()
+        start = time.perf_counter()
         model(x).square().mean().backward()
+        backward_s.append(time.perf_counter() - start)
         (trainer or optimizer).step()
 
     for _ in range(args.warmup):
         step()
+    backward_s.clear()
     pushes_before = trainer.core.runtime.engine.stats.pushes if trainer else 0
     before, walls = thread_cpu_s(), []
     for _ in range(args.steps):
@@ -100,7 +106,8 @@ def child(args: argparse.Namespace) -> None:
         trainer.close()
     threads = {name: (after[name] - before.get(name, 0.0)) / args.steps for name in after}
     Path(args.out).write_text(json.dumps({
-        "step_s": statistics.median(walls), "pushes": pushes / args.steps,
+        "step_s": statistics.median(walls), "backward_s": statistics.median(backward_s),
+        "pushes": pushes / args.steps,
         "threads_s": {k: v for k, v in threads.items() if v > 0}}))
     bps.shutdown()
 
@@ -169,8 +176,9 @@ def table(results: dict) -> str:
     names = sorted({t for rounds in results.values() for r in rounds for t in r["threads_s"]},
                    key=lambda t: (t != "MainThread", t))
     alone = statistics.median(sum(r["threads_s"].values()) for r in results["alone"])
-    rows = ["| configuration | step ms | CPU ms | pushes | CPU us / push beyond alone | "
-            + " | ".join(names) + " |", "|---|" + "---:|" * (4 + len(names))]
+    rows = ["| configuration | step ms | forward + backward ms | CPU ms | pushes | "
+            "CPU us / push beyond alone | " + " | ".join(names) + " |",
+            "|---|" + "---:|" * (5 + len(names))]
     for config, rounds in results.items():
         def med(get, rounds=rounds):
             return statistics.median(get(r) for r in rounds)
@@ -178,7 +186,8 @@ def table(results: dict) -> str:
         pushes = med(lambda r: r["pushes"])
         per_push = f"{(cpu - alone) / pushes * 1e6:.0f}" if pushes else ""
         cells = [f"{med(lambda r, t=t: r['threads_s'].get(t, 0.0)) * 1e3:.1f}" for t in names]
-        rows.append(f"| {config} | {med(lambda r: r['step_s']) * 1e3:.1f} | {cpu * 1e3:.1f} "
+        rows.append(f"| {config} | {med(lambda r: r['step_s']) * 1e3:.1f} "
+                    f"| {med(lambda r: r['backward_s']) * 1e3:.1f} | {cpu * 1e3:.1f} "
                     f"| {pushes:.0f} | {per_push} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 

@@ -88,6 +88,17 @@ class _BucketSlice:
         return result[self.offset:self.offset + self.length]
 
 
+def _flat(grad: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
+    """A contiguous ``grad`` flat and outside autograd: ``dest`` itself where it is
+    already that (a trainer hands ``.grad`` and its flat view), else a view. Every torch
+    op releases the GIL, and a hook then waits to take it back from the threads that
+    run Python meanwhile (docs/benchmarks.md, the GIL convoy); the checks here do not."""
+    if (dest._base is grad and dest.dim() == 1 and dest.numel() == grad.numel()
+            and dest.data_ptr() == grad.data_ptr() and not grad.requires_grad):
+        return dest
+    return grad.detach().view(-1)
+
+
 def _forward(source: concurrent.futures.Future, target: concurrent.futures.Future) -> None:
     """Settle ``target`` as ``source`` settles (unless ``target`` was cancelled)."""
     def done(_: concurrent.futures.Future) -> None:
@@ -307,7 +318,7 @@ class GradPipeline:
             raise ValueError(f"dest of {slot.name!r} must be a contiguous tensor of "
                              f"{slot.param.numel()} elements")
         slot.ready = True
-        slot.dest, slot.done = dest.view(-1), done
+        slot.dest, slot.done = dest if dest.dim() == 1 else dest.view(-1), done
         if self._tracer is not None:
             self._tracer.instant("ready", slot.name, self.step)
         if not self.started:
@@ -326,7 +337,7 @@ class GradPipeline:
                     and grad.dtype == torch.float32 and not grad.is_cuda:
                 # A lone local rank pushes straight from the source: each partition's
                 # result arrives (and may overwrite it) only after that partition was sent.
-                flat = grad.detach().view(-1)
+                flat = _flat(grad, slot.dest)
                 slot.nonfinite = not divide_checked(flat.numpy(), size, self._limit(slot))
                 slot.share = flat
             else:
@@ -366,7 +377,7 @@ class GradPipeline:
         divisor = self._divisor
         if grad is not None and self._rt.local_size == 1 and grad.is_contiguous() \
                 and grad.dtype == torch.float32:
-            share = grad.detach().view(-1).div_(divisor)  # consumed in place, as on the host
+            share = _flat(grad, slot.dest).div_(divisor)  # consumed in place, as on the host
         else:
             if slot.send is None:
                 slot.send = torch.empty(numel, dtype=node_dtype, device=slot.param.device)
