@@ -5,7 +5,7 @@
 # pyzmq 27.3 or later and mlxtend for Python 3.12 where the host lacks them; older pyzmq
 # wheels bundle a libsodium that runs CURVE about 15x slower):
 #
-#     bash bench/gpu_host.sh [all|tests|bench|diagnose|profile] [OUTDIR]
+#     bash bench/gpu_host.sh [all|tests|bench|diagnose|profile|convoy] [OUTDIR]
 #
 # all: the tests, then the benchmarks (bench/gpu_step.py, then bench/ps_throughput.py
 # --striping --quick). diagnose: what sets the compressed steps, in about 3 minutes:
@@ -18,7 +18,11 @@
 # onebit steps hold the GIL (bench/gil_profile.py under py-spy, whose wheel goes in .whl/
 # too: `pip download py-spy --no-deps --only-binary=:all: --platform manylinux1_x86_64`),
 # with 4 and 32 MB partitions, and GPT-2 small's with 32 MB (whose main thread, not its
-# waits, held its step at 3c58fc9), about 3 minutes.
+# waits, held its step at 3c58fc9), about 3 minutes. convoy: whether the hooks wait for
+# the GIL (docs/benchmarks.md, the GIL convoy), about 5 minutes: bench/key_overhead.py
+# (--convoy, then the per-key CPU on this host's cores), then GPT-2 small's and the
+# MLP's onebit steps with 32 MB partitions at the default switch interval (5 ms) and at
+# 0.5 ms (set by a sitecustomize.py on PYTHONPATH), taking turns.
 #
 # Write the commit beside the wheels (`git rev-parse --short HEAD > .whl/COMMIT`): the copy
 # that reaches a lent host has no .git, and the reports name it from there.
@@ -90,5 +94,20 @@ if [ "$what" = profile ]; then
             bench/gpu_step.py --only "$config" --workers 1 --steps "$steps" --warmup 3 \
             --json "$out/gil-$config-$bytes.json" 2>&1 | tee "$out/gil-$config-$bytes.log" \
             | grep -v "^\[" | tail -60
+    done
+fi
+if [ "$what" = convoy ]; then
+    python3 bench/key_overhead.py --convoy 2>&1 | tee "$out/convoy.log"
+    timeout "${KEYS_TIMEOUT:-120}" python3 bench/key_overhead.py --rounds 2 --steps 60 \
+        --json "$out/key_overhead.json" 2>&1 | tee "$out/key_overhead.log" | tail -6
+    switch=/tmp/bps-switch
+    mkdir -p "$switch"
+    printf 'import os, sys\nsys.setswitchinterval(float(os.environ["BPS_PROBE_SWITCH"]))\n' \
+        >"$switch/sitecustomize.py"
+    for interval in 0.005 0.0005 0.005 0.0005; do
+        # shellcheck disable=SC2086
+        PYTHONPATH=$switch:$PYTHONPATH BPS_PROBE_SWITCH=$interval \
+            BYTEPS_PARTITION_BYTES=33554432 step "switch-$interval" \
+            --only mlp-onebit,gpt2-onebit --steps 6 --warmup 3 ${GPU_STEP_ARGS:-}
     done
 fi
