@@ -93,9 +93,10 @@ def _flat(grad: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
     already that (a trainer hands ``.grad`` and its flat view), else a view. Every torch
     op releases the GIL, and a hook then waits to take it back from the threads that
     run Python meanwhile (docs/benchmarks.md, the GIL convoy); the checks here do not."""
-    if (dest._base is grad and dest.dim() == 1 and dest.numel() == grad.numel()
+    if (dest.dim() == 1 and dest.is_contiguous() and dest.numel() == grad.numel()
+            and dest.dtype == grad.dtype and dest.device == grad.device
             and dest.data_ptr() == grad.data_ptr() and not grad.requires_grad):
-        return dest
+        return dest  # the same elements in the same order (grad is contiguous)
     return grad.detach().view(-1)
 
 

@@ -762,6 +762,25 @@ def test_scheduler_port_in_use_is_a_clear_error(caplog, cluster_key: str) -> Non
             "DMLC_PS_ROOT_PORT): Address already in use") in caplog.text
 
 
+def test_a_hook_reuses_the_flat_view_of_the_gradient_it_is_handed() -> None:
+    """The trainer hands ``.grad`` and its flat view: the view itself comes back (no
+    torch op, each of which releases the GIL); anything else gets a view of its own."""
+    import torch
+
+    from bps.core.grad_pipeline import _flat
+
+    grad = torch.arange(6.0).reshape(2, 3)
+    flat = grad.view(-1)
+    assert _flat(grad, flat) is flat
+    for dest in (torch.arange(6.0), grad.view(-1)[1:], grad.t().reshape(-1),
+                 grad.view(-1).view(torch.int32)):
+        got = _flat(grad, dest)  # other memory, a shifted start, another order, dtype
+        assert got is not dest and got.data_ptr() == grad.data_ptr()
+        assert torch.equal(got, torch.arange(6.0))
+    wanted = torch.zeros(3, requires_grad=True)
+    assert not _flat(wanted, wanted.detach()).requires_grad
+
+
 def test_forward_settles_the_bucket_future_unless_cancelled(caplog) -> None:
     from concurrent.futures import CancelledError, Future
 
