@@ -197,12 +197,17 @@ class OneBit(Compressor):
         self.check_size(buffer, self.payload_size)
         words = sub_array(buffer, 0, np.uint32, self.num_words)
         scale = float(sub_array(buffer, 4 * self.num_words, np.float32, 1)[0])
+        self._check_scale_and_padding(scale, int(words[-1]) if self.num_words else 0)
+        return words, scale
+
+    def _check_scale_and_padding(self, scale: float, last_word: int) -> None:
+        """Refuse a payload whose scale is not finite and >= 0 in the dtype, or whose
+        last sign word sets padding bits (the checks need only those 8 bytes)."""
         if not (0.0 <= scale <= self.max_scale):  # also inf and NaN
             raise self.bad_payload(f"scale {scale} is not finite and >= 0 in {self.dtype}")
         tail = self.numel % 32
-        if tail and int(words[-1]) & ((1 << (32 - tail)) - 1):
+        if tail and last_word & ((1 << (32 - tail)) - 1):
             raise self.bad_payload("padding bits of the last sign word are not zero")
-        return words, scale
 
     def decompress(self, payload: Payload, out: torch.Tensor | None = None) -> torch.Tensor:
         words, scale = self._parse(payload)

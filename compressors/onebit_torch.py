@@ -102,17 +102,10 @@ class OneBitTorch(TorchKernels, OneBit):
 
     def decompress(self, payload: Payload, out: torch.Tensor | None = None) -> torch.Tensor:
         payload = self.device_payload(payload)
-        self._check_tail(payload[4 * self.num_words - 4 :].cpu().numpy())  # 8 bytes cross
+        head = payload[4 * self.num_words - 4 :].cpu().numpy()  # last word, scale: 8 bytes
+        self._check_scale_and_padding(float(head[4:].view(np.float32)[0]),
+                                      int(head[:4].view(np.uint32)[0]))
         return self.output(out).copy_(self.decode_checked(payload, ()))
-
-    def _check_tail(self, head: np.ndarray) -> None:
-        """The checks of the last sign word and the scale (8 bytes on the host)."""
-        scale = float(head[4:].view(np.float32)[0])
-        if not (0.0 <= scale <= self.max_scale):  # also inf and NaN
-            raise self.bad_payload(f"scale {scale} is not finite and >= 0 in {self.dtype}")
-        tail = self.numel % 32
-        if tail and int(head[:4].view(np.uint32)[0]) & ((1 << (32 - tail)) - 1):
-            raise self.bad_payload("padding bits of the last sign word are not zero")
 
     def decode_key(self, payload: np.ndarray) -> tuple:
         self.check_payload(payload)  # the host decoder's checks
