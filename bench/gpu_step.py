@@ -359,20 +359,24 @@ def warnings_of(log: str) -> list[str]:
     return list(dict.fromkeys(found))
 
 
-def host_info(device) -> dict:
-    import torch
-    import zmq
-
+def source_commit() -> str | None:
+    """The short commit of this tree; in a copy without .git (a lent GPU host),
+    ``BPS_BENCH_COMMIT``, the commit it was copied from; else None."""
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                 text=True, cwd=Path(__file__).parent).stdout.strip()
     except OSError:  # no git on the host
         commit = ""
-    # a copied tree without .git (a lent GPU host): the commit it was copied from
-    commit = commit or os.environ.get("BPS_BENCH_COMMIT") or None
+    return commit or os.environ.get("BPS_BENCH_COMMIT") or None
+
+
+def host_info(device) -> dict:
+    import torch
+    import zmq
+
     info = {"host": socket.gethostname(), "cpus": os.cpu_count(),
             "python": platform.python_version(), "pyzmq": zmq.__version__,
-            "torch": torch.__version__, "device": str(device), "commit": commit,
+            "torch": torch.__version__, "device": str(device), "commit": source_commit(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)

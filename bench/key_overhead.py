@@ -43,6 +43,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from gpu_step import source_commit  # bench/ is on the path of a script run from it
+
 PARAMS = {"compressor": "onebit", "ef": "vanilla"}
 CONFIGS = {"alone": None, "host": {}, "device path": {"BPS_DEVICE_KERNELS": "1"}}
 
@@ -229,8 +231,7 @@ def main() -> None:
             print(f"[{time.monotonic() - started:6.1f} s] round {round_ + 1}: {config}",
                   file=sys.stderr, flush=True)
             results[config].append(run_config(args, CONFIGS[config]))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, cwd=Path(__file__).parent).stdout.strip() or "?"
+    commit = source_commit() or "?"
     print(f"\n{os.cpu_count()} cores, commit {commit}, "
           f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}; {args.layers} x "
           f"Linear({args.width}, {args.width}), onebit + EF, 1 worker, 1 server, CURVE; "
