@@ -11,6 +11,7 @@ current, or ``discard()`` drops it and raises the error the code names::
     CHAIN_NONFINITE     1    a decorator's g' (Nesterov lookahead, error feedback) has inf/NaN
     INPUT_NONFINITE     2    the compressor's input has inf/NaN (detail: a chunk, or -1)
     RANGE_OVERFLOW      3    bytegrad: a chunk's max - min overflows float32 (detail: the chunk)
+                             onebit: the scale is beyond float32 (detail: the mean's bits)
 
 ``BPS_DEVICE_KERNELS=1`` has ``build`` use these kernels on CPU tensors too (tests, debugging).
 

@@ -188,9 +188,13 @@ class OneBit(Compressor):
         with np.errstate(over="ignore"):
             sent[0] = scale
         if not float(sent[0]) <= self.max_scale:
-            raise ValueError(f"onebit: the scale, mean |x| = {scale:g}, is beyond float32's "
-                             f"range (numel={self.numel}, {self.dtype})")
+            raise self.scale_out_of_range(scale)
         return float(sent[0])
+
+    def scale_out_of_range(self, scale: float) -> ValueError:
+        """The error for a scale (mean |x|) that float32 or the dtype cannot hold."""
+        return ValueError(f"onebit: the scale, mean |x| = {scale:g}, is beyond float32's "
+                          f"range (numel={self.numel}, {self.dtype})")
 
     def _parse(self, payload: Payload) -> tuple[np.ndarray, float]:
         buffer = payload_bytes(payload)

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from .base import Payload
-from .device import INPUT_NONFINITE, TorchKernels, flag_status
+from .device import INPUT_NONFINITE, RANGE_OVERFLOW, TorchKernels, first_bad, flag_status
 from .onebit import OneBit
 
 
@@ -57,19 +57,26 @@ def unpack_signs(words: torch.Tensor, numel: int) -> torch.Tensor:
     return ((msb_first >> shifts) & 1).reshape(-1)[:numel].bool()
 
 
-def sign_scale(x: torch.Tensor, scaling: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float32 scale as onebit stores it, 0-dim bool: whether sum |x| is not finite).
-    The sum is float64; its order is torch's.
+def sign_scale(x: torch.Tensor, scaling: bool, max_scale: float
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float32 scale as onebit stores it, status): INPUT_NONFINITE where sum |x| is not
+    finite, else RANGE_OVERFLOW where the scale is beyond ``max_scale`` (a float64 input's
+    can be), its detail the float64 mean's bits. The sum is float64; its order is torch's.
 
-        >>> sign_scale(torch.tensor([1.0, -2.0, 0.0]), True)
-        (tensor(1.), tensor(False))
+        >>> sign_scale(torch.tensor([1.0, -2.0, 0.0]), True, 3.4e38)
+        (tensor(1.), tensor([ 0, -1]))
     """
     total = x.abs().sum(dtype=torch.float64)
     if scaling:
-        scale = (total / x.numel()).to(torch.float32)
+        mean = total / x.numel()
+        scale = mean.to(torch.float32)
+        beyond = ~(torch.isfinite(scale) & (scale <= max_scale))  # max_scale: inf as float32
+        overflow = flag_status(beyond, RANGE_OVERFLOW, mean.view(torch.int64))
     else:  # an all-zero input decodes to zeros
         scale = (total != 0).to(torch.float32)
-    return scale, ~torch.isfinite(total)
+        overflow = flag_status(torch.zeros((), dtype=torch.bool, device=x.device),
+                               RANGE_OVERFLOW)
+    return scale, first_bad(flag_status(~torch.isfinite(total), INPUT_NONFINITE), overflow)
 
 
 class OneBitTorch(TorchKernels, OneBit):
@@ -84,11 +91,11 @@ class OneBitTorch(TorchKernels, OneBit):
 
     def _encode(self, x: torch.Tensor) -> tuple:
         words, negative = pack_signs(x, self.num_words)
-        scale, bad = sign_scale(x, self.scaling)
+        scale, status = sign_scale(x, self.scaling, self.max_scale)
         payload = torch.empty(self.payload_size, dtype=torch.uint8, device=self.device)
         payload[: 4 * self.num_words] = words
         payload[4 * self.num_words :] = scale.reshape(1).view(torch.uint8)
-        return payload, flag_status(bad, INPUT_NONFINITE), negative, scale
+        return payload, status, negative, scale
 
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         payload, status, _, _ = self._encode(self.check_input(x))
@@ -99,6 +106,11 @@ class OneBitTorch(TorchKernels, OneBit):
         step = scale.to(self.dtype)
         corrected.sub_(torch.where(negative, -step, step))
         return payload, status
+
+    def status_error(self, code: int, detail: int) -> Exception:
+        if code == RANGE_OVERFLOW:
+            return self.scale_out_of_range(float(np.int64(detail).view(np.float64)))
+        return self.nonfinite_input()
 
     def decompress(self, payload: Payload, out: torch.Tensor | None = None) -> torch.Tensor:
         payload = self.device_payload(payload)

@@ -214,6 +214,28 @@ def test_onebit_all_zero_input_decodes_to_zeros(make, device):
     assert torch.equal(dev.decompress(dev.compress(x.to(device))).cpu(), torch.zeros(40))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("chain", ["bare", "ef", "ef+momentum"])
+def test_onebit_scale_beyond_float32_refused_as_the_host_does(make, chain, device):
+    """A float64 input whose mean |x| is finite but beyond float32: the host refuses it
+    with a ValueError naming the mean, and so does the device chain, keeping its state;
+    its next finite input then gives the host's payload."""
+    params = {**CASES["onebit"], **CHAINS[chain]}
+    host, dev = make(params, 3, torch.float64, None), make(params, 3, torch.float64, device)
+    huge = torch.tensor([1e300, -1e300, 3.0], dtype=torch.float64)
+    for chain_ in (host, dev):
+        chain_.set_lr(0.5)
+    with pytest.raises(ValueError, match="beyond float32") as host_error:
+        host.compress(huge)
+    with pytest.raises(ValueError) as device_error:
+        dev.compress(huge.to(device))
+    assert not isinstance(device_error.value, NonFiniteError)
+    assert str(device_error.value) == str(host_error.value)
+    host.cancel()
+    dev.cancel()
+    run_both(host, dev, "onebit", torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64), device)
+
+
 def bad_payloads(name: str, payload: torch.Tensor, numel: int) -> list[torch.Tensor]:
     """Payloads the host decoder refuses, made from a good one."""
     cases = [payload[:-1].clone()]
