@@ -587,14 +587,12 @@ WARM_AND_COUNT = """
 import json
 import numba.core.registry
 import slow_network
-args = slow_network.parse_args(["--methods", "fp32,onebit,dithering",
+args = slow_network.parse_args(["--methods", "fp32,onebit",
                                 "--compressed-partition-bytes", "800000"])
 slow_network.warm_kernels(args, args.method_list)
-from bps.compressors import (dithering, dithering_decoder, dithering_quantiser, elias_delta,
-                             error_feedback, momentum, onebit, rng)
+from bps.compressors import error_feedback, finite, momentum, onebit
 counts = {"hits": 0, "misses": 0}
-for module in (dithering, dithering_decoder, dithering_quantiser, elias_delta, error_feedback,
-               momentum, onebit, rng):
+for module in (error_feedback, finite, momentum, onebit):
     for value in vars(module).values():
         if isinstance(value, numba.core.registry.CPUDispatcher):
             counts["hits"] += sum(value.stats.cache_hits.values())
@@ -617,9 +615,10 @@ def test_runner_compiles_the_kernels_before_its_runs(tmp_path):
                               text=True, timeout=300, cwd=REPO, env=env)
         assert done.returncode == 0, done.stderr[-3000:]
         counts.append(json.loads(done.stdout.splitlines()[-1]))
-    assert counts[0]["misses"] > 10  # the first process compiled them
-    # the second loads what it calls (the kernels called from those come with them)
-    assert counts[1]["misses"] == 0 and counts[1]["hits"] > 10
+    assert counts[0]["misses"] > 5  # the first process compiled them
+    # the second loads what the first compiled (the kernels called from those come with
+    # them) and compiles nothing
+    assert counts[1]["misses"] == 0 and counts[1]["hits"] >= counts[0]["misses"]
 
 
 @pytest.mark.netns
