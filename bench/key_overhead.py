@@ -23,11 +23,11 @@ run), the worker's CPU per step in all and by thread (from
 ``/proc/self/task``), the pushes per step, and CPU per push beyond the model alone;
 medians over ``--rounds``. JSON: ``--json`` (default bench/results/key_overhead-TIME.json).
 
-``--convoy`` times a hook's kinds of calls alone and beside one thread that runs Python
-without pause: torch releases the GIL in each op it dispatches, and taking it back
+``--convoy`` times a hook's kinds of calls, and a codec thread's work for one key of a
+host chain, alone and beside one thread that runs Python without pause: torch releases
+the GIL in each op it dispatches (numba in each ``nogil`` kernel), and taking it back
 waits for the other thread to give it up (``sys.getswitchinterval()``, 5 ms by
-default), so every such call in a hook can cost milliseconds while bps's threads run
-Python.
+default), so every such call can cost milliseconds while bps's threads run Python.
 """
 
 from __future__ import annotations
@@ -121,13 +121,25 @@ def convoy(calls: int = 50) -> str:
 
     import torch
 
+    from bps.compressors import build
+
+    chain = build({"compressor": "onebit", "scaling": True, "ef": "vanilla",
+                   "momentum": "nesterov", "mu": 0.9}, 65536)
+    grad, aggregate = torch.randn(65536), torch.empty(65536)
+
+    def chain_pair() -> None:  # what a codec thread runs per key, one push and its pull
+        chain.set_lr(0.1)
+        chain.decompress(chain.compress(grad), aggregate)
+
+    chain_pair()  # numba's kernels load once
     tensor = torch.zeros(65536)
     param = torch.nn.Parameter(torch.zeros(65536))
     param.grad = torch.zeros(65536)
     cases = {"Tensor.view": lambda: tensor.view(-1), "Tensor.detach": tensor.detach,
              "Tensor.div_ (10 elements)": lambda: tensor[:10].div_(1.0),
              "Tensor.numpy": tensor.numpy, "Parameter.grad": lambda: param.grad,
-             "Tensor.numel": tensor.numel, "a Python call": lambda: sum(range(10))}
+             "Tensor.numel": tensor.numel, "a Python call": lambda: sum(range(10)),
+             "onebit + EF + Nesterov: compress, decompress (65,536)": chain_pair}
 
     def per_call(fn) -> float:
         start = time.perf_counter()

@@ -27,6 +27,7 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 KERNEL_FLOAT_DTYPES = (torch.float32, torch.float64)
 _BITS_DTYPE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 _UNSIGNED = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+_NUMPY_FLOAT = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}
 # the exponent bits of each dtype: all set means inf or NaN
 _EXPONENT_MASK = {torch.float16: 0x7C00, torch.bfloat16: 0x7F80, torch.float32: 0x7F800000,
                   torch.float64: 0x7FF0000000000000}
@@ -45,9 +46,25 @@ def check_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def bit_view(tensor: torch.Tensor) -> np.ndarray:
-    """The tensor's raw bits as an unsigned-int numpy array of the same width (no copy)."""
+    """The tensor's raw bits as an unsigned-int numpy array of the same width (no copy).
+    Numpy views the dtypes it has; only bfloat16 takes a torch view first (each torch
+    call lets other threads take the GIL, see bench/key_overhead.py --convoy)."""
     size = tensor.element_size()
-    return tensor.view(_BITS_DTYPE[size]).numpy().view(_UNSIGNED[size])
+    if tensor.dtype == torch.bfloat16:
+        tensor = tensor.view(_BITS_DTYPE[size])
+    return tensor.numpy().view(_UNSIGNED[size])
+
+
+def scalar_bits(values: list[float], dtype: torch.dtype) -> np.ndarray:
+    """The raw bits of ``values`` (numbers float32 holds exactly, such as payloads'
+    scales) in ``dtype``, as unsigned ints of its width.
+
+        >>> scalar_bits([1.0, -2.0], torch.float32).tolist()
+        [1065353216, 3221225472]
+    """
+    if dtype == torch.bfloat16:
+        return bit_view(torch.tensor(values, dtype=dtype))
+    return np.array(values, dtype=_NUMPY_FLOAT[dtype]).view(_UNSIGNED[dtype.itemsize])
 
 
 def magnitude_bits(values: np.ndarray) -> tuple[np.ndarray, np.unsignedinteger]:

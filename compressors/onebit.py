@@ -38,6 +38,7 @@ from .base import (
     bit_view,
     float_view,
     payload_bytes,
+    scalar_bits,
     sub_array,
 )
 from .threads import chunk_bounds, run_chunks
@@ -216,7 +217,7 @@ class OneBit(Compressor):
     def decompress(self, payload: Payload, out: torch.Tensor | None = None) -> torch.Tensor:
         words, scale = self._parse(payload)
         out = self.output(out)
-        scale_bits = bit_view(torch.tensor([scale], dtype=self.dtype))[0]
+        scale_bits = scalar_bits([scale], self.dtype)[0]
         bits = bit_view(out)
         sign_mask = bits.dtype.type(1 << (8 * bits.itemsize - 1))
         run_chunks(
@@ -269,7 +270,7 @@ class OneBit(Compressor):
         parsed = [self._parse(payload) for payload in payloads]
         words = np.stack([words for words, _ in parsed])
         bits = bit_view(torch.from_numpy(out))
-        scale_bits = bit_view(torch.tensor([scale for _, scale in parsed], dtype=self.dtype))
+        scale_bits = scalar_bits([scale for _, scale in parsed], self.dtype)
         sign_mask = bits.dtype.type(1 << (8 * bits.itemsize - 1))
         factor = out.dtype.type(ratio)
         payload = torch.empty(self.payload_size, dtype=torch.uint8)
