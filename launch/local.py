@@ -12,7 +12,9 @@ Every output line is prefixed with the role and rank (``[server0]``,
 ``[worker1.0]``: node 1, local rank 0). When any process fails all others are stopped
 and bpslaunch exits with its code; Ctrl-C tears everything down. Every process gets
 a fresh cluster key (``BPS_SECRET_FILE``) in a private temporary directory, removed
-when the job ends (none with ``BPS_INSECURE=1``). Extra variables
+when the job ends (none with ``BPS_INSECURE=1``). Where ``OMP_NUM_THREADS`` is unset,
+the worker processes get the cores divided among the job's workers and servers
+(``bps.launch.role.omp_threads``). Extra variables
 (``BPS_TIMEOUT``, ``BYTEPS_PARTITION_BYTES``, ...) are passed through from the
 environment.
 """
@@ -27,7 +29,8 @@ import tempfile
 from collections.abc import Sequence
 
 from bps.common.auth import job_credentials
-from bps.launch.role import free_port, local_rank_envs
+from bps.common.striping import host_cores
+from bps.launch.role import announce_omp_threads, free_port, local_rank_envs, omp_threads
 from bps.launch.supervisor import JOINED_DIR_VARIABLE, Supervisor, command_problem
 
 
@@ -73,8 +76,12 @@ def main(args: Sequence[str]) -> int:
             supervisor.spawn(role_cmd, {**base, "DMLC_ROLE": "server",
                                         "BPS_SERVER_ID": str(server)},
                              f"server{server}", service=True)
+        processes = ns.workers * ns.local_size + ns.servers  # the scheduler mostly sleeps
+        threads = omp_threads(os.environ, host_cores(), processes)
+        announce_omp_threads(threads, processes, host_cores())
         for node in range(ns.workers):
-            node_env = {**base, "DMLC_ROLE": "worker", "DMLC_WORKER_ID": str(node)}
+            node_env = {**base, **threads, "DMLC_ROLE": "worker",
+                        "DMLC_WORKER_ID": str(node)}
             for rank, env in enumerate(local_rank_envs(node_env, ns.local_size)):
                 supervisor.spawn(ns.command, env, f"worker{node}.{rank}")
         try:

@@ -9,7 +9,9 @@ Usage::
 The scheduler and servers run in this process (CMD is ignored). A worker node starts
 ``BYTEPS_LOCAL_SIZE`` copies of CMD with ``BYTEPS_LOCAL_RANK`` set and a node-local
 torch.distributed rendezvous in ``BPS_LOCAL_MASTER_ADDR`` / ``BPS_LOCAL_MASTER_PORT``.
-A missing or malformed variable is reported by name with exit code 2.
+Where ``OMP_NUM_THREADS`` is unset and a node runs several processes, each gets the
+cores divided among them (:func:`omp_threads`). A missing or malformed variable is
+reported by name with exit code 2.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from collections.abc import Mapping, Sequence
 
 from bps.common.auth import AuthError, load_key
 from bps.common.env import ClusterEnv, EnvError, launch_style
+from bps.common.striping import host_cores
 from bps.launch.supervisor import Supervisor, command_problem
 from bps.server.role import EXIT_BAD_ENV, end_process, serve, setup_process
 
@@ -61,6 +64,32 @@ def local_rank_envs(base: Mapping[str, str], local_size: int) -> list[dict[str, 
     return envs
 
 
+def omp_threads(environ: Mapping[str, str], cores: int, processes: int) -> dict[str, str]:
+    """``OMP_NUM_THREADS`` for each of the ``processes`` worker processes that share
+    ``cores`` on this host, where the user set none: ``cores // processes``, at least 1
+    (torchrun's answer to the same problem is 1). Unset, torch gives every process an
+    OpenMP worker per core, which spin between ops on the cores the other processes and
+    bps's threads need (``bpslaunch local --workers 2`` on 2 cores: a training step 3-4x
+    slower, docs/benchmarks.md). Empty where the user set it or one process runs.
+
+        >>> omp_threads({}, 16, 4), omp_threads({"OMP_NUM_THREADS": "8"}, 16, 4)
+        ({'OMP_NUM_THREADS': '4'}, {})
+        >>> omp_threads({}, 2, 3), omp_threads({}, 16, 1)
+        ({'OMP_NUM_THREADS': '1'}, {})
+    """
+    if "OMP_NUM_THREADS" in environ or processes <= 1:
+        return {}
+    return {"OMP_NUM_THREADS": str(max(1, cores // processes))}
+
+
+def announce_omp_threads(threads: dict[str, str], processes: int, cores: int) -> None:
+    """One line on stderr where :func:`omp_threads` chose a value."""
+    if threads:
+        print(f"[bpslaunch] OMP_NUM_THREADS={threads['OMP_NUM_THREADS']} for each worker "
+              f"process ({cores} cores, {processes} processes of the job on this host); "
+              "set OMP_NUM_THREADS to choose another", file=sys.stderr, flush=True)
+
+
 def main(args: Sequence[str]) -> int:
     """Run the role of the environment; returns the exit code."""
     try:
@@ -92,8 +121,11 @@ def main(args: Sequence[str]) -> int:
     if problem:
         print(f"bpslaunch: error: {problem}", file=sys.stderr)
         return EXIT_BAD_ENV
+    threads = omp_threads(os.environ, host_cores(), env.local_size)
+    announce_omp_threads(threads, env.local_size, host_cores())
     with Supervisor() as supervisor:
-        for rank, child_env in enumerate(local_rank_envs(os.environ, env.local_size)):
+        for rank, child_env in enumerate(local_rank_envs({**os.environ, **threads},
+                                                         env.local_size)):
             supervisor.spawn(args, child_env, f"worker{env.worker_id}.{rank}")
         try:
             return supervisor.wait()

@@ -6,7 +6,8 @@ variables the launcher exported; gloo named, since on a GPU host the default is 
 alone, which refuses these CPU tensors), checks that both see the same job
 (rank, size), takes two DistributedTrainer steps and checks each against the mean
 gradient that the user's own torch.distributed group computes (an independent
-all-reduce). Prints ``cluster-job ok RANK SIZE NODE LOCAL_RANK`` at the end::
+all-reduce). Prints ``cluster-job ok RANK SIZE NODE LOCAL_RANK OMP_NUM_THREADS
+TORCH_THREADS`` at the end::
 
     bpslaunch local --workers 2 --local-size 2 -- python tests/harness/cluster_job.py
 """
@@ -55,7 +56,9 @@ def main() -> None:
     bps.shutdown()
     # one write of one line: several processes share the launcher's unbuffered pipe
     fields = ("RANK", "WORLD_SIZE", "DMLC_WORKER_ID", "BYTEPS_LOCAL_RANK")
-    sys.stdout.write("cluster-job ok " + " ".join(os.environ[f] for f in fields) + "\n")
+    values = [os.environ[f] for f in fields]
+    values += [os.environ.get("OMP_NUM_THREADS", "-"), str(torch.get_num_threads())]
+    sys.stdout.write("cluster-job ok " + " ".join(values) + "\n")
     sys.stdout.flush()
 
 
