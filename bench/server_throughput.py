@@ -5,6 +5,7 @@ Usage::
     .venv/bin/python bench/server_throughput.py            # 1, 2, 4, ... threads up to the cores
     .venv/bin/python bench/server_throughput.py --threads 1 8 --keys 32 --steps 5
     .venv/bin/python bench/server_throughput.py --keys 80 --cases onebit   # GPT-2 small
+    .venv/bin/python bench/server_throughput.py --cases "fp32 raw" --frame-bytes 131072
 
 ``--keys 80``: one of 2 servers' share of GPT-2 small (162.6M float32 elements in
 partitions of 1,024,000).
@@ -40,7 +41,7 @@ import torch
 import zmq
 
 from bps.common.env import ClusterEnv
-from bps.common.protocol import Op, decode, dtype_name, encode, server_seconds
+from bps.common.protocol import Op, decode, dtype_name, encode, payload_frames, server_seconds
 from bps.common.striping import host_cores
 from bps.compressors import build
 from bps.server.server import ParameterServer, _KeyEngine, _LeastLoaded
@@ -54,6 +55,7 @@ CASES = {  # name -> (compression_params or None for raw keys, dtype)
     "randomk 1%": ({"compressor": "randomk", "k": 0.01, "ef": "vanilla", "seed": 7},
                    torch.float32),
     "fp16 raw": (None, torch.float16),
+    "fp32 raw": (None, torch.float32),
 }
 
 
@@ -112,18 +114,22 @@ class Rig:
                     del waiting[key]
         return got
 
-    def step(self, step: int, payloads: list[list[bytes]]) -> tuple[float, float, float]:
-        """Push every node's payload of every key; (wall seconds until every DATA reply
-        arrived, this process's CPU seconds in that time, the replies' server_s summed
-        over keys)."""
+    def step(self, step: int, payloads: list[list[bytes]],
+             frame_bytes: int = 0) -> tuple[float, float, float]:
+        """Push every node's payload of every key, each in frames of ``frame_bytes`` as a
+        worker sends it (0: one frame); (wall seconds until every DATA reply arrived,
+        this process's CPU seconds in that time, the replies' server_s summed over
+        keys)."""
         # fresh frames (not timed): a raw key's sum is taken in its first push's frame
-        frames = [[zmq.Frame(body, copy=True) for body in node] for node in payloads]
+        frames = [[[zmq.Frame(piece, copy=True)
+                    for piece in payload_frames(memoryview(body), frame_bytes)]
+                   for body in node] for node in payloads]
         start, cpu = time.perf_counter(), time.process_time()
         for node, bodies in enumerate(frames):
-            for key, frame in zip(self.keys, bodies, strict=True):
-                self._put(key, Op.PUSH, [frame], step=step, node=node,
+            for key, pieces in zip(self.keys, bodies, strict=True):
+                self._put(key, Op.PUSH, pieces, step=step, node=node,
                           dtype=dtype_name(self.dtype), numel=self.numel,
-                          nbytes=len(frame), lr=0.1)
+                          nbytes=sum(len(piece) for piece in pieces), lr=0.1)
         replies = self._collect(Op.DATA, WORKERS)
         wall, cpu = time.perf_counter() - start, time.process_time() - cpu
         self.aggregates = {header["key"]: frames for header, frames in replies}
@@ -181,6 +187,9 @@ def main() -> None:
                         help="partitions per step (default: 2 x the most threads, >= 8)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per case")
     parser.add_argument("--partition-bytes", type=int, default=4096000)
+    parser.add_argument("--frame-bytes", type=int, default=0,
+                        help="pushes in frames of this size, as workers send them with "
+                             "BPS_FRAME_BYTES (131072 with CURVE); default 0: one frame")
     parser.add_argument("--cases", nargs="+", choices=sorted(CASES), default=list(CASES))
     parser.add_argument("--json", type=Path,
                         default=Path(__file__).parent / "results" / "server_throughput.json")
@@ -189,8 +198,9 @@ def main() -> None:
     counts = args.threads or thread_counts(host_cores())
     keys = args.keys or max(8, 2 * max(counts))
     print(f"host: {host_line()}")
-    print(f"{keys} keys of {args.partition_bytes} bytes, {WORKERS} worker nodes, median of "
-          f"{args.steps} steps\n")
+    frames = f"frames of {args.frame_bytes} bytes" if args.frame_bytes else "one frame each"
+    print(f"{keys} keys of {args.partition_bytes} bytes, {WORKERS} worker nodes, pushes in "
+          f"{frames}, median of {args.steps} steps\n")
     print("| case | threads | ms/step | best ms | GB/s | CPU ms/step | server_s ms/step | "
           "speed-up |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
@@ -204,7 +214,8 @@ def main() -> None:
         for threads in counts:
             rig = Rig(threads, keys, numel, dtype, params, args.partition_bytes)
             try:
-                runs = [rig.step(step, payloads) for step in range(args.steps + 1)][1:]
+                runs = [rig.step(step, payloads, args.frame_bytes)
+                        for step in range(args.steps + 1)][1:]
             finally:
                 rig.close()
             wall, cpu, busy = (statistics.median(run[i] for run in runs) for i in range(3))
@@ -214,7 +225,8 @@ def main() -> None:
             print(f"| {name} | {threads} | {wall * 1e3:.1f} | {best * 1e3:.1f} | {rate:.2f} | "
                   f"{cpu * 1e3:.0f} | {busy * 1e3:.0f} | {first / wall:.2f}x |", flush=True)
             results.append({"case": name, "threads": threads, "keys": keys,
-                            "partition_bytes": args.partition_bytes, "step_s": wall,
+                            "partition_bytes": args.partition_bytes,
+                            "frame_bytes": args.frame_bytes, "step_s": wall,
                             "best_step_s": best, "cpu_s": cpu, "gb_per_s": rate,
                             "server_s": busy})
     print(f"\n{time.perf_counter() - began:.0f} s in all")

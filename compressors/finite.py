@@ -3,7 +3,9 @@
 ``divide_finite`` is the trainer's divide of a gradient by the number of workers with
 the check in the same pass (``divide_checked`` runs it on threads for large tensors);
 ``all_finite`` is the check alone (servers, raw pushes), ``no_max_exponent`` the same
-on the bits of float16/bfloat16 values, and ``tensor_finite`` picks one for a tensor.
+on the bits of float16/bfloat16 values, and ``tensor_finite`` picks one for a tensor;
+``join_finite`` checks a raw push as it joins its frames, ``frames_finite`` where they
+lie.
 Both keep the flag as an integer OR, so the loop still vectorises (a float reduction
 would not, without reassociating the arithmetic). ``limit`` is the magnitude the
 values must stay under: ``inf``, or 65520 where they travel as float16 (the smallest
@@ -22,6 +24,9 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import numpy as np
 import torch
 from numba import njit
@@ -29,6 +34,8 @@ from numba import njit
 from .threads import chunk_bounds, run_chunks
 
 FLOAT16_LIMIT = 65520.0  # |x| >= this rounds to inf in float16
+_HALF_EXPONENT = {torch.float16: 0x7C00, torch.bfloat16: 0x7F80}
+_NUMPY_FLOAT = {torch.float32: np.float32, torch.float64: np.float64}
 
 
 @njit(nogil=True, cache=True)
@@ -73,6 +80,91 @@ def no_max_exponent(bits, mask):
     return bad == 0
 
 
+@njit(nogil=True, cache=True)
+def copy_finite(source, limit, out):
+    """``out[:] = source`` (float32/float64); whether every |value| < limit."""
+    bad = 0
+    for i in range(source.size):
+        value = source[i]
+        out[i] = value
+        bad |= not abs(value) < limit
+    return bad == 0
+
+
+@njit(nogil=True, cache=True)
+def copy_no_max_exponent(bits, mask, out):
+    """``out[:] = bits`` (float16/bfloat16 values as raw uint16 bits); whether no value's
+    exponent bits (``mask``) are all set."""
+    bad = 0
+    for i in range(bits.size):
+        value = bits[i]
+        out[i] = value
+        bad |= (value & mask) == mask
+    return bad == 0
+
+
+def join_finite(buffers: Sequence[Any], out: torch.Tensor) -> bool:
+    """Copy the bytes of ``buffers`` (a payload's frames, in order) into ``out`` (a
+    contiguous CPU tensor of as many bytes) and say whether every value is finite, in one
+    pass where each frame holds whole, aligned elements of a dtype with a kernel here
+    (else a join, then a check).
+
+        >>> out = torch.empty(3)
+        >>> values = np.array([1.0, 2.0, np.inf], dtype=np.float32)
+        >>> join_finite([values[:2].tobytes(), values[2:].tobytes()], out), out
+        (False, tensor([1., 2., inf]))
+    """
+    if out.dtype in _NUMPY_FLOAT:
+        target = out.reshape(-1).numpy()
+        limit = target.dtype.type(np.inf)
+        kernel = lambda part, into: copy_finite(part, limit, into)  # noqa: E731
+    elif out.dtype in _HALF_EXPONENT:
+        target = out.reshape(-1).view(torch.int16).numpy().view(np.uint16)
+        mask = np.uint16(_HALF_EXPONENT[out.dtype])
+        kernel = lambda part, into: copy_no_max_exponent(part, mask, into)  # noqa: E731
+    else:
+        target = None
+    sources = _whole_elements(buffers, out.element_size())
+    if target is None or sources is None:
+        join = out.reshape(-1).view(torch.uint8).numpy()
+        np.concatenate([np.frombuffer(buffer, dtype=np.uint8) for buffer in buffers], out=join)
+        return tensor_finite(out)
+    finite, start = True, 0
+    for part in sources:
+        values = part.view(target.dtype)
+        finite &= bool(kernel(values, target[start:start + values.size]))
+        start += values.size
+    return finite
+
+
+def frames_finite(buffers: Sequence[Any], dtype: torch.dtype) -> bool | None:
+    """Whether every ``dtype`` value of ``buffers`` (a payload's frames) is finite, each
+    frame checked where it lies; None where a frame cuts an element in two or is not
+    aligned to one (the payload is then joined first).
+
+        >>> frames_finite([np.ones(2, np.float32).tobytes(), b"\\0\\0\\x80\\x7f"], torch.float32)
+        False
+    """
+    arrays = _whole_elements(buffers, dtype.itemsize)
+    if arrays is None or dtype not in _NUMPY_FLOAT and dtype not in _HALF_EXPONENT:
+        return None
+    if dtype in _HALF_EXPONENT:
+        mask = np.uint16(_HALF_EXPONENT[dtype])
+        return all(no_max_exponent(array.view(np.uint16), mask) for array in arrays)
+    limit = _NUMPY_FLOAT[dtype](np.inf)
+    return all(all_finite(array.view(_NUMPY_FLOAT[dtype]), limit) for array in arrays)
+
+
+def _whole_elements(buffers: Sequence[Any], width: int) -> list[np.ndarray] | None:
+    """``buffers`` as uint8 arrays, or None where one does not hold whole elements of
+    ``width`` bytes at an address aligned to them (numba would compile another kernel
+    for unaligned arrays)."""
+    arrays = [np.frombuffer(buffer, dtype=np.uint8) for buffer in buffers]
+    if any(array.size % width or array.ctypes.data % width for array in arrays):
+        return None
+    return arrays
+
+
 def divide_checked(x: np.ndarray, divisor: float, limit: float,
                    out: np.ndarray | None = None) -> bool:
     """``out = x / divisor`` (in place without ``out``) on threads for large arrays
@@ -84,8 +176,6 @@ def divide_checked(x: np.ndarray, divisor: float, limit: float,
         kernel = lambda lo, hi: divide_finite(x[lo:hi], divisor, limit, out[lo:hi])  # noqa: E731
     return all(run_chunks(kernel, chunk_bounds(x.size)))
 
-
-_HALF_EXPONENT = {torch.float16: 0x7C00, torch.bfloat16: 0x7F80}
 
 
 def tensor_finite(tensor: torch.Tensor, limit: float = np.inf) -> bool:

@@ -97,7 +97,7 @@ from bps.common.striping import (
     io_threads,
 )
 from bps.compressors.base import NonFiniteError
-from bps.compressors.finite import tensor_finite
+from bps.compressors.finite import frames_finite, join_finite, tensor_finite
 from bps.compressors.threads import chunk_bounds, run_chunks
 from bps.compressors.warm import load_soon
 
@@ -358,12 +358,12 @@ class _KeyEngine(threading.Thread):
                 values = torch.zeros(0, dtype=state.dtype)
             elif len(payload) == 1:
                 values = torch.frombuffer(payload[0].buffer, dtype=state.dtype)
-            else:
+                finite = tensor_finite(values)
+            else:  # joined and checked in one pass
                 values = torch.empty(state.numel, dtype=state.dtype) if out is None else out
-                join_frames(payload, values.view(torch.uint8).numpy())
-            if not tensor_finite(values):
-                raise RequestError(f"key {state.key} ({state.name!r}): the push of worker "
-                                   f"{node} has inf or NaN values")
+                finite = join_finite([frame.buffer for frame in payload], values)
+            if not finite:
+                raise self._nonfinite_push(state, node)
             return values
         data = _payload_data(payload)
         try:
@@ -380,6 +380,30 @@ class _KeyEngine(threading.Thread):
             raise RequestError(f"key {state.key} ({state.name!r}): payload decodes to "
                                f"{values.numel()} values, expected {state.numel}")
         return values
+
+    @staticmethod
+    def _nonfinite_push(state: _Key, node: int) -> RequestError:
+        return RequestError(f"key {state.key} ({state.name!r}): the push of worker {node} "
+                            "has inf or NaN values")
+
+    def _add_frames(self, state: _Key, payload: list[zmq.Frame], node: int,
+                    total: torch.Tensor) -> bool:
+        """Add a raw push of several frames to ``total`` (of the key's dtype) where each
+        frame lies, with no join; every frame is checked before anything is added. False,
+        with nothing done, where a frame does not hold whole elements (it is joined)."""
+        buffers = [frame.buffer for frame in payload]
+        finite = frames_finite(buffers, state.dtype)
+        if finite is None:
+            return False
+        if not finite:
+            raise self._nonfinite_push(state, node)
+        start = 0
+        for buffer in buffers:
+            part = torch.frombuffer(buffer, dtype=state.dtype) if len(buffer) else None
+            if part is not None:
+                total[start:start + part.numel()].add_(part)
+                start += part.numel()
+        return True
 
     def _check_step(self, state: _Key, step: int) -> None:
         if step <= state.last_step:
@@ -511,10 +535,14 @@ class _KeyEngine(threading.Thread):
             # its k elements); it is decoded before anything is added
             self._decode(state, payload, node, add_to=pending.total)
             return
+        if state.chain is None and len(payload) > 1 and pending.total is not None \
+                and pending.total.dtype == state.dtype \
+                and self._add_frames(state, payload, node, pending.total):
+            return
         # the step's first push becomes its sum: a compressed one is decoded into a reused
         # buffer, a raw one is the frame itself (or its widened copy; a raw push in
         # several frames is joined into a new buffer that becomes the sum, or into the
-        # key's reused one where it is only added or widened)
+        # key's reused one where it is widened, or added with frames that cut elements)
         out = state.spare_sum() if state.sums_in_place() else None
         if state.chain is None and len(payload) > 1 and (
                 pending.total is not None
@@ -523,7 +551,7 @@ class _KeyEngine(threading.Thread):
         try:
             values = self._decode(state, payload, node, out)
         except RequestError:
-            if out is not None:
+            if out is not None and state.sums_in_place():  # not the raw key's join buffer
                 state.spare.append(out)
             raise
         if pending.total is None:

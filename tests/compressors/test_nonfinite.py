@@ -168,3 +168,33 @@ def test_powersgd_refuses_nonfinite_input_with_nothing_changed(bad):
     with pytest.raises(NonFiniteError, match="inf or NaN"):
         chain.compress(x)
     assert_same_state(state_of(chain), before)
+
+
+def frames_of(values: torch.Tensor, cuts: list[int]) -> list[bytes]:
+    """The raw bytes of ``values`` cut at byte offsets ``cuts``, as a push's frames."""
+    raw = values.view(torch.uint8).numpy().tobytes()
+    bounds = [0, *cuts, len(raw)]
+    return [raw[lo:hi] for lo, hi in zip(bounds, bounds[1:], strict=False)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bad", [None, np.inf, -np.inf, np.nan])
+@pytest.mark.parametrize("where", [0, 1000, 2999])
+@pytest.mark.parametrize("cut", ["whole elements", "inside an element"])
+def test_a_push_joined_from_its_frames_is_checked_as_it_is_copied(dtype, bad, where, cut):
+    """join_finite against numpy: the joined bytes are the frames', and it is False
+    exactly where a value is inf or NaN, in any frame; frames that cut an element in two
+    (BPS_FRAME_BYTES not a multiple of the width) take the join-then-check path."""
+    from bps.compressors.finite import join_finite
+
+    values = torch.linspace(-60000, 60000, 3000).to(dtype)
+    if bad is not None:
+        values[where] = bad
+    width = values.element_size()
+    step = 1024 * width + (1 if cut == "inside an element" else 0)
+    frames = frames_of(values, list(range(step, values.numel() * width, step)))
+    out = torch.full_like(values, 7)
+    finite = join_finite(frames, out)
+    assert torch.equal(out.view(torch.uint8), values.view(torch.uint8))
+    assert finite == bool(np.isfinite(values.double().numpy()).all())
+    assert finite == (bad is None)

@@ -349,6 +349,13 @@ try:
     engine.push_pull(0, torch.tensor([1.0, float("nan"), 2.0, 3.0]), 0, 0.1).result(20)
 except RemoteError as exc:
     print("RAW", exc)
+values = torch.ones(70000)  # 280,000 bytes: 3 frames of BPS_FRAME_BYTES, the NaN in the last
+values[-1] = float("nan")
+engine.declare(2, values.numel(), torch.float32, None, name="framed")
+try:
+    engine.push_pull(2, values, 0, 0.1).result(20)
+except RemoteError as exc:
+    print("FRAMED", exc)
 params = validate_compression_params({"compressor": "randomk", "k": 2, "seed": 3})
 engine.declare(1, 64, torch.float32, params, name="sparse")
 payload = build(params, 64).compress(torch.ones(64)).numpy().copy()
@@ -371,6 +378,8 @@ def test_servers_refuse_nonfinite_pushes_naming_the_node():
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     raw = next(line for line in result.stdout.splitlines() if "RAW" in line)
     assert "key 0 ('raw')" in raw and "worker 0" in raw and "inf or NaN" in raw, raw
+    framed = next(line for line in result.stdout.splitlines() if "FRAMED" in line)
+    assert "key 2 ('framed')" in framed and "worker 0" in framed and "inf or NaN" in framed
     sparse = next(line for line in result.stdout.splitlines() if "SPARSE" in line)
     assert "key 1 ('sparse')" in sparse and "worker 0" in sparse and "inf or NaN" in sparse
 
