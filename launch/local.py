@@ -29,8 +29,7 @@ import tempfile
 from collections.abc import Sequence
 
 from bps.common.auth import job_credentials
-from bps.common.striping import host_cores
-from bps.launch.role import announce_omp_threads, free_port, local_rank_envs, omp_threads
+from bps.launch.role import free_port, local_rank_envs, share_cores
 from bps.launch.supervisor import JOINED_DIR_VARIABLE, Supervisor, command_problem
 
 
@@ -77,8 +76,7 @@ def main(args: Sequence[str]) -> int:
                                         "BPS_SERVER_ID": str(server)},
                              f"server{server}", service=True)
         processes = ns.workers * ns.local_size + ns.servers  # the scheduler mostly sleeps
-        threads = omp_threads(os.environ, host_cores(), processes)
-        announce_omp_threads(threads, processes, host_cores())
+        threads = share_cores(processes)
         for node in range(ns.workers):
             node_env = {**base, **threads, "DMLC_ROLE": "worker",
                         "DMLC_WORKER_ID": str(node)}

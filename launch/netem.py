@@ -29,10 +29,9 @@ import sys
 import time
 
 from bps.common.auth import job_credentials
-from bps.common.striping import host_cores
 from bps.launch.link_shape import LinkShape, NetnsError
 from bps.launch.netns import EmulatedCluster, clean_stale, require_privileges
-from bps.launch.role import announce_omp_threads, omp_threads
+from bps.launch.role import share_cores
 from bps.launch.supervisor import Supervisor, command_problem
 
 SCHEDULER_PORT = 9000  # every namespace is fresh, so fixed ports cannot clash
@@ -204,8 +203,7 @@ def main(argv: list[str]) -> int:
         processes = torchrun_processes if args.torchrun else bps_processes
         # the emulated hosts share this machine's cores
         sharing = args.nodes * args.local_size + (0 if args.torchrun else args.servers)
-        threads = omp_threads(os.environ, host_cores(), sharing)
-        announce_omp_threads(threads, sharing, host_cores())
+        threads = share_cores(sharing)
         start = time.monotonic()
         with job_credentials(os.environ) as credentials:
             exit_code = run_processes([

@@ -82,12 +82,16 @@ def omp_threads(environ: Mapping[str, str], cores: int, processes: int) -> dict[
     return {"OMP_NUM_THREADS": str(max(1, cores // processes))}
 
 
-def announce_omp_threads(threads: dict[str, str], processes: int, cores: int) -> None:
-    """One line on stderr where :func:`omp_threads` chose a value."""
+def share_cores(processes: int) -> dict[str, str]:
+    """:func:`omp_threads` for this launcher's environment and cores, said in one line
+    on stderr where it chose a value."""
+    cores = host_cores()
+    threads = omp_threads(os.environ, cores, processes)
     if threads:
         print(f"[bpslaunch] OMP_NUM_THREADS={threads['OMP_NUM_THREADS']} for each worker "
               f"process ({cores} cores, {processes} processes of the job on this host); "
               "set OMP_NUM_THREADS to choose another", file=sys.stderr, flush=True)
+    return threads
 
 
 def main(args: Sequence[str]) -> int:
@@ -121,8 +125,7 @@ def main(args: Sequence[str]) -> int:
     if problem:
         print(f"bpslaunch: error: {problem}", file=sys.stderr)
         return EXIT_BAD_ENV
-    threads = omp_threads(os.environ, host_cores(), env.local_size)
-    announce_omp_threads(threads, env.local_size, host_cores())
+    threads = share_cores(env.local_size)
     with Supervisor() as supervisor:
         for rank, child_env in enumerate(local_rank_envs({**os.environ, **threads},
                                                          env.local_size)):
