@@ -398,11 +398,10 @@ class _KeyEngine(threading.Thread):
         if not finite:
             raise self._nonfinite_push(state, node)
         start = 0
-        for buffer in buffers:
-            part = torch.frombuffer(buffer, dtype=state.dtype) if len(buffer) else None
-            if part is not None:
-                total[start:start + part.numel()].add_(part)
-                start += part.numel()
+        for buffer in filter(len, buffers):
+            part = torch.frombuffer(buffer, dtype=state.dtype)
+            total[start:start + part.numel()].add_(part)
+            start += part.numel()
         return True
 
     def _check_step(self, state: _Key, step: int) -> None:
