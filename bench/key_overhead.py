@@ -132,6 +132,17 @@ def convoy(calls: int = 50) -> str:
         chain.decompress(chain.compress(grad), aggregate)
 
     chain_pair()  # numba's kernels load once
+    import zmq
+
+    idle = zmq.Context.instance().socket(zmq.DEALER)  # nothing ever waits on it
+    idle.bind("inproc://convoy-idle")
+
+    def failed_receive() -> None:
+        try:
+            idle.recv_multipart(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            pass
+
     tensor = torch.zeros(65536)
     param = torch.nn.Parameter(torch.zeros(65536))
     param.grad = torch.zeros(65536)
@@ -139,7 +150,9 @@ def convoy(calls: int = 50) -> str:
              "Tensor.div_ (10 elements)": lambda: tensor[:10].div_(1.0),
              "Tensor.numpy": tensor.numpy, "Parameter.grad": lambda: param.grad,
              "Tensor.numel": tensor.numel, "a Python call": lambda: sum(range(10)),
-             "onebit + EF + Nesterov: compress, decompress (65,536)": chain_pair}
+             "onebit + EF + Nesterov: compress, decompress (65,536)": chain_pair,
+             "zmq: a receive with nothing waiting (EAGAIN)": failed_receive,
+             "zmq: ZMQ_EVENTS": lambda: idle.getsockopt(zmq.EVENTS)}
 
     def per_call(fn) -> float:
         start = time.perf_counter()
@@ -162,6 +175,7 @@ def convoy(calls: int = 50) -> str:
     finally:
         stop.set()
         thread.join()
+        idle.close(linger=0)
     rows = [f"switch interval {sys.getswitchinterval() * 1e3:g} ms; {calls} calls each\n",
             "| call | alone us | beside a busy Python thread us |", "|---|---:|---:|"]
     rows += [f"| {name} | {alone[name]:.2f} | {beside[name]:.1f} |" for name in cases]

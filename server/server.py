@@ -77,6 +77,7 @@ from bps.common.protocol import (
     ProtocolError,
     check_payload,
     decode,
+    drain,
     dtype_name,
     encode,
     error_text,
@@ -821,10 +822,10 @@ class ParameterServer:
                 poller.modify(router, zmq.POLLIN if reading else 0)
             for sock, _ in poller.poll(timeout_ms if reading else 10):
                 if sock is replies:
-                    for frames in _drain(replies):
+                    for frames in drain(replies):
                         router.send_multipart(frames, copy=False)
                 elif sock is router:
-                    for frames in _drain(router):
+                    for frames in drain(router):
                         self._dispatch(router, frames, owner, next_engine)
                         if self._queued > INBOX_BYTES:
                             break
@@ -904,15 +905,6 @@ def server_io_threads(env: ClusterEnv) -> int:
     per_worker = env.connections_per_server or default_connections(worker_share, env.num_servers)
     connections = env.num_workers * per_worker
     return max(min(2, connections), io_threads(share, connections))
-
-
-def _drain(sock: Any, limit: int = 256) -> Any:
-    """Yield up to ``limit`` waiting messages (zero-copy frames) without blocking."""
-    for _ in range(limit):
-        try:
-            yield sock.recv_multipart(zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            return
 
 
 def _peer(frame: zmq.Frame) -> str:

@@ -40,6 +40,7 @@ from bps.common.protocol import (
     RemoteError,
     check_payload,
     decode,
+    drain,
     dtype_name,
     encode,
     join_frames,
@@ -363,11 +364,7 @@ class IOLoop:
             self._send(request)
 
     def _receive_replies(self, server: int, dealer: Any) -> None:
-        while True:
-            try:
-                frames = dealer.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
+        for frames in drain(dealer):
             self._count(bytes_pulled=sum(len(f) for f in frames))
             try:
                 header = decode(frames[0].bytes)

@@ -63,7 +63,7 @@ for it (:data:`TOKEN_BYTES`).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from enum import IntEnum
 from typing import Any
 
@@ -302,6 +302,30 @@ def new_token() -> bytes:
 
     token = secrets.token_bytes(TOKEN_BYTES)
     return bytes([token[0] | 1]) + token[1:]
+
+
+def drain(sock: Any, limit: int = 256) -> Iterator[list]:
+    """Yield up to ``limit`` messages waiting on ``sock`` (zero-copy frames), never
+    blocking. It asks ZMQ_EVENTS before each receive instead of receiving until EAGAIN:
+    pyzmq lets go of the GIL in every receive, a failed one too, and taking it back can
+    wait for other threads' Python (bench/key_overhead.py --convoy).
+
+        >>> import zmq
+        >>> ctx = zmq.Context()
+        >>> a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+        >>> _ = a.bind("inproc://drain-example"), b.connect("inproc://drain-example")
+        >>> for body in (b"1", b"2", b"3"):
+        ...     b.send(body)
+        >>> [frames[0].bytes for frames in drain(a, limit=2)], len(list(drain(a)))
+        ([b'1', b'2'], 1)
+        >>> a.close(); b.close(); ctx.term()
+    """
+    import zmq
+
+    for _ in range(limit):
+        if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            return
+        yield sock.recv_multipart(zmq.NOBLOCK, copy=False)
 
 
 def new_socket(ctx: Any, kind: int) -> Any:

@@ -826,3 +826,31 @@ def test_codec_work_after_shutdown_fails_its_request_not_the_caller() -> None:
     pool.decompress(request, [])
     with pytest.raises(ClusterError, match="engine closed: cannot schedule new futures"):
         request.future.result(timeout=5)
+
+
+def test_drain_yields_the_waiting_messages_in_order_and_never_blocks() -> None:
+    """Multipart messages waiting on a real socket come out whole and in order, at most
+    ``limit`` a call; an empty socket yields nothing at once (a blocking receive would
+    hang here, since nothing else is ever sent)."""
+    import zmq
+
+    import bps.common.protocol
+    from bps.common.protocol import drain
+
+    ctx = zmq.Context()
+    router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+    try:
+        router.bind("inproc://drain-test")
+        dealer.connect("inproc://drain-test")
+        for i in range(5):
+            dealer.send_multipart([b"head%d" % i, b"body%d" % i])
+        first = [[f.bytes for f in frames[1:]] for frames in drain(router, limit=3)]
+        rest = [[f.bytes for f in frames[1:]] for frames in drain(router)]
+        assert first == [[b"head%d" % i, b"body%d" % i] for i in range(3)]
+        assert rest == [[b"head%d" % i, b"body%d" % i] for i in (3, 4)]
+        assert list(drain(router)) == []
+    finally:
+        router.close(linger=0)
+        dealer.close(linger=0)
+        ctx.term()
+    assert doctest.testmod(bps.common.protocol).failed == 0
