@@ -51,7 +51,7 @@ import zmq.auth.thread
 import zmq.utils.z85
 
 from bps.common.env import ClusterEnv, EnvError
-from bps.common.protocol import ClusterError
+from bps.common.protocol import ClusterError, drain
 from bps.common.ratelimit import RateLimitedLog
 
 log = logging.getLogger("bps.common.auth")
@@ -211,13 +211,9 @@ def _peer_of(fd: int) -> str:
 
 def _events(monitor: Any) -> Iterator[tuple[int, int]]:
     """The (event, value) pairs waiting on a monitor socket, without blocking."""
-    while True:
-        try:
-            frames = monitor.recv_multipart(zmq.NOBLOCK)
-        except zmq.Again:
-            return
-        event = int.from_bytes(frames[0][:2], "little")
-        yield event, int.from_bytes(frames[0][2:6], "little")
+    for frames in drain(monitor):
+        head = frames[0].bytes
+        yield int.from_bytes(head[:2], "little"), int.from_bytes(head[2:6], "little")
 
 
 class _FailedHandshakeLog(threading.Thread):
