@@ -67,16 +67,14 @@ def sign_scale(x: torch.Tensor, scaling: bool, max_scale: float
         (tensor(1.), tensor([ 0, -1]))
     """
     total = x.abs().sum(dtype=torch.float64)
-    if scaling:
-        mean = total / x.numel()
-        scale = mean.to(torch.float32)
-        beyond = ~(torch.isfinite(scale) & (scale <= max_scale))  # max_scale: inf as float32
-        overflow = flag_status(beyond, RANGE_OVERFLOW, mean.view(torch.int64))
-    else:  # an all-zero input decodes to zeros
-        scale = (total != 0).to(torch.float32)
-        overflow = flag_status(torch.zeros((), dtype=torch.bool, device=x.device),
-                               RANGE_OVERFLOW)
-    return scale, first_bad(flag_status(~torch.isfinite(total), INPUT_NONFINITE), overflow)
+    nonfinite = flag_status(~torch.isfinite(total), INPUT_NONFINITE)
+    if not scaling:  # an all-zero input decodes to zeros; the scale is 0 or 1
+        return (total != 0).to(torch.float32), nonfinite
+    mean = total / x.numel()
+    scale = mean.to(torch.float32)
+    beyond = ~(torch.isfinite(scale) & (scale <= max_scale))  # max_scale: inf as float32
+    return scale, first_bad(nonfinite, flag_status(beyond, RANGE_OVERFLOW,
+                                                   mean.view(torch.int64)))
 
 
 class OneBitTorch(TorchKernels, OneBit):
