@@ -27,7 +27,7 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 KERNEL_FLOAT_DTYPES = (torch.float32, torch.float64)
 _BITS_DTYPE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 _UNSIGNED = {2: np.uint16, 4: np.uint32, 8: np.uint64}
-_NUMPY_FLOAT = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}
+NUMPY_FLOAT = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}
 # the exponent bits of each dtype: all set means inf or NaN
 _EXPONENT_MASK = {torch.float16: 0x7C00, torch.bfloat16: 0x7F80, torch.float32: 0x7F800000,
                   torch.float64: 0x7FF0000000000000}
@@ -64,7 +64,7 @@ def scalar_bits(values: list[float], dtype: torch.dtype) -> np.ndarray:
     """
     if dtype == torch.bfloat16:
         return bit_view(torch.tensor(values, dtype=dtype))
-    return np.array(values, dtype=_NUMPY_FLOAT[dtype]).view(_UNSIGNED[dtype.itemsize])
+    return np.array(values, dtype=NUMPY_FLOAT[dtype]).view(_UNSIGNED[dtype.itemsize])
 
 
 def magnitude_bits(values: np.ndarray) -> tuple[np.ndarray, np.unsignedinteger]:

@@ -31,11 +31,11 @@ import numpy as np
 import torch
 from numba import njit
 
+from .base import KERNEL_FLOAT_DTYPES, NUMPY_FLOAT
 from .threads import chunk_bounds, run_chunks
 
 FLOAT16_LIMIT = 65520.0  # |x| >= this rounds to inf in float16
 _HALF_EXPONENT = {torch.float16: 0x7C00, torch.bfloat16: 0x7F80}
-_NUMPY_FLOAT = {torch.float32: np.float32, torch.float64: np.float64}
 
 
 @njit(nogil=True, cache=True)
@@ -114,26 +114,19 @@ def join_finite(buffers: Sequence[Any], out: torch.Tensor) -> bool:
         >>> join_finite([values[:2].tobytes(), values[2:].tobytes()], out), out
         (False, tensor([1., 2., inf]))
     """
-    if out.dtype in _NUMPY_FLOAT:
-        target = out.reshape(-1).numpy()
-        limit = target.dtype.type(np.inf)
-        kernel = lambda part, into: copy_finite(part, limit, into)  # noqa: E731
-    elif out.dtype in _HALF_EXPONENT:
-        target = out.reshape(-1).view(torch.int16).numpy().view(np.uint16)
-        mask = np.uint16(_HALF_EXPONENT[out.dtype])
-        kernel = lambda part, into: copy_no_max_exponent(part, mask, into)  # noqa: E731
-    else:
-        target = None
-    sources = _whole_elements(buffers, out.element_size())
-    if target is None or sources is None:
-        join = out.reshape(-1).view(torch.uint8).numpy()
-        np.concatenate([np.frombuffer(buffer, dtype=np.uint8) for buffer in buffers], out=join)
+    target = out.reshape(-1).view(torch.uint8).numpy()
+    kind = _element_kind(out.dtype)
+    sources = None if kind is None else _whole_elements(buffers, out.element_size())
+    if sources is None:
+        np.concatenate([np.frombuffer(buffer, dtype=np.uint8) for buffer in buffers],
+                       out=target)
         return tensor_finite(out)
+    view, bound = kind
+    copy = copy_no_max_exponent if view is np.uint16 else copy_finite
     finite, start = True, 0
     for part in sources:
-        values = part.view(target.dtype)
-        finite &= bool(kernel(values, target[start:start + values.size]))
-        start += values.size
+        finite &= bool(copy(part.view(view), bound, target[start:start + part.size].view(view)))
+        start += part.size
     return finite
 
 
@@ -145,14 +138,23 @@ def frames_finite(buffers: Sequence[Any], dtype: torch.dtype) -> bool | None:
         >>> frames_finite([np.ones(2, np.float32).tobytes(), b"\\0\\0\\x80\\x7f"], torch.float32)
         False
     """
-    arrays = _whole_elements(buffers, dtype.itemsize)
-    if arrays is None or dtype not in _NUMPY_FLOAT and dtype not in _HALF_EXPONENT:
+    kind = _element_kind(dtype)
+    arrays = None if kind is None else _whole_elements(buffers, dtype.itemsize)
+    if arrays is None:
         return None
+    view, bound = kind
+    check = no_max_exponent if view is np.uint16 else all_finite
+    return all(check(array.view(view), bound) for array in arrays)
+
+
+def _element_kind(dtype: torch.dtype) -> tuple[type, np.generic] | None:
+    """(what the kernels here read ``dtype``'s values as, the bound they check: inf for
+    float32/float64, the exponent mask for float16/bfloat16 bits); None for others."""
+    if dtype in KERNEL_FLOAT_DTYPES:
+        return NUMPY_FLOAT[dtype], NUMPY_FLOAT[dtype](np.inf)
     if dtype in _HALF_EXPONENT:
-        mask = np.uint16(_HALF_EXPONENT[dtype])
-        return all(no_max_exponent(array.view(np.uint16), mask) for array in arrays)
-    limit = _NUMPY_FLOAT[dtype](np.inf)
-    return all(all_finite(array.view(_NUMPY_FLOAT[dtype]), limit) for array in arrays)
+        return np.uint16, np.uint16(_HALF_EXPONENT[dtype])
+    return None
 
 
 def _whole_elements(buffers: Sequence[Any], width: int) -> list[np.ndarray] | None:
