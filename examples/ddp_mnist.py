@@ -34,6 +34,10 @@ import time
 
 import torch
 import torch.distributed as dist
+
+# imported before the group exists, as bps.init() does: imported after, it would keep the
+# group alive past destroy_process_group() (docs/runtime.md, "Call bps.init() before")
+import torch.distributed.nn.functional  # noqa: F401
 import torch.nn.functional as F
 from mnist_job import (
     LR_SCHEDULES,

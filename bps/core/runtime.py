@@ -123,11 +123,22 @@ def init() -> Runtime:
             f"BYTEPS_LOCAL_SIZE={env.local_size} needs BPS_LOCAL_MASTER_ADDR and "
             f"BPS_LOCAL_MASTER_PORT (the node-local rendezvous). {LAUNCH_HINT}"
         )
+    _bind_no_default_group()
     _runtime = Runtime(env)
     mark_joined(_runtime.rank)
     atexit.register(_close_at_exit)
     _watch_exits()
     return _runtime
+
+
+def _bind_no_default_group() -> None:
+    """Import ``torch.distributed.nn.functional`` before the script's own
+    ``dist.init_process_group()``. Its functions take the default group as a default
+    argument, bound at import, which the first optimizer triggers: bound to a live group,
+    that keeps the group alive after ``destroy_process_group()``, to be torn down with
+    the interpreter, where gloo now and then aborts the finished process ("terminate
+    called without an active exception", exit code 134). Imported first, it binds None."""
+    import torch.distributed.nn.functional  # noqa: F401
 
 
 _services: subprocess.Popen | None = None  # scheduler/servers this process started

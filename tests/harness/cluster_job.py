@@ -6,7 +6,9 @@ variables the launcher exported; gloo named, since on a GPU host the default is 
 alone, which refuses these CPU tensors), checks that both see the same job
 (rank, size), takes two DistributedTrainer steps and checks each against the mean
 gradient that the user's own torch.distributed group computes (an independent
-all-reduce). Prints ``cluster-job ok RANK SIZE NODE LOCAL_RANK OMP_NUM_THREADS
+all-reduce). Once the script has destroyed its group and left bps, no gloo thread may
+be left: a group still alive is torn down with the interpreter, where gloo now and then
+aborts the finished process. Prints ``cluster-job ok RANK SIZE NODE LOCAL_RANK OMP_NUM_THREADS
 TORCH_THREADS`` at the end::
 
     bpslaunch local --workers 2 --local-size 2 -- python tests/harness/cluster_job.py
@@ -22,6 +24,18 @@ import torch
 import torch.distributed as dist
 
 import bps
+
+
+def gloo_threads() -> list[str]:
+    """The names of this process's threads that gloo started (its loop and workers)."""
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as comm:
+                names.append(comm.read().strip())
+        except OSError:  # the thread ended meanwhile
+            continue
+    return [name for name in names if "gloo" in name]
 
 
 def main() -> None:
@@ -54,6 +68,7 @@ def main() -> None:
     assert all(torch.equal(g, flat) for g in gathered), "models diverged"
     dist.destroy_process_group()
     bps.shutdown()
+    assert not gloo_threads(), f"process groups left alive: threads {gloo_threads()}"
     # one write of one line: several processes share the launcher's unbuffered pipe
     fields = ("RANK", "WORLD_SIZE", "DMLC_WORKER_ID", "BYTEPS_LOCAL_RANK")
     values = [os.environ[f] for f in fields]
