@@ -113,6 +113,7 @@ class IOLoop:
         self.stripes = Stripes(len(servers), self.connections)
         self._dealers: list[list[Any]] = []  # [server][connection]
         self._server_of: dict[Any, int] = {}
+        self._where: dict[Any, str] = {}  # a connection as errors name it
         self._watch = HandshakeWatch(env, "worker")
         try:
             for server, address in enumerate(servers):
@@ -154,7 +155,10 @@ class IOLoop:
             end, thread = pinned_connection(self.node_id, server, stripe, self.connections,
                                             len(ends), self.io_threads)
             dealer.setsockopt(zmq.AFFINITY, affinity_mask(thread))
-            self._watch.add(dealer, f"server {server} ({ends[end]})")
+            self._where[dealer] = f"server {server} ({ends[end]}" + (
+                f", connection {stripe + 1} of {self.connections})" if self.connections > 1
+                else ")")
+            self._watch.add(dealer, self._where[dealer])
             dealer.connect(ends[end])
             self._dealers[server].append(dealer)
 
@@ -397,7 +401,7 @@ class IOLoop:
             self._on_reply(request, header, frames[1:])
 
     def _on_reply(self, request: Request, header: dict, payloads: list) -> None:
-        where = f"server {request.server} ({self.servers[request.server]})"
+        where = self._where[self._dealer(request)]
         op = header["op"]
         info, future = request.info, request.future
         if op == Op.ERROR:
@@ -453,6 +457,5 @@ class IOLoop:
         for request in self._pending.values():
             if now > request.deadline:
                 raise ClusterError(
-                    f"{request.what}: no reply from server {request.server} "
-                    f"({self.servers[request.server]}) within {self.env.timeout:g} s "
-                    f"(BPS_TIMEOUT)")
+                    f"{request.what}: no reply from {self._where[self._dealer(request)]} "
+                    f"within {self.env.timeout:g} s (BPS_TIMEOUT)")
