@@ -29,8 +29,8 @@ _BITS_DTYPE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 _UNSIGNED = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 NUMPY_FLOAT = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}
 # the exponent bits of each dtype: all set means inf or NaN
-_EXPONENT_MASK = {torch.float16: 0x7C00, torch.bfloat16: 0x7F80, torch.float32: 0x7F800000,
-                  torch.float64: 0x7FF0000000000000}
+EXPONENT_MASK = {torch.float16: 0x7C00, torch.bfloat16: 0x7F80, torch.float32: 0x7F800000,
+                 torch.float64: 0x7FF0000000000000}
 
 
 class NonFiniteError(ValueError):
@@ -78,7 +78,7 @@ def magnitude_bits(values: np.ndarray) -> tuple[np.ndarray, np.unsignedinteger]:
 def nonfinite_bits(bits: np.ndarray, dtype: torch.dtype) -> bool:
     """Whether the raw ``bits`` of ``dtype`` values (a few, e.g. a sparse payload's k
     values) hold an inf or NaN."""
-    mask = bits.dtype.type(_EXPONENT_MASK[dtype])
+    mask = bits.dtype.type(EXPONENT_MASK[dtype])
     return bool(np.any((bits & mask) == mask))
 
 

@@ -31,11 +31,11 @@ import numpy as np
 import torch
 from numba import njit
 
-from .base import KERNEL_FLOAT_DTYPES, NUMPY_FLOAT
+from .base import EXPONENT_MASK, KERNEL_FLOAT_DTYPES, NUMPY_FLOAT
 from .threads import chunk_bounds, run_chunks
 
 FLOAT16_LIMIT = 65520.0  # |x| >= this rounds to inf in float16
-_HALF_EXPONENT = {torch.float16: 0x7C00, torch.bfloat16: 0x7F80}
+_HALF_EXPONENT = {dtype: EXPONENT_MASK[dtype] for dtype in (torch.float16, torch.bfloat16)}
 
 
 @njit(nogil=True, cache=True)
