@@ -19,8 +19,8 @@ feedback: the host chains, and the device path forced onto CPU tensors
 (``BPS_DEVICE_KERNELS=1``). The job runs with ``OMP_NUM_THREADS=1``: on a host of few
 cores, torch's OpenMP workers otherwise spin for cores the job's threads need. Per
 configuration: the median step and its forward and backward pass (where the hooks
-run), the worker's CPU per step in all and by thread (from
-``/proc/self/task``), the pushes per step, and CPU per push beyond the model alone;
+run), the worker's CPU per step in all and by thread (Python threads from their
+own CPU clocks, others from ``/proc/self/task``), the pushes per step, and CPU per push beyond the model alone;
 medians over ``--rounds``. JSON: ``--json`` (default bench/results/key_overhead-TIME.json).
 
 ``--convoy`` times a hook's kinds of calls, and a codec thread's work for one key of a
