@@ -20,8 +20,9 @@ feedback: the host chains, and the device path forced onto CPU tensors
 cores, torch's OpenMP workers otherwise spin for cores the job's threads need. Per
 configuration: the median step and its forward and backward pass (where the hooks
 run), the worker's CPU per step in all and by thread (Python threads from their
-own CPU clocks, others from ``/proc/self/task``), the pushes per step, and CPU per push beyond the model alone;
-medians over ``--rounds``. JSON: ``--json`` (default bench/results/key_overhead-TIME.json).
+own CPU clocks, others from ``/proc/self/task``), the pushes per step, and CPU per
+push beyond the model alone; medians over ``--rounds``. JSON: ``--json`` (default
+bench/results/key_overhead-TIME.json).
 
 ``--convoy`` times a hook's kinds of calls, and a codec thread's work for one key of a
 host chain, alone and beside one thread that runs Python without pause: torch releases
