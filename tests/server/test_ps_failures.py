@@ -118,36 +118,33 @@ def test_a_worker_whose_main_thread_hangs_is_named(cluster) -> None:
 
 def test_a_server_that_stops_answering_is_named_by_the_push_that_waits(cluster) -> None:
     """Server 0 stops (SIGSTOP) long before its silence would be noticed (a heartbeat
-    timeout of 120 s): a push waiting for its reply fails at the workers' BPS_TIMEOUT,
-    naming its key and the server's endpoint that its connection went to, and the whole
-    job stops."""
+    timeout of 120 s). Worker 1's push waiting for its reply fails at worker 1's
+    BPS_TIMEOUT (10 s; worker 0 waits longer), naming its key and the server's endpoint
+    its connection went to, and the whole job stops with that message. The server has
+    two endpoints (two I/O threads), and the workers' connections are dealt over them in
+    node order: worker 1's goes to the second, which the server logs second."""
     request_timeout = 10
     c = cluster(workers=2, servers=1, heartbeat_timeout=120.0)
     c.start("scheduler", ROLE, DMLC_ROLE="scheduler")
-    c.start("server0", ROLE, DMLC_ROLE="server")
-    for node in range(2):
+    c.start("server0", ROLE, DMLC_ROLE="server", BPS_IO_THREADS="2")
+    for node, timeout in enumerate((60, request_timeout)):
         c.start(f"worker{node}", [sys.executable, JOB, "--out", str(c.tmp_path), "--case",
                                   "train", "--fail", "1", "none", "-1"],
-                DMLC_ROLE="worker", DMLC_WORKER_ID=str(node), BPS_TIMEOUT=str(request_timeout))
-    c.wait_for_line("server0", "serving on")  # its endpoints, one per I/O thread, are out
-    endpoints = re.search(r"one endpoint each: ports ([\d, ]+)", c.log("server0"))
-    ports = (endpoints[1].split(", ") if endpoints else
-             re.findall(r"server listening on tcp://127\.0\.0\.1:(\d+)", c.log("server0")))
+                DMLC_ROLE="worker", DMLC_WORKER_ID=str(node), BPS_TIMEOUT=str(timeout),
+                BPS_CONNECTIONS_PER_SERVER="1")
+    ports = c.wait_for_line("server0", r"one endpoint each: ports (\d+), (\d+)").groups()
     for node in range(2):
         wait_for_line(c, f"worker{node}", f"worker {node}: training")
     os.kill(c.procs["server0"].pid, signal.SIGSTOP)
     named = re.compile(rf"push_pull of key \d+ \('[^']+'\) step \d+: no reply from server 0 "
                        rf"\(tcp://127\.0\.0\.1:(\d+)\) within {request_timeout} s "
                        rf"\(BPS_TIMEOUT\)")
-    named_ports = {}
-    for name in ("worker0", "worker1", "scheduler"):
+    for name in ("worker1", "worker0", "scheduler"):
         code, out = c.wait(name, EXIT_WITHIN)
         assert code != 0, (name, out)
         found = named.search(out)
-        assert found and found[1] in ports, (name, ports, out)
-        named_ports[name] = found[1]
-    # the job's connections are dealt over the server's endpoints: each worker names its own
-    assert len(ports) == 1 or named_ports["worker0"] != named_ports["worker1"], named_ports
+        assert found and found[1] == ports[1], (name, ports, out)
+        assert name == "worker1" or "worker 1 at 127.0.0.1 failed" in out, (name, out)
 
 
 def test_workers_that_run_different_numbers_of_steps_get_a_clear_error(cluster) -> None:
