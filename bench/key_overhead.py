@@ -154,6 +154,15 @@ def convoy(calls: int = 50) -> str:
         except zmq.Again:
             pass
 
+    wake_r, wake_w = os.pipe()  # as the engine wakes its I/O thread
+    os.set_blocking(wake_r, False)
+
+    def empty_read() -> None:
+        try:
+            os.read(wake_r, 4096)
+        except BlockingIOError:
+            pass
+
     tensor = torch.zeros(65536)
     param = torch.nn.Parameter(torch.zeros(65536))
     param.grad = torch.zeros(65536)
@@ -163,7 +172,9 @@ def convoy(calls: int = 50) -> str:
              "Tensor.numel": tensor.numel, "a Python call": lambda: sum(range(10)),
              "onebit + EF + Nesterov: compress, decompress (65,536)": chain_pair,
              "zmq: a receive with nothing waiting (EAGAIN)": failed_receive,
-             "zmq: ZMQ_EVENTS": lambda: idle.getsockopt(zmq.EVENTS)}
+             "zmq: ZMQ_EVENTS": lambda: idle.getsockopt(zmq.EVENTS),
+             "pipe: a write of one byte": lambda: os.write(wake_w, b"x"),
+             "pipe: a read with nothing waiting (EAGAIN)": empty_read}
 
     def per_call(fn) -> float:
         start = time.perf_counter()
@@ -187,6 +198,8 @@ def convoy(calls: int = 50) -> str:
         stop.set()
         thread.join()
         idle.close(linger=0)
+        os.close(wake_r)
+        os.close(wake_w)
     rows = [f"switch interval {sys.getswitchinterval() * 1e3:g} ms; {calls} calls each\n",
             "| call | alone us | beside a busy Python thread us |", "|---|---:|---:|"]
     rows += [f"| {name} | {alone[name]:.2f} | {beside[name]:.1f} |" for name in cases]

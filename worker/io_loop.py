@@ -136,6 +136,7 @@ class IOLoop:
         self._busy_since = 0.0
         self._pushes_pending = 0
         self._wake_r, self._wake_w = os.pipe()
+        self._woken = False  # a wake is written and the I/O thread has not taken it yet
         for fd in (self._wake_r, self._wake_w):
             fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_NONBLOCK)
         self._thread = threading.Thread(target=self._run, name="bps-engine-io", daemon=True)
@@ -266,10 +267,15 @@ class IOLoop:
             info.busy = False
 
     def _wake(self) -> None:
+        """Wake the I/O thread, unless a wake it has not taken yet is on its way: a write
+        lets go of the GIL, which beside a busy thread can cost milliseconds."""
+        if self._woken:
+            return
+        self._woken = True
         try:
             os.write(self._wake_w, b"x")
-        except (BlockingIOError, OSError):
-            pass  # pipe full (already woken) or closed
+        except OSError:
+            pass  # closed: the loop has stopped
 
     def _wake_or_fail(self, future: concurrent.futures.Future) -> concurrent.futures.Future:
         self._wake()
@@ -293,11 +299,13 @@ class IOLoop:
             while not self._stopping:
                 ready = dict(poller.poll(timeout_ms))
                 if self._wake_r in ready:
-                    try:
-                        while os.read(self._wake_r, 4096):
-                            pass
+                    try:  # one read takes the few bytes there (a failed read costs the GIL)
+                        os.read(self._wake_r, 4096)
                     except BlockingIOError:
                         pass
+                    # after the read, which may take the byte of a wake asked meanwhile;
+                    # what that wake queued is sent below, and later wakes write again
+                    self._woken = False
                 if self._watch.watching():  # raises if a server refused our key
                     for monitor in self._watch.check(ready):
                         poller.unregister(monitor)
