@@ -97,7 +97,6 @@ class IOLoop:
                  key: ClusterKey | None = None,
                  endpoints: list[list[str]] | None = None) -> None:
         self.env = env
-        self.servers = servers
         self.node_id = node_id
         self.lock = threading.Lock()
         self.error: BaseException | None = None
@@ -406,10 +405,9 @@ class IOLoop:
                 self._pushes_pending -= 1
                 if self._pushes_pending == 0:
                     self._count(comm_s=time.perf_counter() - self._busy_since)
-            self._on_reply(request, header, frames[1:])
+            self._on_reply(request, header, frames[1:], self._where[dealer])
 
-    def _on_reply(self, request: Request, header: dict, payloads: list) -> None:
-        where = self._where[self._dealer(request)]
+    def _on_reply(self, request: Request, header: dict, payloads: list, where: str) -> None:
         op = header["op"]
         info, future = request.info, request.future
         if op == Op.ERROR:
