@@ -46,6 +46,8 @@ from pathlib import Path
 
 from gpu_step import source_commit  # bench/ is on the path of a script run from it
 
+from bps.common.striping import proc_threads
+
 PARAMS = {"compressor": "onebit", "ef": "vanilla"}
 CONFIGS = {"alone": None, "host": {}, "device path": {"BPS_DEVICE_KERNELS": "1"}}
 
@@ -66,18 +68,9 @@ def thread_cpu_s() -> dict[str, float]:
             continue
         python_ids.add(thread.native_id)
         out[thread.name.rstrip("0123456789_/")] += seconds
-    tick = os.sysconf("SC_CLK_TCK")
-    for tid in os.listdir("/proc/self/task"):
-        if int(tid) in python_ids:
-            continue
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                comm = f.read().strip()
-        except OSError:  # the thread ended meanwhile
-            continue
-        out[comm.rstrip("0123456789_/")] += (int(fields[11]) + int(fields[12])) / tick
+    for tid, name, seconds in proc_threads():
+        if tid not in python_ids:
+            out[name.rstrip("0123456789_/")] += seconds
     return dict(out)
 
 

@@ -110,6 +110,32 @@ class Stripes:
         return stripe
 
 
+def proc_threads() -> list[tuple[int, str, float]]:
+    """(thread id, OS name, CPU seconds user + system) of each of this process's threads,
+    in thread-id order, from ``/proc/self/task`` (which counts in ticks of 10 ms); empty
+    where /proc is not there.
+
+        >>> any(name for _, name, _ in proc_threads())
+        True
+    """
+    tick = os.sysconf("SC_CLK_TCK")
+    threads = []
+    try:
+        tasks = sorted(os.listdir("/proc/self/task"), key=int)
+    except OSError:
+        return []
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as comm:
+                name = comm.read().strip()
+            with open(f"/proc/self/task/{tid}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        threads.append((int(tid), name, (int(fields[11]) + int(fields[12])) / tick))
+    return threads
+
+
 def io_thread_cpu_seconds() -> list[float]:
     """CPU seconds (user + system) of each of this process's ZeroMQ I/O threads, in
     thread-id order; empty where /proc is not there. libzmq gives each connection to
@@ -119,23 +145,7 @@ def io_thread_cpu_seconds() -> list[float]:
         >>> all(s >= 0 for s in io_thread_cpu_seconds())
         True
     """
-    tick = os.sysconf("SC_CLK_TCK")
-    seconds = []
-    try:
-        tasks = sorted(os.listdir("/proc/self/task"), key=int)
-    except OSError:
-        return []
-    for tid in tasks:
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as comm:
-                if not comm.read().startswith("ZMQbg/IO/"):
-                    continue
-            with open(f"/proc/self/task/{tid}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
-        except OSError:  # the thread ended meanwhile
-            continue
-        seconds.append((int(fields[11]) + int(fields[12])) / tick)
-    return seconds
+    return [seconds for _, name, seconds in proc_threads() if name.startswith("ZMQbg/IO/")]
 
 
 def affinity_mask(thread: int) -> int:
