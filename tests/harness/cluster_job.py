@@ -24,18 +24,12 @@ import torch
 import torch.distributed as dist
 
 import bps
+from bps.common.striping import proc_threads
 
 
 def gloo_threads() -> list[str]:
     """The names of this process's threads that gloo started (its loop and workers)."""
-    names = []
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as comm:
-                names.append(comm.read().strip())
-        except OSError:  # the thread ended meanwhile
-            continue
-    return [name for name in names if "gloo" in name]
+    return [name for _, name, _ in proc_threads() if "gloo" in name]
 
 
 def main() -> None:
