@@ -116,6 +116,21 @@ def test_help_and_a_bare_call_show_the_three_modes() -> None:
         assert example in helped.stdout, helped.stdout
 
 
+def test_every_target_of_the_table_is_listed_and_runs_its_module() -> None:
+    """Each sub-command of ``bpslaunch``'s table has its line in ``--help`` and reaches its
+    own module: ``bpslaunch NAME --help`` is that module's argparse usage, exit code 0."""
+    from bps.launch.cli import TARGETS, USAGE
+    assert sorted(TARGETS) == ["keygen", "local", "netem"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DMLC_", "BPS_"))}
+    for name, target in TARGETS.items():
+        line = next(line for line in USAGE.splitlines() if f"bpslaunch {name} " in line)
+        assert line.split() == ["bpslaunch", *target.synopsis.split(), *target.summary.split()]
+        helped = subprocess.run(BPSLAUNCH + [name, "--help"], env=env, capture_output=True,
+                                text=True, timeout=60)
+        assert helped.returncode == 0, (name, helped.stderr)
+        assert helped.stdout.startswith(f"usage: bpslaunch {name} "), (name, helped.stdout)
+
+
 def test_the_others_name_a_failure_before_anything_is_stopped(tmp_path: Path) -> None:
     """One child fails; another, told of it (through a pipe here, by the scheduler in a
     job), needs a moment to say so and exit: it gets that moment and its line is in the
