@@ -86,7 +86,8 @@ netem: one network namespace per host, links shaped with tc
 
 
 def usage(role: Target = ROLE, targets: Mapping[str, Target] = TARGETS) -> str:
-    """``bpslaunch --help``: a usage line per target, then each one's examples.
+    """``bpslaunch --help``: a usage line per target, then each one's examples, then where
+    the options of the targets whose synopsis has ``[OPTIONS]`` are listed.
 
     >>> usage().splitlines()[0]
     'usage: bpslaunch CMD...                     run the role that DMLC_ROLE names'
