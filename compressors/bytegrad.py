@@ -37,6 +37,7 @@ from numba import njit
 from bps.common.config import Key, integer
 
 from .base import (
+    Description,
     KERNEL_FLOAT_DTYPES,
     Compressor,
     NonFiniteError,
@@ -244,6 +245,8 @@ class ByteGrad(Compressor):
 
     keys: ClassVar[dict[str, Key]] = {
         "chunk": Key(integer(1, MAX_CHUNK + 1), fill=DEFAULT_CHUNK)}
+    description: ClassVar[Description] = Description(
+        examples=({"chunk": 64}, {"chunk": 7}), typical={}, label="8-bit min-max codes")
 
     def __init__(self, numel: int, dtype: torch.dtype = torch.float32,
                  chunk: int = DEFAULT_CHUNK):

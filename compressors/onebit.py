@@ -32,6 +32,7 @@ from numba import njit
 from bps.common.config import Key, boolean
 
 from .base import (
+    Description,
     KERNEL_FLOAT_DTYPES,
     Compressor,
     Payload,
@@ -142,6 +143,9 @@ class OneBit(Compressor):
 
     # True by default with onebit; BytePS's plain signs: False
     keys: ClassVar[dict[str, Key]] = {"scaling": Key(boolean, fill=True)}
+    description: ClassVar[Description] = Description(
+        examples=({"scaling": True}, {"scaling": False}), tolerance="scale_ulp",
+        label="signs x mean |x|")
 
     def __init__(self, numel: int, dtype: torch.dtype = torch.float32, scaling: bool = False):
         super().__init__(numel, dtype)

@@ -6,13 +6,15 @@ float64 numpy arrays holding numbers exactly representable in the tensor dtype
 (``dtype`` is a name: "float32", "float16", "bfloat16", "float64"). Other tests reuse
 these, e.g. to check server aggregation::
 
-    from tests.harness.reference_compressors import XorShift128Plus, ref_build
+    from tests.harness.reference_compressors import XorShift128Plus, ref_codec
 """
 
 from __future__ import annotations
 
+import importlib
 import math
 import struct
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -324,24 +326,77 @@ class RefChain:
         return payload
 
 
-def ref_codec(params: dict, numel: int, dtype: str):
-    """(encode, decode) of the reference for one compressor (encode carries the RNG)."""
-    name, k = params["compressor"], params.get("k")
-    if name == "onebit":
-        return (lambda x: onebit_encode(x, params.get("scaling", True)),
-                lambda p: onebit_decode(p, numel, dtype))
-    count = (max(1, int(k * numel)) if isinstance(k, float) else min(k, numel)) if k else 0
-    if name == "topk":
-        return (lambda x: topk_encode(x, count, dtype),
-                lambda p: topk_decode(p, numel, count, dtype))
-    if name == "bytegrad":
-        chunk = params.get("chunk", 1024)
-        return (lambda x: bytegrad_encode(x, chunk),
-                lambda p: bytegrad_decode(p, numel, chunk, dtype))
-    rng = XorShift128Plus(params.get("seed", 1))
-    if name == "randomk":
-        return (lambda x: randomk_encode(x, count, dtype, rng),
-                lambda p: randomk_decode(p, numel, count, dtype))
+Codec = tuple[Callable[[np.ndarray], bytes], Callable[[bytes], np.ndarray]]
+# compressor name -> codec(params, numel, dtype): (encode, decode), encode carrying the RNG
+REFERENCES: dict[str, Callable[[dict, int, str], Codec]] = {}
+
+
+def reference(name: str) -> Callable:
+    """Register the decorated ``codec(params, numel, dtype) -> (encode, decode)`` as the
+    reference of compressor ``name``. Those of this module's compressors are below; any
+    other's lives in its own test file, ``tests/compressors/test_<name>.py``, which
+    :func:`ref_codec` imports to find it."""
+
+    def add(codec: Callable[[dict, int, str], Codec]) -> Callable[[dict, int, str], Codec]:
+        REFERENCES[name] = codec
+        return codec
+
+    return add
+
+
+def ref_codec(params: dict, numel: int, dtype: str) -> Codec:
+    """(encode, decode) of the reference for ``params["compressor"]`` (encode carries the
+    RNG); decode gives float64 values exactly representable in ``dtype``."""
+    name = params["compressor"]
+    if name not in REFERENCES:
+        try:
+            importlib.import_module(f"tests.compressors.test_{name}")
+        except ModuleNotFoundError:
+            pass
+    if name not in REFERENCES:
+        raise LookupError(f"compressor {name!r} has no reference codec: its test file "
+                          f"tests/compressors/test_{name}.py registers one with "
+                          f"@reference({name!r}) (tests/harness/reference_compressors.py)")
+    return REFERENCES[name](params, numel, dtype)
+
+
+def count_of(k: int | float | None, numel: int) -> int:
+    """k as a count of elements: a fraction of numel (at least 1), else at most numel."""
+    if not k:
+        return 0
+    return max(1, int(k * numel)) if isinstance(k, float) else min(k, numel)
+
+
+@reference("onebit")
+def onebit_codec(params: dict, numel: int, dtype: str) -> Codec:
+    return (lambda x: onebit_encode(x, params.get("scaling", True)),
+            lambda p: onebit_decode(p, numel, dtype))
+
+
+@reference("topk")
+def topk_codec(params: dict, numel: int, dtype: str) -> Codec:
+    count = count_of(params.get("k"), numel)
+    return (lambda x: topk_encode(x, count, dtype),
+            lambda p: topk_decode(p, numel, count, dtype))
+
+
+@reference("bytegrad")
+def bytegrad_codec(params: dict, numel: int, dtype: str) -> Codec:
+    chunk = params.get("chunk", 1024)
+    return (lambda x: bytegrad_encode(x, chunk),
+            lambda p: bytegrad_decode(p, numel, chunk, dtype))
+
+
+@reference("randomk")
+def randomk_codec(params: dict, numel: int, dtype: str) -> Codec:
+    count, rng = count_of(params.get("k"), numel), XorShift128Plus(params.get("seed", 1))
+    return (lambda x: randomk_encode(x, count, dtype, rng),
+            lambda p: randomk_decode(p, numel, count, dtype))
+
+
+@reference("dithering")
+def dithering_codec(params: dict, numel: int, dtype: str) -> Codec:
+    k, rng = params.get("k"), XorShift128Plus(params.get("seed", 1))
     partition = params.get("partition", "linear")
     return (lambda x: dithering_encode(x, k, partition, params.get("normalize", "max"), rng),
             lambda p: round_to(dithering_decode(p, numel, k, partition), dtype))
