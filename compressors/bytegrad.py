@@ -246,7 +246,7 @@ class ByteGrad(Compressor):
     keys: ClassVar[dict[str, Key]] = {
         "chunk": Key(integer(1, MAX_CHUNK + 1), fill=DEFAULT_CHUNK)}
     description: ClassVar[Description] = Description(
-        examples=({"chunk": 64}, {"chunk": 7}), typical={}, label="8-bit min-max codes")
+        examples=({"chunk": 16}, {"chunk": 7}), typical={}, label="8-bit min-max codes")
 
     def __init__(self, numel: int, dtype: torch.dtype = torch.float32,
                  chunk: int = DEFAULT_CHUNK):

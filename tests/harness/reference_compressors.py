@@ -369,7 +369,8 @@ def count_of(k: int | float | None, numel: int) -> int:
 
 @reference("onebit")
 def onebit_codec(params: dict, numel: int, dtype: str) -> Codec:
-    return (lambda x: onebit_encode(x, params.get("scaling", True)),
+    # encode(x, scale): a "scale_ulp" compressor's reference takes the scale it compares
+    return (lambda x, scale=None: onebit_encode(x, params.get("scaling", True), scale),
             lambda p: onebit_decode(p, numel, dtype))
 
 
