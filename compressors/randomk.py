@@ -96,7 +96,9 @@ class RandomK(SparseCompressor):
     """Keeps k uniformly drawn entries; the payload carries the RNG state, not indices."""
 
     description: ClassVar[Description] = Description(
-        examples=({"k": 0.1, "seed": 7}, {"k": 1, "seed": 3}), typical={"k": 0.01},
+        examples=({"k": 0.1, "seed": 7}, {"k": 1, "seed": 3},
+                  {"k": 300, "seed": 9}),  # k clamped to numel: many repeated draws
+        typical={"k": 0.01},
         reads_all=False, label="k entries drawn at random")
 
 
