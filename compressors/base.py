@@ -149,7 +149,8 @@ class Description:
     ``examples``: ``compression_params`` beyond ``"compressor"``, each valid; the first is
     the configuration the warm-up, benches and examples use, tests run every one (vary
     the options whose code paths differ). ``typical``: what the examples and benches run
-    where the user gives no option (default: the first example). ``dtypes``: the tensor dtypes it accepts.
+    where the user gives no option (default: the first example). ``dtypes``: the tensor
+    dtypes it accepts.
     ``payloads_sum``: its payloads are vectors the servers add as they are, never decoded
     on their own (:class:`MultiRound`), so per-payload checks (decoding against a
     reference, ``decompress_add``) do not apply. ``tolerance``: how far its decoded values

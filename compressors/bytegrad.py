@@ -37,9 +37,9 @@ from numba import njit
 from bps.common.config import Key, integer
 
 from .base import (
-    Description,
     KERNEL_FLOAT_DTYPES,
     Compressor,
+    Description,
     NonFiniteError,
     Payload,
     payload_bytes,

@@ -38,9 +38,9 @@ import torch
 from bps.common.config import Key, choice, fail, integer
 
 from .base import (
-    Description,
     KERNEL_FLOAT_DTYPES,
     Compressor,
+    Description,
     Payload,
     float_view,
     payload_bytes,

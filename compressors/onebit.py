@@ -32,9 +32,9 @@ from numba import njit
 from bps.common.config import Key, boolean
 
 from .base import (
-    Description,
     KERNEL_FLOAT_DTYPES,
     Compressor,
+    Description,
     Payload,
     bit_view,
     float_view,

@@ -44,8 +44,8 @@ import torch
 from bps.common.config import Key, boolean, fail, integer, is_int, real
 
 from .base import (
-    Description,
     Compressor,
+    Description,
     NonFiniteError,
     Payload,
     check_state_keys,

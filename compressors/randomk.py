@@ -29,8 +29,8 @@ import torch
 from numba import njit
 
 from .base import (
-    Description,
     KERNEL_FLOAT_DTYPES,
+    Description,
     Payload,
     bit_view,
     nonfinite_bits,

@@ -24,7 +24,6 @@ Example::
 from __future__ import annotations
 
 import math
-
 from typing import ClassVar
 
 import numpy as np
@@ -33,8 +32,8 @@ from numba import njit
 from numba.cpython.unsafe.numbers import trailing_zeros
 
 from .base import (
-    Description,
     KERNEL_FLOAT_DTYPES,
+    Description,
     Payload,
     bit_view,
     float_view,
