@@ -91,7 +91,7 @@ class TernGrad(Compressor):
 
     description: ClassVar[Description] = Description(
         examples=({"seed": 7},), typical={},
-        label="ternary signs x max|x|, unbiased")
+        label="ternary signs times max magnitude, unbiased")
 
     def __init__(self, numel: int, dtype: torch.dtype = torch.float32, seed: int = 1):
         super().__init__(numel, dtype)

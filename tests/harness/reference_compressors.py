@@ -15,6 +15,7 @@ import importlib
 import math
 import struct
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -334,8 +335,9 @@ REFERENCES: dict[str, Callable[[dict, int, str], Codec]] = {}
 def reference(name: str) -> Callable:
     """Register the decorated ``codec(params, numel, dtype) -> (encode, decode)`` as the
     reference of compressor ``name``. Those of this module's compressors are below; any
-    other's lives in its own test file, ``tests/compressors/test_<name>.py``, which
-    :func:`ref_codec` imports to find it."""
+    other's lives in the compressor's own test file, ``test_<name>.py`` anywhere under
+    tests/, which :func:`ref_codec` imports to find it (the one import of a test module
+    by another module of tests/: a compressor is its source file and its test file)."""
 
     def add(codec: Callable[[dict, int, str], Codec]) -> Callable[[dict, int, str], Codec]:
         REFERENCES[name] = codec
@@ -344,18 +346,26 @@ def reference(name: str) -> Callable:
     return add
 
 
+def own_test_module(name: str) -> str | None:
+    """The dotted name of compressor ``name``'s own test file (``test_<name>.py`` under
+    tests/), or None."""
+    tests = Path(__file__).resolve().parents[1]
+    found = sorted(tests.rglob(f"test_{name}.py"))
+    if not found:
+        return None
+    return ".".join(found[0].relative_to(tests.parent).with_suffix("").parts)
+
+
 def ref_codec(params: dict, numel: int, dtype: str) -> Codec:
     """(encode, decode) of the reference for ``params["compressor"]`` (encode carries the
     RNG); decode gives float64 values exactly representable in ``dtype``."""
     name = params["compressor"]
+    module = None if name in REFERENCES else own_test_module(name)
+    if module is not None:
+        importlib.import_module(module)
     if name not in REFERENCES:
-        try:
-            importlib.import_module(f"tests.compressors.test_{name}")
-        except ModuleNotFoundError:
-            pass
-    if name not in REFERENCES:
-        raise LookupError(f"compressor {name!r} has no reference codec: its test file "
-                          f"tests/compressors/test_{name}.py registers one with "
+        raise LookupError(f"compressor {name!r} has no reference codec: its own test file "
+                          f"(test_{name}.py under tests/) registers one with "
                           f"@reference({name!r}) (tests/harness/reference_compressors.py)")
     return REFERENCES[name](params, numel, dtype)
 
