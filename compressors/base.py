@@ -146,20 +146,19 @@ class Description:
     compressor's name. A registered class without one works in training; those loops
     refuse it, naming what it lacks.
 
-    ``examples``: ``compression_params`` beyond ``"compressor"``, each valid; the first is the
-    configuration the warm-up, benches and examples use, tests run every one (vary the options
-    whose code paths differ). ``typical``: what the examples and benches run where the user
-    gives no option (default: the first example). ``dtypes``: the tensor dtypes it accepts.
-    ``payloads_sum``: its payloads are vectors the servers add as they are, never decoded on
-    their own (:class:`MultiRound`), so per-payload checks (decoding against a reference,
-    ``decompress_add``) do not apply. ``tolerance``: how far its decoded values (host kernels,
-    torch kernels, an independent reference) may be apart: ``"exact"`` (bit for bit),
-    ``"scale_ulp"`` (the payload's last 4 bytes, a float32 scale that is a float64 sum, added in
-    another order, 1 ulp apart; the rest exact) or ``"rounding"`` (matrix products summed in
-    another order). ``reads_all``: ``compress`` reads every element, so an inf or NaN anywhere
-    is refused (False: only those it samples). ``ties``: its payload is defined where magnitudes
-    tie (False: references agree only on distinct magnitudes). ``label``: a few words for
-    tables.
+    ``examples``: ``compression_params`` beyond ``"compressor"``, each valid; tests run every
+    one and the warm-up compiles each (vary the options whose code paths differ). ``typical``:
+    what the examples and benches run where the user gives no option (default: the first
+    example). ``dtypes``: the tensor dtypes it accepts. ``payloads_sum``: its payloads are
+    vectors the servers add as they are, never decoded on their own (:class:`MultiRound`), so
+    per-payload checks (decoding against a reference, ``decompress_add``) do not apply.
+    ``tolerance``: how far its decoded values (host kernels, torch kernels, an independent
+    reference) may be apart: ``"exact"`` (bit for bit), ``"scale_ulp"`` (the payload's last 4
+    bytes, a float32 scale that is a float64 sum, added in another order, 1 ulp apart; the rest
+    exact) or ``"rounding"`` (matrix products summed in another order). ``reads_all``:
+    ``compress`` reads every element, so an inf or NaN anywhere is refused (False: only those it
+    samples). ``ties``: its payload is defined where magnitudes tie (False: references agree
+    only on distinct magnitudes). ``label``: a few words for tables.
 
         >>> from bps.compressors.topk import TopK
         >>> TopK.description.examples[0], TopK.description.tolerance
