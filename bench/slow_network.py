@@ -181,7 +181,8 @@ def all_methods(topk: float = 0.01, randomk: float = 0.01, levels: int = 4,
 
 def with_described(methods: dict) -> dict:
     """``methods`` and a row for each registered compressor they lack, named after it:
-    its typical options (``Compressor.description``) + EF + Nesterov, through bps."""
+    its typical options (``Compressor.description``) + EF + Nesterov (bare where its
+    description says error feedback does not help it), through bps."""
     from bps.compressors import (
         description,
         payload_bound,
@@ -199,8 +200,10 @@ def with_described(methods: dict) -> dict:
                  for item in (f"--{key.replace('_', '-')}", str(value))]
         bound = payload_bound(validate_compression_params({"compressor": name, **options}),
                               numel)
-        methods[name] = Method(name, f"bps {name} ({told.label}) + EF + Nesterov", "bps",
-                               ("--compressor", name, *flags, *EF_NESTEROV),
+        chain = EF_NESTEROV if told.feedback else ()
+        methods[name] = Method(name, f"bps {name} ({told.label})"
+                               f"{' + EF + Nesterov' if chain else ''}", "bps",
+                               ("--compressor", name, *flags, *chain),
                                4.0 if bound is None else bound / numel)
     return methods
 

@@ -158,7 +158,10 @@ class Description:
     exact) or ``"rounding"`` (matrix products summed in another order). ``reads_all``:
     ``compress`` reads every element, so an inf or NaN anywhere is refused (False: only those it
     samples). ``ties``: its payload is defined where magnitudes tie (False: references agree
-    only on distinct magnitudes). ``label``: a few words for tables.
+    only on distinct magnitudes). ``feedback``: the benches and examples run it with error
+    feedback and the chain's Nesterov momentum (False: bare, the optimizer keeping its momentum:
+    an unbiased compressor whose variance error feedback would feed back). ``label``: a few
+    words for tables.
 
         >>> from bps.compressors.topk import TopK
         >>> TopK.description.examples[0], TopK.description.tolerance
@@ -172,6 +175,7 @@ class Description:
     tolerance: Literal["exact", "scale_ulp", "rounding"] = "exact"
     reads_all: bool = True
     ties: bool = True
+    feedback: bool = True
     label: str = ""
 
     def __post_init__(self) -> None:

@@ -90,7 +90,7 @@ class TernGrad(Compressor):
     """Stochastic ternary gradients: signs times max|x|, kept with probability |x|/max."""
 
     description: ClassVar[Description] = Description(
-        examples=({"seed": 7},), typical={},
+        examples=({"seed": 7},), typical={}, feedback=False,
         label="ternary signs times max magnitude, unbiased")
 
     def __init__(self, numel: int, dtype: torch.dtype = torch.float32, seed: int = 1):
