@@ -28,7 +28,7 @@ import time
 import numpy as np
 import torch
 
-from bps.compressors import build
+from bps.compressors import build, description, registered_names
 
 SHIFTS32 = 31 - torch.arange(32, dtype=torch.int64)
 
@@ -309,6 +309,12 @@ def main() -> None:
         ("dithering (s=4)", {"compressor": "dithering", "k": 4}, TorchDithering(4)),
         ("bytegrad (chunk=1024)", {"compressor": "bytegrad"}, TorchByteGrad(1024)),
     ]
+    benched = {case[1]["compressor"] for case in cases}
+    for name in registered_names():  # the others with their typical options, no baseline
+        told = description(name)
+        if name not in benched and not told.payloads_sum:
+            cases.append((f"{name} ({told.label})", {"compressor": name, **told.defaults},
+                          None))
     side = int(n ** 0.5)  # powersgd: the square matrix of about n elements
     for rank in (1, 2, 4):
         cases.append((f"powersgd (rank {rank}, {side}x{side})",
@@ -333,20 +339,23 @@ def main() -> None:
                                             lambda: np.copyto(target, source))
         gbs = size / (t_c + t_d) / 1e9
         versus_torch = "| - | - | - "  # --torch-runs 0: no baseline
-        if args.torch_runs and not isinstance(params, dict):  # powersgd: by turns
+        rounds = 1 if isinstance(params, dict) else 2  # powersgd: P and Q
+        if baseline is None:
+            pass
+        elif args.torch_runs and not isinstance(params, dict):  # powersgd: by turns
             (t_c, t_d), (b_c, b_d) = measure_alternating(chain, baseline, data, into,
                                                          args.runs)
             gbs = size / (t_c + t_d) / 1e9
         elif args.torch_runs:
             _, b_c, b_d, _ = measure(baseline, data, into, args.torch_runs)
-        if args.torch_runs:
+        if args.torch_runs and baseline is not None:
             torch_gbs = size / (b_c + b_d) / 1e9
             versus_torch = (f"| {b_c * 1e3:.1f} + {b_d * 1e3:.1f} | {torch_gbs:.3f} "
                             f"| {gbs / torch_gbs:.1f} ")
         print(f"| {name} | {t_c * 1e3:.1f} | {t_d * 1e3:.1f} | {gbs:.2f} | {t_copy * 1e3:.1f} "
               f"| {t_copy / (t_c + t_d):.2f} "
               f"{versus_torch}"
-              f"| {size / payload_nbytes(payload) / (2 if 'powersgd' in name else 1):.1f} |",
+              f"| {size / payload_nbytes(payload) / rounds:.1f} |",
               flush=True)
     print(f"\nload average at the end: {os.getloadavg()[0]:.1f}")
 

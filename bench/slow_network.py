@@ -128,7 +128,7 @@ def all_methods(topk: float = 0.01, randomk: float = 0.01, levels: int = 4,
     overlap = sync_every // fragments if overlap is None else overlap
     stream = (*local, "--fragments", str(fragments), "--overlap", str(overlap))
     stream_label = f"H={sync_every}, F={fragments}, T={overlap}, {outer}"
-    return {m.name: m for m in (
+    return with_described({m.name: m for m in (
         Method("fp32", "bps uncompressed (fp32)", "bps", ("--compressor", "none", "--no-fp16"),
                4),
         Method("fp16", "bps fp16 only", "bps", ("--compressor", "none"), 2),
@@ -176,7 +176,36 @@ def all_methods(topk: float = 0.01, randomk: float = 0.01, levels: int = 4,
                ("--hook", "powersgd", "--powersgd-rank", "1"), 0.01),
         Method("ddp-powersgd2", "DDP PowerSGD hook, rank 2", "ddp",
                ("--hook", "powersgd", "--powersgd-rank", "2"), 0.02),
-    )}
+    )})
+
+
+def with_described(methods: dict) -> dict:
+    """``methods`` and a row for each registered compressor they lack, named after it:
+    its typical options (``Compressor.description``) + EF + Nesterov (bare where its
+    description says error feedback does not help it), through bps."""
+    from bps.compressors import (
+        description,
+        payload_bound,
+        registered_names,
+        validate_compression_params,
+    )
+
+    numel = 1 << 20  # wire estimate: payload bytes per element of a large partition
+    for name in registered_names():
+        told = description(name)
+        if name in methods or told.payloads_sum:
+            continue
+        options = told.defaults
+        flags = [item for key, value in options.items()
+                 for item in (f"--{key.replace('_', '-')}", str(value))]
+        bound = payload_bound(validate_compression_params({"compressor": name, **options}),
+                              numel)
+        chain = EF_NESTEROV if told.feedback else ()
+        methods[name] = Method(name, f"bps {name} ({told.label})"
+                               f"{' + EF + Nesterov' if chain else ''}", "bps",
+                               ("--compressor", name, *flags, *chain),
+                               4.0 if bound is None else bound / numel)
+    return methods
 
 
 @dataclass
@@ -743,6 +772,7 @@ def warm_kernels(args: argparse.Namespace, methods: list[Method]) -> None:
         return
     import torch
 
+    from bps.compressors import description
     from bps.compressors.warm import warm_kernels
     job = load_example("mnist_job")
 
@@ -752,7 +782,7 @@ def warm_kernels(args: argparse.Namespace, methods: list[Method]) -> None:
         flags = flags[2:] if method.hook else flags  # less --hook bps
         params = {**job.compression_params(job.parse_compression_args(flags)),
                   "seed": args.seed + 1}
-        if params.get("compressor") != "powersgd":  # torch matrix products
+        if not description(params["compressor"]).payloads_sum:  # powersgd: torch matmuls
             chains.append(params)
     started = time.monotonic()
     warm_kernels(chains, numel=args.compressed_partition_bytes // 4,

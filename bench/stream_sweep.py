@@ -53,11 +53,29 @@ def folder(args: argparse.Namespace, rate: str, config: tuple[int, int, int] | N
     return Path(args.out) / f"{args.model}-{rate}-{tag}"
 
 
+MAX_BYTES_PER_STEP = 0.07  # payload bytes per element and step, at most (about 1/16)
+
+
+def bytes_per_element(name: str) -> float:
+    """A payload's bytes per element with the compressor's typical options (its class's
+    ``description``), for a large partition.
+
+        >>> bytes_per_element("onebit")
+        0.125
+    """
+    from bps.compressors import description, payload_bound, validate_compression_params
+
+    numel = 1 << 20
+    params = validate_compression_params({"compressor": name, **description(name).defaults})
+    return round(payload_bound(params, numel) / numel, 4)
+
+
 def methods_for(args: argparse.Namespace, config: tuple[int, int, int]) -> list[str]:
-    """The -stream rows of the compressors; bytegrad (1 byte per element) only where a
-    sync has at least 16 steps to spread over."""
+    """The -stream rows of the compressors, each only where a sync has enough steps
+    (H) to spread its payload over: at most MAX_BYTES_PER_STEP bytes per element and
+    step (bytegrad, 1 byte per element: from H = 16)."""
     return [f"{c}-stream" for c in args.compressors.split(",")
-            if c != "bytegrad" or config[0] >= 16]
+            if bytes_per_element(c) / config[0] <= MAX_BYTES_PER_STEP]
 
 
 def run(args: argparse.Namespace, rate: str, config: tuple[int, int, int] | None) -> None:

@@ -12,6 +12,7 @@
 from .base import (
     Compressor,
     CorrectedCompress,
+    Description,
     FastErrorUpdate,
     MultiRound,
     PayloadSum,
@@ -24,6 +25,7 @@ from .momentum import Momentum
 from .registry import (
     build,
     compressor_class,
+    description,
     payload_bound,
     register,
     registered_names,
@@ -37,6 +39,7 @@ from .wire import state_from_wire, state_to_wire
 __all__ = [
     "Compressor",
     "CorrectedCompress",
+    "Description",
     "ErrorFeedback",
     "FastErrorUpdate",
     "Momentum",
@@ -46,6 +49,7 @@ __all__ = [
     "WholeTensor",
     "build",
     "compressor_class",
+    "description",
     "payload_bound",
     "payload_tensor",
     "register",

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import ClassVar, Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import ClassVar, Literal, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -137,6 +138,61 @@ def sub_array(buffer: np.ndarray, offset: int, dtype: type, count: int) -> np.nd
     return buffer[offset : offset + count * itemsize].view(dtype)
 
 
+@dataclass(frozen=True)
+class Description:
+    """What code that serves every compressor needs of one, stated by its class (the
+    ``description`` attribute): conformance tests, the warm-up (``compressors/warm.py``),
+    the benches and the examples loop over ``registered_names()`` and read this, never a
+    compressor's name. A registered class without one works in training; those loops
+    refuse it, naming what it lacks.
+
+    ``examples``: ``compression_params`` beyond ``"compressor"``, each valid; tests run every
+    one and the warm-up compiles each (vary the options whose code paths differ). ``typical``:
+    what the examples and benches run where the user gives no option (default: the first
+    example). ``dtypes``: the tensor dtypes it accepts. ``payloads_sum``: its payloads are
+    vectors the servers add as they are, never decoded on their own (:class:`MultiRound`), so
+    per-payload checks (decoding against a reference, ``decompress_add``) do not apply.
+    ``tolerance``: how far its decoded values (host kernels, torch kernels, an independent
+    reference) may be apart: ``"exact"`` (bit for bit), ``"scale_ulp"`` (the payload's last 4
+    bytes, a float32 scale that is a float64 sum, added in another order, 1 ulp apart; the rest
+    exact) or ``"rounding"`` (matrix products summed in another order). ``reads_all``:
+    ``compress`` reads every element, so an inf or NaN anywhere is refused (False: only those it
+    samples). ``ties``: its payload is defined where magnitudes tie (False: references agree
+    only on distinct magnitudes). ``feedback``: the benches and examples run it with error
+    feedback and the chain's Nesterov momentum (False: bare, the optimizer keeping its momentum:
+    an unbiased compressor whose variance error feedback would feed back). ``label``: a few
+    words for tables.
+
+        >>> from bps.compressors.topk import TopK
+        >>> TopK.description.examples[0], TopK.description.tolerance
+        ({'k': 0.1}, 'exact')
+    """
+
+    examples: tuple[dict, ...]
+    typical: dict | None = None
+    dtypes: tuple[torch.dtype, ...] = SUPPORTED_DTYPES
+    payloads_sum: bool = False
+    tolerance: Literal["exact", "scale_ulp", "rounding"] = "exact"
+    reads_all: bool = True
+    ties: bool = True
+    feedback: bool = True
+    label: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.examples or not all(isinstance(e, dict) for e in self.examples):
+            raise ValueError(f"a Description needs examples (dicts), got {self.examples!r}")
+        if any("compressor" in e for e in (*self.examples, self.typical or {})):
+            raise ValueError("a Description's examples leave out 'compressor'")
+        if self.tolerance not in ("exact", "scale_ulp", "rounding"):
+            raise ValueError(f"tolerance must be 'exact', 'scale_ulp' or 'rounding', "
+                             f"got {self.tolerance!r}")
+
+    @property
+    def defaults(self) -> dict:
+        """``typical``, else the first example."""
+        return dict(self.examples[0] if self.typical is None else self.typical)
+
+
 class Compressor:
     """Base class of compressors and of the chain decorators.
 
@@ -163,6 +219,8 @@ class Compressor:
 
     # its compression_params keys beyond the shared ones (bps.common.config)
     keys: ClassVar[dict[str, Key]] = {}
+    # what generic code (tests, warm-up, benches, examples) needs of it; see Description
+    description: ClassVar[Description | None] = None
     # where the chain's buffers, inputs, outputs and payloads live (torch-kernel chains)
     device: torch.device = torch.device("cpu")
 

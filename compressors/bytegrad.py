@@ -39,6 +39,7 @@ from bps.common.config import Key, integer
 from .base import (
     KERNEL_FLOAT_DTYPES,
     Compressor,
+    Description,
     NonFiniteError,
     Payload,
     payload_bytes,
@@ -244,6 +245,8 @@ class ByteGrad(Compressor):
 
     keys: ClassVar[dict[str, Key]] = {
         "chunk": Key(integer(1, MAX_CHUNK + 1), fill=DEFAULT_CHUNK)}
+    description: ClassVar[Description] = Description(
+        examples=({"chunk": 16}, {"chunk": 7}), typical={}, label="8-bit min-max codes")
 
     def __init__(self, numel: int, dtype: torch.dtype = torch.float32,
                  chunk: int = DEFAULT_CHUNK):

@@ -40,6 +40,7 @@ from bps.common.config import Key, choice, fail, integer
 from .base import (
     KERNEL_FLOAT_DTYPES,
     Compressor,
+    Description,
     Payload,
     float_view,
     payload_bytes,
@@ -83,6 +84,9 @@ def bits_per_element(top: int) -> int:
 class Dithering(Compressor):
     """Stochastic rounding of |x|/scale onto s linear or 2**(s-1) natural levels."""
 
+    description: ClassVar[Description] = Description(
+        examples=({"k": 4, "seed": 7}, {"k": 3, "partition": "natural", "seed": 7}),
+        typical={"k": 8}, label="stochastic levels, Elias-delta coded")
     keys: ClassVar[dict[str, Key]] = {
         "k": Key(integer(1), required="an int >= 1 (number of levels s)"),
         "partition": Key(choice("linear", "natural"), default="linear"),

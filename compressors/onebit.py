@@ -34,6 +34,7 @@ from bps.common.config import Key, boolean
 from .base import (
     KERNEL_FLOAT_DTYPES,
     Compressor,
+    Description,
     Payload,
     bit_view,
     float_view,
@@ -142,6 +143,9 @@ class OneBit(Compressor):
 
     # True by default with onebit; BytePS's plain signs: False
     keys: ClassVar[dict[str, Key]] = {"scaling": Key(boolean, fill=True)}
+    description: ClassVar[Description] = Description(
+        examples=({"scaling": True}, {"scaling": False}), tolerance="scale_ulp",
+        label="signs x mean |x|")
 
     def __init__(self, numel: int, dtype: torch.dtype = torch.float32, scaling: bool = False):
         super().__init__(numel, dtype)

@@ -45,6 +45,7 @@ from bps.common.config import Key, boolean, fail, integer, is_int, real
 
 from .base import (
     Compressor,
+    Description,
     NonFiniteError,
     Payload,
     check_state_keys,
@@ -120,6 +121,9 @@ class PowerSGD(Compressor):
     step, ``seed`` seeds the first Q and ``ef`` is its own error feedback.
     """
 
+    description: ClassVar[Description] = Description(
+        examples=({"rank": 1},), dtypes=(torch.float32,), payloads_sum=True,
+        tolerance="rounding", label="rank-r factors, two rounds")
     keys: ClassVar[dict[str, Key]] = {
         "rank": Key(integer(1), required="an int >= 1 (rank of the approximation)"),
         "warm_start": Key(boolean, default=True),

@@ -22,12 +22,15 @@ Example::
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import numpy as np
 import torch
 from numba import njit
 
 from .base import (
     KERNEL_FLOAT_DTYPES,
+    Description,
     Payload,
     bit_view,
     nonfinite_bits,
@@ -91,6 +94,12 @@ def zero_random(state, count, out):
 
 class RandomK(SparseCompressor):
     """Keeps k uniformly drawn entries; the payload carries the RNG state, not indices."""
+
+    description: ClassVar[Description] = Description(
+        examples=({"k": 0.1, "seed": 7}, {"k": 1, "seed": 3},
+                  {"k": 300, "seed": 9}),  # k clamped to numel: many repeated draws
+        typical={"k": 0.01},
+        reads_all=False, label="k entries drawn at random")
 
 
     def __init__(self, numel: int, dtype: torch.dtype = torch.float32, k: int = 1,

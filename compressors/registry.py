@@ -26,7 +26,7 @@ import torch
 
 from bps.common.config import SHARED_DEFAULTS, Key, check_shared, refuse_unused
 
-from .base import Compressor, MultiRound, check_dtype
+from .base import Compressor, Description, MultiRound, check_dtype
 from .bytegrad import ByteGrad
 from .bytegrad_torch import ByteGradTorch
 from .device import forced_by_env, resolve_device
@@ -40,6 +40,7 @@ from .powersgd import PowerSGD
 from .powersgd_torch import PowerSGDTorch
 from .randomk import RandomK
 from .randomk_torch import RandomKTorch
+from .terngrad import TernGrad, TernGradTorch
 from .topk import TopK
 from .topk_torch import TopKTorch
 
@@ -70,6 +71,7 @@ _BUILTIN: tuple[tuple[str, type[Compressor], type[Compressor] | None], ...] = (
     ("dithering", Dithering, DitheringTorch),
     ("bytegrad", ByteGrad, ByteGradTorch),
     ("powersgd", PowerSGD, PowerSGDTorch),
+    ("terngrad", TernGrad, TernGradTorch),
 )
 _ENTRIES: dict[str, _Entry] = {name: _Entry(cls, None, twin) for name, cls, twin in _BUILTIN}
 BUILTIN = tuple(_ENTRIES)
@@ -78,6 +80,28 @@ BUILTIN = tuple(_ENTRIES)
 def registered_names() -> tuple[str, ...]:
     """The names ``compression_params["compressor"]`` may take, built-in ones first."""
     return tuple(_ENTRIES)
+
+
+def description(name: str) -> Description:
+    """What generic code needs of compressor ``name`` (``Compressor.description``): the
+    conformance tests, the warm-up, the benches and the examples ask it. Raises
+    ValueError for an unknown name, or one registered without a description (a factory,
+    or a class that states none).
+
+        >>> description("topk").defaults
+        {'k': 0.01}
+    """
+    entry = _ENTRIES.get(name)
+    if entry is None:
+        raise ValueError(f"unknown compressor {name!r}: registered are "
+                         f"{', '.join(registered_names())}")
+    found = None if entry.cls is None else entry.cls.description
+    if not isinstance(found, Description):
+        what = "a factory" if entry.cls is None else f"class {entry.cls.__name__}"
+        raise ValueError(f"compressor {name!r} ({what}) has no description: its class sets "
+                         "description = Description(examples=...) (compressors/base.py), "
+                         "which the conformance tests, warm-up, benches and examples need")
+    return found
 
 
 def _owners() -> dict[str, list[tuple[str, Key]]]:

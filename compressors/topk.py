@@ -24,6 +24,7 @@ Example::
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -32,6 +33,7 @@ from numba.cpython.unsafe.numbers import trailing_zeros
 
 from .base import (
     KERNEL_FLOAT_DTYPES,
+    Description,
     Payload,
     bit_view,
     float_view,
@@ -213,6 +215,10 @@ def select_topk(x: np.ndarray, k: int, indices: np.ndarray, selected: np.ndarray
 
 class TopK(SparseCompressor):
     """Keeps the k entries of largest magnitude, as (int32 index, value) pairs."""
+
+    description: ClassVar[Description] = Description(
+        examples=({"k": 0.1}, {"k": 1}), typical={"k": 0.01}, ties=False,
+        label="the k largest magnitudes")
 
 
     def __init__(self, numel: int, dtype: torch.dtype = torch.float32, k: int = 1):

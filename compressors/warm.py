@@ -29,22 +29,35 @@ import numpy as np
 import torch
 
 from .finite import divide_checked, tensor_finite
-from .registry import build, compressor_class
+from .registry import build, compressor_class, description, registered_names
 
 log = logging.getLogger("bps.compressors")
 
-# Every built-in host chain in the forms jobs use most: error feedback and the
-# worker's Nesterov momentum around each compressor, and dithering's other options.
-BUILTIN_CHAINS: tuple[dict, ...] = tuple(
-    {**params, "ef": "vanilla", "momentum": "nesterov"} for params in (
-        {"compressor": "onebit"},
-        {"compressor": "onebit", "scaling": True},
-        {"compressor": "topk", "k": 0.01},
-        {"compressor": "randomk", "k": 0.01},
-        {"compressor": "dithering", "k": 4},
-        {"compressor": "dithering", "k": 4, "partition": "natural", "normalize": "l2"},
-        {"compressor": "bytegrad"},
-    ))
+
+
+def builtin_chains() -> tuple[dict, ...]:
+    """Every registered compressor's host chains in the forms jobs use most: error
+    feedback and the worker's Nesterov momentum around each described example and its
+    typical options (``Compressor.description``). A compressor whose payloads are summed
+    as they are (powersgd: torch matrix products) has nothing to compile.
+
+        >>> {"compressor": "topk", "k": 0.01, "ef": "vanilla", "momentum": "nesterov"} in (
+        ...     builtin_chains())
+        True
+    """
+    chains: list[dict] = []
+    for name in registered_names():
+        told = description(name)
+        if told.payloads_sum:
+            continue
+        for options in (*told.examples, told.defaults):
+            params = {"compressor": name, **options, "ef": "vanilla", "momentum": "nesterov"}
+            if params not in chains:
+                chains.append(params)
+    return tuple(chains)
+
+
+BUILTIN_CHAINS: tuple[dict, ...] = builtin_chains()
 # bfloat16's bit kernels are float16's (16-bit words)
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.float64)
 

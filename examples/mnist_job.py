@@ -73,12 +73,13 @@ def epoch_batches(num_examples: int, rank: int, size: int, batch_size: int,
 
 def add_compression_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of :func:`compression_params` (and ``--mu``, the momentum coefficient)."""
-    p.add_argument("--compressor", default="none",
-                   choices=["none", "onebit", "topk", "randomk", "dithering", "bytegrad",
-                            "powersgd"])
+    from bps.compressors import registered_names
+
+    p.add_argument("--compressor", default="none", choices=["none", *registered_names()])
     p.add_argument("--k", type=float, default=None,
                    help="topk/randomk: count (>= 1) or fraction (< 1); dithering: levels "
-                        "(defaults: 0.01 for topk/randomk, 8 for dithering)")
+                        "(defaults: each compressor's typical options, e.g. 0.01 for "
+                        "topk/randomk, 8 for dithering)")
     p.add_argument("--chunk", type=int, default=None,
                    help="bytegrad: elements per (min, max) pair (default 1024)")
     p.add_argument("--rank", type=int, default=1, help="powersgd: rank of the approximation")
@@ -117,22 +118,30 @@ def compression_params(args: argparse.Namespace) -> dict | None:
     if args.compressor == "none":
         return params
     params["compressor"] = args.compressor
-    if args.compressor == "onebit":
-        params["scaling"] = not args.no_scaling
-    elif args.compressor == "powersgd":
-        params["rank"] = args.rank
-    elif args.compressor == "bytegrad":
-        if args.chunk is not None:
-            params["chunk"] = args.chunk
-    elif args.compressor in ("topk", "randomk"):
-        k = 0.01 if args.k is None else args.k
-        params["k"] = int(k) if k >= 1 else k
-    else:
-        params["k"] = 8 if args.k is None else int(args.k)
-        params["partition"], params["normalize"] = args.partition, args.normalize
+    params.update(compressor_options(args))
     if args.ef != "none":
         params["ef"] = args.ef
     return params
+
+
+def compressor_options(args: argparse.Namespace) -> dict:
+    """The options of ``args.compressor`` (a registered name): its typical ones (its
+    class's ``description``), then each flag whose key the class declares (``keys``);
+    a flag for a key the compressor has not is ignored.
+
+        >>> compressor_options(parse_compression_args(["--compressor", "dithering"]))
+        {'k': 8, 'partition': 'linear', 'normalize': 'max'}
+    """
+    from bps.compressors import compressor_class, description
+
+    keys = compressor_class({"compressor": args.compressor}).keys
+    options = description(args.compressor).defaults
+    k = None if args.k is None else int(args.k) if args.k >= 1 else args.k
+    flags = {"k": k, "chunk": args.chunk, "rank": args.rank, "partition": args.partition,
+             "normalize": args.normalize, "scaling": not args.no_scaling}
+    options.update({key: value for key, value in flags.items()
+                    if key in keys and value is not None})
+    return options
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:

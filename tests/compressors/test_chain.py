@@ -14,7 +14,9 @@ from bps.compressors import (
     ErrorFeedback,
     Momentum,
     build,
+    description,
     register,
+    registered_names,
     state_from_wire,
     state_to_wire,
     unregister,
@@ -27,18 +29,14 @@ from tests.harness.samples import DTYPES, as_values, payload_of, sample
 LRS = [0.1, 0.1, 0.05, 0.05, 0.2, 0.01]
 
 
-CHAIN_PARAMS = [
-    {"compressor": "onebit", "scaling": True},
-    {"compressor": "topk", "k": 0.1},
-    {"compressor": "randomk", "k": 7, "seed": 3},
-    {"compressor": "dithering", "k": 4, "seed": 5},
-    {"compressor": "dithering", "k": 3, "partition": "natural", "seed": 5},
-    {"compressor": "bytegrad", "chunk": 10},
-]
+# every described example of each compressor whose payloads are decoded one by one
+CHAIN_PARAMS = [{"compressor": name, **example} for name in registered_names()
+                if not description(name).payloads_sum for example in description(name).examples]
 
 
 def compare_payload(mine: bytes, theirs: bytes, params: dict) -> None:
-    if params["compressor"] == "onebit":  # scale may differ by the float64 sum order
+    if description(params["compressor"]).tolerance == "scale_ulp":
+        # the float32 scale (the last 4 bytes) may differ by the float64 sum order
         assert mine[:-4] == theirs[:-4]
         np.testing.assert_allclose(np.frombuffer(mine[-4:], "<f4"),
                                    np.frombuffer(theirs[-4:], "<f4"), rtol=2e-7)
@@ -50,22 +48,24 @@ def compare_payload(mine: bytes, theirs: bytes, params: dict) -> None:
 @pytest.mark.parametrize("params", CHAIN_PARAMS, ids=lambda p: p["compressor"])
 @pytest.mark.parametrize("role", ["worker", "server"])
 def test_chain_matches_reference_over_steps_with_changing_lr(params, dtype, role):
-    numel = 97 if params["compressor"] != "topk" else 40  # topk: distinct magnitudes
+    told = description(params["compressor"])
+    numel = 97 if told.ties else 40  # without defined ties: distinct magnitudes
     full = dict(params, ef="vanilla", momentum="nesterov", mu=0.9)
     chain = build(full, numel, ref.TORCH_DTYPE[dtype], role=role)
     assert isinstance(chain, Momentum if role == "worker" else ErrorFeedback)
     encode, decode = ref_codec(params, numel, dtype)
-    if params["compressor"] == "onebit":  # the reference must use our scale (1-ulp sums)
-        scales = []
-        encode = lambda x: ref.onebit_encode(x, True, scale=scales[-1])  # noqa: E731
+    ulp_scale = told.tolerance == "scale_ulp"
+    if ulp_scale:  # the reference must use our scale (1-ulp sums)
+        scales, encode_with = [], encode
+        encode = lambda x: encode_with(x, scale=scales[-1])  # noqa: E731
     mine = ref.RefChain(encode, decode, numel, dtype, ef=True,
                         mu=0.9 if role == "worker" else None)
     for step, lr in enumerate(LRS):
-        x = sample(numel, dtype, seed=100 + step, distinct=params["compressor"] == "topk")
+        x = sample(numel, dtype, seed=100 + step, distinct=not told.ties)
         chain.set_lr(lr)
         mine.set_lr(lr)
         payload = payload_of(chain.compress(x))
-        if params["compressor"] == "onebit":
+        if ulp_scale:
             scales.append(float(np.frombuffer(payload[-4:], "<f4")[0]))
         compare_payload(payload, mine.compress(as_values(x)), params)
         error = chain.error if role == "server" else chain.inner.error

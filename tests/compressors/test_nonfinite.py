@@ -8,16 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from bps.compressors import build
+from bps.compressors import build, description, registered_names
 from bps.compressors.base import NonFiniteError
 
-CASES = {
-    "onebit": {"compressor": "onebit", "scaling": True},
-    "topk": {"compressor": "topk", "k": 0.1},
-    "randomk": {"compressor": "randomk", "k": 0.1, "seed": 7},
-    "dithering": {"compressor": "dithering", "k": 4, "seed": 7},
-    "bytegrad": {"compressor": "bytegrad", "chunk": 64},
-}
+# every registered compressor's first described example (powersgd, whose rounds are
+# summed as they are, has its own run below)
+CASES = {name: {"compressor": name, **description(name).examples[0]}
+         for name in registered_names() if not description(name).payloads_sum}
 CHAINS = [{}, {"ef": "vanilla"}, {"momentum": "nesterov", "mu": 0.9},
           {"ef": "vanilla", "momentum": "nesterov", "mu": 0.9}]
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
@@ -80,7 +77,7 @@ def test_nonfinite_input_is_refused_with_nothing_changed(name, chain, dtype, bad
         x = xs[1].clone()
         x[index] = bad
         c.set_lr(0.25)
-        if name == "randomk" and not chain:
+        if not description(name).reads_all and not chain:
             # bare randomk reads only its k draws: it refuses what it sends
             try:
                 payload = c.compress(x)
@@ -96,7 +93,17 @@ def test_nonfinite_input_is_refused_with_nothing_changed(name, chain, dtype, bad
         assert_same_state(state_of(c), before)
 
 
-@pytest.mark.parametrize("name", CASES)
+# where a payload of 300 float32 elements holds a value or scale: (start, non-finite value)
+NONFINITE_AT = {
+    "onebit": lambda c: (-4, np.float32(np.inf)),
+    "topk": lambda c: (c.values_offset, np.float32(np.nan)),
+    "randomk": lambda c: (16, np.float32(np.inf)),
+    "bytegrad": lambda c: (4, np.float32(np.inf)),  # chunk 0's hi
+    "dithering": lambda c: (-8, np.float64(np.inf)),
+}
+
+
+@pytest.mark.parametrize("name", NONFINITE_AT)
 def test_decoders_refuse_nonfinite_values(name):
     import bps.compressors.base as base
 
@@ -104,16 +111,8 @@ def test_decoders_refuse_nonfinite_values(name):
     c = build(CASES[name], numel)
     payload = c.compress(grads(numel, torch.float32, 1)[0]).clone()
     data = payload.numpy()
-    if name == "onebit":
-        data[-4:] = np.array([np.inf], dtype=np.float32).view(np.uint8)
-    elif name == "topk":
-        data[c.values_offset:c.values_offset + 4] = np.array([np.nan], np.float32).view(np.uint8)
-    elif name == "randomk":
-        data[16:20] = np.array([np.inf], dtype=np.float32).view(np.uint8)
-    elif name == "bytegrad":
-        data[4:8] = np.array([np.inf], dtype=np.float32).view(np.uint8)  # chunk 0's hi
-    else:
-        data[-8:] = np.array([np.inf], dtype=np.float64).view(np.uint8)
+    start, value = NONFINITE_AT[name](c)
+    data[start:start + value.itemsize or None] = np.array([value]).view(np.uint8)
     with pytest.raises(ValueError, match="inf|NaN|finite"):
         c.decompress(payload)
     assert issubclass(base.NonFiniteError, ValueError)

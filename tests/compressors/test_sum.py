@@ -12,7 +12,7 @@ import torch
 import zmq
 
 from bps.common.protocol import Op, decode, encode
-from bps.compressors import Compressor, build
+from bps.compressors import Compressor, build, description, registered_names
 from bps.compressors.base import NonFiniteError
 from bps.server.server import RequestError
 from tests.harness import reference_compressors as ref
@@ -20,14 +20,9 @@ from tests.harness.key_engine import serving_key_engine
 from tests.harness.reference_compressors import ref_codec
 from tests.harness.samples import DTYPES, as_values, sample
 
-SUM_PARAMS = [
-    {"compressor": "onebit", "scaling": True},
-    {"compressor": "onebit", "scaling": False},
-    {"compressor": "topk", "k": 5},
-    {"compressor": "randomk", "k": 300, "seed": 9},  # 300 draws from 97: many repeats
-    {"compressor": "dithering", "k": 4, "seed": 5},
-    {"compressor": "bytegrad", "chunk": 16},
-]
+# every described example of each compressor whose payloads are decoded one by one
+SUM_PARAMS = [{"compressor": name, **example} for name in registered_names()
+              if not description(name).payloads_sum for example in description(name).examples]
 
 
 def expected_sum(total: torch.Tensor, decoded: np.ndarray, dtype: str) -> np.ndarray:
@@ -115,11 +110,16 @@ def worker_of(params: dict, numel: int, dtype: torch.dtype = torch.float32) -> C
     return build({key: value for key, value in params.items() if key != "ef"}, numel, dtype)
 
 
+HUGE = {  # compressor -> (params, numel) -> its push that huge_payload describes
+    "onebit": lambda params, numel: onebit_payload(numel, [3], 3e38),
+    "bytegrad": lambda params, numel: bytegrad_payload(numel, params["chunk"], 3e38),
+    "topk": lambda params, numel: topk_payload([5, 9], [3e38, 1.0]),
+}
+
+
 def huge_payload(params: dict, numel: int) -> bytes:
     """A push whose values are finite, but twice which is beyond float32."""
-    if params["compressor"] == "onebit":
-        return onebit_payload(numel, [3], 3e38)
-    return bytegrad_payload(numel, params["chunk"], 3e38)
+    return HUGE[params["compressor"]](params, numel)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
@@ -301,9 +301,11 @@ def assert_first_step_of_reference(push, reply, params: dict, numel: int, step: 
         assert data["op"] == Op.DATA and "skip" not in data and data["body"] == expected
 
 
-@pytest.mark.parametrize("params", [*SUMMED_IN_ONE_PASS, pytest.param(
-    {"compressor": "topk", "k": 2, "ef": "vanilla"}, id="topk")])
-def test_a_compressed_sum_beyond_the_dtype_range_skips_the_step(key_engine, params):
+@pytest.mark.parametrize(("params", "at_the_end"), [
+    pytest.param(ONEBIT_EF, True, id="onebit"), pytest.param(BYTEGRAD_EF, True, id="bytegrad"),
+    pytest.param({"compressor": "topk", "k": 2, "ef": "vanilla"}, False, id="topk")])
+def test_a_compressed_sum_beyond_the_dtype_range_skips_the_step(key_engine, params,
+                                                                 at_the_end):
     """Finite pushes whose float32 sum overflows: every pusher gets the step's skip
     (``skip_node`` -1, as a float16 raw key's overflow), not an error to one of them and
     silence to the others, and the server chain is as before: the next step's aggregate
@@ -312,9 +314,8 @@ def test_a_compressed_sum_beyond_the_dtype_range_skips_the_step(key_engine, para
     engine, request, reply = key_engine
     numel = 64
     request(Op.REGISTER, key=8, numel=numel, dtype="float32", name="w", params=params, node=0)
-    sparse = params["compressor"] == "topk"
-    assert engine.keys[8].sums_at_the_end() == (not sparse)
-    huge = topk_payload([5, 9], [3e38, 1.0]) if sparse else huge_payload(params, numel)
+    assert engine.keys[8].sums_at_the_end() == at_the_end
+    huge = huge_payload(params, numel)
     push = pusher(request, 8, numel)
     for node in range(3):
         assert push(node, huge, step=0)["op"] == Op.ACK

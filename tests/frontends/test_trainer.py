@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bps.compressors import description
 from tests.harness.trainer_job import (
     MOMENTUM,
     SHAPES,
@@ -48,10 +49,11 @@ BUCKETS = {"tag": "buckets", "params": {**SIM_CASES["onebit"], **COMMON},
 
 def assert_simulated(final: np.ndarray, expected: np.ndarray, path: dict, params: dict,
                      err_msg: str) -> None:
-    """``final`` is the simulation's ``expected`` bit for bit; except that on a GPU,
-    onebit's scale (a float64 sum of |x|) is added in another order, so it may round 1
-    float32 ulp apart (docs/compression.md)."""
-    if "device" in path.get("cfg", {}) and params["compressor"] == "onebit":
+    """``final`` is the simulation's ``expected`` bit for bit; except that on a GPU, a
+    ``"scale_ulp"`` compressor's scale (onebit's float64 sum of |x|) is added in another
+    order, so it may round 1 float32 ulp apart (docs/compression.md)."""
+    ulp_scale = description(params["compressor"]).tolerance == "scale_ulp"
+    if "device" in path.get("cfg", {}) and ulp_scale:
         np.testing.assert_allclose(final, expected, rtol=1e-5, atol=1e-6, err_msg=err_msg)
     else:
         np.testing.assert_array_equal(final, expected, err_msg=err_msg)

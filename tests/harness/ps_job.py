@@ -47,23 +47,17 @@ def raw_keys() -> list[tuple[int, int, str, dict | None]]:
     return keys
 
 
-def compressed_keys(seed: int = 12345) -> list[tuple[int, int, str, dict | None]]:
-    """One key per compressor, with and without error feedback (validated params)."""
-    from bps.compressors import validate_compression_params
+def compressed_keys() -> list[tuple[int, int, str, dict | None]]:
+    """Two keys per described compressor, with and without error feedback (validated
+    params)."""
+    from bps.compressors import description, registered_names, validate_compression_params
 
-    cases = [
-        {"compressor": "onebit", "scaling": True},
-        {"compressor": "onebit", "scaling": True, "ef": "vanilla"},
-        {"compressor": "topk", "k": 0.05},
-        {"compressor": "topk", "k": 50, "ef": "vanilla"},
-        {"compressor": "randomk", "k": 0.05, "seed": seed},
-        {"compressor": "randomk", "k": 40, "ef": "vanilla", "seed": seed},
-        {"compressor": "dithering", "k": 4, "seed": seed},
-        {"compressor": "dithering", "k": 3, "partition": "natural", "normalize": "l2",
-         "ef": "vanilla", "seed": seed},
-        {"compressor": "bytegrad"},
-        {"compressor": "bytegrad", "chunk": 256, "ef": "vanilla"},
-    ]
+    cases = []  # each compressor's first example bare, its last with error feedback
+    for name in registered_names():
+        told = description(name)
+        if not told.payloads_sum:
+            cases += [{"compressor": name, **told.examples[0]},
+                      {"compressor": name, **told.examples[-1], "ef": "vanilla"}]
     keys = []
     for index, case in enumerate(cases):
         params = validate_compression_params(case)

@@ -6,13 +6,16 @@ float64 numpy arrays holding numbers exactly representable in the tensor dtype
 (``dtype`` is a name: "float32", "float16", "bfloat16", "float64"). Other tests reuse
 these, e.g. to check server aggregation::
 
-    from tests.harness.reference_compressors import XorShift128Plus, ref_build
+    from tests.harness.reference_compressors import XorShift128Plus, ref_codec
 """
 
 from __future__ import annotations
 
+import importlib
 import math
 import struct
+from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -324,24 +327,87 @@ class RefChain:
         return payload
 
 
-def ref_codec(params: dict, numel: int, dtype: str):
-    """(encode, decode) of the reference for one compressor (encode carries the RNG)."""
-    name, k = params["compressor"], params.get("k")
-    if name == "onebit":
-        return (lambda x: onebit_encode(x, params.get("scaling", True)),
-                lambda p: onebit_decode(p, numel, dtype))
-    count = (max(1, int(k * numel)) if isinstance(k, float) else min(k, numel)) if k else 0
-    if name == "topk":
-        return (lambda x: topk_encode(x, count, dtype),
-                lambda p: topk_decode(p, numel, count, dtype))
-    if name == "bytegrad":
-        chunk = params.get("chunk", 1024)
-        return (lambda x: bytegrad_encode(x, chunk),
-                lambda p: bytegrad_decode(p, numel, chunk, dtype))
-    rng = XorShift128Plus(params.get("seed", 1))
-    if name == "randomk":
-        return (lambda x: randomk_encode(x, count, dtype, rng),
-                lambda p: randomk_decode(p, numel, count, dtype))
+Codec = tuple[Callable[[np.ndarray], bytes], Callable[[bytes], np.ndarray]]
+# compressor name -> codec(params, numel, dtype): (encode, decode), encode carrying the RNG
+REFERENCES: dict[str, Callable[[dict, int, str], Codec]] = {}
+
+
+def reference(name: str) -> Callable:
+    """Register the decorated ``codec(params, numel, dtype) -> (encode, decode)`` as the
+    reference of compressor ``name``. Those of this module's compressors are below; any
+    other's lives in the compressor's own test file, ``test_<name>.py`` anywhere under
+    tests/, which :func:`ref_codec` imports to find it (the one import of a test module
+    by another module of tests/: a compressor is its source file and its test file)."""
+
+    def add(codec: Callable[[dict, int, str], Codec]) -> Callable[[dict, int, str], Codec]:
+        REFERENCES[name] = codec
+        return codec
+
+    return add
+
+
+def own_test_module(name: str) -> str | None:
+    """The dotted name of compressor ``name``'s own test file (``test_<name>.py`` under
+    tests/), or None."""
+    tests = Path(__file__).resolve().parents[1]
+    found = sorted(tests.rglob(f"test_{name}.py"))
+    if not found:
+        return None
+    return ".".join(found[0].relative_to(tests.parent).with_suffix("").parts)
+
+
+def ref_codec(params: dict, numel: int, dtype: str) -> Codec:
+    """(encode, decode) of the reference for ``params["compressor"]`` (encode carries the
+    RNG); decode gives float64 values exactly representable in ``dtype``."""
+    name = params["compressor"]
+    module = None if name in REFERENCES else own_test_module(name)
+    if module is not None:
+        importlib.import_module(module)
+    if name not in REFERENCES:
+        raise LookupError(f"compressor {name!r} has no reference codec: its own test file "
+                          f"(test_{name}.py under tests/) registers one with "
+                          f"@reference({name!r}) (tests/harness/reference_compressors.py)")
+    return REFERENCES[name](params, numel, dtype)
+
+
+def count_of(k: int | float | None, numel: int) -> int:
+    """k as a count of elements: a fraction of numel (at least 1), else at most numel."""
+    if not k:
+        return 0
+    return max(1, int(k * numel)) if isinstance(k, float) else min(k, numel)
+
+
+@reference("onebit")
+def onebit_codec(params: dict, numel: int, dtype: str) -> Codec:
+    # encode(x, scale): a "scale_ulp" compressor's reference takes the scale it compares
+    return (lambda x, scale=None: onebit_encode(x, params.get("scaling", True), scale),
+            lambda p: onebit_decode(p, numel, dtype))
+
+
+@reference("topk")
+def topk_codec(params: dict, numel: int, dtype: str) -> Codec:
+    count = count_of(params.get("k"), numel)
+    return (lambda x: topk_encode(x, count, dtype),
+            lambda p: topk_decode(p, numel, count, dtype))
+
+
+@reference("bytegrad")
+def bytegrad_codec(params: dict, numel: int, dtype: str) -> Codec:
+    chunk = params.get("chunk", 1024)
+    return (lambda x: bytegrad_encode(x, chunk),
+            lambda p: bytegrad_decode(p, numel, chunk, dtype))
+
+
+@reference("randomk")
+def randomk_codec(params: dict, numel: int, dtype: str) -> Codec:
+    count, rng = count_of(params.get("k"), numel), XorShift128Plus(params.get("seed", 1))
+    return (lambda x: randomk_encode(x, count, dtype, rng),
+            lambda p: randomk_decode(p, numel, count, dtype))
+
+
+@reference("dithering")
+def dithering_codec(params: dict, numel: int, dtype: str) -> Codec:
+    k, rng = params.get("k"), XorShift128Plus(params.get("seed", 1))
     partition = params.get("partition", "linear")
     return (lambda x: dithering_encode(x, k, partition, params.get("normalize", "max"), rng),
             lambda p: round_to(dithering_decode(p, numel, k, partition), dtype))

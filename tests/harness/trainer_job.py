@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bps.compressors import description, registered_names
 from tests.harness.paths import ROOT
 
 # big: compressed, 3 partitions; small and bias: raw, fused into one key (next to each
@@ -197,37 +198,21 @@ def nesterov(mu: np.float32, g: np.ndarray, m: np.ndarray) -> tuple[np.ndarray, 
 SIM_LRS = [0.5, 0.25, 0.25, 0.5, 0.125]  # powers of two: lr * g is exact everywhere
 SIM_SEED = 4242  # BPS_JOB_SEED: the trainer fills compression_params["seed"] with it
 PARTITION = 100  # elements per partition: BYTEPS_PARTITION_BYTES=400, float32
+# every registered compressor whose payloads are decoded one by one, its first described
+# example (the seed left to the trainer: SIM_SEED)
 SIM_CASES = {
-    "onebit": {"compressor": "onebit", "scaling": True},
-    "topk": {"compressor": "topk", "k": 0.1},
-    "randomk": {"compressor": "randomk", "k": 0.1},
-    "dithering": {"compressor": "dithering", "k": 4},
-    "bytegrad": {"compressor": "bytegrad", "chunk": 16},
-}
+    name: {"compressor": name, **{key: value for key, value in
+                                  description(name).examples[0].items() if key != "seed"}}
+    for name in registered_names() if not description(name).payloads_sum}
 
 
 def reference_codec(params: dict, numel: int):
-    """(encode, decode) of the compressor from tests/harness/reference_compressors.py;
-    decode gives float32 values, as the receiving side holds them."""
+    """(encode, decode) of the compressor from tests/harness/reference_compressors.py
+    (the job's seed, SIM_SEED); decode gives float32 values, as the receiving side holds
+    them."""
     import tests.harness.reference_compressors as ref
 
-    name, f32 = params["compressor"], "float32"
-    if name == "onebit":
-        return (lambda x: ref.onebit_encode(x, True),
-                lambda p: ref.onebit_decode(p, numel, f32))
-    if name == "bytegrad":
-        return (lambda x: ref.bytegrad_encode(x, params["chunk"]),
-                lambda p: ref.bytegrad_decode(p, numel, params["chunk"], f32))
-    k = max(1, int(params["k"] * numel)) if name in ("topk", "randomk") else params["k"]
-    if name == "topk":
-        return (lambda x: ref.topk_encode(x, k, f32),
-                lambda p: ref.topk_decode(p, numel, k, f32))
-    rng = ref.XorShift128Plus(SIM_SEED)
-    if name == "randomk":
-        return (lambda x: ref.randomk_encode(x, k, f32, rng),
-                lambda p: ref.randomk_decode(p, numel, k, f32))
-    return (lambda x: ref.dithering_encode(x, k, "linear", "max", rng),
-            lambda p: ref.round_to(ref.dithering_decode(p, numel, k, "linear"), f32))
+    return ref.ref_codec({**params, "seed": SIM_SEED}, numel, "float32")
 
 
 def simulate(params: dict, nodes: int, lrs: list[float], compressed_from: int | None = 0,

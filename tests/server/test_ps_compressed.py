@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from bps.compressors import description
 from tests.harness import reference_compressors as ref
 from tests.harness.ps_job import (
     JOB,
@@ -25,50 +26,9 @@ from tests.harness.ps_job import (
 WORKERS = 2  # two addends: the float32 sum is exact whatever the arrival order
 
 
-def resolve_k(k: int | float, numel: int) -> int:
-    return k if isinstance(k, int) else max(1, int(k * numel))
-
-
 def reference_chain(params: dict, numel: int, dtype: str) -> ref.RefChain:
     """docs/compression.md's chain from the reference encoders (each instance owns its RNG)."""
-    name = params["compressor"]
-    rng = ref.XorShift128Plus(params.get("seed") or 1)
-    if name == "onebit":
-        def encode(x):
-            return ref.onebit_encode(x, params["scaling"])
-
-        def decode(p):
-            return ref.onebit_decode(p, numel, dtype)
-    elif name == "topk":
-        k = resolve_k(params["k"], numel)
-
-        def encode(x):
-            return ref.topk_encode(x, k, dtype)
-
-        def decode(p):
-            return ref.topk_decode(p, numel, k, dtype)
-    elif name == "randomk":
-        k = resolve_k(params["k"], numel)
-
-        def encode(x):
-            return ref.randomk_encode(x, k, dtype, rng)
-
-        def decode(p):
-            return ref.randomk_decode(p, numel, k, dtype)
-    elif name == "bytegrad":
-        def encode(x):
-            return ref.bytegrad_encode(x, params["chunk"])
-
-        def decode(p):
-            return ref.bytegrad_decode(p, numel, params["chunk"], dtype)
-    else:
-        s, partition = params["k"], params["partition"]
-
-        def encode(x):
-            return ref.dithering_encode(x, s, partition, params["normalize"], rng)
-
-        def decode(p):
-            return ref.dithering_decode(p, numel, s, partition)
+    encode, decode = ref.ref_codec(params, numel, dtype)
     return ref.RefChain(encode, decode, numel, dtype, ef=params["ef"] == "vanilla", mu=None)
 
 
@@ -100,7 +60,7 @@ def test_pulled_aggregate_matches_reference(compressed_run: list[dict], index: i
         for node, run in enumerate(compressed_run):
             got = run["results"][(key, step)]
             assert got.dtype == torch.float32 and got.shape == (numel,)
-            if params["compressor"] == "bytegrad":  # float32 rounding rules: bit for bit
+            if description(params["compressor"]).tolerance == "exact":  # bit for bit
                 np.testing.assert_array_equal(got.numpy(), expected,
                                               err_msg=f"{params} step {step} node {node}")
             else:
