@@ -192,8 +192,10 @@ class HookState:
         names = {}
         if self.module is not None:
             names = {id(p): n for n, p in self.module.named_parameters()}
-        if self._names is not None and len(self._names) == len(params):
-            named = list(zip(self._names, params, strict=True))
+        # a loaded state names the parameters as the run that saved it did (module= or not)
+        saved = self._names or (self._loaded or {}).get("names")
+        if saved is not None and len(saved) == len(params):
+            named = list(zip(saved, params, strict=True))
         else:
             named = [(names.get(id(p), f"param{i}"), p) for i, p in enumerate(params)]
         self.core.build(rt, self.core.grad_tensors(named), on_step_start=self._step_start,
@@ -245,16 +247,18 @@ class HookState:
         return self.core.stats.report()
 
     def state_dict(self) -> dict:
-        """``{"step", "wire_step", "rank", "scale", "local_momentum", "engine"}``: everything to
-        continue exactly (``local_momentum``: by parameter name; ``engine``: the error,
-        momentum and RNG state of every worker and server chain of this state's keys, by
-        position, on local rank 0). Each rank saves its own."""
+        """``{"step", "wire_step", "rank", "scale", "local_momentum", "engine", "names"}``:
+        everything to continue exactly (``local_momentum``: by parameter name; ``engine``:
+        the error, momentum and RNG state of every worker and server chain of this
+        state's keys, by position, on local rank 0; ``names``: the parameters' names in
+        key order, which a state that loads it takes, so that it needs no ``module=``
+        to find them). Each rank saves its own."""
         if self.core.pipeline is None:
             if self._loaded is not None:
                 return dict(self._loaded)
             return {"step": 0, "wire_step": 0, "rank": None, "scale": (None, None),
-                    "local_momentum": {}, "engine": None}
-        return self.core.state_dict()
+                    "local_momentum": {}, "engine": None, "names": self._names}
+        return {**self.core.state_dict(), "names": [s.name for s in self.core.pipeline.slots]}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what :meth:`state_dict` saved, on the same rank of a cluster of the same
@@ -268,6 +272,12 @@ class HookState:
     def _load(self, state: dict) -> None:
         if state.get("rank") is None:  # saved before any step: nothing to restore
             return
+        saved, names = state.get("names"), [s.name for s in self.core.pipeline.slots]
+        if saved is not None and len(saved) == len(names) and saved != names:
+            # named otherwise when saved (module= given or not): the same parameters in order
+            rename = dict(zip(saved, names, strict=True))
+            state = {**state, "local_momentum": {rename.get(n, n): buffer for n, buffer
+                                                 in state["local_momentum"].items()}}
         self.core.load_state_dict(state)
 
     def __getstate__(self) -> dict:
