@@ -45,16 +45,57 @@ buckets). docs/ddp.md has the details.
 
 # No ``from __future__ import annotations``: DDP's register_comm_hook checks the hook's
 # annotations as objects (``bucket: dist.GradBucket``).
+import logging
 import threading
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from bps.core import runtime as bps_runtime
-from bps.core.frontend import FrontEndCore
+from bps.core.frontend import FrontEndCore, momentum_off
 
 __all__ = ["HookState", "ps_hook"]
+
+log = logging.getLogger("bps")
+
+NOT_REGISTERED = (
+    "no DDP model ran bps.ddp.ps_hook with this HookState: register it with "
+    "ddp.register_comm_hook(state, bps.ddp.ps_hook). Lightning's "
+    "DDPStrategy(ddp_comm_hook=..., ddp_comm_state=state) registers it only on CUDA; on "
+    "CPUs add callbacks=[bps.lightning.RegisterHook(state)] to the Trainer")
+
+
+def _check_ran(state_ref: weakref.ref, optimizer: torch.optim.Optimizer, args: tuple,
+               kwargs: dict) -> tuple[tuple, dict] | None:
+    """Every optimizer's step pre-hook until the state's hook ran: a step (of the state's
+    optimizer, or of any where it has none) before any bucket went through bps would
+    apply gradients that were never averaged through it. A step given a closure (as
+    Lightning steps) runs the backward inside: the check then follows the closure."""
+    state = state_ref()
+    if state is None or state.ran or state.optimizer not in (None, optimizer):
+        return None
+    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+    if closure is None:
+        _raise_unless_ran(state)
+        return None
+
+    def checked(*inner_args, **inner_kwargs):  # noqa: ANN202 - the closure's own
+        result = closure(*inner_args, **inner_kwargs)
+        _raise_unless_ran(state_ref())
+        return result
+
+    if "closure" in kwargs:
+        return args, {**kwargs, "closure": checked}
+    return (args[0], checked, *args[2:]), kwargs
+
+
+def _raise_unless_ran(state: "HookState | None") -> None:
+    if state is not None and not state.ran:
+        raise RuntimeError(f"bps.ddp: optimizer.step() ran, but {NOT_REGISTERED} (no "
+                           "parameter was changed)")
 
 
 class HookState:
@@ -67,7 +108,8 @@ class HookState:
             push) and, with ``momentum`` but no ``mu``, the momentum coefficient; its
             momentum is then turned off (Nesterov runs in the chains). Optional: without
             it the chains get a constant rate, and ``nesterov`` needs ``mu``. May be set
-            later as ``state.optimizer`` (for the learning rate only).
+            later as ``state.optimizer`` (for the learning rate; with ``nesterov`` its
+            momentum is turned off then).
         module: optional, the model (or the DDP wrapper): names the parameters in keys,
             logs, errors and checkpoints; else they are ``param0``, ``param1``, ... in
             model order.
@@ -78,6 +120,11 @@ class HookState:
             applied step's), as
             ``DistributedTrainer.step(scaler=...)`` does. May also be set as
             ``state.scaler``, before the first step (an unpickled state: again, loaded).
+
+    Until DDP hands the state its first bucket, an ``optimizer.step()`` (of its
+    optimizer; of any where it has none) raises, and ``close()`` warns: the hook was
+    never registered (Lightning's ``DDPStrategy`` registers it only on CUDA; see
+    :mod:`bps.lightning`).
 
     ``state_dict()`` / ``load_state_dict()`` carry the step counters, the local momentum
     (by parameter name), the scaler's first and last scales and (local rank 0) every
@@ -109,6 +156,11 @@ class HookState:
         self._seen = 0  # parameters the step's buckets held so far
         self._lock = threading.Lock()
         self._started_ns = 0
+        self.ran = False  # whether DDP handed this state a bucket yet
+        # until then, an optimizer step raises: the hook was never registered or called
+        ref = weakref.ref(self)
+        self._unran_check = register_optimizer_step_pre_hook(
+            lambda opt, args, kwargs: _check_ran(ref, opt, args, kwargs))
 
     @property
     def params(self) -> dict:
@@ -122,6 +174,8 @@ class HookState:
     @optimizer.setter
     def optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
         self.core.optimizer = optimizer
+        if optimizer is not None and self.core.params["momentum"] is not None:
+            momentum_off(optimizer)  # Nesterov runs in the chains, as at construction
 
     @property
     def scaler(self) -> torch.amp.GradScaler | None:
@@ -136,6 +190,9 @@ class HookState:
     def submit(self, bucket: dist.GradBucket) -> torch.futures.Future:
         """Hand a bucket's gradients to the pipeline; the future gives the bucket back
         holding the average (what :func:`ps_hook` returns)."""
+        if not self.ran:
+            self.ran = True
+            self._unran_check.remove()
         future: torch.futures.Future = torch.futures.Future()
         entry = (bucket.buffer(), list(bucket.parameters()), list(bucket.gradients()), future)
         pipe = self.core.pipeline
@@ -292,7 +349,12 @@ class HookState:
                     saved.get("names"))
 
     def close(self) -> None:
-        """Stop the pipeline's threads (the hook must not run again)."""
+        """Stop the pipeline's threads (the hook must not run again). A state whose hook
+        never ran warns: the training it served did not go through bps."""
+        self._unran_check.remove()
+        if not self.ran:
+            log.warning("bps.ddp: HookState.close(): %s, so nothing went through bps",
+                        NOT_REGISTERED)
         self.core.close()
 
 
