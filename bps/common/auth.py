@@ -165,7 +165,8 @@ class RefusedPeers:
     Thread-safe: the ZAP and monitor threads add, the owner reads.
 
         >>> refused = RefusedPeers()
-        >>> refused.add("10.0.0.7:41234", "another key"); refused.add("10.0.0.7:41240", "another key")
+        >>> refused.add("10.0.0.7:41234", "another key")
+        >>> refused.add("10.0.0.7:41240", "another key")
         >>> refused.summary()
         ['10.0.0.7 (2 handshakes refused: another key)']
     """
