@@ -161,6 +161,7 @@ class HookState:
         ref = weakref.ref(self)
         self._unran_check = register_optimizer_step_pre_hook(
             lambda opt, args, kwargs: _check_ran(ref, opt, args, kwargs))
+        weakref.finalize(self, self._unran_check.remove)  # a state dropped unclosed
 
     @property
     def params(self) -> dict:
