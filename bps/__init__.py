@@ -66,5 +66,11 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'bps' has no attribute {name!r}")
 
 
+def __dir__() -> list[str]:
+    """The module's names with those it loads lazily (``DistributedTrainer``, ``ddp`` ...),
+    without loading them."""
+    return sorted({*globals(), *__all__, "ddp"})
+
+
 __all__ = ["init", "shutdown", "rank", "size", "local_rank", "local_size", "DistributedTrainer",
            "NonFiniteGradientError"]

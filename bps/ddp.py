@@ -45,16 +45,57 @@ buckets). docs/ddp.md has the details.
 
 # No ``from __future__ import annotations``: DDP's register_comm_hook checks the hook's
 # annotations as objects (``bucket: dist.GradBucket``).
+import logging
 import threading
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from bps.core import runtime as bps_runtime
-from bps.core.frontend import FrontEndCore
+from bps.core.frontend import FrontEndCore, momentum_off
 
 __all__ = ["HookState", "ps_hook"]
+
+log = logging.getLogger("bps")
+
+NOT_REGISTERED = (
+    "no DDP model ran bps.ddp.ps_hook with this HookState: register it with "
+    "ddp.register_comm_hook(state, bps.ddp.ps_hook). Lightning's "
+    "DDPStrategy(ddp_comm_hook=..., ddp_comm_state=state) registers it only on CUDA; on "
+    "CPUs add callbacks=[bps.lightning.RegisterHook(state)] to the Trainer")
+
+
+def _check_ran(state_ref: weakref.ref, optimizer: torch.optim.Optimizer, args: tuple,
+               kwargs: dict) -> tuple[tuple, dict] | None:
+    """Every optimizer's step pre-hook until the state's hook ran: a step (of the state's
+    optimizer, or of any where it has none) before any bucket went through bps would
+    apply gradients that were never averaged through it. A step given a closure (as
+    Lightning steps) runs the backward inside: the check then follows the closure."""
+    state = state_ref()
+    if state is None or state.ran or state.optimizer not in (None, optimizer):
+        return None
+    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+    if closure is None:
+        _raise_unless_ran(state)
+        return None
+
+    def checked(*inner_args, **inner_kwargs):  # noqa: ANN202 - the closure's own
+        result = closure(*inner_args, **inner_kwargs)
+        _raise_unless_ran(state_ref())
+        return result
+
+    if "closure" in kwargs:
+        return args, {**kwargs, "closure": checked}
+    return (args[0], checked, *args[2:]), kwargs
+
+
+def _raise_unless_ran(state: "HookState | None") -> None:
+    if state is not None and not state.ran:
+        raise RuntimeError(f"bps.ddp: optimizer.step() ran, but {NOT_REGISTERED} (no "
+                           "parameter was changed)")
 
 
 class HookState:
@@ -67,7 +108,8 @@ class HookState:
             push) and, with ``momentum`` but no ``mu``, the momentum coefficient; its
             momentum is then turned off (Nesterov runs in the chains). Optional: without
             it the chains get a constant rate, and ``nesterov`` needs ``mu``. May be set
-            later as ``state.optimizer`` (for the learning rate only).
+            later as ``state.optimizer`` (for the learning rate; with ``nesterov`` its
+            momentum is turned off then).
         module: optional, the model (or the DDP wrapper): names the parameters in keys,
             logs, errors and checkpoints; else they are ``param0``, ``param1``, ... in
             model order.
@@ -78,6 +120,11 @@ class HookState:
             applied step's), as
             ``DistributedTrainer.step(scaler=...)`` does. May also be set as
             ``state.scaler``, before the first step (an unpickled state: again, loaded).
+
+    Until DDP hands the state its first bucket, an ``optimizer.step()`` (of its
+    optimizer; of any where it has none) raises, and ``close()`` warns: the hook was
+    never registered (Lightning's ``DDPStrategy`` registers it only on CUDA; see
+    :mod:`bps.lightning`).
 
     ``state_dict()`` / ``load_state_dict()`` carry the step counters, the local momentum
     (by parameter name), the scaler's first and last scales and (local rank 0) every
@@ -109,6 +156,12 @@ class HookState:
         self._seen = 0  # parameters the step's buckets held so far
         self._lock = threading.Lock()
         self._started_ns = 0
+        self.ran = False  # whether DDP handed this state a bucket yet
+        # until then, an optimizer step raises: the hook was never registered or called
+        ref = weakref.ref(self)
+        self._unran_check = register_optimizer_step_pre_hook(
+            lambda opt, args, kwargs: _check_ran(ref, opt, args, kwargs))
+        weakref.finalize(self, self._unran_check.remove)  # a state dropped unclosed
 
     @property
     def params(self) -> dict:
@@ -122,6 +175,8 @@ class HookState:
     @optimizer.setter
     def optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
         self.core.optimizer = optimizer
+        if optimizer is not None and self.core.params["momentum"] is not None:
+            momentum_off(optimizer)  # Nesterov runs in the chains, as at construction
 
     @property
     def scaler(self) -> torch.amp.GradScaler | None:
@@ -136,6 +191,9 @@ class HookState:
     def submit(self, bucket: dist.GradBucket) -> torch.futures.Future:
         """Hand a bucket's gradients to the pipeline; the future gives the bucket back
         holding the average (what :func:`ps_hook` returns)."""
+        if not self.ran:
+            self.ran = True
+            self._unran_check.remove()
         future: torch.futures.Future = torch.futures.Future()
         entry = (bucket.buffer(), list(bucket.parameters()), list(bucket.gradients()), future)
         pipe = self.core.pipeline
@@ -192,8 +250,10 @@ class HookState:
         names = {}
         if self.module is not None:
             names = {id(p): n for n, p in self.module.named_parameters()}
-        if self._names is not None and len(self._names) == len(params):
-            named = list(zip(self._names, params, strict=True))
+        # a loaded state names the parameters as the run that saved it did (module= or not)
+        saved = self._names or (self._loaded or {}).get("names")
+        if saved is not None and len(saved) == len(params):
+            named = list(zip(saved, params, strict=True))
         else:
             named = [(names.get(id(p), f"param{i}"), p) for i, p in enumerate(params)]
         self.core.build(rt, self.core.grad_tensors(named), on_step_start=self._step_start,
@@ -245,16 +305,18 @@ class HookState:
         return self.core.stats.report()
 
     def state_dict(self) -> dict:
-        """``{"step", "wire_step", "rank", "scale", "local_momentum", "engine"}``: everything to
-        continue exactly (``local_momentum``: by parameter name; ``engine``: the error,
-        momentum and RNG state of every worker and server chain of this state's keys, by
-        position, on local rank 0). Each rank saves its own."""
+        """``{"step", "wire_step", "rank", "scale", "local_momentum", "engine", "names"}``:
+        everything to continue exactly (``local_momentum``: by parameter name; ``engine``:
+        the error, momentum and RNG state of every worker and server chain of this
+        state's keys, by position, on local rank 0; ``names``: the parameters' names in
+        key order, which a state that loads it takes, so that it needs no ``module=``
+        to find them). Each rank saves its own."""
         if self.core.pipeline is None:
             if self._loaded is not None:
                 return dict(self._loaded)
             return {"step": 0, "wire_step": 0, "rank": None, "scale": (None, None),
-                    "local_momentum": {}, "engine": None}
-        return self.core.state_dict()
+                    "local_momentum": {}, "engine": None, "names": self._names}
+        return {**self.core.state_dict(), "names": [s.name for s in self.core.pipeline.slots]}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what :meth:`state_dict` saved, on the same rank of a cluster of the same
@@ -268,6 +330,12 @@ class HookState:
     def _load(self, state: dict) -> None:
         if state.get("rank") is None:  # saved before any step: nothing to restore
             return
+        saved, names = state.get("names"), [s.name for s in self.core.pipeline.slots]
+        if saved is not None and len(saved) == len(names) and saved != names:
+            # named otherwise when saved (module= given or not): the same parameters in order
+            rename = dict(zip(saved, names, strict=True))
+            state = {**state, "local_momentum": {rename.get(n, n): buffer for n, buffer
+                                                 in state["local_momentum"].items()}}
         self.core.load_state_dict(state)
 
     def __getstate__(self) -> dict:
@@ -282,7 +350,12 @@ class HookState:
                     saved.get("names"))
 
     def close(self) -> None:
-        """Stop the pipeline's threads (the hook must not run again)."""
+        """Stop the pipeline's threads (the hook must not run again). A state whose hook
+        never ran warns: the training it served did not go through bps."""
+        self._unran_check.remove()
+        if not self.ran:
+            log.warning("bps.ddp: HookState.close(): %s, so nothing went through bps",
+                        NOT_REGISTERED)
         self.core.close()
 
 

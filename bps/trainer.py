@@ -115,8 +115,7 @@ class DistributedTrainer:
                            outer=outer_spec, fragments=plan, overlap=overlap)
         self._seen = [0] * len(tensors)  # backward passes per parameter this step
         self._in_step = False  # inside step(): the optimizer steps as the trainer says
-        self._outside_steps = 0  # optimizer.step() calls outside step() since the last
-        self._optimizer_hook = optimizer.register_step_post_hook(self._optimizer_stepped)
+        self._optimizer_hook = optimizer.register_step_pre_hook(self._optimizer_stepping)
         self._sample_hook = model.register_forward_pre_hook(self._count_samples,
                                                             with_kwargs=True)
         self._hooks = [
@@ -144,22 +143,21 @@ class DistributedTrainer:
         name = self.core.pipeline.slots[index].name
         passes = self.core.passes
         passes_text = f"{passes} backward() pass" + ("es" if passes > 1 else "")
-        if self._outside_steps:
-            return (f"backward() ran again without trainer.step() (gradient of {name!r}), "
-                    f"and optimizer.step() was called {self._outside_steps} time(s) outside "
-                    "the trainer since its last step: call trainer.step() instead of "
-                    "optimizer.step(); it waits for the averaged gradients, then steps the "
-                    "optimizer")
         return (f"backward() ran again without trainer.step() (gradient of {name!r} became "
                 f"ready {self._seen[index]} times in one step): this trainer takes "
                 f"{passes_text} per trainer.step() (backward_passes_per_step={passes}; "
                 "set it to accumulate gradients over several passes)")
 
-    def _optimizer_stepped(self, optimizer: torch.optim.Optimizer, args: tuple,
-                           kwargs: dict) -> None:
-        """The optimizer's step hook: count the steps taken outside ``trainer.step()``."""
+    def _optimizer_stepping(self, optimizer: torch.optim.Optimizer, args: tuple,
+                            kwargs: dict) -> None:
+        """The optimizer's step pre-hook: a step outside ``trainer.step()`` (DDP's habit)
+        raises before it changes any parameter."""
         if not self._in_step:
-            self._outside_steps += 1
+            raise RuntimeError(
+                "optimizer.step() was called outside trainer.step(): the gradients in .grad "
+                "are not averaged over the workers (yet); call trainer.step() instead of "
+                "optimizer.step(): it waits for the averaged gradients, then steps the "
+                "optimizer (no parameter was changed)")
 
     def _count_samples(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         """A training forward (grad on, module in train mode) adds the first dimension of
@@ -202,7 +200,6 @@ class DistributedTrainer:
             return self.mode.step(scaler)
         finally:
             self._in_step = False
-            self._outside_steps = 0
             self._seen = [0] * len(self._seen)
             self.core.samples = 0
 

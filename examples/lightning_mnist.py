@@ -12,7 +12,7 @@ It trains on the GPU where torch sees one (``--accelerator auto``; ``cpu`` force
 host), each process on ``cuda:LOCAL_RANK``. DDP's own group is gloo by default, which
 works for CUDA and CPU tensors and lets several nodes share one GPU; ``--backend nccl``
 needs a GPU per process. Lightning registers ``ddp_comm_hook`` only where the root
-device is CUDA; the :class:`RegisterHookOnCpu` callback below registers the same hook
+device is CUDA; the callback ``bps.lightning.RegisterHook`` registers the same hook
 and state on the CPU (and does nothing on CUDA, where Lightning did). It also hands the optimizer to
 the hook's state, so the chains follow the learning rate; the state exists before
 ``configure_optimizers`` runs, so Nesterov's ``mu`` is given in compression_params
@@ -39,6 +39,7 @@ from mnist_job import (
 
 import bps
 import bps.ddp
+import bps.lightning
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -77,18 +78,6 @@ class Classifier(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr)  # Nesterov runs in bps
 
 
-class RegisterHookOnCpu(L.Callback):
-    """Give the hook's state the optimizer; register the hook where Lightning did not."""
-
-    def __init__(self, state: bps.ddp.HookState) -> None:
-        self.state = state
-
-    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
-        self.state.optimizer = trainer.optimizers[0]
-        if trainer.strategy.root_device.type != "cuda":
-            trainer.strategy.model.register_comm_hook(self.state, bps.ddp.ps_hook)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
@@ -104,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         accelerator = "cuda" if torch.cuda.is_available() else "cpu"
     trainer = L.Trainer(accelerator=accelerator, strategy=strategy, devices=bps.local_size(),
                         num_nodes=bps.size() // bps.local_size(), max_epochs=args.epochs,
-                        max_steps=args.max_steps, callbacks=[RegisterHookOnCpu(state)],
+                        max_steps=args.max_steps, callbacks=[bps.lightning.RegisterHook(state)],
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)
     module = Classifier(args.hidden, args.layers, args.lr)

@@ -24,7 +24,10 @@ Membership: the ROUTER is a CURVE server (:mod:`bps.common.auth`), so only holde
 cluster key reach it. A node id is bound to the connection that said HELLO first: a
 second HELLO for a taken worker id or server rank, or with a taken token, is refused
 and logged with the peer's address; messages from a connection that did not say HELLO
-are refused the same way.
+are refused the same way. So is a HELLO whose job-wide settings (``DMLC_NUM_WORKER``,
+``DMLC_NUM_SERVER``) differ from the scheduler's, naming both values. The rendezvous
+timeout names, besides who is missing, the addresses whose handshake (another cluster's
+key) or HELLO was refused, and why.
 """
 
 from __future__ import annotations
@@ -32,13 +35,14 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
 import zmq
 
-from bps.common.auth import Guard, load_key
+from bps.common.auth import REFUSED_KEPT, Guard, load_key
 from bps.common.env import ClusterEnv
 from bps.common.protocol import (
     MAX_HEADER_BYTES,
@@ -92,6 +96,9 @@ class Scheduler:
     barrier_waiting: dict[int, set[bytes]] = field(default_factory=dict)
     loop_clock: LoopClock = field(init=False)
     verdict: str | None = None  # why the job must end now (a failed node, mismatched steps)
+    # the latest HELLOs refused, "address (why)": the rendezvous timeout names them
+    refused_hellos: deque = field(default_factory=lambda: deque(maxlen=REFUSED_KEPT))
+    guard: Guard | None = None
 
     def __post_init__(self) -> None:
         self.loop_clock = LoopClock(self.env.heartbeat_interval)
@@ -102,7 +109,7 @@ class Scheduler:
         # drops whatever is still queued at interpreter exit, lingering or not).
         key = load_key(self.env)
         ctx = self.ctx or zmq.Context()
-        guard = Guard(ctx, key)
+        guard = self.guard = Guard(ctx, key)
         self.sock = new_socket(ctx, zmq.ROUTER)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_HEADER_BYTES)
         self.sock.setsockopt(zmq.SNDHWM, PEER_QUEUE)
@@ -148,7 +155,16 @@ class Scheduler:
         missing = [w for w in range(self.env.num_workers) if w not in workers]
         servers = sum(n.role == "server" for n in self.nodes.values())
         return (f"workers missing: {missing or 'none'}; servers registered: "
-                f"{servers} of {self.env.num_servers}")
+                f"{servers} of {self.env.num_servers}{self._refusals()}")
+
+    def _refusals(self) -> str:
+        """The handshakes (another key) and HELLOs (a bad setting) refused so far, each
+        once: who may be missing because of them, and why."""
+        refused = [*(self.guard.refused.summary() if self.guard is not None else ()),
+                   *self.refused_hellos]
+        if not refused:
+            return ""
+        return "; refused: " + "; ".join(dict.fromkeys(refused))
 
     def _loop(self) -> int:
         env = self.env
@@ -247,8 +263,10 @@ class Scheduler:
                        seed=self.seed, members=tokens if node.role == "server" else [])
         log.info("rendezvous complete: servers %s, job seed %d", addresses, self.seed)
 
-    def _refuse(self, ident: bytes, peer: str, msg: str) -> None:
+    def _refuse(self, ident: bytes, peer: str, msg: str, hello: bool = False) -> None:
         msg = error_text(msg)
+        if hello:
+            self.refused_hellos.append(f"{peer} ({msg})")
         refusals.warning("refused a message from %s: %s", peer, msg)
         self._send(ident, Op.ERROR, rid=-1, msg=msg)
 
@@ -347,6 +365,8 @@ class Scheduler:
         error = None
         if welcomed or ident in self.nodes:
             error = "rendezvous already complete" if welcomed else "duplicate HELLO"
+        elif settings := self._settings_error(header):
+            error = settings
         elif role == "worker" and len(token) != TOKEN_BYTES:
             error = f"field 'token' has {len(token)} bytes, expected {TOKEN_BYTES}"
         elif role == "worker" and any(n.token == token for n in self.nodes.values()):
@@ -371,12 +391,28 @@ class Scheduler:
         else:
             error = f"unknown role {role!r}"
         if error:
-            self._refuse(ident, peer, f"HELLO as {role} {worker_id}: {error}")
+            self._refuse(ident, peer, f"HELLO as {role} {worker_id}: {error}",
+                         hello=not welcomed)
             return
         self.nodes[ident] = _Node(ident, role, rank, addr, time.monotonic(),
                                   token=token if role == "worker" else b"", peer=peer,
                                   endpoints=header.get("endpoints") if role == "server" else None)
         log.info("registered %s (connection from %s)", self.nodes[ident].label, peer)
+
+    def _settings_error(self, header: dict) -> str | None:
+        """A job-wide setting the HELLO carries that differs from the scheduler's (None:
+        all agree). A HELLO without them (an older client) is not checked."""
+        for name, variable, mine in (("num_workers", "DMLC_NUM_WORKER", self.env.num_workers),
+                                     ("num_servers", "DMLC_NUM_SERVER", self.env.num_servers)):
+            theirs = header.get(name)
+            if theirs is None:
+                continue
+            if isinstance(theirs, bool) or not isinstance(theirs, int):
+                return f"field {name!r} has type {type(theirs).__name__}"
+            if theirs != mine:
+                return (f"its {variable}={theirs} differs from the scheduler's "
+                        f"{variable}={mine} (every node of a job needs the same)")
+        return None
 
     def _barrier(self, node: _Node, seq: int) -> None:
         gone = [n.label for n in self.nodes.values() if n.role == "worker" and n.finalized]

@@ -154,21 +154,62 @@ def connect_as_client(sock: Any, key: ClusterKey | None) -> None:
     sock.curve_secretkey = key.secret
 
 
+REFUSED_KEPT = 8  # kinds of refusal (host, why) a Guard counts for error messages
+NOT_A_MEMBER = ("it does not hold the cluster key of BPS_SECRET_FILE, or runs with "
+                "BPS_INSECURE=1")
+
+
+class RefusedPeers:
+    """The handshakes a :class:`Guard` refused, counted by host and reason (the first
+    ``REFUSED_KEPT`` kinds), for the messages that explain why a peer never arrived.
+    Thread-safe: the ZAP and monitor threads add, the owner reads.
+
+        >>> refused = RefusedPeers()
+        >>> refused.add("10.0.0.7:41234", "another key")
+        >>> refused.add("10.0.0.7:41240", "another key")
+        >>> refused.summary()
+        ['10.0.0.7 (2 handshakes refused: another key)']
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[tuple[str, str], int] = {}
+
+    def add(self, peer: str, why: str) -> None:
+        host = peer.rpartition(":")[0] if peer.count(":") == 1 else peer  # not the port
+        with self._lock:
+            if (host, why) in self._counts or len(self._counts) < REFUSED_KEPT:
+                self._counts[(host, why)] = self._counts.get((host, why), 0) + 1
+
+    def summary(self) -> list[str]:
+        """``"host (N handshakes refused: why)"`` per kind, first seen first (a host not
+        known, ``?``, only where no other is)."""
+        with self._lock:
+            counts = list(self._counts.items())
+        known = [item for item in counts if item[0][0] != "?"]
+        return [f"{host} ({n} handshake{'s' if n > 1 else ''} refused: {why})"
+                for (host, why), n in (known or counts)]
+
+
 class Guard:
     """The ZAP authenticator of one ZeroMQ context: admits only CURVE clients holding the
     cluster key, logging (rate-limited) the address of every peer it refuses, also of
-    those whose handshake fails before ZAP is asked (another cluster's key, plain TCP)."""
+    those whose handshake fails before ZAP is asked (another cluster's key, plain TCP).
+    ``refused`` counts them (:class:`RefusedPeers`), for the messages that explain why
+    a peer never arrived (the scheduler's rendezvous timeout).
+    """
 
     def __init__(self, ctx: Any, key: ClusterKey | None) -> None:
         self.key = key
+        self.refused = RefusedPeers()
         self._auth = None
         self._failures: _FailedHandshakeLog | None = None
         if key is None:
             return
         refusals = RateLimitedLog(log)
-        self._auth = _Authenticator(ctx, key.public, refusals)
+        self._auth = _Authenticator(ctx, key.public, refusals, self.refused)
         self._auth.start()
-        self._failures = _FailedHandshakeLog(refusals)
+        self._failures = _FailedHandshakeLog(refusals, self.refused)
 
     def serve(self, sock: Any) -> None:
         """Make ``sock`` (before ``bind``) a CURVE server of the cluster (no-op if None)."""
@@ -222,9 +263,10 @@ class _FailedHandshakeLog(threading.Thread):
     the connection by its file descriptor: the peer's address is read when it is accepted,
     and named when that connection closes after a failed handshake."""
 
-    def __init__(self, refusals: RateLimitedLog) -> None:
+    def __init__(self, refusals: RateLimitedLog, refused: RefusedPeers) -> None:
         super().__init__(name="bps-handshake-log", daemon=True)
         self.refusals = refusals
+        self.refused = refused
         self._lock = threading.Lock()
         self._monitors: list[tuple[Any, Any]] = []  # (served socket, its monitor)
         self._stopping = threading.Event()
@@ -256,6 +298,7 @@ class _FailedHandshakeLog(threading.Thread):
                         peer = peers.pop(value, "?")
                         if failed:
                             failed -= 1
+                            self.refused.add(peer, NOT_A_MEMBER)
                             self.refusals.warning(
                                 "refused a connection from %s: its handshake failed (it does "
                                 "not hold the cluster key of BPS_SECRET_FILE, or runs with "
@@ -360,10 +403,12 @@ class HandshakeWatch:
 class _Authenticator(zmq.auth.thread.ThreadAuthenticator):
     """pyzmq's ZAP thread, admitting exactly the cluster's public key."""
 
-    def __init__(self, ctx: Any, public: bytes, refusals: RateLimitedLog) -> None:
+    def __init__(self, ctx: Any, public: bytes, refusals: RateLimitedLog,
+                 refused: RefusedPeers) -> None:
         super().__init__(ctx, log=logging.getLogger("bps.common.auth.zap"))
         self.public = public
         self.refusals = refusals
+        self.refused = refused
         self.address = "?"
 
     async def handle_zap_message(self, msg: list[bytes]) -> None:
@@ -373,6 +418,7 @@ class _Authenticator(zmq.auth.thread.ThreadAuthenticator):
     async def _authenticate_curve(self, domain: str, client_key: bytes) -> tuple[bool, bytes]:
         if hmac.compare_digest(zmq.utils.z85.encode(client_key), self.public):
             return True, b"OK"
+        self.refused.add(self.address, NOT_A_MEMBER)
         self.refusals.warning("refused a connection from %s: it does not hold the cluster "
                               "key (BPS_SECRET_FILE)", self.address)
         return False, b"not a member of this cluster"

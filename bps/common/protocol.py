@@ -45,7 +45,8 @@ Worker <-> server ops (the reply echoes ``rid``):
   key + payload -> ``OK``
 
 Node <-> scheduler ops: ``HELLO`` role worker_id addr token (a server's also
-``endpoints``: its addresses, one per ZeroMQ I/O thread) -> ``WELCOME`` (after
+``endpoints``: its addresses, one per ZeroMQ I/O thread; optional ``num_workers``,
+``num_servers``: the node's settings, checked against the scheduler's) -> ``WELCOME`` (after
 everyone arrived: node_id, servers, endpoints (per server), num_workers, num_servers,
 seed, members: the servers get the workers' tokens in node order); ``HEARTBEAT``
 both ways (a worker's carries ``step``, the highest step it pushed); ``BARRIER`` seq

@@ -107,8 +107,10 @@ class SchedulerClient:
         rule applies once it has answered."""
         worker_id = self.env.worker_id if self.role == "worker" else self.env.server_id
         extra = {"endpoints": self.endpoints} if self.endpoints else {}
+        # the job-wide settings the scheduler checks against its own
         self.send(Op.HELLO, role=self.role, worker_id=worker_id, addr=self.addr,
-                  token=self.token, **extra)
+                  token=self.token, num_workers=self.env.num_workers,
+                  num_servers=self.env.num_servers, **extra)
         # the scheduler's own rendezvous timeout (which names who is missing) comes first
         deadline = time.monotonic() + self.env.timeout + self.env.heartbeat_timeout
         self.last_seen = time.monotonic()

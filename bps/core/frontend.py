@@ -29,6 +29,7 @@ import torch
 
 from bps.compressors import validate_compression_params
 from bps.compressors.base import NonFiniteError
+from bps.core import held_momentum
 from bps.core.grad_pipeline import GradPipeline, GradTensor, Skipped
 from bps.core.loss_scale import LossScale
 from bps.core.trainer_stats import StepStats
@@ -56,15 +57,9 @@ def grad_view(param: torch.Tensor) -> torch.Tensor:
 
 def momentum_off(optimizer: torch.optim.Optimizer) -> bool:
     """Turn the optimizer's momentum (and Nesterov flag) off in every group; returns
-    whether any group had momentum."""
-    turned_off = False
-    for group in optimizer.param_groups:
-        if group.get("momentum"):
-            group["momentum"] = 0.0
-            turned_off = True
-        if group.get("nesterov"):
-            group["nesterov"] = False
-    return turned_off
+    whether any group had momentum. Its ``state_dict()`` still reports the values it was
+    given, and its ``load_state_dict()`` turns loaded ones off (:mod:`bps.core.held_momentum`)."""
+    return held_momentum.hold(optimizer)
 
 
 class FrontEndCore:
@@ -117,7 +112,7 @@ class FrontEndCore:
             return False
         optimizer_mu = 0.0
         if self.optimizer is not None:
-            optimizer_mu = float(self.optimizer.param_groups[0].get("momentum", 0.0) or 0.0)
+            optimizer_mu = held_momentum.given_momentum(self.optimizer)
         if params["mu"] is None:
             if optimizer_mu == 0.0:
                 raise ValueError(

@@ -21,11 +21,13 @@ import struct
 import subprocess
 import sys
 import threading
+from typing import NoReturn
 
 from bps.common import trace
-from bps.common.env import ClusterEnv, EnvError, derive_worker_env
+from bps.common.auth import load_key
+from bps.common.env import ClusterEnv, EnvError, derive_worker_env, launch_style
 from bps.launch.supervisor import mark_joined
-from bps.server.role import end_process
+from bps.server.role import EXIT_BAD_ENV, end_process
 from bps.worker.intranode import LocalGroup
 
 log = logging.getLogger("bps")
@@ -115,6 +117,8 @@ def init() -> Runtime:
         _from_cluster_launcher()
         env = ClusterEnv.from_environ()
     except EnvError as exc:
+        if _under_cluster_launcher():
+            _launch_error(exc)
         raise EnvError(f"{exc}. {LAUNCH_HINT}") from None
     if env.role != "worker":
         raise EnvError(f"bps.init() runs in worker processes, but DMLC_ROLE={env.role!r}")
@@ -153,12 +157,32 @@ def _from_cluster_launcher() -> None:
     if not derived:
         return
     cluster_env = dict(os.environ)
+    env = ClusterEnv.from_environ({**cluster_env, **derived})
+    if not env.insecure:
+        load_key(env)  # checked before anything starts: else the services fail first
     os.environ.update(derived)
     if derived["BYTEPS_LOCAL_RANK"] == "0" and not os.environ.get("BPS_LAUNCHED"):
         _services = subprocess.Popen([sys.executable, "-m", "bps.launch.cli"],
                                      env={**cluster_env, "BPS_LAUNCHED": "1"})
         os.environ["BPS_LAUNCHED"] = "1"
         atexit.register(_wait_services)
+
+
+def _under_cluster_launcher() -> bool:
+    """Whether torchrun's or SLURM's variables (not ``bpslaunch``) launched this process."""
+    try:
+        return launch_style() in ("torchrun", "slurm") and not os.environ.get("BPS_LAUNCHED")
+    except EnvError:
+        return False
+
+
+def _launch_error(exc: EnvError) -> NoReturn:
+    """A launch error under torchrun or SLURM: one line on stderr, before anything else
+    (every process says it: the first to exit gets the others stopped), then exit 2
+    before anything starts: no services, no node-local group whose peers would fail
+    with tracebacks of their own."""
+    print(f"bps.init(): error: {exc}", file=sys.stderr, flush=True)
+    raise SystemExit(EXIT_BAD_ENV)
 
 
 def _wait_services() -> None:

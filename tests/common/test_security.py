@@ -24,6 +24,7 @@ from bps.common.auth import (
     job_credentials,
     read_key_file,
     remove_orphaned_key_folders,
+    write_key_file,
 )
 from bps.common.protocol import Op, encode, new_token
 from bps.launch.role import free_port
@@ -283,3 +284,31 @@ def test_a_worker_with_another_key_fails_in_seconds_naming_its_key_file(
     assert (f"the scheduler at tcp://127.0.0.1:{p.port} refused this worker's cluster key"
             in p.log("worker0")), p.log("worker0")
     assert f"BPS_SECRET_FILE={keys['other']}" in p.log("worker0"), p.log("worker0")
+
+
+def test_the_others_timeout_names_the_address_whose_key_was_refused(
+        cluster, tmp_path: Path) -> None:
+    """Worker 1 holds another cluster's key: it fails naming its key file, and the
+    rendezvous timeout of everyone else says which address the scheduler refused and
+    why, not only ``workers missing: [1]``."""
+    keys = {}
+    for name in ("cluster", "other"):
+        keys[name] = str(tmp_path / f"{name}.key")
+        write_key_file(keys[name])
+    p = cluster(workers=2, servers=1, timeout=5.0)
+    p.start("scheduler", BPSLAUNCH, DMLC_ROLE="scheduler", BPS_SECRET_FILE=keys["cluster"])
+    p.start("server0", BPSLAUNCH, DMLC_ROLE="server", BPS_SECRET_FILE=keys["cluster"])
+    for node, key in enumerate((keys["cluster"], keys["other"])):
+        p.start(f"worker{node}", [sys.executable, JOB, "--out", str(tmp_path), "--case",
+                                  "loop"],
+                DMLC_ROLE="worker", DMLC_WORKER_ID=str(node), BPS_SECRET_FILE=key)
+    code = p.procs["worker1"].wait(timeout=EXIT_WITHIN)
+    assert code != 0 and f"BPS_SECRET_FILE={keys['other']}" in p.log("worker1"), \
+        p.log("worker1")
+    for name in ("scheduler", "server0", "worker0"):
+        code = p.procs[name].wait(timeout=EXIT_WITHIN)
+        out = p.log(name)
+        assert code != 0, (name, out)
+        assert re.search(r"rendezvous timed out .*workers missing: \[1\]; .*refused: "
+                         r"127\.0\.0\.1 \(\d+ handshakes? refused: it does not hold the "
+                         r"cluster key of BPS_SECRET_FILE", out), (name, out)

@@ -299,6 +299,44 @@ def test_hook_matches_the_replay_for_every_compressor_and_ddp_feature(tmp_path):
                                               err_msg=f"resumed {run['tag']}: {n}")
 
 
+def test_a_hook_state_that_never_ran_fails_the_first_step_and_warns_at_close(caplog):
+    """Lightning's DDPStrategy(ddp_comm_hook=...) on CPUs never registers the hook: the
+    first optimizer step raises saying what to do, before any parameter changes (of the
+    state's optimizer only, where it has one), and close() warns."""
+    import torch
+
+    import bps.ddp
+
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    model(torch.ones(1, 3)).sum().backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    state = bps.ddp.HookState({"compressor": "topk", "k": 0.5})
+    with pytest.raises(RuntimeError, match=r"optimizer.step\(\) ran, but no DDP model ran "
+                       r"bps.ddp.ps_hook .* on CPUs add callbacks=\[bps.lightning"):
+        optimizer.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+
+    def closure():  # Lightning's way: the backward runs inside step(), the check after it
+        optimizer.zero_grad()
+        loss = model(torch.ones(1, 3)).sum()
+        loss.backward()
+        return loss
+
+    with pytest.raises(RuntimeError, match=r"optimizer.step\(\) ran, but no DDP model"):
+        optimizer.step(closure)
+    assert model.weight.grad is not None  # the closure ran
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+    other = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.5)
+    state.optimizer = optimizer
+    other.step()  # not the state's optimizer: not its business
+    with caplog.at_level("WARNING", logger="bps"):
+        state.close()
+    assert "HookState.close(): no DDP model ran bps.ddp.ps_hook" in caplog.text
+    optimizer.step()  # closed: no longer watched
+    assert not all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+
+
 # tests/frontends/test_trainer_comm_dtype.py covers the pipeline's 2 x 2 fp16 roundings,
 # and test_hook_matches_the_replay_for_every_compressor_and_ddp_feature the hook
 @pytest.mark.slow

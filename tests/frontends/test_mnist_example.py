@@ -154,3 +154,24 @@ def test_one_short_epoch_of_the_cnn(tmp_path, script):
         assert "| model " in output and " cnn (317,066 parameters) |" in output  # summary
     assert len(report["steps"]) == 1000 // 2 // 32
     assert report["test_accuracy"] > 0.3, report["test_accuracy"]  # 15 steps: it learns
+
+
+def test_the_docs_list_every_flag(capsys):
+    """docs/trainer.md's flag list of examples/mnist.py names each of its flags (those
+    its ``--help`` shows)."""
+    import re
+
+    from tests.harness.doc_snippets import DOCS
+
+    example = load_example()
+    with pytest.raises(SystemExit):
+        example.parse_args(["--help"])
+    flag = r"(?<![\w-])(--[a-z0-9]+(?:-[a-z0-9]+)*)(?![\w-])"  # not a wrapped "--no-"
+    parser_flags = set(re.findall(flag, capsys.readouterr().out))
+    assert {"--compressor", "--fragments", "--overlap", "--rank"} <= parser_flags
+    text = (DOCS / "trainer.md").read_text()
+    section = text[text.index("## The main job: `examples/mnist.py`"):]
+    section = section[:section.index("\n## ", 1)]
+    documented = set(re.findall(r"`(--[a-z0-9-]+)", section))
+    missing = sorted(parser_flags - documented - {"--help"})
+    assert not missing, f"docs/trainer.md does not list {missing}"

@@ -207,3 +207,18 @@ def test_init_without_launcher_names_the_variable():
                             capture_output=True, text=True, timeout=60)
     assert result.returncode != 0
     assert "DMLC_ROLE" in result.stderr and "bpslaunch" in result.stderr
+
+
+def test_dir_lists_the_names_loaded_lazily():
+    """``dir(bps)`` shows the public names, also those loaded on first use, without
+    loading them."""
+    result = subprocess.run(
+        [sys.executable, "-c", "import sys, bps; print(sorted(dir(bps))); "
+                               "print('bps.trainer' in sys.modules, 'bps.ddp' in sys.modules)"],
+        capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    names, loaded = result.stdout.splitlines()
+    for name in ("init", "shutdown", "rank", "size", "local_rank", "local_size",
+                 "DistributedTrainer", "NonFiniteGradientError", "ddp"):
+        assert repr(name) in names, names
+    assert loaded == "False False", loaded

@@ -308,9 +308,10 @@ def test_second_backward_without_accumulation_keeps_its_error(tmp_path):
 
 
 def test_optimizer_step_instead_of_trainer_step_is_named(tmp_path):
-    """DDP's habit: optimizer.step() where trainer.step() belongs. The second backward()
-    fails saying so, and the process exits with that error alone, also when bpslaunch's
-    SIGTERM (sent to every process once the failure is known) arrives during its exit."""
+    """DDP's habit: optimizer.step() where trainer.step() belongs. The first such call
+    raises saying so, before any parameter changes, and the process exits with that
+    error alone, also when bpslaunch's SIGTERM (sent to every process once the failure
+    is known) arrives during its exit."""
     script = (
         "import atexit, os, signal, torch, bps\n"
         "bps.init()\n"
@@ -323,15 +324,21 @@ def test_optimizer_step_instead_of_trainer_step_is_named(tmp_path):
         "for _ in range(3):\n"
         "    opt.zero_grad()\n"
         "    m(torch.ones(4, 300)).sum().backward()\n"
-        "    opt.step()\n"
+        "    before = [p.detach().clone() for p in m.parameters()]\n"
+        "    try:\n"
+        "        opt.step()\n"
+        "    finally:\n"
+        "        print('unchanged', all(torch.equal(a, p) for a, p in\n"
+        "                               zip(before, m.parameters())), flush=True)\n"
         "bps.shutdown()\n"
     )
     result = one_worker(script)
     out = result.stdout + result.stderr
     assert result.returncode != 0, out[-3000:]
-    assert "backward() ran again without trainer.step()" in out, out[-3000:]
-    assert "optimizer.step() was called 1 time(s) outside the trainer" in out, out[-3000:]
+    assert out.count("unchanged ") == 1 and "unchanged True" in out, out[-3000:]
+    assert "optimizer.step() was called outside trainer.step()" in out, out[-3000:]
     assert "call trainer.step() instead of optimizer.step()" in out, out[-3000:]
+    assert "backward() ran again" not in out, out[-3000:]
     assert out.count("Traceback") == 1 and "futures" not in out, out[-3000:]
 
 

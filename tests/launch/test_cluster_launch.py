@@ -215,6 +215,34 @@ def test_pytorchjob_job() -> None:
     finished(run_all(jobs, timeout=240), 2)
 
 
+def test_a_launch_error_under_torchrun_is_one_line_first(tmp_path) -> None:
+    """torchrun on one node, without BPS_SECRET_FILE: the processes' first line is the
+    error, and none of them adds a traceback (theirs, or gloo's from a node-local group
+    whose peer left); torchrun's own report of the failed child comes after."""
+    script = tmp_path / "train.py"
+    script.write_text("import bps\nbps.init()\nprint('started', flush=True)\n")
+    env = {k: v for k, v in os.environ.items()
+           if k not in CLUSTER_VARS and k not in ("BPS_SECRET_FILE", "BPS_INSECURE")}
+    done = subprocess.run(TORCHRUN + ["--nproc-per-node", "2", "--master-port",
+                                      str(free_port()), str(script)],
+                          env={**env, **JOB_ENV, "OMP_NUM_THREADS": "1"},  # no banner
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    # torchrun's own lines: its log records (naming torch/distributed/) and the
+    # ChildFailedError report at the end
+    ours = [line for line in (done.stdout + done.stderr).splitlines()
+            if line.strip() and "torch/distributed/" not in line]
+    report = next((i for i, line in enumerate(ours) if line.startswith("Traceback")),
+                  len(ours))
+    assert "torch.distributed.elastic" in "\n".join(ours[report:]), ours  # torchrun's
+    before = ours[:report]
+    assert before and all(line == before[0] for line in before), before
+    assert before[0].startswith("bps.init(): error: no cluster credentials: "
+                                "BPS_SECRET_FILE is not set; make a key file with "
+                                "`bpslaunch keygen PATH`"), before
+    assert "started" not in done.stdout
+
+
 MIXED_BACKEND_JOB = """
 import datetime, sys
 import torch, torch.distributed as dist

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -268,3 +269,20 @@ def test_a_failing_local_rank_leaves_no_stray_abort() -> None:
     assert code != 0, output
     assert "RuntimeError: boom" in output, output
     assert "terminate called" not in output and "Aborted" not in output, output
+
+
+def test_keygen_makes_the_missing_folders_private(tmp_path: Path) -> None:
+    """``bpslaunch keygen ~/.bps/cluster.key`` (docs/runtime.md) on a host without
+    ``~/.bps``: the folders are made, mode 0700, the key file 0600."""
+    home = tmp_path / "home"
+    home.mkdir(mode=0o755)
+    home.chmod(0o755)
+    done = subprocess.run(BPSLAUNCH + ["keygen", "~/.bps/keys/cluster.key"],
+                          env={**os.environ, "HOME": str(home)}, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    key = home / ".bps" / "keys" / "cluster.key"
+    assert stat.S_IMODE((home / ".bps").stat().st_mode) == 0o700
+    assert stat.S_IMODE(key.parent.stat().st_mode) == 0o700
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    assert stat.S_IMODE(home.stat().st_mode) == 0o755  # an existing folder stays as it was

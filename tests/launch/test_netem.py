@@ -567,6 +567,27 @@ def test_runner_reports_the_best_bps_method_against_powersgd(tmp_path, table):
     assert line.endswith(f"goal {goal}x, met)" if ratio >= goal else f"goal {goal}x, not met)")
 
 
+def test_the_docs_baseline_commands_find_their_baseline(monkeypatch):
+    """Every ``bench/slow_network.py ... --baseline PATH`` of docs/slow_network.md, as
+    typed, in a fresh clone: the file is there (not in the ignored bench/results/) and
+    is a record of the command's own job, which the runner checks before it starts."""
+    import shlex
+
+    spec = importlib.util.spec_from_file_location("slow_network", BENCH / "slow_network.py")
+    runner = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "slow_network", runner)  # its dataclasses look it up
+    spec.loader.exec_module(runner)
+    text = (REPO / "docs" / "slow_network.md").read_text().replace("\\\n", " ")
+    commands = [line.split("bench/slow_network.py", 1)[1] for line in text.splitlines()
+                if "bench/slow_network.py" in line and "--baseline" in line]
+    assert commands
+    for command in commands:
+        args = runner.parse_args(shlex.split(command, comments=True))
+        path = REPO / args.baseline
+        assert path.is_file() and "results" not in path.parts, command
+        assert runner.load_baseline(path, args).method.name == "fp32", command
+
+
 def test_runner_partition_sizes_follow_the_link(monkeypatch):
     """Compressed runs get 2 MB partitions on a limited link and BytePS's 4 MB unthrottled,
     where per-message CPU sets the step; uncompressed runs 1 MB; a given size wins."""
