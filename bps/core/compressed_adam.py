@@ -167,11 +167,14 @@ class AdamCoupling:
         return state
 
     def local_momentum(self, param: torch.Tensor, grad: torch.Tensor) -> None:
-        """Turn ``grad`` (``param``'s flat gradient) into this worker's momentum, in place."""
+        """Turn ``grad`` (``param``'s gradient: its shape, any strides, or a contiguous
+        flat view) into this worker's momentum, in place."""
         group, state = self._group(param), self._state(param)
+        if grad.shape != param.shape:
+            grad = grad.view(param.shape)
         with torch.no_grad():
-            local_momentum_(grad, state["exp_avg"].view(-1), param.detach().view(-1),
-                            group["betas"][0], group["weight_decay"], self._decoupled(group))
+            local_momentum_(grad, state["exp_avg"], param.detach(), group["betas"][0],
+                            group["weight_decay"], self._decoupled(group))
 
     def arm(self, frozen: bool) -> None:
         """The next ``optimizer.step()`` applies the averages in ``.grad``: gradients

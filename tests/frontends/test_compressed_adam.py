@@ -36,6 +36,8 @@ RUNS = [
     {"tag": "onebit", "params": ONEBIT, "optimizer": "AdamW", "wd": 0.1},
     {"tag": "topk", "params": TOPK, "optimizer": "Adam", "wd": 0.01},
     {"tag": "nodecay", "params": ONEBIT, "optimizer": "AdamW", "wd": 0.0},
+    {"tag": "ddp-onebit", "params": ONEBIT, "optimizer": "AdamW", "wd": 0.1, "ddp": True},
+    {"tag": "ddp-topk", "params": TOPK, "optimizer": "Adam", "wd": 0.01, "ddp": True},
     # checkpoints: after the freeze, and before it (the resumed run crosses it)
     {"tag": "part5", "params": ONEBIT, "optimizer": "AdamW", "wd": 0.1, "stop": 5,
      "save": "ckpt5"},
@@ -49,10 +51,50 @@ RUNS = [
 # ----------------------------------------------------------------------------- worker side
 
 
+def train_ddp(run: dict, rank: int, shapes: dict, out: Path) -> dict:
+    """The same job through DDP and the bps hook; the optimizer's step is the user's."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    import bps.ddp
+
+    class Toy(torch.nn.Module):
+        def forward(self, goal: dict, live: dict) -> torch.Tensor:
+            return sum((getattr(self, n) * ((getattr(self, n).detach() - goal[n]) * live[n])
+                        ).sum() for n in shapes)
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    toy = Toy()
+    for name, value in initial_params(rank, shapes).items():
+        toy.register_parameter(name, torch.nn.Parameter(torch.from_numpy(value)))
+    ddp = DistributedDataParallel(toy)
+    optimizer = getattr(torch.optim, run["optimizer"])(ddp.parameters(), lr=LRS[0],
+                                                       weight_decay=run["wd"])
+    state = bps.ddp.HookState(run["params"], optimizer=optimizer, module=toy)
+    ddp.register_comm_hook(state, bps.ddp.ps_hook)
+    goal = {n: torch.from_numpy(t) for n, t in targets(rank, shapes).items()}
+    live = {n: torch.from_numpy(t) for n, t in ref.live_mask(shapes).items()}
+    for lr in LRS:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.zero_grad()
+        ddp(goal, live).backward()
+        optimizer.step()
+    np.savez(out / f"params{run['tag']}{rank}.npz",
+             **{n: getattr(toy, n).detach().numpy() for n in shapes})
+    state.close()
+    return {}
+
+
 def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
     import torch
 
     import bps
+
+    if run.get("ddp"):
+        return train_ddp(run, rank, shapes, out)
 
     model = make_model(rank, shapes)
     cls = getattr(torch.optim, run["optimizer"])
@@ -102,7 +144,7 @@ def expected(run: dict) -> dict:
                         decoupled=run["optimizer"] == "AdamW")
 
 
-@pytest.mark.parametrize("tag", ["onebit", "topk", "nodecay"])
+@pytest.mark.parametrize("tag", ["onebit", "topk", "nodecay", "ddp-onebit", "ddp-topk"])
 def test_matches_the_numpy_replay_bit_for_bit(cluster, tag):
     run = next(r for r in RUNS if r["tag"] == tag)
     want = expected(run)
@@ -197,6 +239,18 @@ def test_what_does_not_go_is_refused_before_anything_is_sent(kwargs, exc, words)
         bps.DistributedTrainer(model, optimizer, ONEBIT, **kwargs)
     for word in words:
         assert word in str(info.value), str(info.value)
+
+
+def test_the_hook_refuses_what_does_not_go():
+    import torch
+
+    import bps.ddp
+
+    model, optimizer = _toy()
+    with pytest.raises(TypeError, match="freeze_step.*SGD"):
+        bps.ddp.HookState(ONEBIT, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="GradScaler"):
+        bps.ddp.HookState(ONEBIT, optimizer=optimizer, scaler=torch.amp.GradScaler("cpu"))
 
 
 @pytest.mark.parametrize("params, words", [
