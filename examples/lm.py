@@ -15,7 +15,11 @@ linear warm-up and a cosine decay to a tenth. Each worker draws its own windows 
 
 The compression flags are examples/mnist.py's (examples/mnist_job.py), plus
 ``--freeze-step`` (compressed Adam: compression_params ``freeze_step``) and
-``--sync-every`` (local steps with AdamW inside). Rank 0 reports the validation loss
+``--sync-every`` (local steps with AdamW inside). ``--ddp allreduce|powersgd`` trains
+the same job with DDP over gloo instead (run it under ``torchrun`` or ``bpslaunch netem
+--torchrun``): plain allreduce, or PyTorch's PowerSGD hook (rank ``--powersgd-rank``,
+error feedback, warm start, from step 2), the peer that bench/slow_network.py's
+``--model lm`` measures bps against. Rank 0 reports the validation loss
 (nats and bits per byte) on the held-out tenth, the bytes on the wire (in total, per
 step, and before and after the freeze) and the time; ``--metrics-json PATH`` writes
 them with every step's figures.
@@ -24,6 +28,7 @@ them with every step's figures.
 from __future__ import annotations
 
 import argparse
+import datetime
 import hashlib
 import json
 import math
@@ -171,6 +176,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "--eval-every steps) first reached this many nats")
     p.add_argument("--eval-every", type=int, default=0, help="0: only at the end")
     p.add_argument("--metrics-json", default=None, help="write figures to this file (rank 0)")
+    p.add_argument("--ddp", choices=["none", "allreduce", "powersgd"], default="none",
+                   help="train with DDP over gloo instead of bps (under torchrun)")
+    p.add_argument("--powersgd-rank", type=int, default=1)
     return p.parse_args(argv)
 
 
@@ -182,25 +190,68 @@ def lm_params(args: argparse.Namespace) -> dict | None:
     return params
 
 
+class DDPTrainer:
+    """The trainer's calls the loop makes, for DDP over gloo (``--ddp``): backward
+    averages through DDP's hook, ``step()`` is the optimizer's."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 hook: str, rank: int) -> None:
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+        from torch.nn.parallel import DistributedDataParallel
+
+        # one bucket: with several the PowerSGD hook aborted on gloo (examples/ddp_mnist.py)
+        self.model = DistributedDataParallel(model, bucket_cap_mb=64)
+        self.optimizer = optimizer
+        if hook == "powersgd":
+            state = powerSGD_hook.PowerSGDState(
+                process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=2,
+                use_error_feedback=True, warm_start=True)
+            self.model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        self.steps = 0
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad()
+
+    def step(self) -> None:
+        self.optimizer.step()
+        self.steps += 1
+
+    def stats(self) -> dict:
+        return {"bytes_pushed": 0, "bytes_pulled": 0, "raw_bytes": 0,
+                "totals": {"raw_bytes": 0, "steps": self.steps}}
+
+    def close(self) -> None:
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    params = lm_params(args)
+    params = lm_params(args) if args.ddp == "none" else None
     train, val, digest = load_text(args.data_bytes)
-    bps.init()
-    rank, size = bps.rank(), bps.size()
-    torch.manual_seed(args.seed + rank)  # the trainer gives every rank rank 0's model
+    if args.ddp == "none":
+        bps.init()
+        rank, size = bps.rank(), bps.size()
+    else:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+        rank, size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(args.seed + rank)  # the trainer (DDP) gives every rank rank 0's model
     model = GPT(args.width, args.layers, args.context)
     parameters = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99),
                                   weight_decay=args.weight_decay)
-    extra = {"sync_every": args.sync_every} if args.sync_every > 1 else {}
-    trainer = bps.DistributedTrainer(model, optimizer, params, **extra)
+    if args.ddp == "none":
+        extra = {"sync_every": args.sync_every} if args.sync_every > 1 else {}
+        trainer = bps.DistributedTrainer(model, optimizer, params, **extra)
+    else:
+        trainer = DDPTrainer(model, optimizer, args.ddp, args.powersgd_rank)
     if rank == 0:
         print(f"bps lm: {size} workers, stdlib .py bytes {len(train)} train / {len(val)} "
               f"validation, sha256 {digest}, GPT width {args.width} x {args.layers} layers, "
               f"context {args.context} ({parameters:,} parameters), compression "
-              f"{json.dumps(params)}, sync every {args.sync_every}", flush=True)
+              f"{json.dumps(params)}, sync every {args.sync_every}, ddp {args.ddp}", flush=True)
     metrics: dict = {"args": vars(args), "sha256": digest, "parameters": parameters,
                      "compression_params": params, "workers": size, "steps": [], "evals": []}
     reached = None
@@ -208,14 +259,17 @@ def main(argv: list[str] | None = None) -> int:
     for step in range(args.steps):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args)
+        started = time.perf_counter()
         x, y = batch(train, args.batch_size, args.context, args.seed, rank, step)
         trainer.zero_grad()
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        forward = model if args.ddp == "none" else trainer.model
+        loss = F.cross_entropy(forward(x).flatten(0, 1), y.flatten())
         loss.backward()
         trainer.step()
         stats = trainer.stats()
         metrics["steps"].append({"loss": loss.item(), "bytes": stats["bytes_pushed"]
-                                 + stats["bytes_pulled"], "raw_bytes": stats["raw_bytes"]})
+                                 + stats["bytes_pulled"], "raw_bytes": stats["raw_bytes"],
+                                 "time": time.perf_counter() - started})
         if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
             value = validation_loss(model, val, args.context, args.val_windows)
             now = time.perf_counter() - train_start
@@ -229,13 +283,14 @@ def main(argv: list[str] | None = None) -> int:
         reached = train_time
     totals = trainer.stats()["totals"]
     trainer.close()
-    bps.shutdown()
+    if args.ddp == "none":
+        bps.shutdown()
     if rank != 0:
         return 0
     sent = [s["bytes"] for s in metrics["steps"]]
     freeze = args.freeze_step or 0
     after = sent[freeze:] if freeze else sent
-    fp32 = 2 * totals["raw_bytes"] / max(1, totals["steps"])
+    fp32 = 2 * totals["raw_bytes"] / max(1, totals["steps"]) or math.nan  # DDP: not counted
     metrics.update(val_loss=final, bits_per_byte=final / math.log(2), train_time=train_time,
                    wall_time=time.perf_counter() - START, totals=totals,
                    bytes_per_step=sum(sent) / len(sent), fp32_bytes_per_step=fp32,
