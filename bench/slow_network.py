@@ -432,7 +432,7 @@ def run_all(args: argparse.Namespace, methods: list[Method], workdir: Path) -> l
         runs.append(run)
         correction = sum(r.seconds for r in runs) / sum(estimates[:index + 1])
         print(f"[{index + 1}/{len(methods)}] {method.name}: done in {duration(run.seconds)}: "
-              f"step {run.step_time * 1000:.0f} ms, final accuracy {run.final_accuracy:.2%}; "
+              f"step {run.step_time * 1000:.0f} ms, final {fmt_score(run.final_accuracy)}; "
               f"about {duration(correction * sum(estimates[index + 1:]))} left", flush=True)
     return runs
 
