@@ -224,8 +224,8 @@ class DistributedTrainer:
             ...         trainer.step()
         """
         if not self.mode.supports_join:
-            raise NotImplementedError("trainer.join() is not supported with sync_every > 1 "
-                                      "or staleness=1")
+            raise NotImplementedError("trainer.join() is not supported with sync_every > 1, "
+                                      "staleness=1 or compressed Adam (freeze_step)")
         if self.core.pipeline.started or any(self._seen):
             raise RuntimeError("trainer.join() must be entered between steps")
         return self._joined(self.mode.uneven.run(self.step))
