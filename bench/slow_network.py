@@ -720,8 +720,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     params = parameter_count(args)
     print(f"slow-network benchmark: {args.nodes} nodes, {args.servers} servers, {args.rate} "
-          f"links, {model_description(args)} ({params:,} parameters), {args.epochs} "
-          f"epochs, {len(args.method_list)} methods", flush=True)
+          f"links, {model_description(args)} ({params:,} parameters), "
+          f"{f'{args.steps} steps' if args.model == 'lm' else f'{args.epochs} epochs'}, "
+          f"{len(args.method_list)} methods", flush=True)
     started = time.monotonic()
     if args.from_json:
         runs, command_line = load_runs(Path(args.from_json), args)
