@@ -83,7 +83,8 @@ def table(rows: list[dict]) -> str:
              "| bytes/step after freeze | training time |",
              "|---|---|---|---|---|---|"]
     for r in rows:
-        fp32 = r["fp32_per_step"]
+        # fp32 per step of a whole step (a local step's own raw bytes count only syncs)
+        fp32 = base["fp32_per_step"] if base else r["fp32_per_step"]
         versus = f"{100 * (r['mean'] / base['mean'] - 1):+.1f}%" if base else "n/a"
         after = f"{r['after_freeze']:,.0f} ({fp32 / r['after_freeze']:.1f}x fewer)" \
             if r["setting"] == "compressed-adam" else "-"
