@@ -153,6 +153,20 @@ def test_matches_the_numpy_replay_bit_for_bit(cluster, tag):
             np.testing.assert_array_equal(got[name], want[name], err_msg=f"{tag} {name} r{rank}")
 
 
+def test_the_device_chains_match_the_replay_too(tmp_path):
+    """``BPS_DEVICE_KERNELS=1``: the chains' torch kernels (a GPU's) on CPU tensors."""
+    runs = [r for r in RUNS if r["tag"] in ("onebit", "topk")]
+    proc = trainer_launch({"runs": runs}, tmp_path, workers=2, module=__name__, timeout=300,
+                          env={"BPS_DEVICE_KERNELS": "1"})
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    for run in runs:
+        want = expected(run)
+        for rank, got in enumerate(load_params(tmp_path, 2, run["tag"])):
+            for name in SHAPES:
+                np.testing.assert_array_equal(got[name], want[name],
+                                              err_msg=f"{run['tag']} {name} r{rank}")
+
+
 def test_frozen_steps_push_less_and_keep_the_optimizer_state(cluster):
     report = json.loads((cluster / "report0.json").read_text())["onebit"]
     pushed = report["pushed"]
