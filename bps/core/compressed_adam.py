@@ -157,11 +157,14 @@ class AdamCoupling:
             return self._groups[id(param)]
         raise ValueError(f"a parameter of shape {tuple(param.shape)} is not in the optimizer")
 
-    def _state(self, param: torch.Tensor) -> dict:
-        """The optimizer's state of ``param``, created as torch's Adam creates it."""
+    def _state(self, param: torch.Tensor, group: dict) -> dict:
+        """The optimizer's state of ``param``, created as torch's Adam creates it (the
+        step on the parameter's device where the group is fused or capturable)."""
         state = self.optimizer.state[param]
         if "step" not in state:
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            on_device = group.get("fused") or group.get("capturable")
+            state["step"] = torch.tensor(0.0, dtype=torch.float32,
+                                         device=param.device if on_device else "cpu")
             state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
         return state
@@ -169,7 +172,8 @@ class AdamCoupling:
     def local_momentum(self, param: torch.Tensor, grad: torch.Tensor) -> None:
         """Turn ``grad`` (``param``'s gradient: its shape, any strides, or a contiguous
         flat view) into this worker's momentum, in place."""
-        group, state = self._group(param), self._state(param)
+        group = self._group(param)
+        state = self._state(param, group)
         if grad.shape != param.shape:
             grad = grad.view(param.shape)
         with torch.no_grad():
@@ -204,7 +208,7 @@ class AdamCoupling:
             p.grad = grad
 
     def _update(self, p: torch.Tensor, grad: torch.Tensor, group: dict, frozen: bool) -> None:
-        state = self._state(p)
+        state = self._state(p, group)
         state["step"] += 1
         t = int(state["step"].item())
         b1, b2 = group["betas"]
