@@ -213,12 +213,12 @@ class AdamCoupling:
         t = int(state["step"].item())
         b1, b2 = group["betas"]
         lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]
-        x, m, v = p.view(-1), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)
+        m, v = state["exp_avg"], state["exp_avg_sq"]  # elementwise: any strides
         if frozen:
-            frozen_step_(x, grad.view(-1), m, v, t, self.freeze_step, lr, b1, b2, eps, wd,
+            frozen_step_(p, grad, m, v, t, self.freeze_step, lr, b1, b2, eps, wd,
                          self._decoupled(group))
         else:
-            plain_step_(x, grad.view(-1), m, v, t, lr, b1, b2, eps, wd, self._decoupled(group))
+            plain_step_(p, grad, m, v, t, lr, b1, b2, eps, wd, self._decoupled(group))
 
     def close(self) -> None:
         """Take the hooks off the optimizer."""
