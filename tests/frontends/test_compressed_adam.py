@@ -38,6 +38,10 @@ RUNS = [
     {"tag": "nodecay", "params": ONEBIT, "optimizer": "AdamW", "wd": 0.0},
     {"tag": "ddp-onebit", "params": ONEBIT, "optimizer": "AdamW", "wd": 0.1, "ddp": True},
     {"tag": "ddp-topk", "params": TOPK, "optimizer": "Adam", "wd": 0.01, "ddp": True},
+    {"tag": "ddp-part2", "params": ONEBIT, "optimizer": "AdamW", "wd": 0.1, "ddp": True,
+     "stop": 2, "save": "ddp2"},
+    {"tag": "ddp-resumed2", "params": ONEBIT, "optimizer": "AdamW", "wd": 0.1, "ddp": True,
+     "load": "ddp2"},
     # checkpoints: after the freeze, and before it (the resumed run crosses it)
     {"tag": "part5", "params": ONEBIT, "optimizer": "AdamW", "wd": 0.1, "stop": 5,
      "save": "ckpt5"},
@@ -69,19 +73,32 @@ def train_ddp(run: dict, rank: int, shapes: dict, out: Path) -> dict:
     toy = Toy()
     for name, value in initial_params(rank, shapes).items():
         toy.register_parameter(name, torch.nn.Parameter(torch.from_numpy(value)))
+    start, saved = 0, None
+    if "load" in run:  # the hook's state pickled with the rest
+        saved = torch.load(out / f"{run['load']}-{rank}.pt", weights_only=False)
+        toy.load_state_dict(saved["model"])
+        start = saved["step"]
     ddp = DistributedDataParallel(toy)
     optimizer = getattr(torch.optim, run["optimizer"])(ddp.parameters(), lr=LRS[0],
                                                        weight_decay=run["wd"])
-    state = bps.ddp.HookState(run["params"], optimizer=optimizer, module=toy)
+    if saved is not None:
+        state = saved["hook"]
+        state.optimizer = optimizer
+        optimizer.load_state_dict(saved["optimizer"])
+    else:
+        state = bps.ddp.HookState(run["params"], optimizer=optimizer, module=toy)
     ddp.register_comm_hook(state, bps.ddp.ps_hook)
     goal = {n: torch.from_numpy(t) for n, t in targets(rank, shapes).items()}
     live = {n: torch.from_numpy(t) for n, t in ref.live_mask(shapes).items()}
-    for lr in LRS:
+    for step in range(start, run.get("stop", len(LRS))):
         for group in optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = LRS[step]
         optimizer.zero_grad()
         ddp(goal, live).backward()
         optimizer.step()
+    if "save" in run:
+        torch.save({"model": toy.state_dict(), "optimizer": optimizer.state_dict(),
+                    "hook": state, "step": run["stop"]}, out / f"{run['save']}-{rank}.pt")
     np.savez(out / f"params{run['tag']}{rank}.npz",
              **{n: getattr(toy, n).detach().numpy() for n in shapes})
     state.close()
@@ -185,9 +202,9 @@ def test_momentum_mask_keeps_never_moving_entries_still(cluster):
         assert not np.array_equal(got["big"][1], start["big"][1])
 
 
-@pytest.mark.parametrize("tag", ["resumed5", "resumed2"])
+@pytest.mark.parametrize("tag", ["resumed5", "resumed2", "ddp-resumed2"])
 def test_resume_on_either_side_of_the_freeze_is_bit_identical(cluster, tag):
-    full = load_params(cluster, 2, "onebit")
+    full = load_params(cluster, 2, "ddp-onebit" if tag.startswith("ddp") else "onebit")
     for rank, got in enumerate(load_params(cluster, 2, tag)):
         for name in SHAPES:
             np.testing.assert_array_equal(got[name], full[rank][name], err_msg=f"{tag} {name}")
