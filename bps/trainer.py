@@ -43,6 +43,7 @@ from bps.core import runtime as bps_runtime
 from bps.core.frontend import FrontEndCore, NonFiniteGradientError
 from bps.core.model_sync import ModelMismatchError, broadcast_model, check_same_model
 from bps.modes import choose
+from bps.modes.compressed_adam import validate_compressed_adam
 from bps.modes.delayed import validate_staleness
 from bps.modes.periodic import validate_sync_every
 from bps.modes.streaming import plan_fragments, validate_streaming
@@ -95,6 +96,8 @@ class DistributedTrainer:
             raise ValueError(f"backward_passes_per_step={backward_passes_per_step!r} is "
                              "invalid: expected an int >= 1")
         core = FrontEndCore(compression_params, optimizer, local_steps=sync_every > 1)
+        validate_compressed_adam(core.params, optimizer, staleness=staleness,
+                                 sync_every=sync_every, fragments=fragments, overlap=overlap)
         if not any(p.is_cuda for p in model.parameters()):
             # numba starts while the model is checked and broadcast (network waits)
             load_soon(core.params, getattr(torch, COMM_DTYPES[core.params["comm_dtype"]]))
@@ -218,8 +221,8 @@ class DistributedTrainer:
             ...         trainer.step()
         """
         if not self.mode.supports_join:
-            raise NotImplementedError("trainer.join() is not supported with sync_every > 1 "
-                                      "or staleness=1")
+            raise NotImplementedError("trainer.join() is not supported with sync_every > 1, "
+                                      "staleness=1 or compressed Adam (freeze_step)")
         if self.core.pipeline.started or any(self._seen):
             raise RuntimeError("trainer.join() must be entered between steps")
         return self._joined(self.mode.uneven.run(self.step))

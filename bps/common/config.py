@@ -13,9 +13,11 @@ table of :class:`Key`. This module knows no compressor (it sits below them)::
     64
 
 Shared keys: ``compressor``, ``ef``, ``momentum``, ``mu``, ``seed``, ``fp16``,
-``comm_dtype``, ``min_compress_bytes``, ``warmup_steps``, ``nonfinite``. ``ef`` and
-``warmup_steps`` need a compressor; ``mu`` needs ``momentum``; the others apply to any
-configuration. ``mu`` and ``seed`` stay ``None`` when absent: the trainer fills them in
+``comm_dtype``, ``min_compress_bytes``, ``warmup_steps``, ``nonfinite``, ``freeze_step``.
+``ef``, ``warmup_steps`` and ``freeze_step`` need a compressor; ``mu`` needs
+``momentum``; the others apply to any configuration. ``freeze_step`` (compressed Adam,
+:mod:`bps.core.compressed_adam`) also sets ``warmup_steps``: its plain steps travel
+uncompressed. ``mu`` and ``seed`` stay ``None`` when absent: the trainer fills them in
 (optimizer momentum, job seed) before building chains.
 """
 
@@ -45,9 +47,10 @@ SHARED_DEFAULTS: dict[str, Any] = {
     "min_compress_bytes": None,
     "warmup_steps": 0,
     "nonfinite": "raise",
+    "freeze_step": None,  # compressed Adam: plain steps before the variance freezes
 }
 # shared keys that do something only with a compressor
-NEED_A_COMPRESSOR = ("ef", "warmup_steps")
+NEED_A_COMPRESSOR = ("ef", "warmup_steps", "freeze_step")
 
 Check = Callable[[str, Any], Any]
 
@@ -190,6 +193,29 @@ def _check_comm_dtype(params: dict, given: dict) -> None:
     params["fp16"] = comm == "fp16"
 
 
+def _check_freeze_step(params: dict, given: dict) -> None:
+    """``freeze_step``: None, or an int >= 1 with a compressor, no chain momentum and no
+    ``warmup_steps`` of its own; it becomes ``warmup_steps`` (the plain steps travel
+    uncompressed, the momentum after them compressed)."""
+    step = params["freeze_step"]
+    if step is None:
+        return
+    params["freeze_step"] = step = integer(1)("freeze_step", step)
+    if params["compressor"] is None:
+        return  # refused below, naming the compressors
+    if params["momentum"] is not None:
+        raise ValueError(
+            f"compression_params['freeze_step'] = {step} (compressed Adam) does not go "
+            "with compression_params['momentum']: Adam's own momentum is what travels; "
+            "remove 'momentum'")
+    if given.get("warmup_steps", 0) not in (0, step):
+        raise ValueError(
+            f"compression_params['warmup_steps'] = {given['warmup_steps']!r} contradicts "
+            f"compression_params['freeze_step'] = {step}: the steps before the freeze "
+            "are the uncompressed ones; remove 'warmup_steps'")
+    params["warmup_steps"] = step
+
+
 def check_shared(params: dict, given: dict, compressors: tuple[str, ...]) -> None:
     """Check the shared keys of ``params`` (every key present) in place and fill in their
     defaults. ``given``: the caller's dict, to tell a key given from one filled in;
@@ -224,6 +250,7 @@ def check_shared(params: dict, given: dict, compressors: tuple[str, ...]) -> Non
         for key in NEED_A_COMPRESSOR:
             if key in given and given[key] != SHARED_DEFAULTS[key]:
                 raise refuse_unused(key, given[key], None, compressors)
+    _check_freeze_step(params, given)
     if given.get("mu") is not None and params["momentum"] is None:
         raise ValueError(f"compression_params['mu'] = {given['mu']!r} does not apply "
                          "without compression_params['momentum'] = 'nesterov': remove it "

@@ -120,35 +120,58 @@ def check_same_model(rt, model: torch.nn.Module) -> None:
 def broadcast_model(rt, model: torch.nn.Module, source: int = 0) -> None:
     """Overwrite every rank's parameters and buffers with those of node ``source``'s
     local rank 0 (rank 0 by default; ``DistributedTrainer.join`` passes the node that
-    stepped last)."""
-    _overwrite_model(model, lambda flat, dtype: node0_to_all(rt, flat, f"init.{dtype}",
-                                                             source))
+    stepped last), bit for bit: inf and NaN (a ``-inf`` causal mask), every dtype,
+    integers of any size. The bytes travel as 16-bit halves, each a float32 in
+    ``[0, 65535]``: finite (the servers refuse non-finite pushes, which is meant for
+    gradients), exact in float32, and unchanged by the zeros the other nodes add."""
+    def from_node(raw: torch.Tensor) -> torch.Tensor:
+        return float_to_bytes(node0_to_all(rt, bytes_to_float(raw), "init.bits", source))
+
+    _overwrite_model(model, from_node)
 
 
 def broadcast_model_in_node(channel, model: torch.nn.Module, local_rank: int) -> None:
     """Overwrite the parameters and buffers of every local rank of this node with local
-    rank ``local_rank``'s, over the intra-node ``channel``."""
-    def from_local_rank(flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        channel.broadcast(flat, root=local_rank)
-        return flat
+    rank ``local_rank``'s, over the intra-node ``channel`` (bit for bit)."""
+    def from_local_rank(raw: torch.Tensor) -> torch.Tensor:
+        channel.broadcast(raw, root=local_rank)
+        return raw
 
     _overwrite_model(model, from_local_rank)
 
 
+def bytes_to_float(raw: torch.Tensor) -> torch.Tensor:
+    """A uint8 tensor as float32 values in ``[0, 65535]``, one per 16-bit half (a zero
+    byte pads an odd length); :func:`float_to_bytes` inverts it.
+
+        >>> bytes_to_float(torch.tensor([1, 2, 255], dtype=torch.uint8)).tolist()
+        [513.0, 255.0]
+    """
+    padded = torch.cat([raw, raw.new_zeros(raw.numel() % 2)])
+    halves = padded.view(torch.int16).to(torch.int32)
+    return torch.where(halves < 0, halves + 65536, halves).to(torch.float32)
+
+
+def float_to_bytes(values: torch.Tensor) -> torch.Tensor:
+    """The bytes that :func:`bytes_to_float` made ``values`` of (with the pad byte)."""
+    halves = values.to(torch.int32)
+    halves = torch.where(halves >= 32768, halves - 65536, halves).to(torch.int16)
+    return halves.view(torch.uint8)
+
+
 def _overwrite_model(model: torch.nn.Module, exchange) -> None:
-    """Parameters and buffers flattened into one float32 and one float64 tensor, each
-    replaced by ``exchange(flat, dtype)``'s result."""
+    """Every parameter's and buffer's bytes in one uint8 tensor, replaced by
+    ``exchange(raw)``'s result (at least as long)."""
     tensors = [p.data for p in model.parameters()] + list(model.buffers())
-    for dtype in (torch.float32, torch.float64):
-        # float64 carries float64 and integer tensors exactly (|x| < 2**53).
-        chosen = [t for t in tensors if (t.dtype == torch.float64 or not t.is_floating_point())
-                  == (dtype == torch.float64)]
-        if not chosen:
-            continue
-        flat = torch.cat([t.detach().reshape(-1).to("cpu", dtype) for t in chosen])
-        flat = exchange(flat, dtype)
-        offset = 0
-        with torch.no_grad():
-            for t in chosen:
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                offset += t.numel()
+    if not tensors:
+        return
+    raw = torch.cat([t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+                     for t in tensors])
+    raw = exchange(raw)
+    offset = 0
+    with torch.no_grad():
+        for t in tensors:
+            size = t.numel() * t.element_size()
+            chunk = raw[offset:offset + size].clone().view(t.dtype)
+            t.copy_(chunk.view_as(t))
+            offset += size

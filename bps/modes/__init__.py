@@ -9,6 +9,7 @@ from __future__ import annotations
 from bps.core.frontend import FrontEndCore
 from bps.core.grad_pipeline import GradTensor
 from bps.modes.base import StepMode
+from bps.modes.compressed_adam import CompressedAdamSteps
 from bps.modes.delayed import DelayedUpdate
 from bps.modes.periodic import OuterSpec, PeriodicAveraging
 from bps.modes.streaming import StreamingAveraging
@@ -30,4 +31,6 @@ def choose(core: FrontEndCore, runtime, tensors: list[GradTensor], *, staleness:
         return PeriodicAveraging(core, sync_every, outer)
     if staleness:
         return DelayedUpdate(core)
+    if core.params.get("freeze_step") is not None:
+        return CompressedAdamSteps(core)
     return SynchronousSteps(core)

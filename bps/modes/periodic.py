@@ -20,8 +20,9 @@ worker applies the same outer update to ``w_at_last_sync`` (docs/trainer.md,
 parameters, with compression the compressed mean of their deltas), ``{"optimizer":
 "sgd", "lr": a, "momentum": b}`` (heavy ball) or ``{"optimizer": "nesterov", "lr": a,
 "momentum": b}`` (DiLoCo's outer Nesterov SGD; defaults lr 0.7, momentum 0.9).
-Floating-point buffers are averaged at each sync (uncompressed); integer buffers stay
-as they are on each worker.
+Floating-point buffers are averaged at each sync (uncompressed), except their inf and
+NaN entries (a ``-inf`` causal mask), which stay as they are; integer buffers stay as
+they are on each worker.
 """
 
 from __future__ import annotations
@@ -172,7 +173,9 @@ class BufferAverage:
         """Every buffer divided by the workers, summed over the node and pushed raw."""
         rt = self.runtime
         start = torch.cat([b.detach().reshape(-1).float() for b in self.tensors])
-        pending = PendingBuffers(start, torch.div(start, rt.size))
+        # inf and NaN entries (a -inf causal mask) stay as they are: pushed as zeros
+        share = torch.where(torch.isfinite(start), torch.div(start, rt.size), 0.0)
+        pending = PendingBuffers(start, share)
         self.channel.reduce(pending.mean)
         if rt.engine is not None:
             pending.futures = [rt.engine.push_pull(key, pending.mean[o:o + n], step, 0.0)
@@ -191,7 +194,7 @@ class BufferAverage:
         """The servers' mean of ``pending``, pulled and shared with every local rank."""
         self.pull(pending)
         self.channel.broadcast(pending.mean)
-        return pending.mean
+        return torch.where(torch.isfinite(pending.start), pending.mean, pending.start)
 
 
 def warn_outer_defaults(core: FrontEndCore, every: int, spec: OuterSpec) -> None:

@@ -284,9 +284,10 @@ class StreamingAveraging(StepMode):
         for buffer in self.buffers.tensors:
             n = buffer.numel()
             value = mean[offset:offset + n]
-            if moved:
-                value = torch.add(value, torch.sub(buffer.reshape(-1).float(),
-                                                   pushed.start[offset:offset + n]))
+            if moved:  # entries not averaged (inf, NaN) keep what they are now
+                now, start = buffer.reshape(-1).float(), pushed.start[offset:offset + n]
+                value = torch.where(torch.isfinite(start),
+                                    torch.add(value, torch.sub(now, start)), now)
             buffer.copy_(value.view_as(buffer))
             offset += n
 

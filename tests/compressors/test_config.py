@@ -8,7 +8,8 @@ from bps.compressors import resolve_k, validate_compression_params
 DOCUMENTED_KEYS = {"compressor", "k", "scaling", "ef", "momentum", "mu", "seed", "partition",
              "normalize", "fp16", "min_compress_bytes", "warmup_steps", "chunk",
              "comm_dtype", "rank", "warm_start", "orthogonalization_epsilon",
-             "min_compression_rate", "batch_tensors_with_same_shape", "shape", "nonfinite"}
+             "min_compression_rate", "batch_tensors_with_same_shape", "shape", "nonfinite",
+             "freeze_step"}
 
 
 def test_defaults_fill_every_key(monkeypatch):
@@ -21,7 +22,7 @@ def test_defaults_fill_every_key(monkeypatch):
                    "warmup_steps": 0, "chunk": None, "comm_dtype": "fp16", "rank": None,
                    "warm_start": True, "orthogonalization_epsilon": 0.0,
                    "min_compression_rate": 2.0, "batch_tensors_with_same_shape": False,
-                   "shape": None, "nonfinite": "raise"}
+                   "shape": None, "nonfinite": "raise", "freeze_step": None}
 
 
 def test_returns_a_new_dict():
@@ -45,7 +46,8 @@ def test_full_valid_dict():
               "normalize": "l2", "fp16": False, "min_compress_bytes": 0, "warmup_steps": 3,
               "chunk": None, "comm_dtype": "fp32", "rank": None, "warm_start": True,
               "orthogonalization_epsilon": 0.0, "min_compression_rate": 2.0,
-              "batch_tensors_with_same_shape": False, "shape": None, "nonfinite": "skip"}
+              "batch_tensors_with_same_shape": False, "shape": None, "nonfinite": "skip",
+              "freeze_step": None}
     assert validate_compression_params(params) == params
 
 

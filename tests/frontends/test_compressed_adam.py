@@ -1,0 +1,307 @@
+"""Compressed Adam (``compression_params["freeze_step"]``, bps/core/compressed_adam.py)
+on real clusters, bit for bit against the numpy replay of tests/harness/adam_reference.py:
+plain steps on the uncompressed average, then the variance frozen and the momentum
+through the chain with error feedback on workers and servers; checkpoints on either side
+of the freeze resume bit-identical; the momentum mask; what is refused.
+
+This module is also the worker program (tests/harness/trainer_job.py's ``worker_main``
+with this module's ``train``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.harness import adam_reference as ref
+from tests.harness.trainer_job import (
+    SHAPES,
+    initial_params,
+    load_params,
+    make_model,
+    targets,
+    worker_main,
+)
+from tests.harness.trainer_job import launch as trainer_launch
+
+LRS = [0.01, 0.02, 0.02, 0.01, 0.005, 0.01, 0.01, 0.005]
+BASE = {"ef": "vanilla", "fp16": False, "min_compress_bytes": 1000}
+ONEBIT = {"compressor": "onebit", **BASE, "freeze_step": 3}
+TOPK = {"compressor": "topk", "k": 0.1, **BASE, "freeze_step": 2}
+RUNS = [
+    {"tag": "onebit", "params": ONEBIT, "optimizer": "AdamW", "wd": 0.1},
+    {"tag": "topk", "params": TOPK, "optimizer": "Adam", "wd": 0.01},
+    {"tag": "nodecay", "params": ONEBIT, "optimizer": "AdamW", "wd": 0.0},
+    {"tag": "ddp-onebit", "params": ONEBIT, "optimizer": "AdamW", "wd": 0.1, "ddp": True},
+    {"tag": "ddp-topk", "params": TOPK, "optimizer": "Adam", "wd": 0.01, "ddp": True},
+    {"tag": "ddp-part2", "params": ONEBIT, "optimizer": "AdamW", "wd": 0.1, "ddp": True,
+     "stop": 2, "save": "ddp2"},
+    {"tag": "ddp-resumed2", "params": ONEBIT, "optimizer": "AdamW", "wd": 0.1, "ddp": True,
+     "load": "ddp2"},
+    # checkpoints: after the freeze, and before it (the resumed run crosses it)
+    {"tag": "part5", "params": ONEBIT, "optimizer": "AdamW", "wd": 0.1, "stop": 5,
+     "save": "ckpt5"},
+    {"tag": "resumed5", "params": ONEBIT, "optimizer": "AdamW", "wd": 0.1, "load": "ckpt5"},
+    {"tag": "part2", "params": ONEBIT, "optimizer": "AdamW", "wd": 0.1, "stop": 2,
+     "save": "ckpt2"},
+    {"tag": "resumed2", "params": ONEBIT, "optimizer": "AdamW", "wd": 0.1, "load": "ckpt2"},
+]
+
+
+# ----------------------------------------------------------------------------- worker side
+
+
+def train_ddp(run: dict, rank: int, shapes: dict, out: Path) -> dict:
+    """The same job through DDP and the bps hook; the optimizer's step is the user's."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    import bps.ddp
+
+    class Toy(torch.nn.Module):
+        def forward(self, goal: dict, live: dict) -> torch.Tensor:
+            return sum((getattr(self, n) * ((getattr(self, n).detach() - goal[n]) * live[n])
+                        ).sum() for n in shapes)
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    toy = Toy()
+    for name, value in initial_params(rank, shapes).items():
+        toy.register_parameter(name, torch.nn.Parameter(torch.from_numpy(value)))
+    start, saved = 0, None
+    if "load" in run:  # the hook's state pickled with the rest
+        saved = torch.load(out / f"{run['load']}-{rank}.pt", weights_only=False)
+        toy.load_state_dict(saved["model"])
+        start = saved["step"]
+    ddp = DistributedDataParallel(toy)
+    optimizer = getattr(torch.optim, run["optimizer"])(ddp.parameters(), lr=LRS[0],
+                                                       weight_decay=run["wd"])
+    if saved is not None:
+        state = saved["hook"]
+        state.optimizer = optimizer
+        optimizer.load_state_dict(saved["optimizer"])
+    else:
+        state = bps.ddp.HookState(run["params"], optimizer=optimizer, module=toy)
+    ddp.register_comm_hook(state, bps.ddp.ps_hook)
+    goal = {n: torch.from_numpy(t) for n, t in targets(rank, shapes).items()}
+    live = {n: torch.from_numpy(t) for n, t in ref.live_mask(shapes).items()}
+    for step in range(start, run.get("stop", len(LRS))):
+        for group in optimizer.param_groups:
+            group["lr"] = LRS[step]
+        optimizer.zero_grad()
+        ddp(goal, live).backward()
+        optimizer.step()
+    if "save" in run:
+        torch.save({"model": toy.state_dict(), "optimizer": optimizer.state_dict(),
+                    "hook": state, "step": run["stop"]}, out / f"{run['save']}-{rank}.pt")
+    np.savez(out / f"params{run['tag']}{rank}.npz",
+             **{n: getattr(toy, n).detach().numpy() for n in shapes})
+    state.close()
+    return {}
+
+
+def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
+    import torch
+
+    import bps
+
+    if run.get("ddp"):
+        return train_ddp(run, rank, shapes, out)
+
+    model = make_model(rank, shapes)
+    cls = getattr(torch.optim, run["optimizer"])
+    optimizer = cls(model.parameters(), lr=LRS[0], weight_decay=run["wd"])
+    trainer = bps.DistributedTrainer(model, optimizer, run["params"])
+    start = 0
+    if "load" in run:
+        saved = torch.load(out / f"{run['load']}-{rank}.pt", weights_only=False)
+        model.load_state_dict(saved["model"])
+        trainer.load_state_dict(saved["trainer"])
+        start = saved["step"]
+    goal = {n: torch.from_numpy(t) for n, t in targets(rank, shapes).items()}
+    live = {n: torch.from_numpy(t) for n, t in ref.live_mask(shapes).items()}
+    report = {"pushed": []}
+    for step in range(start, run.get("stop", len(LRS))):
+        for group in optimizer.param_groups:
+            group["lr"] = LRS[step]
+        trainer.zero_grad()
+        loss = sum((getattr(model, n) * ((getattr(model, n).detach() - goal[n]) * live[n])).sum()
+                   for n in shapes)
+        loss.backward()
+        assert trainer.step()
+        report["pushed"].append(trainer.stats()["bytes_pushed"])
+    if "save" in run:
+        torch.save({"model": model.state_dict(), "trainer": trainer.state_dict(),
+                    "step": run["stop"]}, out / f"{run['save']}-{rank}.pt")
+    np.savez(out / f"params{run['tag']}{rank}.npz",
+             **{n: getattr(model, n).detach().numpy() for n in shapes})
+    report["state_keys"] = sorted(optimizer.state_dict()["state"][0])
+    trainer.close()
+    return report
+
+
+# ----------------------------------------------------------------------------- test side
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("compressed_adam")
+    proc = trainer_launch({"runs": RUNS}, tmp, workers=2, module=__name__, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    return tmp
+
+
+def expected(run: dict) -> dict:
+    return ref.simulate(run["params"], 2, LRS, SHAPES, wd=run["wd"],
+                        decoupled=run["optimizer"] == "AdamW")
+
+
+@pytest.mark.parametrize("tag", ["onebit", "topk", "nodecay", "ddp-onebit", "ddp-topk"])
+def test_matches_the_numpy_replay_bit_for_bit(cluster, tag):
+    run = next(r for r in RUNS if r["tag"] == tag)
+    want = expected(run)
+    for rank, got in enumerate(load_params(cluster, 2, tag)):
+        for name in SHAPES:
+            np.testing.assert_array_equal(got[name], want[name], err_msg=f"{tag} {name} r{rank}")
+
+
+def test_the_device_chains_match_the_replay_too(tmp_path):
+    """``BPS_DEVICE_KERNELS=1``: the chains' torch kernels (a GPU's) on CPU tensors."""
+    runs = [r for r in RUNS if r["tag"] in ("onebit", "topk")]
+    proc = trainer_launch({"runs": runs}, tmp_path, workers=2, module=__name__, timeout=300,
+                          env={"BPS_DEVICE_KERNELS": "1"})
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    for run in runs:
+        want = expected(run)
+        for rank, got in enumerate(load_params(tmp_path, 2, run["tag"])):
+            for name in SHAPES:
+                np.testing.assert_array_equal(got[name], want[name],
+                                              err_msg=f"{run['tag']} {name} r{rank}")
+
+
+def test_frozen_steps_push_less_and_keep_the_optimizer_state(cluster):
+    report = json.loads((cluster / "report0.json").read_text())["onebit"]
+    pushed = report["pushed"]
+    # onebit momentum of the big tensor vs its raw fp32 gradient (small and bias raw)
+    assert max(pushed[3:]) * 3 < min(pushed[:3]), pushed
+    assert report["state_keys"] == ["exp_avg", "exp_avg_sq", "step"]
+
+
+def test_momentum_mask_keeps_never_moving_entries_still(cluster):
+    """Entries whose gradient is always zero have zero variance: after the freeze the
+    compressed momentum (signs times a scale) would move them by ``m / eps``."""
+    start = initial_params(0, SHAPES)
+    for got in load_params(cluster, 2, "nodecay"):
+        np.testing.assert_array_equal(got["big"][0], start["big"][0])
+        np.testing.assert_array_equal(got["bias"][0], start["bias"][0])
+        assert not np.array_equal(got["big"][1], start["big"][1])
+
+
+@pytest.mark.parametrize("tag", ["resumed5", "resumed2", "ddp-resumed2"])
+def test_resume_on_either_side_of_the_freeze_is_bit_identical(cluster, tag):
+    full = load_params(cluster, 2, "ddp-onebit" if tag.startswith("ddp") else "onebit")
+    for rank, got in enumerate(load_params(cluster, 2, tag)):
+        for name in SHAPES:
+            np.testing.assert_array_equal(got[name], full[rank][name], err_msg=f"{tag} {name}")
+
+
+def test_kernels_match_the_numpy_formulas():
+    import torch
+
+    from bps.core.compressed_adam import frozen_step_, local_momentum_, plain_step_
+
+    rng = np.random.default_rng(5)
+    x, g, m = (rng.standard_normal(4096).astype(np.float32) for _ in range(3))
+    v = (rng.standard_normal(4096) ** 2).astype(np.float32)
+    v[:7] = 0
+    tx, tm, tv = torch.from_numpy(x.copy()), torch.from_numpy(m.copy()), torch.from_numpy(v.copy())
+    plain_step_(tx, torch.from_numpy(g), tm, tv, 5, 0.003, 0.9, 0.99, 1e-8, 0.0, True)
+    f32 = np.float32
+    wm = ((m * f32(0.9)).astype(f32) + (g * f32(1 - 0.9)).astype(f32)).astype(f32)
+    wv = ((v * f32(0.99)).astype(f32) + ((g * g).astype(f32) * f32(1 - 0.99))).astype(f32)
+    assert tm.numpy().tobytes() == wm.tobytes() and tv.numpy().tobytes() == wv.tobytes()
+    assert tx.numpy().tobytes() == ref.descend(x, wm, wv, 5, 5, 0.003, 0.9, 0.99, 1e-8).tobytes()
+    tg = torch.from_numpy(g.copy())
+    local_momentum_(tg, torch.from_numpy(m), torch.from_numpy(x), 0.9, 0.01, False)
+    gl = (g + (x * f32(0.01)).astype(f32)).astype(f32)
+    want = ((gl * f32(1 - 0.9)).astype(f32) + (m * f32(0.9)).astype(f32)).astype(f32)
+    assert tg.numpy().tobytes() == want.tobytes()
+    tx, tm = torch.from_numpy(x.copy()), torch.from_numpy(m.copy())
+    frozen_step_(tx, torch.from_numpy(g), tm, torch.from_numpy(v), 9, 4, 0.003, 0.9, 0.99,
+                 1e-8, 0.1, True)
+    wm = np.where(v > 0, g, f32(0)).astype(f32)
+    xd = (x * f32(1 - 0.003 * 0.1)).astype(f32)
+    assert tm.numpy().tobytes() == wm.tobytes()
+    assert tx.numpy().tobytes() == ref.descend(xd, wm, v, 9, 4, 0.003, 0.9, 0.99, 1e-8).tobytes()
+    assert np.array_equal(tx.numpy()[:7], xd[:7])  # masked: decay only
+
+
+def _toy():
+    import torch
+
+    model = torch.nn.Linear(4, 2)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+@pytest.mark.parametrize("kwargs, exc, words", [
+    ({"staleness": 1}, ValueError, ["staleness=1", "freeze_step"]),
+    ({"sync_every": 4}, ValueError, ["sync_every=4", "freeze_step"]),
+    ({"sync_every": 4, "fragments": 2}, ValueError, ["sync_every=4", "freeze_step"]),
+    ({"optimizer": "SGD"}, TypeError, ["freeze_step", "Adam", "SGD"]),
+    ({"amsgrad": True}, ValueError, ["amsgrad", "freeze_step"]),
+])
+def test_what_does_not_go_is_refused_before_anything_is_sent(kwargs, exc, words):
+    import torch
+
+    import bps
+
+    model, optimizer = _toy()
+    kwargs = dict(kwargs)
+    if kwargs.pop("optimizer", None) == "SGD":
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    if kwargs.pop("amsgrad", False):
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.1, amsgrad=True)
+    with pytest.raises(exc) as info:  # no bps.init(): nothing may have been sent
+        bps.DistributedTrainer(model, optimizer, ONEBIT, **kwargs)
+    for word in words:
+        assert word in str(info.value), str(info.value)
+
+
+def test_the_hook_refuses_what_does_not_go():
+    import torch
+
+    import bps.ddp
+
+    model, optimizer = _toy()
+    with pytest.raises(TypeError, match="freeze_step.*SGD"):
+        bps.ddp.HookState(ONEBIT, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="GradScaler"):
+        bps.ddp.HookState(ONEBIT, optimizer=optimizer, scaler=torch.amp.GradScaler("cpu"))
+
+
+@pytest.mark.parametrize("params, words", [
+    ({"freeze_step": 5}, ["freeze_step", "no compressor"]),
+    ({"compressor": "onebit", "freeze_step": 0}, ["freeze_step", "int >= 1"]),
+    ({"compressor": "onebit", "freeze_step": 3, "momentum": "nesterov"}, ["momentum"]),
+    ({"compressor": "onebit", "freeze_step": 3, "warmup_steps": 2}, ["warmup_steps"]),
+])
+def test_bad_freeze_step_is_named(params, words):
+    from bps.compressors import validate_compression_params
+
+    with pytest.raises(ValueError) as info:
+        validate_compression_params(params)
+    for word in words:
+        assert word in str(info.value), str(info.value)
+    ok = validate_compression_params({"compressor": "onebit", "freeze_step": 4})
+    assert (ok["freeze_step"], ok["warmup_steps"]) == (4, 4)
+
+
+if __name__ == "__main__":
+    from bps.server.role import end_process
+
+    end_process(worker_main(json.loads(sys.argv[1]), train))
