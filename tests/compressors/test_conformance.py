@@ -40,6 +40,7 @@ SCANNED = ["tests", "bench", "examples", "compressors/warm.py"]
 # (file, name): a comparison with the name that is not about the compressor
 NOT_THE_COMPRESSOR = {
     ("examples/ddp_mnist.py", "powersgd"): "--hook powersgd is torch's own DDP hook",
+    ("examples/lm.py", "powersgd"): "--ddp powersgd is torch's own DDP hook",
 }
 
 

@@ -33,8 +33,8 @@ BASE = {"ef": "vanilla", "fp16": False, "min_compress_bytes": 1000}
 ONEBIT = {"compressor": "onebit", **BASE, "freeze_step": 3}
 TOPK = {"compressor": "topk", "k": 0.1, **BASE, "freeze_step": 2}
 RUNS = [
-    {"tag": "onebit", "params": ONEBIT, "optimizer": "AdamW", "wd": 0.1},
-    {"tag": "topk", "params": TOPK, "optimizer": "Adam", "wd": 0.01},
+    {"tag": "onebit", "params": ONEBIT, "optimizer": "AdamW", "wd": 0.1, "device": True},
+    {"tag": "topk", "params": TOPK, "optimizer": "Adam", "wd": 0.01, "device": True},
     {"tag": "nodecay", "params": ONEBIT, "optimizer": "AdamW", "wd": 0.0},
     {"tag": "ddp-onebit", "params": ONEBIT, "optimizer": "AdamW", "wd": 0.1, "ddp": True},
     {"tag": "ddp-topk", "params": TOPK, "optimizer": "Adam", "wd": 0.01, "ddp": True},
@@ -172,7 +172,7 @@ def test_matches_the_numpy_replay_bit_for_bit(cluster, tag):
 
 def test_the_device_chains_match_the_replay_too(tmp_path):
     """``BPS_DEVICE_KERNELS=1``: the chains' torch kernels (a GPU's) on CPU tensors."""
-    runs = [r for r in RUNS if r["tag"] in ("onebit", "topk")]
+    runs = [r for r in RUNS if r.get("device")]
     proc = trainer_launch({"runs": runs}, tmp_path, workers=2, module=__name__, timeout=300,
                           env={"BPS_DEVICE_KERNELS": "1"})
     assert proc.returncode == 0, proc.stdout[-6000:]
