@@ -87,6 +87,11 @@ class KeyEngine(threading.Thread):
         self.inbox: queue.Queue = queue.Queue()
         self.aggregator = Aggregator(server.num_workers, server.tracer)
 
+    @property
+    def keys(self) -> dict:
+        """Its keys' states (:class:`~bps.server.aggregator.KeyState`), by key."""
+        return self.aggregator.keys
+
     def run(self) -> None:
         out = new_socket(self.server.ctx, zmq.PUSH)
         out.connect(self.server.replies_address)
@@ -98,7 +103,6 @@ class KeyEngine(threading.Thread):
                 requests.serve(ident, header, payload)
         finally:
             out.close()
-
 
 
 class LeastLoaded:
