@@ -447,7 +447,7 @@ class Aggregator:
             else:  # joined and checked in one pass
                 values = torch.empty(state.numel, dtype=state.dtype) if out is None else out
                 finite = join_finite(list(payload), values)
-            if state.numel and not finite:
+            if not finite:
                 raise _nonfinite_push(state, node)
             return values
         data = payload_data(payload)

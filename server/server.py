@@ -16,8 +16,8 @@ shared by the job's servers on it), each owning a disjoint set of keys (a new ke
 the one with the fewest elements so far, :class:`LeastLoaded`), so different keys are
 decoded, summed and re-encoded in parallel (torch ops and numba kernels release the GIL;
 a large partition's kernels also run in chunks on ``bps.compressors.threads``' pool).
-Each engine thread serves its requests in arrival order (:class:`~bps.server.requests.
-Requests` on an :class:`~bps.server.aggregator.Aggregator`); each step's reply carries
+Each engine thread serves its requests in arrival order (``Requests`` of
+:mod:`bps.server.requests` on its own ``Aggregator``); each step's reply carries
 ``server_s``, the seconds the key's engine spent on it. Engine threads send replies back
 through an inproc socket; the I/O thread forwards them.
 
