@@ -62,7 +62,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 import torch
@@ -82,8 +82,7 @@ class RequestError(ValueError):
     """A request the server refuses; the message goes back in an ERROR reply."""
 
 
-@dataclass(frozen=True)
-class Push:
+class Push(NamedTuple):
     """One worker node's push of a step: its payload's buffers, or a mark with none."""
 
     node: int
@@ -123,7 +122,7 @@ class Step:
         return self.total is not None or bool(self.payloads)
 
 
-@dataclass
+@dataclass(slots=True)
 class Finished:
     """A step's answer to each of its ``waiters``: ``payload`` (the server chain's bytes,
     or the raw sum in the key's dtype) with the ``skip`` fields where the step is
@@ -138,7 +137,7 @@ class Finished:
     error: str | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class Pushed:
     """What a push led to: ``refused``, (waiter, message) of an earlier push held for
     this one that could not be decoded once its turn came (its node must push again);
@@ -336,23 +335,22 @@ class Aggregator:
         has no other push of this key waiting, the step is within STEP_WINDOW of the
         other pending pushes' steps, and its learning rate (``None``: a marker's, not
         checked) is that of the step's first push with values."""
-        where = state.where
         self._check_step(state, step)
         if pending is not None and pending.pushed(node):
-            raise RequestError(f"{where}: worker {node} pushed step {step} twice")
+            raise RequestError(f"{state.where}: worker {node} pushed step {step} twice")
         for other, waiting in state.steps.items():
             if other == step or not waiting.started():
                 continue
             if waiting.pushed(node):
-                raise RequestError(f"{where}: worker {node} pushed step {step} while its "
+                raise RequestError(f"{state.where}: worker {node} pushed step {step} while its "
                                    f"push of step {other} still waits for the other workers")
             if abs(step - other) > STEP_WINDOW:
-                raise RequestError(f"{where}: step {step} is more than {STEP_WINDOW} step "
+                raise RequestError(f"{state.where}: step {step} is more than {STEP_WINDOW} step "
                                    f"away from step {other}, which other workers pushed")
         if (lr is not None and pending is not None and pending.first_lr is not None
                 and pending.first_lr[1] != lr):
             first_node, first_lr = pending.first_lr
-            raise RequestError(f"{where} step {step}: worker {node} pushed learning rate "
+            raise RequestError(f"{state.where} step {step}: worker {node} pushed learning rate "
                                f"{lr!r}, but worker {first_node} pushed {first_lr!r} for the "
                                f"same step (the workers' learning rates differ)")
 

@@ -181,25 +181,25 @@ class Requests:
         """Check a push's fields against its key's declaration, then sum it: its ACK
         (added, or held), then the answers of the steps it completed."""
         state = self.aggregator.key(header["key"])
-        node, where = header["node"], state.where
+        node = header["node"]
         if header["dtype"] != dtype_name(state.dtype):
-            raise RequestError(f"{where}: push dtype {header['dtype']!r} differs from the "
+            raise RequestError(f"{state.where}: push dtype {header['dtype']!r} differs from the "
                                f"declared {dtype_name(state.dtype)!r}")
         if header["numel"] != state.numel:
-            raise RequestError(f"{where}: push numel {header['numel']} differs from the "
+            raise RequestError(f"{state.where}: push numel {header['numel']} differs from the "
                                f"declared {state.numel}")
         if not 0 <= node < self.aggregator.workers:
-            raise RequestError(f"{where}: field 'node'={node} out of range")
+            raise RequestError(f"{state.where}: field 'node'={node} out of range")
         if header["lr"] < 0:
-            raise RequestError(f"{where}: field 'lr'={header['lr']} is negative")
+            raise RequestError(f"{state.where}: field 'lr'={header['lr']} is negative")
         raw_bytes = state.numel * state.dtype.itemsize
         if "mark" in header:  # no payload (the protocol checked nbytes == 0)
             pass
         elif state.chain is None and header["nbytes"] != raw_bytes:
-            raise RequestError(f"{where}: raw payload of {header['nbytes']} bytes, expected "
+            raise RequestError(f"{state.where}: raw payload of {header['nbytes']} bytes, expected "
                                f"{raw_bytes}")
         if state.chain is not None and header["nbytes"] > 2 * raw_bytes + 64:
-            raise RequestError(f"{where}: compressed payload of {header['nbytes']} bytes is "
+            raise RequestError(f"{state.where}: compressed payload of {header['nbytes']} bytes is "
                                "larger than any encoding")
         pushed = self.aggregator.push(
             state.key, node, header["step"], _buffers(payload), header["lr"],
