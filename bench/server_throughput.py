@@ -10,7 +10,7 @@ Usage::
 ``--keys 80``: one of 2 servers' share of GPT-2 small (162.6M float32 elements in
 partitions of 1,024,000).
 
-Drives a real :class:`bps.server.server.ParameterServer`'s engine threads (``_KeyEngine``:
+Drives a real :class:`bps.server.server.ParameterServer`'s engine threads (``KeyEngine``:
 their inboxes, the real decode, node-order sum, error feedback and re-encode, replies on
 the inproc socket) with the pushes of 2 worker nodes, without the network or the I/O
 thread: the compute a server does per step, as ``BPS_SERVER_THREADS`` engine threads
@@ -44,7 +44,7 @@ from bps.common.env import ClusterEnv
 from bps.common.protocol import Op, decode, dtype_name, encode, payload_frames, server_seconds
 from bps.common.striping import host_cores
 from bps.compressors import build
-from bps.server.server import ParameterServer, _KeyEngine, _LeastLoaded
+from bps.server.server import KeyEngine, LeastLoaded, ParameterServer
 
 WORKERS = 2
 REPLY_TIMEOUT_MS = 120_000  # a step that takes longer fails, naming the keys not answered
@@ -74,11 +74,11 @@ class Rig:
         self.server.num_workers = WORKERS
         self.replies = self.ctx.socket(zmq.PULL)
         self.replies.bind(self.server.replies_address)
-        self.engines = [_KeyEngine(self.server, i) for i in range(threads)]
+        self.engines = [KeyEngine(self.server, i) for i in range(threads)]
         for engine in self.engines:
             engine.start()
         self.keys, self.numel, self.dtype = list(range(keys)), numel, dtype
-        pick = _LeastLoaded(self.engines)  # as the server's I/O thread deals keys
+        pick = LeastLoaded(self.engines)  # as the server's I/O thread deals keys
         self.owner = {key: pick({"numel": numel}) for key in self.keys}
         self.rid = 0
         self.aggregates: dict[int, list[zmq.Frame]] = {}  # the last step's, per key

@@ -44,7 +44,7 @@ from bps.common.striping import (
     pinned_connection,
     server_endpoints,
 )
-from bps.server.server import KEY_COST, MAX_NUMEL, _LeastLoaded
+from bps.server.server import KEY_COST, MAX_NUMEL, LeastLoaded
 from bps.worker.partition import Placement, partition, plan_servers
 from bps.worker.send_queues import SendQueues, send_order
 
@@ -134,7 +134,7 @@ def test_a_finished_role_keeps_its_output_and_code_but_skips_finalization() -> N
 
 def test_new_keys_go_to_the_least_loaded_engine_thread() -> None:
     engines = ["e0", "e1", "e2"]
-    pick = _LeastLoaded(engines)
+    pick = LeastLoaded(engines)
     # a layer's weight, then its bias and a norm's weight: round-robin would give every
     # weight to e0
     sizes = [1_000_000, 5, 5] * 6

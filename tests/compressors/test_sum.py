@@ -14,7 +14,7 @@ import zmq
 from bps.common.protocol import Op, decode, encode
 from bps.compressors import Compressor, build, description, registered_names
 from bps.compressors.base import NonFiniteError
-from bps.server.server import RequestError
+from bps.server.aggregator import RequestError
 from tests.harness import reference_compressors as ref
 from tests.harness.key_engine import serving_key_engine
 from tests.harness.reference_compressors import ref_codec
@@ -213,7 +213,7 @@ def test_a_compressor_without_decompress_add_is_decoded_and_added():
 
 @pytest.fixture
 def key_engine():
-    """A real _KeyEngine whose replies go over a real inproc PUSH/PULL pair."""
+    """A real key engine whose replies go over a real inproc PUSH/PULL pair."""
     with serving_key_engine(3) as (engine, replies):
         yield (engine, *_requests(engine, replies))
 
@@ -235,7 +235,7 @@ def _requests(engine, replies):
         frames = None if payload is None else [zmq.Frame(payload)]
         if payload is not None and len(payload) > 8:
             frames = [zmq.Frame(payload[:8]), zmq.Frame(payload[8:])]
-        engine._handle(b"peer", header, frames)
+        engine.handle(b"peer", header, frames)
         return reply()
 
     return request, reply
@@ -409,7 +409,7 @@ def test_a_large_partition_in_chunks_gives_the_bits_of_one_pass(monkeypatch, dty
     partition in chunks on several threads: the same bits as one pass, and the sum is
     the reference decoder's."""
     from bps.compressors import threads
-    from bps.server.server import _add_in_chunks
+    from bps.server.aggregator import add_in_chunks
 
     numel, torch_dtype = 1000, ref.TORCH_DTYPE[dtype]
     params = {"compressor": "onebit", "scaling": True, "ef": "vanilla"}
@@ -437,5 +437,5 @@ def test_a_large_partition_in_chunks_gives_the_bits_of_one_pass(monkeypatch, dty
     for scratch in (None, torch.empty(numel, dtype=torch.float32)):
         total = sample(numel, "float32", seed=5) if scratch is not None else half.clone()
         expected = total + (half.float() if scratch is not None else half)
-        _add_in_chunks(total, half, scratch)
+        add_in_chunks(total, half, scratch)
         assert torch.equal(total, expected)

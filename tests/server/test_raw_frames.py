@@ -9,7 +9,7 @@ import torch
 import zmq
 
 from bps.common.protocol import Op, decode, dtype_name, encode
-from bps.server.server import RequestError
+from bps.server.aggregator import RequestError
 from tests.harness.key_engine import serving_key_engine
 
 NUMEL = 3000
@@ -36,7 +36,7 @@ def test_a_bad_frame_adds_nothing_and_the_sum_is_exact(dtype, workers, cut) -> N
     bad[-1] = float("nan")
     with serving_key_engine(workers) as (engine, replies):
         def request(op: Op, payload: list[zmq.Frame] | None, **fields) -> list[tuple]:
-            engine._handle(b"peer", decode(encode(op, rid=1, **fields)), payload)
+            engine.handle(b"peer", decode(encode(op, rid=1, **fields)), payload)
             got = []
             while replies.poll(100):
                 parts = replies.recv_multipart()

@@ -10,7 +10,8 @@ import pytest
 import zmq
 
 from bps.common.protocol import Op, decode, encode
-from bps.server.server import RequestError, _KeyEngine
+from bps.server.aggregator import RequestError
+from bps.server.requests import Requests
 from tests.harness.key_engine import serving_key_engine
 
 NUMEL = 16
@@ -22,13 +23,13 @@ def push() -> Iterator:
         yield _pusher(engine, replies)
 
 
-def _pusher(engine: _KeyEngine, replies: zmq.Socket):
+def _pusher(engine: Requests, replies: zmq.Socket):
     def request(op: Op, payload: bytes | None = None, replied: bool = True,
                 **fields) -> list[dict]:
         """Handle one request as the engine thread would; its replies (ACK, DATA...),
-        which are all sent by the time ``_handle`` returns."""
-        engine._handle(b"peer", decode(encode(op, rid=1, **fields)),
-                       None if payload is None else [zmq.Frame(payload)])
+        which are all sent by the time ``handle`` returns."""
+        engine.handle(b"peer", decode(encode(op, rid=1, **fields)),
+                      None if payload is None else [zmq.Frame(payload)])
         got = []
         while replies.poll(100 if got or not replied else 10_000):
             got.append(decode(replies.recv_multipart()[1]))

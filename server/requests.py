@@ -1,0 +1,245 @@
+"""A parameter server's requests: checked, authorised, and turned into the calls of a
+key engine's :class:`~bps.server.aggregator.Aggregator`, whose answers go back as replies.
+
+Usage (what each engine thread of :mod:`bps.server.server` runs; ``out`` is any object
+with ZeroMQ's ``send_multipart``, replies go out as ``[routing id, header, payload...]``)::
+
+    requests = Requests(Aggregator(env.num_workers), out, env)
+    requests.serve(ident, header, frames)    # a request that check_request let through
+
+Who may ask (see docs/runtime.md, "Security"): the ROUTER is a CURVE server
+(:mod:`bps.common.auth`), so only holders of the cluster key connect at all. A request counts
+as worker n's only on a connection whose routing id starts with the token the scheduler
+gave worker n at rendezvous; REGISTER and PUSH must name that node, SET_STATE and
+ABORT come from worker 0 only (:func:`check_member`). A worker has at most one push per
+key waiting for its step, and a step more than one away from the step in progress is
+refused (:mod:`bps.server.aggregator`). Every header field is checked before anything is
+allocated: the op and the payload frames' count and sizes (:func:`check_request`), a
+key's range, size (half of ``BPS_MAX_MESSAGE_BYTES``) and dtype, and a push's fields
+against its key's declaration (:meth:`Requests.handle`). A refused request gets an ERROR
+reply naming the key and field (warnings rate-limited); the server keeps serving
+everyone else.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, NamedTuple
+
+import torch
+
+from bps.common.env import ClusterEnv
+from bps.common.protocol import (
+    TOKEN_BYTES,
+    Op,
+    ProtocolError,
+    check_payload,
+    dtype_name,
+    encode,
+    error_text,
+    payload_frames,
+    torch_dtype,
+)
+from bps.common.ratelimit import RateLimitedLog
+from bps.compressors.warm import load_soon
+
+from .aggregator import Aggregator, Finished, RequestError
+
+log = logging.getLogger("bps.server")
+refusals = RateLimitedLog(log)
+
+MAX_KEY = 2**63
+MAX_NUMEL = 2**31 - 1
+OPS_WITH_PAYLOAD = (Op.PUSH, Op.SET_STATE)
+KEY_OPS = (Op.REGISTER, Op.PUSH, Op.PULL, Op.GET_STATE, Op.SET_STATE, Op.ABORT)
+
+
+def check_request(ident: bytes, header: dict, frame_sizes: list[int],
+                  members: dict[bytes, int], max_message_bytes: int) -> None:
+    """A decoded request is a key request of a member (:func:`check_member`) whose payload
+    frames (``frame_sizes``) are as its header says; ProtocolError where not.
+
+        >>> check_request(b"tok", {"op": Op.PULL, "key": 1, "step": 0}, [8], {b"tok": 0}, 99)
+        Traceback (most recent call last):
+        ...
+        bps.common.protocol.ProtocolError: PULL: 1 payload frames, expected 0
+    """
+    op = header["op"]
+    if op not in KEY_OPS:
+        raise ProtocolError(f"op {op.name} is not a server request")
+    check_member(members, ident, header)
+    if op in OPS_WITH_PAYLOAD:
+        check_payload(f"{op.name} key {header['key']}", header["nbytes"], frame_sizes,
+                      max_message_bytes)
+    elif frame_sizes:
+        raise ProtocolError(f"{op.name}: {len(frame_sizes)} payload frames, expected 0")
+
+
+def check_member(members: dict[bytes, int], ident: bytes, header: dict) -> None:
+    """The request comes from a connection of the worker it speaks for (``members``:
+    worker token -> node id, from the scheduler's WELCOME)."""
+    op, key = header["op"], header["key"]
+    node = members.get(ident[:TOKEN_BYTES])
+    if node is None:
+        raise ProtocolError(f"{op.name} key {key}: this connection belongs to no worker "
+                            f"of this job")
+    claimed = header.get("node", node)
+    if op in (Op.REGISTER, Op.PUSH) and claimed != node:
+        raise ProtocolError(f"{op.name} key {key} as worker {claimed!r} on a connection "
+                            f"of worker {node}")
+    if op == Op.SET_STATE and node != 0:
+        raise ProtocolError(f"SET_STATE key {key} from worker {node}: only worker 0 "
+                            f"restores the servers' state (load_state_dict)")
+    if op == Op.ABORT and node != 0:
+        raise ProtocolError(f"ABORT key {key} from worker {node}: only worker 0 "
+                            f"rolls back a skipped step")
+
+
+class Waiter(NamedTuple):
+    """Who waits for a step's answer: a request's connection, its id and peer address."""
+
+    ident: bytes
+    rid: int
+    peer: str
+
+
+class Requests:
+    """Serves the requests of one key engine's keys on ``aggregator``; its replies go to
+    ``out`` (``send_multipart``), payloads in frames of ``env.frame_bytes``."""
+
+    def __init__(self, aggregator: Aggregator, out: Any, env: ClusterEnv) -> None:
+        self.aggregator = aggregator
+        self.out = out
+        self.env = env
+
+    @property
+    def keys(self) -> dict:
+        """The keys' states (:class:`~bps.server.aggregator.KeyState`), by key."""
+        return self.aggregator.keys
+
+    def serve(self, ident: bytes, header: dict, payload: list | None) -> None:
+        """Handle one request; a refusal or a failure becomes its ERROR reply."""
+        try:
+            self.handle(ident, header, payload)
+        except RequestError as exc:
+            self._error(Waiter(ident, header["rid"], header.get("peer", "?")),
+                        header["op"], str(exc))
+        except Exception as exc:  # a codec failure must not kill the server
+            log.exception("key %s: %s failed", header.get("key"), header["op"].name)
+            self._error(Waiter(ident, header["rid"], header.get("peer", "?")), header["op"],
+                        f"key {header.get('key')}: {header['op'].name} failed: "
+                        f"{type(exc).__name__}: {exc}")
+
+    def handle(self, ident: bytes, header: dict, payload: list | None) -> None:
+        """Handle one request (``payload``: its frames, or None); its replies are sent
+        by the time this returns. Raises RequestError where it is refused."""
+        op, key, rid = header["op"], header["key"], header["rid"]
+        sums = self.aggregator
+        if op == Op.REGISTER:
+            self._register(header)
+            self._reply(ident, encode(Op.OK, rid=rid))
+        elif op == Op.PUSH:
+            self._push(ident, header, payload)
+        elif op == Op.PULL:
+            answer = sums.pull(key, header["step"],
+                               Waiter(ident, rid, header.get("peer", "?")))
+            if answer is not None:
+                self._send(answer)
+        elif op == Op.GET_STATE:
+            step, blob = sums.get_state(key)
+            self._reply(ident, encode(Op.DATA, rid=rid, key=key, step=step,
+                                      nbytes=len(blob)), blob)
+        elif op == Op.SET_STATE:
+            sums.set_state(key, _buffers(payload))
+            self._reply(ident, encode(Op.OK, rid=rid))
+        elif op == Op.ABORT:
+            sums.abort(key, header["step"])
+            self._reply(ident, encode(Op.OK, rid=rid))
+
+    def _register(self, header: dict) -> None:
+        key, numel, name = header["key"], header["numel"], header["name"]
+        if not 0 <= key < MAX_KEY:
+            raise RequestError(f"key {key} ({name!r}): key out of range [0, 2**63)")
+        if not 0 <= numel <= MAX_NUMEL:
+            raise RequestError(f"key {key} ({name!r}): numel={numel} out of range")
+        try:
+            dtype = torch_dtype(header["dtype"])
+        except ValueError as exc:
+            raise RequestError(f"key {key} ({name!r}): {exc}") from None
+        limit = self.env.max_message_bytes
+        largest = (limit - 64) // 2
+        if numel * dtype.itemsize > largest:
+            raise RequestError(f"key {key} ({name!r}): numel={numel} ({numel * dtype.itemsize} "
+                               f"bytes) is larger than a key may be ({largest} bytes: half of "
+                               f"BPS_MAX_MESSAGE_BYTES={limit})")
+        new = key not in self.aggregator.keys
+        self.aggregator.register(key, numel, dtype, header["params"], name, header["node"])
+        if new:
+            load_soon(header["params"], dtype)  # numba's start-up, beside the rendezvous
+
+    def _push(self, ident: bytes, header: dict, payload: list | None) -> None:
+        """Check a push's fields against its key's declaration, then sum it: its ACK
+        (added, or held), then the answers of the steps it completed."""
+        state = self.aggregator.key(header["key"])
+        node = header["node"]
+        if header["dtype"] != dtype_name(state.dtype):
+            raise RequestError(f"{state.where}: push dtype {header['dtype']!r} differs from the "
+                               f"declared {dtype_name(state.dtype)!r}")
+        if header["numel"] != state.numel:
+            raise RequestError(f"{state.where}: push numel {header['numel']} differs from the "
+                               f"declared {state.numel}")
+        if not 0 <= node < self.aggregator.workers:
+            raise RequestError(f"{state.where}: field 'node'={node} out of range")
+        if header["lr"] < 0:
+            raise RequestError(f"{state.where}: field 'lr'={header['lr']} is negative")
+        raw_bytes = state.numel * state.dtype.itemsize
+        if "mark" in header:  # no payload (the protocol checked nbytes == 0)
+            pass
+        elif state.chain is None and header["nbytes"] != raw_bytes:
+            raise RequestError(f"{state.where}: raw payload of {header['nbytes']} bytes, expected "
+                               f"{raw_bytes}")
+        if state.chain is not None and header["nbytes"] > 2 * raw_bytes + 64:
+            raise RequestError(f"{state.where}: compressed payload of {header['nbytes']} bytes is "
+                               "larger than any encoding")
+        pushed = self.aggregator.push(
+            state.key, node, header["step"], _buffers(payload), header["lr"],
+            Waiter(ident, header["rid"], header.get("peer", "?")), header.get("mark"),
+            header.get("what", ""))
+        for waiter, msg in pushed.refused:  # an earlier push, held: after its ACK
+            self._error(waiter, Op.PUSH, msg)
+        self._reply(ident, encode(Op.ACK, rid=header["rid"]))  # added, or held
+        for answer in pushed.finished:
+            self._send(answer)
+
+    def _send(self, answer: Finished) -> None:
+        """A finished step's DATA (or the server chain's ERROR) to each of its waiters."""
+        if answer.error is not None:
+            for waiter in answer.waiters:
+                self._send_error(waiter.ident, waiter.rid, answer.error)
+            return
+        body = memoryview(answer.payload.contiguous().view(torch.uint8).numpy())
+        for waiter in answer.waiters:
+            self._reply(waiter.ident, encode(Op.DATA, rid=waiter.rid, key=answer.key,
+                                             step=answer.step, nbytes=body.nbytes,
+                                             server_s=answer.server_s, **answer.skip), body)
+
+    def _error(self, waiter: Waiter, op: Op, msg: str) -> None:
+        msg = error_text(msg)
+        refusals.warning("refused %s from %s: %s", op.name, waiter.peer, msg)
+        self._send_error(waiter.ident, waiter.rid, msg)
+
+    def _send_error(self, ident: bytes, rid: int, msg: str) -> None:
+        """An ERROR reply to request ``rid``; ``msg`` as ``error_text`` bounds it."""
+        self.out.send_multipart([ident, encode(Op.ERROR, rid=rid, msg=msg)])
+
+    def _reply(self, ident: bytes, header: bytes, payload: Any = None) -> None:
+        """Send a reply; ``payload`` (a buffer) in frames of BPS_FRAME_BYTES."""
+        frames = [ident, header]
+        if payload is not None:
+            frames += payload_frames(memoryview(payload), self.env.frame_bytes)
+        self.out.send_multipart(frames, copy=False)
+
+
+def _buffers(payload: list | None) -> list:
+    """A request's payload frames as buffers (views of the frames, which they keep)."""
+    return [frame.buffer for frame in payload] if payload else []
