@@ -263,8 +263,8 @@ class AgentProxy:
         try:
             while self._read_one():
                 pass
-        except Exception as exc:  # noqa: BLE001 - the socket broke: as if the agent died
-            self._last_error = self._last_error or f"{type(exc).__name__}: {exc}"
+        except OSError:  # the socket broke (reset by a killed agent): the agent is gone
+            pass
         self._died()
 
     def _read_one(self) -> bool:
