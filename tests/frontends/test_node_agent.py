@@ -92,6 +92,53 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
     return {"skipped": skipped}
 
 
+def ddp_main(cfg: dict) -> int:
+    """A worker of the DDP communication hook: ``cfg["runs"][0]`` for ``cfg["lrs"]``."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    import bps
+    import bps.ddp
+
+    class Closed(torch.nn.Module):
+        """``forward(goals)``: a loss whose gradient is ``w - goal`` exactly."""
+
+        def forward(self, goals: dict):
+            return sum((getattr(self, n) * (getattr(self, n).detach() - goals[n])).sum()
+                       for n in SHAPES)
+
+    torch.set_num_threads(1)
+    bps.init()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    module = Closed()
+    for name, value in make_model(rank, SHAPES).named_parameters():
+        module.register_parameter(name, value)
+    ddp = DistributedDataParallel(module)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=cfg["lrs"][0], momentum=MOMENTUM)
+    state = bps.ddp.HookState(cfg["runs"][0]["params"], optimizer=optimizer, module=module)
+    ddp.register_comm_hook(state, bps.ddp.ps_hook)
+    goals = {n: torch.from_numpy(t) for n, t in targets(rank, SHAPES).items()}
+    for lr in cfg["lrs"]:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.zero_grad()
+        ddp(goals).backward()
+        optimizer.step()
+    out = Path(cfg["out"])
+    np.savez(out / f"paramsddp{rank}.npz",
+             **{n: getattr(module, n).detach().numpy() for n in SHAPES})
+    engine = type(bps.core.runtime.get().engine).__name__
+    (out / f"report{rank}.json").write_text(json.dumps({"ddp": {"engine": engine}}))
+    state.close()
+    dist.barrier()
+    bps.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # as tests/frontends/test_ddp.py: no gloo teardown
+
+
 # ----------------------------------------------------------------------------- test side
 
 
@@ -194,6 +241,19 @@ def test_resume_from_state_dict_through_the_agent(tmp_path):
             np.testing.assert_array_equal(load_params(resumed, 2)[r][name], expected[name])
 
 
+def test_ddp_hook_through_the_agent_matches_the_simulation(tmp_path):
+    params = {**SIM_CASES["onebit"], **COMMON}
+    result = launch({"ddp": True, "runs": [{"params": params}], "lrs": SIM_LRS}, tmp_path,
+                    workers=2, servers=2)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert load_reports(tmp_path, 2)[0]["ddp"]["engine"] == "AgentProxy"
+    expected = simulate(params, 2, SIM_LRS)
+    for rank, final in enumerate(load_params(tmp_path, 2, "ddp")):
+        for name in SHAPES:
+            np.testing.assert_array_equal(final[name], expected[name],
+                                          err_msg=f"{name} rank {rank}")
+
+
 HOLD = {"runs": [{"params": {**SIM_CASES["onebit"], **COMMON}, "hold": True}],
         "lrs": [0.01]}
 
@@ -293,4 +353,5 @@ def test_stale_segments_of_dead_processes_are_removed_at_start(tmp_path):
 if __name__ == "__main__":
     from bps.server.role import end_process
 
-    end_process(worker_main(json.loads(sys.argv[1]), train))
+    config = json.loads(sys.argv[1])
+    end_process(ddp_main(config) if config.get("ddp") else worker_main(config, train))
