@@ -13,8 +13,9 @@ reads the socket, every other call (declare, barrier, rollback, state_dict,
 load_state_dict, stats, close) in order on a thread of its own. It ends after
 ``close``; when the training process goes away without closing (its end of the socket
 reaches EOF, or its pid is no longer the agent's parent) it reports the node FAILED to the
-scheduler, naming the training process, and exits. It ignores Ctrl-C: the training
-process gets it and closes the agent with the failure. An error of its own goes to the
+scheduler, naming the training process, and exits. It ignores Ctrl-C and SIGTERM, which
+reach the training process's whole process group: the training process reports them
+through the agent, then closes it. An error of its own goes to the
 training process (FATAL) before it exits, so that fails naming the node and the error.
 
 Run by the proxy only::
@@ -203,15 +204,22 @@ class Agent:
 
 
 def _pickled_error(exc: BaseException) -> bytes:
+    """``exc`` pickled, where it also unpickles (its type, its message); else a
+    RuntimeError with its type's name and message."""
     try:
-        return pickle.dumps(exc)
+        blob = pickle.dumps(exc)
+        pickle.loads(blob)
+        return blob
     except Exception:  # noqa: BLE001 - an exception that does not pickle travels as text
         return pickle.dumps(RuntimeError(f"{type(exc).__name__}: {exc}"))
 
 
 def main(argv: list[str]) -> int:
     fd, parent = int(argv[0]), int(argv[1])
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the training process decides
+    # Ctrl-C and SIGTERM reach the training process's whole process group: the training
+    # process reports them through the agent, then closes it (or the agent sees it gone)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     link = wire.Link(socket.socket(fileno=fd))
     engine = None

@@ -41,7 +41,7 @@ from bps.common import shm
 from bps.common.env import ClusterEnv
 from bps.common.protocol import MARKS, ClusterError
 from bps.worker import agent_wire as wire
-from bps.worker.engine import EngineStats
+from bps.worker.engine import STATE_WINDOW, EngineStats
 
 log = logging.getLogger("bps")
 
@@ -207,10 +207,16 @@ class AgentProxy:
         self._call("barrier")
 
     def state_dict(self) -> dict:
-        return self._call("state_dict")
+        return self._call("state_dict", waits=self._state_waits())
 
     def load_state_dict(self, state: dict) -> None:
-        self._call("load_state_dict", state)
+        self._call("load_state_dict", state, waits=self._state_waits() + 1)  # + a barrier
+
+    def _state_waits(self) -> int:
+        """How many waits of up to ``BPS_TIMEOUT`` the agent's engine may take in a row
+        for the chain states (one per window of requests)."""
+        compressed = sum(slot.compressed for slot in self._keys.values())
+        return max(1, -(-compressed // STATE_WINDOW))
 
     def close(self, failure: str | None = None) -> None:
         """Close the engine in the agent (``failure``: report the node FAILED, and why),
@@ -219,8 +225,8 @@ class AgentProxy:
             return
         self._closing = True
         try:
-            if self._error is None:
-                self._call("close", failure)
+            if self._error is None:  # a failure is reported within 2 s, or not at all
+                self._call("close", failure, limit=None if failure is None else 10.0)
         finally:
             try:  # the agent ends at the end of its stream
                 self._link.sock.shutdown(socket.SHUT_WR)
@@ -244,7 +250,10 @@ class AgentProxy:
             self._died()
             raise self._error from None
 
-    def _call(self, method: str, *args: Any) -> Any:
+    def _call(self, method: str, *args: Any, waits: int = 1, limit: float | None = None
+              ) -> Any:
+        """``method`` of the agent with ``args``; ``waits``: how many of the engine's
+        waits (each up to ``BPS_TIMEOUT``) it may take; ``limit``: seconds instead."""
         if self._error is not None:
             raise self._error
         call_id = next(self._call_ids)
@@ -252,7 +261,7 @@ class AgentProxy:
         with self._lock:
             self._calls[call_id] = future
         self._send(wire.pack_call(wire.CALL, call_id, pickle.dumps((method, args, {}))))
-        wait = self.env.timeout + 2 * self.env.heartbeat_interval + 5
+        wait = limit or waits * (self.env.timeout + 2 * self.env.heartbeat_interval) + 5
         try:
             return future.result(timeout=wait)
         except concurrent.futures.TimeoutError:

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from tests.harness.paths import ROOT
 from tests.harness.ps_job import BPSLAUNCH
@@ -165,13 +166,16 @@ INJECT_RUN = {"tag": "inject", "params": {**SIM_CASES["onebit"], **COMMON, "nonf
               "inject": True}
 
 
-def test_trainer_through_the_agent_matches_the_simulation(tmp_path):
+@pytest.mark.parametrize("env", [pytest.param({}, id="host"),
+                                 pytest.param({"BPS_DEVICE_KERNELS": "1"}, id="device-forced")])
+def test_trainer_through_the_agent_matches_the_simulation(tmp_path, env):
     # 3 nodes, 2 servers (the servers add the pushes in node order): compressed
     # partitions, raw buckets, warmup, and a step that an inf on one rank skips
-    # (Skipped results, rollback of worker and server chains through the agent)
+    # (Skipped results, rollback of worker and server chains through the agent); the
+    # chains on the host, or the device path's staging forced onto CPU tensors
     before = bps_segments()
     result = launch({"runs": [*SIM_RUNS, INJECT_RUN], "lrs": SIM_LRS, "stop": len(SIM_LRS),
-                     "pushes_per_step": 4}, tmp_path, workers=3, servers=2)
+                     "pushes_per_step": 4}, tmp_path, workers=3, servers=2, env=env)
     assert result.returncode == 0, result.stdout[-3000:]
     reports = load_reports(tmp_path, 3)
     for run in SIM_RUNS:
@@ -301,13 +305,15 @@ def test_a_killed_agent_fails_its_training_process_naming_the_node(tmp_path):
     try:
         pids = wait_for_pids(job, tmp_path)
         os.kill(pids["agent"], signal.SIGKILL)
-        killed = time.monotonic()
+        deadline = time.monotonic() + 30  # the failure, then the exit of a torch process
+        while not gone(pids["trainer"]):
+            assert time.monotonic() < deadline, "the training process outlived its agent"
+            time.sleep(0.05)
         output = finish(job, timeout=60)
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
     assert job.returncode != 0, output[-3000:]
-    assert time.monotonic() - killed < 30, output[-3000:]
     assert f"the node agent of worker node 0 (pid {pids['agent']}) was killed by SIGKILL; " \
         "it reported no error" in output, output[-3000:]
     assert gone(pids["trainer"])
@@ -328,6 +334,25 @@ def test_a_killed_training_process_takes_its_agent_with_it(tmp_path):
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
     assert job.returncode != 0, output[-3000:]
+    assert bps_segments(pids["trainer"]) == []
+
+
+def test_ctrl_c_is_reported_through_the_agent(tmp_path):
+    # Ctrl-C reaches a terminal's whole process group: the agent ignores it, the
+    # training process reports it to the scheduler through the agent, which then ends
+    job = start_holding(tmp_path)
+    try:
+        pids = wait_for_pids(job, tmp_path)
+        os.kill(pids["agent"], signal.SIGINT)
+        os.kill(pids["trainer"], signal.SIGINT)
+        output = finish(job, timeout=60)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode != 0, output[-3000:]
+    assert "worker 0 at 127.0.0.1 failed: KeyboardInterrupt" in output, output[-3000:]
+    assert "node agent of worker node 0" not in output, output[-3000:]  # it did not die
+    assert gone(pids["agent"]) and gone(pids["trainer"])
     assert bps_segments(pids["trainer"]) == []
 
 
