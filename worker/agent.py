@@ -40,6 +40,7 @@ import torch
 
 from bps.common import shm, trace
 from bps.common.env import ClusterEnv
+from bps.compressors.warm import load_soon
 from bps.worker import agent_wire as wire
 from bps.worker.send_queues import Skipped
 
@@ -166,6 +167,8 @@ class Agent:
                      inp: tuple[int, int], out: tuple[int, int]) -> None:
         self.engine.declare(key, numel, dtype, params, name=name, server=server,
                             device=None if device is None else torch.device(device))
+        if device is None:  # the chains run here: so that the first push does not wait
+            load_soon(params, dtype)  # for numba (as the trainer does in-process)
         self.keys[key] = _Key(self._view(inp, numel, dtype), self._view(out, numel, dtype),
                               params is not None, device is not None)
 
