@@ -60,3 +60,9 @@ def test_too_little_room_says_how_much_is_needed(tmp_path):
     assert f"{(free + (1 << 40)) / (1 << 20):.1f} MiB" in message, message
     assert str(tmp_path) in message and "--shm-size" in message, message
     shm.check_room(1, str(tmp_path))  # room enough: no error
+
+
+def test_the_module_examples_run():
+    import doctest
+
+    assert doctest.testmod(shm).failed == 0
