@@ -187,10 +187,10 @@ class AgentProxy:
                              f"numel={slot.numel} dtype={slot.dtype}, for a compressed key")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"{slot.label()}: step={step!r} must be an int >= 0")
-        if self._error is not None:
-            raise self._error
         future: concurrent.futures.Future = concurrent.futures.Future()
-        with self._lock:
+        with self._lock:  # either the agent's death is known here, or _died fails it
+            if self._error is not None:
+                raise self._error
             if slot.future is not None:
                 raise RuntimeError(f"{slot.label()}: a push_pull is already in flight")
             slot.future, slot.target = future, None if out is None else out.reshape(-1)
@@ -254,11 +254,11 @@ class AgentProxy:
               ) -> Any:
         """``method`` of the agent with ``args``; ``waits``: how many of the engine's
         waits (each up to ``BPS_TIMEOUT``) it may take; ``limit``: seconds instead."""
-        if self._error is not None:
-            raise self._error
         call_id = next(self._call_ids)
         future: concurrent.futures.Future = concurrent.futures.Future()
-        with self._lock:
+        with self._lock:  # either the agent's death is known here, or _died fails it
+            if self._error is not None:
+                raise self._error
             self._calls[call_id] = future
         self._send(wire.pack_call(wire.CALL, call_id, pickle.dumps((method, args, {}))))
         wait = limit or waits * (self.env.timeout + 2 * self.env.heartbeat_interval) + 5
@@ -333,19 +333,22 @@ class AgentProxy:
         if self._error is not None:
             return
         if self._closing and not self._calls:
-            self._error = ClusterError("bps is closed")
-            return
-        last = f"; its last error: {self._last_error}" if self._last_error else \
-            "; it reported no error (see its log above)"
-        node = getattr(self, "node_id", self.env.worker_id)
-        self._error = ClusterError(f"the node agent of worker node {node} (pid {self.pid}) "
-                                   f"{self._how_ended()}{last}")
-        log.error("bps: %s", self._error)
+            error = ClusterError("bps is closed")
+        else:
+            last = f"; its last error: {self._last_error}" if self._last_error else \
+                "; it reported no error (see its log above)"
+            node = getattr(self, "node_id", self.env.worker_id)
+            error = ClusterError(f"the node agent of worker node {node} (pid {self.pid}) "
+                                 f"{self._how_ended()}{last}")
+            log.error("bps: %s", error)
         with self._lock:
+            if self._error is not None:  # a sender that failed got here first
+                return
+            self._error = error
             pending = [slot.future for slot in self._keys.values() if slot.future is not None]
             for slot in self._keys.values():
                 slot.future = slot.target = None
             calls, self._calls = list(self._calls.values()), {}
         for future in pending + calls:
             if not future.done():
-                future.set_exception(self._error)
+                future.set_exception(error)
