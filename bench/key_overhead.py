@@ -4,6 +4,7 @@ Usage::
 
     python bench/key_overhead.py                          # host chains and device path
     python bench/key_overhead.py --layers 74 --width 256 --steps 100 --rounds 3
+    python bench/key_overhead.py --node-agent --only host # with and without the node agent
     python bench/key_overhead.py --convoy                 # torch calls beside a busy thread
 
 A model of ``--layers`` ``Linear(width, width)`` layers (a weight over
@@ -20,8 +21,12 @@ feedback: the host chains, and the device path forced onto CPU tensors
 cores, torch's OpenMP workers otherwise spin for cores the job's threads need. Per
 configuration: the median step and its forward and backward pass (where the hooks
 run), the worker's CPU per step in all and by thread (Python threads from their
-own CPU clocks, others from ``/proc/self/task``), the pushes per step, and CPU per
-push beyond the model alone; medians over ``--rounds``. JSON: ``--json`` (default
+own CPU clocks, others from ``/proc/self/task``), the pushes per step, CPU per
+push beyond the model alone, and the time the training process spends in bps's
+autograd hook per parameter (50th and 99th percentile); medians over ``--rounds``.
+``--node-agent`` also runs each configuration with ``BPS_NODE_AGENT=1`` in the same
+rounds: the engine in a node agent process, whose CPU counts in the column ``node
+agent`` and in the totals. JSON: ``--json`` (default
 bench/results/key_overhead-TIME.json).
 
 ``--convoy`` times a hook's kinds of calls, and a codec thread's work for one key of a
@@ -49,14 +54,30 @@ from gpu_step import source_commit  # bench/ is on the path of a script run from
 from bps.common.striping import proc_threads
 
 PARAMS = {"compressor": "onebit", "ef": "vanilla"}
-CONFIGS = {"alone": None, "host": {}, "device path": {"BPS_DEVICE_KERNELS": "1"}}
+CONFIGS = {"alone": None, "host": {}, "device path": {"BPS_DEVICE_KERNELS": "1"},
+           # the engine in a node agent process (--node-agent)
+           "host, node agent": {"BPS_NODE_AGENT": "1"},
+           "device path, node agent": {"BPS_DEVICE_KERNELS": "1", "BPS_NODE_AGENT": "1"}}
 
 
-def thread_cpu_s() -> dict[str, float]:
+def percentile(values: list[float], q: float) -> float:
+    """The ``q``-th percentile of ``values`` (nearest rank)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered)) - 1))]
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds so far of process ``pid`` (user + system, every thread; 10 ms ticks)."""
+    fields_ = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields_[11]) + int(fields_[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu_s(agent: int | None = None) -> dict[str, float]:
     """CPU seconds so far of each of this process's threads, by name (numbered
     threads of one pool summed). Python threads are read from their own CPU clocks,
     to the nanosecond: a few short steps are well under the 10 ms tick of
-    ``/proc``, which counts only the threads without a Python name (by OS name)."""
+    ``/proc``, which counts only the threads without a Python name (by OS name).
+    ``agent``: the pid of the node agent (``BPS_NODE_AGENT=1``), counted as a whole."""
     import threading
 
     out: collections.Counter = collections.Counter()
@@ -71,6 +92,8 @@ def thread_cpu_s() -> dict[str, float]:
     for tid, name, seconds in proc_threads():
         if tid not in python_ids:
             out[name.rstrip("0123456789_/")] += seconds
+    if agent is not None:
+        out["node agent"] = process_cpu_s(agent)
     return dict(out)
 
 
@@ -85,7 +108,20 @@ def child(args: argparse.Namespace) -> None:
     model = torch.nn.Sequential(*[torch.nn.Linear(args.width, args.width)
                                   for _ in range(args.layers)])
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    # bps's hook per parameter, timed between a hook registered before the trainer's
+    # and one after it (a tensor's hooks run in the order they were registered)
+    began: dict[int, float] = {}
+    hook_s: list[float] = []
+    if not args.alone:
+        for param in model.parameters():
+            param.register_post_accumulate_grad_hook(
+                lambda p: began.__setitem__(id(p), time.perf_counter()))
     trainer = None if args.alone else bps.DistributedTrainer(model, optimizer, PARAMS)
+    if trainer is not None:
+        for param in model.parameters():
+            param.register_post_accumulate_grad_hook(
+                lambda p: hook_s.append(time.perf_counter() - began[id(p)]))
+    agent = getattr(trainer.core.runtime.engine, "pid", None) if trainer else None
     x = torch.randn(4, args.width)
 
     backward_s: list[float] = []
@@ -100,13 +136,14 @@ def child(args: argparse.Namespace) -> None:
     for _ in range(args.warmup):
         step()
     backward_s.clear()
+    hook_s.clear()
     pushes_before = trainer.core.runtime.engine.stats.pushes if trainer else 0
-    before, walls = thread_cpu_s(), []
+    before, walls = thread_cpu_s(agent), []
     for _ in range(args.steps):
         start = time.perf_counter()
         step()
         walls.append(time.perf_counter() - start)
-    after = thread_cpu_s()
+    after = thread_cpu_s(agent)
     pushes = (trainer.core.runtime.engine.stats.pushes - pushes_before) if trainer else 0
     if trainer is not None:
         trainer.close()
@@ -114,6 +151,8 @@ def child(args: argparse.Namespace) -> None:
     Path(args.out).write_text(json.dumps({
         "step_s": statistics.median(walls), "backward_s": statistics.median(backward_s),
         "pushes": pushes / args.steps,
+        "hook_us": [percentile(hook_s, 50) * 1e6, percentile(hook_s, 99) * 1e6]
+        if hook_s else None,
         "threads_s": {k: v for k, v in threads.items() if v > 0}}))
     bps.shutdown()
 
@@ -222,8 +261,9 @@ def table(results: dict) -> str:
                    key=lambda t: (t != "MainThread", t))
     alone = statistics.median(sum(r["threads_s"].values()) for r in results["alone"])
     rows = ["| configuration | step ms | forward + backward ms | CPU ms | pushes | "
-            "CPU us / push beyond alone | " + " | ".join(names) + " |",
-            "|---|" + "---:|" * (5 + len(names))]
+            "CPU us / push beyond alone | hook p50 us | hook p99 us | "
+            + " | ".join(names) + " |",
+            "|---|" + "---:|" * (7 + len(names))]
     for config, rounds in results.items():
         def med(get, rounds=rounds):
             return statistics.median(get(r) for r in rounds)
@@ -231,9 +271,12 @@ def table(results: dict) -> str:
         pushes = med(lambda r: r["pushes"])
         per_push = f"{(cpu - alone) / pushes * 1e6:.0f}" if pushes else ""
         cells = [f"{med(lambda r, t=t: r['threads_s'].get(t, 0.0)) * 1e3:.1f}" for t in names]
+        hooks = [f"{med(lambda r, i=i: r['hook_us'][i]):.0f}" if rounds[0].get("hook_us")
+                 else "" for i in (0, 1)]
         rows.append(f"| {config} | {med(lambda r: r['step_s']) * 1e3:.1f} "
                     f"| {med(lambda r: r['backward_s']) * 1e3:.1f} | {cpu * 1e3:.1f} "
-                    f"| {pushes:.0f} | {per_push} | " + " | ".join(cells) + " |")
+                    f"| {pushes:.0f} | {per_push} | {hooks[0]} | {hooks[1]} | "
+                    + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 
@@ -245,8 +288,11 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
     p.add_argument("--rounds", type=int, default=3, help="jobs per configuration, "
                    "taking turns (default 3)")
-    p.add_argument("--only", default=",".join(CONFIGS),
+    p.add_argument("--only", default="alone,host,device path",
                    help=f"configurations, comma-separated (of {', '.join(CONFIGS)})")
+    p.add_argument("--node-agent", action="store_true",
+                   help="also run each configuration with BPS_NODE_AGENT=1 (the engine in "
+                        "a node agent process), in the same rounds")
     p.add_argument("--timeout", type=int, default=300, help="seconds per job")
     p.add_argument("--json", default=None)
     p.add_argument("--convoy", action="store_true",
@@ -262,6 +308,9 @@ def main() -> None:
         print(convoy())
         return
     configs = args.only.split(",")
+    if args.node_agent:
+        configs += [f"{c}, node agent" for c in configs
+                    if f"{c}, node agent" in CONFIGS and f"{c}, node agent" not in configs]
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:
         p.error(f"--only: unknown configuration {unknown[0]!r}")

@@ -35,6 +35,9 @@ bps's own variables:
   connection is authenticated and encrypted with it (see :mod:`bps.common.auth`).
 * ``BPS_INSECURE`` (default 0): ``1`` runs without credentials, in plain TCP (a warning
   at every role's start).
+* ``BPS_NODE_AGENT`` (workers, default 0): ``1`` runs the worker engine in a node agent
+  process that local rank 0 starts (:mod:`bps.worker.agent`), with the gradients in
+  shared memory, so its threads do not share the training process's GIL.
 * ``BPS_MAX_MESSAGE_BYTES`` (default ``2 * BYTEPS_PARTITION_BYTES + 65536``, at least
   1 MiB): the largest frame a server accepts; a key's raw size must fit in half of it.
 
@@ -188,6 +191,7 @@ class ClusterEnv:
     frame_bytes: int = DEFAULT_FRAME_BYTES  # 0: every payload in one frame
     connections_per_server: int | None = None  # None: follows the host (bps.common.striping)
     io_threads: int | None = None  # None: follows the host (bps.common.striping)
+    node_agent: bool = False  # local rank 0 runs the engine in a node agent process
 
     @property
     def on_one_host(self) -> bool:
@@ -272,6 +276,7 @@ class ClusterEnv:
             frame_bytes=frame_bytes,
             connections_per_server=_optional_int(env, "BPS_CONNECTIONS_PER_SERVER", 1, 64),
             io_threads=_optional_int(env, "BPS_IO_THREADS", 1, 64),
+            node_agent=bool(_int(env, "BPS_NODE_AGENT", 0, 0, 1)),
         )
 
 

@@ -57,9 +57,12 @@ class Runtime:
         self.setup_channel = self.group.channel("setup")
         self.engine = None
         if env.local_rank == 0:
+            from bps.worker.agent_proxy import AgentProxy
             from bps.worker.engine import WorkerEngine
 
-            self.engine = WorkerEngine.connect(env, tracer=self.tracer)
+            # BPS_NODE_AGENT=1: the engine runs in a node agent process of its own
+            self.engine = AgentProxy.start(env) if env.node_agent else \
+                WorkerEngine.connect(env, tracer=self.tracer)
             facts = struct.pack("<QQ", self.engine.num_workers, self.engine.job_seed)
         else:
             facts = None

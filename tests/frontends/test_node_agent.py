@@ -1,0 +1,383 @@
+"""The node agent (``BPS_NODE_AGENT=1``) end to end on real clusters (``bpslaunch local``):
+the engine runs in a process of its own beside local rank 0, the gradients cross in
+shared memory. The trainer jobs of tests/harness/trainer_job.py end bit for bit where
+the numpy replay of the pipeline says (as they do without the agent); an agent killed
+outright fails its training process within seconds, naming the node; a training process
+killed outright takes its agent with it; nothing stays in ``/dev/shm``.
+
+This module is also the worker program (``python -m tests.frontends.test_node_agent
+CONFIG_JSON``): trainer_job's ``train``, or its own loop for an inf injected into one
+rank's gradient and for a job that trains until it is killed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.harness.paths import ROOT
+from tests.harness.ps_job import BPSLAUNCH
+from tests.harness.trainer_job import (
+    COMM_LRS,
+    COMM_SHAPES,
+    MOMENTUM,
+    SHAPES,
+    SIM_CASES,
+    SIM_LRS,
+    comm_reference,
+    load_params,
+    load_reports,
+    make_model,
+    simulate,
+    targets,
+    worker_main,
+)
+from tests.harness.trainer_job import launch as trainer_launch
+from tests.harness.trainer_job import train as trainer_train
+
+AGENT = {"BPS_NODE_AGENT": "1"}
+COMMON = {"ef": "vanilla", "momentum": "nesterov", "fp16": False, "min_compress_bytes": 1000}
+INJECT_STEP = 2
+SHM = Path("/dev/shm")
+
+
+# ----------------------------------------------------------------------------- worker side
+
+
+def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
+    """trainer_job's ``train``, except for runs with ``inject`` or ``hold``."""
+    import torch
+
+    import bps
+
+    if not run.get("inject") and not run.get("hold"):
+        report = trainer_train(cfg, run, rank, shapes, out)
+        report["engine"] = type(bps.core.runtime.get().engine).__name__
+        return report
+
+    tag = run.get("tag", "")
+    model = make_model(rank, shapes)
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg["lrs"][0], momentum=MOMENTUM)
+    trainer = bps.DistributedTrainer(model, optimizer, run["params"])
+    goal = {name: torch.from_numpy(t) for name, t in targets(rank, shapes).items()}
+    steps = 10**6 if run.get("hold") else len(cfg["lrs"])
+    skipped = []
+    for step in range(steps):
+        for group in optimizer.param_groups:
+            group["lr"] = cfg["lrs"][step % len(cfg["lrs"])]
+        trainer.zero_grad()
+        bad = {n: goal[n].clone() for n in shapes}
+        if run.get("inject") and step == INJECT_STEP and rank == 1:
+            bad["big"][0, 0] = -float("inf")  # grad = w - target = inf
+        loss = sum((getattr(model, n) * (getattr(model, n).detach() - bad[n])).sum()
+                   for n in shapes)
+        loss.backward()
+        trainer.step()
+        skipped.append(trainer.stats()["skipped"])
+        if run.get("hold") and step == 0:  # the test may kill processes from now on
+            engine = bps.core.runtime.get().engine
+            pids = {"trainer": os.getpid(), "agent": getattr(engine, "pid", None)}
+            (out / f"pids{rank}.json.tmp").write_text(json.dumps(pids))
+            os.replace(out / f"pids{rank}.json.tmp", out / f"pids{rank}.json")
+    np.savez(out / f"params{tag}{rank}.npz",
+             **{n: getattr(model, n).detach().numpy() for n in shapes})
+    trainer.close()
+    return {"skipped": skipped}
+
+
+def ddp_main(cfg: dict) -> int:
+    """A worker of the DDP communication hook: ``cfg["runs"][0]`` for ``cfg["lrs"]``."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    import bps
+    import bps.ddp
+
+    class Closed(torch.nn.Module):
+        """``forward(goals)``: a loss whose gradient is ``w - goal`` exactly."""
+
+        def forward(self, goals: dict):
+            return sum((getattr(self, n) * (getattr(self, n).detach() - goals[n])).sum()
+                       for n in SHAPES)
+
+    torch.set_num_threads(1)
+    bps.init()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    module = Closed()
+    for name, value in make_model(rank, SHAPES).named_parameters():
+        module.register_parameter(name, value)
+    ddp = DistributedDataParallel(module)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=cfg["lrs"][0], momentum=MOMENTUM)
+    state = bps.ddp.HookState(cfg["runs"][0]["params"], optimizer=optimizer, module=module)
+    ddp.register_comm_hook(state, bps.ddp.ps_hook)
+    goals = {n: torch.from_numpy(t) for n, t in targets(rank, SHAPES).items()}
+    for lr in cfg["lrs"]:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.zero_grad()
+        ddp(goals).backward()
+        optimizer.step()
+    out = Path(cfg["out"])
+    np.savez(out / f"paramsddp{rank}.npz",
+             **{n: getattr(module, n).detach().numpy() for n in SHAPES})
+    engine = type(bps.core.runtime.get().engine).__name__
+    (out / f"report{rank}.json").write_text(json.dumps({"ddp": {"engine": engine}}))
+    state.close()
+    dist.barrier()
+    bps.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # as tests/frontends/test_ddp.py: no gloo teardown
+
+
+# ----------------------------------------------------------------------------- test side
+
+
+def launch(cfg: dict, tmp: Path, **kwargs) -> subprocess.CompletedProcess:
+    """trainer_job's launch of this module, with the node agent on."""
+    env = {**AGENT, **kwargs.pop("env", {})}
+    return trainer_launch(cfg, tmp, env=env, module=__name__, **kwargs)
+
+
+def bps_segments(pid: int | None = None) -> list[str]:
+    """The node agent's segments in /dev/shm (of the process ``pid``)."""
+    return sorted(p.name for p in SHM.glob("bps-*")
+                  if pid is None or p.name.split("-")[-2] == str(pid))
+
+
+SIM_RUNS = [
+    {"tag": "onebit", "params": {**SIM_CASES["onebit"], **COMMON}, "compressed_from": 0},
+    # worker and server chains with RNG state
+    {"tag": "randomk", "params": {**SIM_CASES["randomk"], **COMMON}, "compressed_from": 0},
+    {"tag": "warmup", "params": {**SIM_CASES["onebit"], **COMMON, "warmup_steps": 2},
+     "compressed_from": 2},
+]
+INJECT_RUN = {"tag": "inject", "params": {**SIM_CASES["onebit"], **COMMON, "nonfinite": "skip"},
+              "inject": True}
+
+
+def dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+# the device path through the agent differs only in the out tensors it is handed: the
+# host case covers the agent's part
+@pytest.mark.parametrize("env", [
+    pytest.param({}, id="host"),
+    pytest.param({"BPS_DEVICE_KERNELS": "1"}, id="device-forced", marks=pytest.mark.slow)])
+def test_trainer_through_the_agent_matches_the_simulation(tmp_path, env):
+    # 3 nodes, 2 servers (the servers add the pushes in node order): compressed
+    # partitions, raw buckets, warmup, and a step that an inf on one rank skips
+    # (Skipped results, rollback of worker and server chains through the agent); the
+    # chains on the host, or the device path's staging forced onto CPU tensors
+    before = bps_segments()
+    # a process killed between making a segment and unlinking it leaves it behind: the
+    # next start removes it, and only it (a live process's may be in use)
+    stale, live = SHM / f"bps-test-{dead_pid()}-0", SHM / f"bps-test-{os.getpid()}-0"
+    stale.write_bytes(b"\0" * 4096)
+    live.write_bytes(b"\0" * 4096)
+    try:
+        result = launch({"runs": [*SIM_RUNS, INJECT_RUN], "lrs": SIM_LRS,
+                         "stop": len(SIM_LRS), "pushes_per_step": 4}, tmp_path, workers=3,
+                        servers=2, env=env)
+        assert result.returncode == 0, result.stdout[-3000:]
+        assert not stale.exists() and live.exists()
+    finally:
+        stale.unlink(missing_ok=True)
+        live.unlink(missing_ok=True)
+    reports = load_reports(tmp_path, 3)
+    for run in SIM_RUNS:
+        finals = load_params(tmp_path, 3, run["tag"])
+        expected = simulate(run["params"], 3, SIM_LRS, run["compressed_from"])
+        for rank in range(3):
+            for name in SHAPES:
+                np.testing.assert_array_equal(finals[rank][name], expected[name],
+                                              err_msg=f"{run['tag']} {name} rank {rank}")
+        assert reports[0][run["tag"]]["engine"] == "AgentProxy"
+        assert reports[1][run["tag"]]["engine"] == "AgentProxy"
+        steps = reports[0][run["tag"]]["steps"]
+        assert [s["pushes"] for s in steps] == [4] * len(SIM_LRS), run["tag"]
+    # the skipped step is as if never taken: the replay without it
+    lrs = [lr for step, lr in enumerate(SIM_LRS) if step != INJECT_STEP]
+    expected = simulate(INJECT_RUN["params"], 3, lrs)
+    finals = load_params(tmp_path, 3, "inject")
+    for rank in range(3):
+        assert reports[rank]["inject"]["skipped"] == \
+            [step == INJECT_STEP for step in range(len(SIM_LRS))]
+        for name in SHAPES:
+            np.testing.assert_array_equal(finals[rank][name], expected[name],
+                                          err_msg=f"inject {name} rank {rank}")
+    assert "node agent" not in result.stdout  # no failure, no agent killed at the end
+    assert bps_segments() == before
+
+
+def test_two_local_ranks_round_where_the_pipeline_does(tmp_path):
+    # 2 nodes x 2 local ranks: local rank 0 runs the agent, the node's sum is taken in
+    # the training processes as without it; bf16 and fp16 on the wire
+    runs = [{"tag": comm, "params": {"momentum": "nesterov", "comm_dtype": comm}}
+            for comm in ("bf16", "fp16")]
+    result = launch({"runs": runs, "lrs": COMM_LRS, "stop": len(COMM_LRS),
+                     "shapes": COMM_SHAPES}, tmp_path, workers=2, servers=2, local_size=2,
+                    env={"BYTEPS_PARTITION_BYTES": "4000"}, timeout=180)
+    assert result.returncode == 0, result.stdout[-3000:]
+    reports = load_reports(tmp_path, 4)
+    assert [r["bf16"]["engine"] for r in reports] == ["AgentProxy", "NoneType"] * 2
+    for comm in ("bf16", "fp16"):
+        expected = comm_reference(comm)
+        for rank, final in enumerate(load_params(tmp_path, 4, comm)):
+            for name in COMM_SHAPES:
+                np.testing.assert_array_equal(final[name], expected[name],
+                                              err_msg=f"{comm} {name} {rank}")
+
+
+def test_resume_from_state_dict_through_the_agent(tmp_path):
+    # state_dict / load_state_dict of worker and server chains (randomk: error,
+    # momentum, RNG) cross the agent's socket as pickles
+    params = {"compressor": "randomk", "k": 0.1, **COMMON}
+    lrs = SIM_LRS  # powers of two: the replay is exact
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    whole.mkdir()
+    resumed.mkdir()
+    run = launch({"runs": [{"params": params}], "lrs": lrs, "stop": 5, "save_at": 2},
+                 whole, servers=2)
+    assert run.returncode == 0, run.stdout[-3000:]
+    for r in range(2):
+        (resumed / f"ckpt{r}.pt").write_bytes((whole / f"ckpt{r}.pt").read_bytes())
+    run = launch({"runs": [{"params": params}], "lrs": lrs, "start": 2, "stop": 5}, resumed,
+                 servers=2, env={"BPS_JOB_SEED": "999"})
+    assert run.returncode == 0, run.stdout[-3000:]
+    expected = simulate(params, 2, lrs)
+    for r in range(2):
+        for name in SHAPES:
+            np.testing.assert_array_equal(load_params(whole, 2)[r][name], expected[name])
+            np.testing.assert_array_equal(load_params(resumed, 2)[r][name], expected[name])
+
+
+def test_ddp_hook_through_the_agent_matches_the_simulation(tmp_path):
+    params = {**SIM_CASES["onebit"], **COMMON}
+    result = launch({"ddp": True, "runs": [{"params": params}], "lrs": SIM_LRS}, tmp_path,
+                    workers=2, servers=2)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert load_reports(tmp_path, 2)[0]["ddp"]["engine"] == "AgentProxy"
+    expected = simulate(params, 2, SIM_LRS)
+    for rank, final in enumerate(load_params(tmp_path, 2, "ddp")):
+        for name in SHAPES:
+            np.testing.assert_array_equal(final[name], expected[name],
+                                          err_msg=f"{name} rank {rank}")
+
+
+HOLD = {"runs": [{"params": {**SIM_CASES["onebit"], **COMMON}, "hold": True}],
+        "lrs": [0.01]}
+
+
+def start_holding(tmp: Path) -> subprocess.Popen:
+    """A job of 2 nodes that trains until a process of it is killed."""
+    cfg = {"shapes": SHAPES, **HOLD, "out": str(tmp)}
+    cmd = [*BPSLAUNCH, "local", "--workers", "2", "--servers", "1", "--", sys.executable,
+           "-m", __name__, json.dumps(cfg)]
+    env = {**os.environ, **AGENT, "BPS_TIMEOUT": "20", "BYTEPS_PARTITION_BYTES": "400"}
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def wait_for_pids(job: subprocess.Popen, tmp: Path, timeout: float = 120) -> dict:
+    deadline = time.monotonic() + timeout
+    path = tmp / "pids0.json"
+    while not path.exists():
+        if job.poll() is not None or time.monotonic() > deadline:
+            output = job.communicate()[0] if job.poll() is not None else ""
+            raise AssertionError(f"the job did not start training: {output[-3000:]}")
+        time.sleep(0.05)
+    return json.loads(path.read_text())
+
+
+def finish(job: subprocess.Popen, timeout: float) -> str:
+    try:
+        return job.communicate(timeout=timeout)[0]
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+
+
+def gone(pid: int) -> bool:
+    """Whether ``pid`` has ended (a zombie not reaped yet has ended too)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+
+
+def test_a_killed_agent_fails_its_training_process_naming_the_node(tmp_path):
+    job = start_holding(tmp_path)
+    try:
+        pids = wait_for_pids(job, tmp_path)
+        os.kill(pids["agent"], signal.SIGKILL)
+        deadline = time.monotonic() + 30  # the failure, then the exit of a torch process
+        while not gone(pids["trainer"]):
+            assert time.monotonic() < deadline, "the training process outlived its agent"
+            time.sleep(0.05)
+        output = finish(job, timeout=60)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode != 0, output[-3000:]
+    assert f"the node agent of worker node 0 (pid {pids['agent']}) was killed by SIGKILL; " \
+        "it reported no error" in output, output[-3000:]
+    assert gone(pids["trainer"])
+    assert bps_segments(pids["trainer"]) == []
+
+
+def test_a_killed_training_process_takes_its_agent_with_it(tmp_path):
+    job = start_holding(tmp_path)
+    try:
+        pids = wait_for_pids(job, tmp_path)
+        os.kill(pids["trainer"], signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while not gone(pids["agent"]):
+            assert time.monotonic() < deadline, "the agent outlived its training process"
+            time.sleep(0.05)
+        output = finish(job, timeout=60)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode != 0, output[-3000:]
+    assert bps_segments(pids["trainer"]) == []
+
+
+def test_ctrl_c_is_reported_through_the_agent(tmp_path):
+    # Ctrl-C reaches a terminal's whole process group: the agent ignores it, the
+    # training process reports it to the scheduler through the agent, which then ends
+    job = start_holding(tmp_path)
+    try:
+        pids = wait_for_pids(job, tmp_path)
+        os.kill(pids["agent"], signal.SIGINT)
+        os.kill(pids["trainer"], signal.SIGINT)
+        output = finish(job, timeout=60)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode != 0, output[-3000:]
+    assert "worker 0 at 127.0.0.1 failed: KeyboardInterrupt" in output, output[-3000:]
+    assert "node agent of worker node 0" not in output, output[-3000:]  # it did not die
+    assert gone(pids["agent"]) and gone(pids["trainer"])
+    assert bps_segments(pids["trainer"]) == []
+
+
+if __name__ == "__main__":
+    from bps.server.role import end_process
+
+    config = json.loads(sys.argv[1])
+    end_process(ddp_main(config) if config.get("ddp") else worker_main(config, train))

@@ -1,0 +1,268 @@
+"""The node agent: a process that runs a worker node's :class:`WorkerEngine`.
+
+With ``BPS_NODE_AGENT=1``, local rank 0 starts this process from ``bps.init()``
+(:class:`bps.worker.agent_proxy.AgentProxy`); the engine's threads (I/O, codecs) then
+run under the agent's own GIL instead of the training process's. The training process
+keeps the model, autograd and the optimizer, and talks to the agent through a socket
+pair: each key has an input and an output buffer in shared memory (:mod:`bps.common.shm`),
+a push is announced in a few bytes, and its completion too (:mod:`bps.worker.agent_wire`).
+
+Lifecycle: the agent connects to the scheduler (as the engine would in the training
+process), says HELLO with the node's facts, then serves: pushes inline on the thread that
+reads the socket, every other call (declare, barrier, rollback, state_dict,
+load_state_dict, stats, close) in order on a thread of its own. It ends after
+``close``; when the training process goes away without closing (its end of the socket
+reaches EOF, or its pid is no longer the agent's parent) it reports the node FAILED to the
+scheduler, naming the training process, and exits. It ignores Ctrl-C and SIGTERM, which
+reach the training process's whole process group: the training process reports them
+through the agent, then closes it. An error of its own goes to the
+training process (FATAL) before it exits, so that fails naming the node and the error.
+
+Run by the proxy only::
+
+    python -m bps.worker.agent FD PARENT_PID
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import queue
+import signal
+import socket
+import sys
+import threading
+import traceback
+from typing import Any
+
+import torch
+
+from bps.common import shm, trace
+from bps.common.env import ClusterEnv
+from bps.compressors.warm import load_soon
+from bps.worker import agent_wire as wire
+from bps.worker.send_queues import Skipped
+
+log = logging.getLogger("bps")
+
+
+class _Key:
+    """A key's buffers in shared memory."""
+
+    __slots__ = ("inp", "out", "compressed", "staged")
+
+    def __init__(self, inp: torch.Tensor, out: torch.Tensor, compressed: bool,
+                 staged: bool) -> None:
+        self.inp, self.out, self.compressed, self.staged = inp, out, compressed, staged
+
+
+class Agent:
+    """Serves one training process over ``link`` with ``engine``."""
+
+    def __init__(self, link: wire.Link, engine: Any, parent: int) -> None:
+        self.link = link
+        self.engine = engine
+        self.parent = parent
+        self.segments: list = []
+        self.keys: dict[int, _Key] = {}
+        self.calls: queue.Queue = queue.Queue()
+        self.closed = threading.Event()
+        self._caller = threading.Thread(target=self._call_loop, name="bps-agent-calls",
+                                        daemon=True)
+        self._watch = threading.Thread(target=self._watch_parent, name="bps-agent-watch",
+                                       daemon=True)
+
+    # -- serving ---------------------------------------------------------------------
+
+    def serve(self) -> str | None:
+        """Serve until ``close`` (None) or until the training process is gone (why)."""
+        self._caller.start()
+        self._watch.start()
+        while True:
+            message = self.link.recv()
+            if message is None:
+                break
+            kind, body = message
+            if kind == wire.PUSH:
+                self._push(*wire.unpack_push(body))
+            elif kind == wire.CALL:
+                self.calls.put(wire.unpack_call(body))
+            if self.closed.is_set():
+                return None
+        self.calls.put(None)
+        if self.closed.wait(1.0):  # a close was read just before the end
+            return None
+        return f"its training process (pid {self.parent}) ended without closing bps"
+
+    def _push(self, key: int, step: int, lr: float, priority: int, scale: float,
+              mark: str | None, what: str) -> None:
+        slot = self.keys.get(key)
+        try:
+            if slot is None:
+                raise ValueError(f"key {key}: push_pull before declare")
+            out = slot.out if slot.compressed or slot.staged else None
+            future = self.engine.push_pull(key, None if mark else slot.inp, step, lr,
+                                           priority=priority, out=out, mark=mark, what=what,
+                                           momentum_scale=scale)
+        except BaseException as exc:  # noqa: BLE001 - the caller's future gets it
+            self._send_failure(key, exc)
+            return
+        future.add_done_callback(lambda done: self._done(key, slot, done))
+
+    def _done(self, key: int, slot: _Key, future) -> None:
+        try:
+            result = future.result()
+            if isinstance(result, Skipped):
+                frame = wire.pack_done(key, wire.SKIPPED, pickle.dumps(result))
+            else:
+                if result.data_ptr() != slot.out.data_ptr():
+                    slot.out.copy_(result.reshape(-1))
+                frame = wire.pack_done(key, wire.OK)
+        except BaseException as exc:  # noqa: BLE001 - the caller's future gets it
+            self._send_failure(key, exc)
+            return
+        self._send(frame)
+
+    def _send_failure(self, key: int, exc: BaseException) -> None:
+        self._send(wire.pack_done(key, wire.FAILED, _pickled_error(exc)))
+
+    def _send(self, frame: bytes) -> None:
+        try:
+            self.link.send(frame)
+        except OSError:  # the training process is gone: serve() sees the end
+            pass
+
+    # -- calls -----------------------------------------------------------------------
+
+    def _call_loop(self) -> None:
+        while True:
+            item = self.calls.get()
+            if item is None:
+                return
+            call_id, payload = item
+            try:
+                method, args, kwargs = pickle.loads(payload)
+                result = getattr(self, f"call_{method}")(*args, **kwargs)
+                frame = wire.pack_call(wire.REPLY, call_id, b"\1" + pickle.dumps(result))
+            except BaseException as exc:  # noqa: BLE001 - raised again in the caller
+                frame = wire.pack_call(wire.REPLY, call_id, b"\0" + _pickled_error(exc))
+            self._send(frame)
+            if method == "close":
+                self.closed.set()
+                try:  # wakes serve(): the proxy closes its end once it has the reply
+                    self.link.sock.shutdown(socket.SHUT_WR)
+                except OSError:
+                    pass
+                return
+
+    def call_map(self, path: str, size: int) -> None:
+        self.segments.append(shm.map_segment(path, size))
+
+    def _view(self, where: tuple[int, int], numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return shm.tensor(self.segments[where[0]], where[1], numel, dtype)
+
+    def call_declare(self, key: int, numel: int, dtype: torch.dtype, params: dict | None,
+                     name: str, server: int | None, device: str | None,
+                     inp: tuple[int, int], out: tuple[int, int]) -> None:
+        self.engine.declare(key, numel, dtype, params, name=name, server=server,
+                            device=None if device is None else torch.device(device))
+        if device is None:  # the chains run here: so that the first push does not wait
+            load_soon(params, dtype)  # for numba (as the trainer does in-process)
+        self.keys[key] = _Key(self._view(inp, numel, dtype), self._view(out, numel, dtype),
+                              params is not None, device is not None)
+
+    def call_rollback(self, step: int, keys: list[int]) -> None:
+        self.engine.rollback(step, keys)
+
+    def call_barrier(self) -> None:
+        self.engine.barrier()
+
+    def call_state_dict(self) -> dict:
+        return self.engine.state_dict()
+
+    def call_load_state_dict(self, state: dict) -> None:
+        self.engine.load_state_dict(state)
+
+    def call_stats(self):
+        return self.engine.stats
+
+    def call_close(self, failure: str | None) -> None:
+        self.engine.close(failure=failure)
+
+    # -- the parent ----------------------------------------------------------------
+
+    def _watch_parent(self) -> None:
+        """A training process killed outright may leave its end of the socket open in
+        children it forked (data loader workers): its pid going away ends the agent."""
+        while not self.closed.wait(0.5):
+            if os.getppid() != self.parent:
+                log.error("bps node agent: the training process (pid %d) is gone",
+                          self.parent)
+                try:
+                    self.link.sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                return
+
+
+def _pickled_error(exc: BaseException) -> bytes:
+    """``exc`` pickled, where it also unpickles (its type, its message); else a
+    RuntimeError with its type's name and message."""
+    try:
+        blob = pickle.dumps(exc)
+        pickle.loads(blob)
+        return blob
+    except Exception:  # noqa: BLE001 - an exception that does not pickle travels as text
+        return pickle.dumps(RuntimeError(f"{type(exc).__name__}: {exc}"))
+
+
+def main(argv: list[str]) -> int:
+    fd, parent = int(argv[0]), int(argv[1])
+    # Ctrl-C and SIGTERM reach the training process's whole process group: the training
+    # process reports them through the agent, then closes it (or the agent sees it gone)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    link = wire.Link(socket.socket(fileno=fd))
+    engine = None
+    try:
+        from bps.worker.engine import WorkerEngine
+
+        env = ClusterEnv.from_environ()
+        label = f"worker{env.worker_id}.agent"
+        tracer = trace.from_env(env, label)
+        engine = WorkerEngine.connect(env, tracer=tracer)
+        link.send(wire.pack(wire.HELLO, pickle.dumps({
+            "node_id": engine.node_id, "num_workers": engine.num_workers,
+            "num_servers": engine.num_servers, "job_seed": engine.job_seed,
+            "servers": engine.servers, "pid": os.getpid()})))
+        agent = Agent(link, engine, parent)
+        gone = agent.serve()
+        if gone is not None:
+            log.error("bps node agent of worker node %d: %s", engine.node_id, gone)
+            engine.close(failure=f"worker node {engine.node_id}: {gone}")
+            return 1
+        if tracer is not None:
+            tracer.save()
+        return 0
+    except BaseException as exc:  # noqa: BLE001 - told to the training process, then exit
+        text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        log.error("bps node agent failed: %s", text)
+        try:
+            link.send(wire.pack(wire.FATAL, text.encode()))
+        except OSError:
+            pass
+        if engine is not None:
+            try:
+                engine.close(failure=f"the node agent failed: {text}")
+            except Exception:  # noqa: BLE001 - best effort on the way out
+                pass
+        return 1
+
+
+if __name__ == "__main__":
+    code = main(sys.argv[1:])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

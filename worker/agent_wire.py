@@ -1,0 +1,104 @@
+"""The messages between a training process and its node agent (:mod:`bps.worker.agent`).
+
+One stream socket (a ``socketpair``) carries length-prefixed frames; the first byte
+names the kind. A push is announced in a few dozen bytes (its values already lie in
+shared memory), its completion in ten; calls (declare, barrier, state_dict, ...) and
+their replies carry pickles.
+
+    >>> frame = pack_push(7, 3, 0.1, -2, 1.0, None, "")
+    >>> kind, body = frame[4], frame[5:]
+    >>> kind == PUSH and unpack_push(body)[:2]
+    (7, 3)
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+
+HELLO, PUSH, DONE, CALL, REPLY, FATAL = range(6)
+OK, SKIPPED, FAILED = range(3)  # a DONE's status
+MARK_CODES = {None: 0, "nonfinite": 1, "zero": 2}
+MARKS = {code: mark for mark, code in MARK_CODES.items()}
+
+_LEN = struct.Struct("<I")
+# after the kind byte:
+_PUSH = struct.Struct("<QqdqdB")  # key step lr priority momentum_scale mark
+_DONE = struct.Struct("<QB")  # key status
+_CALL = struct.Struct("<Q")  # call id (CALL and REPLY)
+
+
+def pack_push(key: int, step: int, lr: float, priority: int, momentum_scale: float,
+              mark: str | None, what: str) -> bytes:
+    """The frame announcing a push whose values lie in the key's input buffer."""
+    body = bytes((PUSH,)) + _PUSH.pack(key, step, lr, priority, momentum_scale,
+                                       MARK_CODES[mark])
+    if mark is not None and what:
+        body += what.encode()
+    return _LEN.pack(len(body)) + body
+
+
+def unpack_push(body: bytes) -> tuple[int, int, float, int, float, str | None, str]:
+    """``(key, step, lr, priority, momentum_scale, mark, what)`` (``body``: after the kind)."""
+    key, step, lr, priority, scale, mark = _PUSH.unpack_from(body)
+    return key, step, lr, priority, scale, MARKS[mark], body[_PUSH.size:].decode()
+
+
+def pack_done(key: int, status: int, extra: bytes = b"") -> bytes:
+    body = bytes((DONE,)) + _DONE.pack(key, status) + extra
+    return _LEN.pack(len(body)) + body
+
+
+def unpack_done(body: bytes) -> tuple[int, int, bytes]:
+    """``(key, status, extra)``."""
+    key, status = _DONE.unpack_from(body)
+    return key, status, body[_DONE.size:]
+
+
+def pack_call(kind: int, call_id: int, payload: bytes) -> bytes:
+    body = bytes((kind,)) + _CALL.pack(call_id) + payload
+    return _LEN.pack(len(body)) + body
+
+
+def unpack_call(body: bytes) -> tuple[int, bytes]:
+    """``(call id, payload)``."""
+    (call_id,) = _CALL.unpack_from(body)
+    return call_id, body[_CALL.size:]
+
+
+def pack(kind: int, payload: bytes) -> bytes:
+    body = bytes([kind]) + payload
+    return _LEN.pack(len(body)) + body
+
+
+class Link:
+    """One end of the socket: whole frames out (any thread), whole frames in (one thread)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._file = sock.makefile("rb", buffering=1 << 16)
+        self._lock = threading.Lock()
+
+    def send(self, frame: bytes) -> None:
+        with self._lock:
+            self.sock.sendall(frame)
+
+    def recv(self) -> tuple[int, bytes] | None:
+        """``(kind, body after the kind)``, or None at the end of the stream."""
+        head = self._file.read(4)
+        if len(head) < 4:
+            return None
+        (length,) = _LEN.unpack(head)
+        body = self._file.read(length)
+        if len(body) < length:
+            return None
+        return body[0], body[1:]
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._file.close()
+        self.sock.close()
