@@ -6,7 +6,10 @@
   tests/ is the package ``tests`` and its programs run as modules
   (``python -m tests.harness.trainer_job``) or by path without importing ``tests``;
 - every folder of tests/ that holds Python files is a package, so that each test module
-  has one dotted name (``tests.server.test_rules``), whatever its folder holds.
+  has one dotted name (``tests.server.test_rules``), whatever its folder holds;
+- tests mirror the source: ``tests/<folder>/test_<module>.py`` (or
+  ``test_<module>_<topic>.py``) tests ``<module>`` of the source folder that
+  :data:`MIRRORS` pairs with ``<folder>``, so the tests of a module are found by its name.
 """
 
 from __future__ import annotations
@@ -18,6 +21,14 @@ import pytest
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
+
+
+# a folder of tests/ -> the source folder whose modules its test modules test
+MIRRORS = {
+    "common": "bps/common", "core": "bps/core", "modes": "bps/modes", "frontends": "bps",
+    "compressors": "compressors", "server": "server", "worker": "worker", "launch": "launch",
+    "bench": "bench", "examples": "examples",
+}
 
 
 def module_name(path: Path) -> str:
@@ -147,3 +158,38 @@ def test_the_rules_find_what_they_forbid(source: str, expected: list[str]) -> No
     path = TESTS / "server" / "test_example.py"  # a test module beside tests/server/test_rules.py
     found = violations(source, path, {"tests.server.test_rules", "tests.server.test_example"})
     assert [f.split(": ", 1)[1].split(" tests.")[0] for f in found] == expected, found
+
+
+def unmirrored(test_path: Path, root: Path = ROOT) -> str | None:
+    """Why ``test_path`` (a test module under ``root/tests``) breaks the mirror rule, or
+    None: its folder pairs with no source folder, or its name with no module there."""
+    parts = test_path.relative_to(root / "tests").parts
+    if len(parts) == 1:
+        return None  # tests/test_*.py: rules about the whole tree
+    if len(parts) != 2 or parts[0] not in MIRRORS:
+        return f"tests/{'/'.join(parts[:-1])}/ mirrors no source folder (MIRRORS)"
+    source = root / MIRRORS[parts[0]]
+    name = test_path.stem.removeprefix("test_")
+    modules = {p.stem for p in source.glob("*.py") if p.stem != "__init__"}
+    if any(name == m or name.startswith(m + "_") for m in modules):
+        return None
+    return f"names no module of {MIRRORS[parts[0]]}/ (test_<module>[_<topic>].py)"
+
+
+def test_every_test_module_mirrors_a_source_module() -> None:
+    found = [f"{p.relative_to(ROOT)}: {why}" for p in python_files()
+             if is_test_module(p) and (why := unmirrored(p)) is not None]
+    assert found == [], "\n".join(found)
+
+
+@pytest.mark.parametrize(("test_path", "refused"), [
+    ("tests/server/test_aggregator.py", False),
+    ("tests/server/test_requests_rules.py", False),
+    ("tests/frontends/test_trainer_loops.py", False),
+    ("tests/test_layering.py", False),
+    ("tests/common/test_ps_units.py", True),        # a module of no source folder's
+    ("tests/server/test_agg.py", True),             # a prefix of a name is no name
+    ("tests/misc/test_server.py", True),            # a folder that mirrors nothing
+])
+def test_the_mirror_rule_finds_what_it_forbids(test_path: str, refused: bool) -> None:
+    assert (unmirrored(ROOT / test_path) is not None) == refused

@@ -5,11 +5,28 @@ the thresholds that switch those paths on are lowered by the ``small_chunks`` fi
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from numba import njit
 
-from bps.compressors import build, dithering_decoder, dithering_quantiser, elias_delta, threads
+from bps.compressors import (
+    build,
+    dithering_decoder,
+    dithering_quantiser,
+    elias_delta,
+    threads,
+)
 from bps.compressors.rng import LANES, draw_lanes, jump, jump_table
 from tests.harness import reference_compressors as ref
+from tests.harness.samples import (
+    DTYPES,
+    FAST,
+    as_values,
+    dtypes,
+    payload_of,
+    sample,
+    sizes,
+)
 
 
 @pytest.fixture
@@ -465,3 +482,56 @@ def test_block_bounds_of_the_coder_and_the_decoder(monkeypatch, chunked, s):
     decoded = ref.round_to(ref.dithering_decode(payload, numel, s, "linear"), "float32")
     out = torch.full((numel,), 9.0)
     np.testing.assert_array_equal(c.decompress(payload, out=out).numpy(), decoded)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("numel", [1, 33, 1000])
+@pytest.mark.parametrize("s, partition", [(1, "linear"), (4, "linear"), (127, "linear"),
+                                          (1, "natural"), (3, "natural"), (8, "natural")])
+@pytest.mark.parametrize("normalize", ["max", "l2"])
+def test_dithering_matches_reference(dtype, numel, s, partition, normalize):
+    params = {"compressor": "dithering", "k": s, "partition": partition,
+              "normalize": normalize, "seed": 42}
+    c = build(params, numel, ref.TORCH_DTYPE[dtype])
+    rng = ref.XorShift128Plus(42)
+    for step in range(2):
+        x = sample(numel, dtype, seed=step + numel)
+        values = as_values(x)
+        payload = payload_of(c.compress(x))
+        scale = float(np.frombuffer(payload[-8:], "<f8")[0])
+        assert scale == pytest.approx(ref.dithering_scale(values, normalize), rel=1e-13)
+        # the float64 sum order of "l2" is the kernel's: feed its scale to the reference
+        assert payload == ref.dithering_encode(values, s, partition, normalize, rng, scale=scale)
+        nbits = int(np.frombuffer(payload[-16:-8], "<u8")[0])
+        assert len(payload) == (nbits + 7) // 8 + 16
+        expected = ref.round_to(ref.dithering_decode(payload, numel, s, partition), dtype)
+        np.testing.assert_array_equal(as_values(c.decompress(payload)), expected)
+
+
+def test_dithering_draws_one_number_per_element_even_for_zeros():
+    c = build({"compressor": "dithering", "k": 2, "seed": 9}, 50)
+    c.compress(torch.zeros(50))
+    rng = ref.XorShift128Plus(9)
+    for _ in range(50):
+        rng.next()
+    assert c.state_dict() == {"rng": [rng.a, rng.b]}
+
+
+@FAST
+@given(numel=sizes, dtype=dtypes, s=st.integers(1, 16), natural=st.booleans(),
+       l2=st.booleans(), seed=st.integers(1, 2**64 - 1))
+def test_dithering_bounds_and_error(numel, dtype, s, natural, l2, seed):
+    params = {"compressor": "dithering", "k": s, "partition": "natural" if natural else "linear",
+              "normalize": "l2" if l2 else "max", "seed": seed}
+    c = build(params, numel, ref.TORCH_DTYPE[dtype])
+    x = sample(numel, dtype, seed=seed % 2**32)
+    payload = c.compress(x).numpy().tobytes()
+    nbits = int(np.frombuffer(payload[-16:-8], "<u8")[0])
+    assert len(payload) == (nbits + 7) // 8 + 16
+    y = c.decompress(payload)
+    scale = float(np.frombuffer(payload[-8:], "<f8")[0])
+    divisor = 2 ** (s - 1) if natural else s
+    step = scale / divisor * (2 ** (s - 1) if natural else 1)  # one level (natural: widest)
+    err = (y.double() - x.double()).abs().max().item()
+    assert err <= step * 1.01 + 1e-30
+    assert torch.equal(torch.sign(y[y != 0]), torch.sign(x[y != 0]))

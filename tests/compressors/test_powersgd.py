@@ -1,7 +1,7 @@
 """powersgd's compressor alone: orthogonalisation as PyTorch's hook does it, the two
 rounds of several workers against the algorithm written out in torch, its error and
 warm start, state, validation and planning. The whole pipeline is compared with
-DDP's own hook in tests/frontends/test_powersgd_ddp.py."""
+DDP's own hook in tests/frontends/test_ddp_powersgd.py."""
 
 import msgpack
 import numpy as np

@@ -152,7 +152,7 @@ def test_fp16_two_local_ranks_per_node(tmp_path):
     assert 0 < report["steps"][-1]["bytes_pushed"] < 0.6 * raw  # fp16 on the wire
 
 
-# tests/frontends/test_overlap.py's test_overlap_modes_match_simulation_and_resume_exactly
+# tests/modes/test_periodic.py's test_overlap_modes_match_simulation_and_resume_exactly
 # resumes the same chain (randomk with error feedback and Nesterov) in the synchronous
 # trainer, with the other modes' runs, from fresh processes and another job seed
 @pytest.mark.slow

@@ -1,5 +1,5 @@
 """Compressed Adam in numpy (bps/core/compressed_adam.py, docs/trainer.md): the reference
-the cluster runs of tests/frontends/test_compressed_adam.py must match bit for bit.
+the cluster runs of tests/core/test_compressed_adam.py must match bit for bit.
 
 The toy of tests/harness/trainer_job.py (node r's gradient ``w - t_r``, masked where
 ``live`` is zero), 2 worker nodes of one rank, ``comm_dtype`` fp32: ``big`` is

@@ -1,4 +1,4 @@
-"""The worker program of the cluster-launch tests (tests/launch/test_cluster_launch.py).
+"""The worker program of the cluster-launch tests (tests/launch/test_cluster.py).
 
 Not a test module. Every process calls ``bps.init()`` and torch's
 ``dist.init_process_group("gloo")`` with nothing else (the rendezvous comes from the

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from hypothesis import settings
+from hypothesis import strategies as st
 
 from tests.harness.reference_compressors import TORCH_DTYPE
 
@@ -32,3 +34,9 @@ def as_values(t: torch.Tensor) -> np.ndarray:
 def payload_of(t: torch.Tensor) -> bytes:
     assert t.dtype == torch.uint8 and t.dim() == 1
     return t.numpy().tobytes()
+
+
+# hypothesis' strategies for property tests of the compressors
+FAST = settings(max_examples=30, deadline=None)
+sizes = st.integers(min_value=1, max_value=700)
+dtypes = st.sampled_from(DTYPES)

@@ -659,7 +659,7 @@ def test_delay_needs_netem(leftovers):
         assert done.returncode == 0, done.stderr
 
 
-# test_local_job_gives_workers_torch_distributed_variables (tests/launch/test_cluster_launch.py)
+# test_local_job_gives_workers_torch_distributed_variables (tests/launch/test_cluster.py)
 # covers the job, and test_training_steps_through_emulated_network bps mode on emulated hosts
 @pytest.mark.slow
 @pytest.mark.netns

@@ -128,7 +128,7 @@ except IntraNodeError as exc:
 """
 
 
-# tests/launch/test_launch.py's test_a_failing_local_rank_leaves_no_stray_abort covers the
+# tests/launch/test_cli.py's test_a_failing_local_rank_leaves_no_stray_abort covers the
 # exit of a node's processes with their groups in make test
 @pytest.mark.slow
 def test_channels_still_referenced_at_exit_end_cleanly():

@@ -2,7 +2,7 @@
 as typed, resume exactly, whatever the order of loading the optimizer and building the
 trainer or the hook's state.
 
-This module is also the worker program (``python -m tests.frontends.test_checkpoints
+This module is also the worker program (``python -m tests.frontends.test_trainer_checkpoints
 CONFIG_JSON`` under ``bpslaunch local``): the model is tests/harness/trainer_job.py's
 (loss ``0.5 * ||w - t||^2``, gradient ``w - t`` exactly), so the uninterrupted runs are
 also checked against the numpy replay of the same partitions through the reference

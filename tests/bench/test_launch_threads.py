@@ -13,7 +13,7 @@ from tests.harness import paths
 
 
 # two cluster launches (about 35 s of make test on 2 cores); the launcher's variable and
-# torch's threads in every worker process are checked by tests/launch/test_cluster_launch.py's
+# torch's threads in every worker process are checked by tests/launch/test_cluster.py's
 # test_local_job_gives_workers_torch_distributed_variables
 @pytest.mark.slow
 def test_the_table_names_the_threads_of_each_job():

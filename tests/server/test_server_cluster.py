@@ -53,7 +53,7 @@ def test_raw_aggregates_match_numpy_sum(raw_run: list[dict]) -> None:
     check_raw_aggregates(raw_run)
 
 
-# the same job, checked the same way, runs in tests/common/test_security.py's
+# the same job, checked the same way, runs in tests/common/test_auth.py's
 # test_fuzzed_frames_from_a_key_holder_change_nothing
 @pytest.mark.slow
 def test_two_workers_sum_narrow_dtypes_exactly(tmp_path: Path) -> None:

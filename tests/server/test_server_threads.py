@@ -4,6 +4,7 @@ gives; and bench/server_throughput.py runs (real engine threads, real replies)."
 
 from __future__ import annotations
 
+import doctest
 import json
 import subprocess
 import sys
@@ -12,7 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
+import bps.common.striping
+import bps.server.server
 from bps.compressors import threads
+from bps.server.server import KEY_COST, MAX_NUMEL, LeastLoaded
 from tests.harness.paths import BENCH, ROOT, load_file
 
 bench = load_file("server_throughput", BENCH / "server_throughput.py")
@@ -76,3 +80,21 @@ def test_server_throughput_bench_runs(tmp_path: Path) -> None:
         (case, count) for case in bench.CASES for count in (1, 2)]
     assert all(r["gb_per_s"] > 0 and r["server_s"] > 0 for r in results)
     assert "| onebit | 2 |" in done.stdout
+
+
+def test_new_keys_go_to_the_least_loaded_engine_thread() -> None:
+    engines = ["e0", "e1", "e2"]
+    pick = LeastLoaded(engines)
+    # a layer's weight, then its bias and a norm's weight: round-robin would give every
+    # weight to e0
+    sizes = [1_000_000, 5, 5] * 6
+    owners = [pick({"numel": numel}) for numel in sizes]
+    weights = [owner for owner, numel in zip(owners, sizes, strict=True) if numel > 5]
+    assert sorted(weights) == sorted(engines * 2)
+    assert sum(pick.loads) == sum(sizes) + KEY_COST * len(sizes)
+    # greedy least-loaded: no engine ends above another by more than the largest key
+    assert max(pick.loads) - min(pick.loads) <= KEY_COST + max(sizes)
+    lightest = pick.loads.index(min(pick.loads))
+    assert pick({"numel": 2**62}) == engines[lightest]
+    assert pick.loads[lightest] <= 2_000_000 + 9 * KEY_COST + MAX_NUMEL  # bogus: MAX_NUMEL
+    assert doctest.testmod(bps.server.server).failed == 0

@@ -1,7 +1,7 @@
 """Periodic averaging (``sync_every``) and one-step-delayed updates (``staleness``) end to
 end on real clusters (``bpslaunch local``), against an independent numpy simulation.
 
-This module is also the worker program: ``python -m tests.frontends.test_overlap
+This module is also the worker program: ``python -m tests.modes.test_periodic
 CONFIG_JSON`` is what every worker process runs (tests/harness/trainer_job.py's
 ``worker_main`` with this module's ``train``), one trainer per configuration in
 sequence. The toy model's gradient is known in closed form

@@ -80,7 +80,7 @@ def train_job(c, failing: int, how: str, at: int = 3) -> None:
 
 @pytest.mark.parametrize(("how", "named"), [
     ("raise", "worker 1 at 127.0.0.1 failed: RuntimeError: boom at step 3"),
-    # the same report as tests/launch/test_cluster_launch.py's
+    # the same report as tests/launch/test_cluster.py's
     # test_a_failing_process_stops_every_launcher, where worker 1 exits with 3
     pytest.param("exit", "worker 1 at 127.0.0.1 failed: the process exited without calling "
                  "bps.shutdown()", marks=pytest.mark.slow),
@@ -223,7 +223,7 @@ def exit_times(c, names: list[str], timeout: float) -> dict[str, tuple[int, floa
     # a stopped process is a silent one, as a killed one: SIGKILL covers it in make test
     pytest.param("server0", signal.SIGSTOP, "died: no heartbeat", marks=pytest.mark.slow),
     ("server0", signal.SIGINT, "failed: KeyboardInterrupt"),  # raised inside its loop
-    # a role's SIGTERM: worker1's covers the report, and tests/launch/test_launch.py's
+    # a role's SIGTERM: worker1's covers the report, and tests/launch/test_cli.py's
     # test_a_role_stopped_while_it_exits_ends_without_a_traceback the role's handler
     pytest.param("server0", signal.SIGTERM, "failed: terminated by SIGTERM",
                  marks=pytest.mark.slow),

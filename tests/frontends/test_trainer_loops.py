@@ -2,7 +2,7 @@
 gradient accumulation, non-finite gradients (both policies, and a GradScaler), uneven
 inputs with ``trainer.join()``, low-precision parameters with autocast, torch.compile.
 
-This module is also the worker program: ``python -m tests.frontends.test_training_loops
+This module is also the worker program: ``python -m tests.frontends.test_trainer_loops
 CONFIG_JSON`` is what every worker process runs (tests/harness/trainer_job.py's
 ``worker_main`` with this module's ``train``). The toy
 model's gradient is known in closed form (``grad = w - target``), so the tests replay

@@ -5,7 +5,7 @@ the numpy replay of the pipeline says (as they do without the agent); an agent k
 outright fails its training process within seconds, naming the node; a training process
 killed outright takes its agent with it; nothing stays in ``/dev/shm``.
 
-This module is also the worker program (``python -m tests.frontends.test_node_agent
+This module is also the worker program (``python -m tests.worker.test_agent
 CONFIG_JSON``): trainer_job's ``train``, or its own loop for an inf injected into one
 rank's gradient and for a job that trains until it is killed.
 """

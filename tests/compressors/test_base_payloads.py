@@ -7,6 +7,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bps.compressors import build
+from tests.harness import reference_compressors as ref
+from tests.harness.samples import (
+    DTYPES,
+)
 
 PARAMS = {
     "onebit": {"compressor": "onebit", "scaling": True},
@@ -134,3 +138,18 @@ def test_wrong_payload_types():
         c.decompress("not bytes")
     with pytest.raises(ValueError, match="1-D"):
         c.compress(torch.zeros(2, NUMEL))
+
+
+@pytest.mark.parametrize("params", [
+    {"compressor": "onebit", "scaling": True}, {"compressor": "onebit", "scaling": False},
+    {"compressor": "topk", "k": 3}, {"compressor": "randomk", "k": 3},
+    {"compressor": "dithering", "k": 4}, {"compressor": "dithering", "k": 3,
+                                          "partition": "natural", "normalize": "l2"},
+    {"compressor": "bytegrad"}, {"compressor": "bytegrad", "chunk": 5},
+])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_all_zero_input_decodes_to_zeros(params, dtype):
+    c = build(params, 77, ref.TORCH_DTYPE[dtype])
+    y = c.decompress(c.compress(torch.zeros(77, dtype=ref.TORCH_DTYPE[dtype])))
+    assert y.dtype == ref.TORCH_DTYPE[dtype] and y.shape == (77,)
+    assert not torch.isnan(y).any() and (y == 0).all()
