@@ -108,9 +108,10 @@ def record_ready(device: torch.device) -> torch.cuda.Event | None:
 
 
 def wait_side_stream(device: torch.device) -> None:
-    """Block this (codec) thread until its side stream's work so far is done."""
+    """Block this (codec) thread until its side stream's work so far is done: on a
+    blocking event, so the thread sleeps instead of spinning a core while it waits."""
     if device.type == "cuda":
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(blocking=True)  # the thread sleeps; it does not spin a core
         event.record(_side_stream(device))
         event.synchronize()
 
