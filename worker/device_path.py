@@ -157,7 +157,9 @@ class KeyStaging:
         (or a new tensor), queued on the current stream: where the compressor checks
         payloads on the host (``decode_key``), it is checked before it goes up and
         decoded without a host sync, from a CUDA graph where they are on; else
-        ``chain.decompress`` checks it on the device."""
+        ``chain.decompress`` checks it on the device. A compressor with ``decode_upload``
+        (randomk: the indices it draws from the payload's seed) has it build, on the host,
+        the bytes that go up instead of the payload."""
         compressor = chain
         while hasattr(compressor, "inner"):  # decorators decode as their compressor
             compressor = compressor.inner
@@ -166,7 +168,8 @@ class KeyStaging:
             return decode_into(chain, self.to_device(frames), out)
         payload = self._gather(frames)
         key = decode_key(payload)
-        up = self._upload(payload)
+        upload = getattr(compressor, "decode_upload", None)  # host work done before it goes up
+        up = self._upload(payload if upload is None else self._gather(upload(payload)))
         if key is None:
             return decode_into(chain, up, out)
         result = self.decode_graphs.run(key, (up,), lambda p: compressor.decode_checked(p, key))

@@ -1,17 +1,21 @@
-"""The side streams' waits: a codec thread sleeps while its device works.
+"""The device path: a codec thread sleeps while its device works; a randomk reply goes
+up once, its indices drawn on the host, and decodes as the host decoder does.
 
-The device path's staging and decodes are tested in test_device_graphs.py (the CPU path
-forced with ``BPS_DEVICE_KERNELS=1``); what only a GPU shows is here, marked ``cuda``.
+Staged encodes and decodes of every compressor are tested in test_device_graphs.py (the
+CPU path, as ``BPS_DEVICE_KERNELS=1`` forces it); what only a GPU shows is marked
+``cuda``.
 """
 
 from __future__ import annotations
 
+import re
 import time
 
+import numpy as np
 import pytest
 import torch
 
-from bps.worker.device_path import on_side_stream, wait_side_stream
+from bps.worker.device_path import KeyStaging, on_side_stream, wait_side_stream
 
 
 def test_on_the_cpu_waiting_is_a_no_op():
@@ -34,3 +38,43 @@ def test_a_codec_thread_sleeps_while_it_waits_for_its_side_stream():
     wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
     assert wall > 0.02, "the kernel ended before the wait: nothing measured"
     assert cpu < 0.5 * wall, f"the wait used {cpu:.3f} s of CPU in {wall:.3f} s"
+
+
+def reply_frames(payload: np.ndarray) -> list[bytes]:
+    data = payload.tobytes()
+    return [data[:7], data[7:]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_a_staged_randomk_decode_is_the_host_decoders(dtype):
+    # the indices are drawn on the host, where the reply is, and go up with it: the
+    # result is the host (numba) decoder's, bit for bit, odd k and float16 included
+    from bps.compressors.randomk import RandomK
+    from bps.compressors.randomk_torch import RandomKTorch
+    numel, k = 101, 13
+    host = RandomK(numel, dtype, k=k, seed=5)
+    device = RandomKTorch(numel, dtype, k=k, seed=5, device="cpu")
+    staging = KeyStaging(torch.device("cpu"))
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        payload = host.compress(torch.randn(numel, generator=gen).to(dtype)).numpy().copy()
+        expected = RandomK(numel, dtype, k=k, seed=5).decompress(payload.copy())
+        out = torch.full((numel,), 7.0, dtype=dtype)
+        assert staging.decode(device, reply_frames(payload), out) is out
+        assert torch.equal(out.view(torch.int16 if dtype == torch.float16 else torch.int32),
+                           expected.view(torch.int16 if dtype == torch.float16 else torch.int32))
+
+
+def test_a_staged_randomk_decode_refuses_what_the_host_decoder_refuses():
+    from bps.compressors.randomk import RandomK
+    from bps.compressors.randomk_torch import RandomKTorch
+    host = RandomK(50, torch.float32, k=5, seed=1)
+    payload = host.compress(torch.randn(50)).numpy().copy()
+    payload[16:20] = np.frombuffer(np.float32(np.nan).tobytes(), dtype=np.uint8)
+    with pytest.raises(ValueError) as refused:
+        host.decompress(payload.copy())
+    device = RandomKTorch(50, torch.float32, k=5, seed=1, device="cpu")
+    with pytest.raises(ValueError, match=re.escape(str(refused.value))):
+        KeyStaging(torch.device("cpu")).decode(device, reply_frames(payload), None)
+    with pytest.raises(ValueError, match="expected exactly"):
+        KeyStaging(torch.device("cpu")).decode(device, reply_frames(payload[:-1]), None)
