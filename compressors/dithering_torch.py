@@ -7,7 +7,9 @@ matrix product on the device (a float matmul of 0/1 bits, exact) jumps each bloc
 start to its spans' starts. The levels (one byte per element) and the scale then cross
 to the host in one copy (the compress's sync), where dithering.py's coders write the
 stream: the payload is a CPU uint8 tensor. Decoding copies the payload to the host,
-decodes there and copies the values up.
+decodes there and copies the values up; a pulled aggregate, already on the host
+(``bps.worker.device_path``), is decoded there and only its values go up
+(``decode_upload``).
 
 Bytes are the host's for ``normalize="max"``; with ``"l2"`` the scale is a float64 sum
 in torch's order (docs/compression.md). The status is known on the host after the copy;
@@ -227,12 +229,28 @@ class DitheringTorch(TorchKernels, Dithering):
         if isinstance(payload, torch.Tensor):
             payload = payload.cpu()
         out = self.output(out)
-        device, self.device = self.device, torch.device("cpu")  # the host decoder's checks
+        return out.copy_(to_device_async(self._host_decoded(payload), self.device))
+
+    def _host_decoded(self, payload: Payload) -> torch.Tensor:
+        """The host decoder's values (a CPU tensor of the chain's dtype), with its checks."""
+        device, self.device = self.device, torch.device("cpu")
         try:
-            decoded = Dithering.decompress(self, payload)
+            return Dithering.decompress(self, payload)
         finally:
             self.device = device
-        return out.copy_(to_device_async(decoded, self.device))
+
+    def decode_key(self, payload: np.ndarray) -> tuple:
+        return ()  # the host decoder checks it in decode_upload, decoding it
+
+    def decode_upload(self, payload: np.ndarray) -> np.ndarray:
+        """What goes up for :meth:`decode_checked`: a pulled aggregate, whose bytes are on
+        the host, decoded there (the host decoder's checks and errors), as raw bytes."""
+        return self._host_decoded(payload).view(torch.uint8).numpy()
+
+    def decode_checked(self, payload: torch.Tensor, key: tuple) -> torch.Tensor:
+        """:meth:`decode_upload`'s values, on the device (a copy: ``payload`` is the key's
+        upload buffer, which its next decode overwrites)."""
+        return payload.view(self.dtype).clone()
 
     def load_state_dict(self, state: dict) -> None:
         Dithering.load_state_dict(self, state)

@@ -134,6 +134,7 @@ class KeyStaging:
         self._up: torch.Tensor | None = None
         self._flag: torch.Tensor | None = None
         self._status: torch.Tensor | None = None
+        self.uploaded = 0  # bytes the last upload (to_device, decode) copied up
 
     def _host_bytes(self, nbytes: int) -> torch.Tensor:
         if self._host is None or self._host.numel() < nbytes:
@@ -241,7 +242,7 @@ class KeyStaging:
         key's device buffer, queued on the current stream; on the CPU, as a tensor."""
         if self.device.type != "cuda":
             return torch.from_numpy(host)
-        nbytes = host.size
+        nbytes = self.uploaded = host.size
         if self._up is None or self._up.numel() < nbytes:
             self._up = torch.empty(max(nbytes, 64), dtype=torch.uint8, device=self.device)
         up = self._up[:nbytes]

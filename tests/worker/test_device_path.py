@@ -78,3 +78,38 @@ def test_a_staged_randomk_decode_refuses_what_the_host_decoder_refuses():
         KeyStaging(torch.device("cpu")).decode(device, reply_frames(payload), None)
     with pytest.raises(ValueError, match="expected exactly"):
         KeyStaging(torch.device("cpu")).decode(device, reply_frames(payload[:-1]), None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_a_staged_dithering_decode_is_the_host_decoders(dtype):
+    # decoded on the host, where the reply is, and only the values go up
+    from bps.compressors.dithering import Dithering
+    from bps.compressors.dithering_torch import DitheringTorch
+    numel = 301
+    host = Dithering(numel, dtype, levels=4, seed=3)
+    device = DitheringTorch(numel, dtype, levels=4, seed=3, device="cpu")
+    staging = KeyStaging(torch.device("cpu"))
+    gen = torch.Generator().manual_seed(6)
+    for _ in range(3):
+        payload = host.compress(torch.randn(numel, generator=gen).to(dtype)).numpy().copy()
+        expected = Dithering(numel, dtype, levels=4, seed=3).decompress(payload.copy())
+        out = torch.full((numel,), 7.0, dtype=dtype)
+        assert staging.decode(device, reply_frames(payload), out) is out
+        assert torch.equal(out.view(torch.int16 if dtype.itemsize == 2 else torch.int32),
+                           expected.view(torch.int16 if dtype.itemsize == 2 else torch.int32))
+        alone = staging.decode(device, reply_frames(payload), None)
+        staging.decode(device, reply_frames(payload[:]), torch.empty(numel, dtype=dtype))
+        assert torch.equal(alone, expected)  # not a view of the key's upload buffer
+
+
+def test_a_staged_dithering_decode_refuses_what_the_host_decoder_refuses():
+    from bps.compressors.dithering import Dithering
+    from bps.compressors.dithering_torch import DitheringTorch
+    host = Dithering(64, torch.float32, levels=4, seed=1)
+    payload = host.compress(torch.randn(64)).numpy().copy()
+    payload[-1] ^= 0x80  # the trailer's scale negated: refused by the host decoder
+    with pytest.raises(ValueError) as refused:
+        host.decompress(payload.copy())
+    device = DitheringTorch(64, torch.float32, levels=4, seed=1, device="cpu")
+    with pytest.raises(ValueError, match=re.escape(str(refused.value))):
+        KeyStaging(torch.device("cpu")).decode(device, reply_frames(payload), None)
