@@ -37,7 +37,10 @@ from .device import INPUT_NONFINITE, OK, TorchKernels, to_device_async
 from .dithering import TRAILER, Dithering
 from .rng import UINT64_MAX_F64, jump, jump_table
 
-STEPS = 64  # draws per generator on the device (sequential torch steps)
+# draws per generator on the device: each is a sequential torch step of 10 kernels, and
+# the GF(2) product that jumps the generators to their spans writes 128 counts per
+# generator (16 bytes an element at 16 steps, in float16 on a GPU)
+STEPS = 16
 SUB = 512  # generators per host-jumped block
 
 
@@ -77,7 +80,7 @@ def shared_images(spans: int, device: torch.device) -> torch.Tensor:
     with _IMAGES_LOCK:
         if (spans, device) not in _IMAGES:
             images = torch.from_numpy(span_images(spans, STEPS, jump_table()))
-            _IMAGES[spans, device] = images.to(device)
+            _IMAGES[spans, device] = images.to(device, count_dtype(device))
         return _IMAGES[spans, device]
 
 
@@ -86,10 +89,17 @@ def shift_right(t: torch.Tensor, k: int) -> torch.Tensor:
     return (t >> k) & ((1 << (64 - k)) - 1)
 
 
+def count_dtype(device: torch.device) -> torch.dtype:
+    """The GF(2) product's float dtype: sums of at most 128 ones are exact in float16
+    (a GPU's half-size counts) as in float32 (the CPU's fast matmul)."""
+    return torch.float16 if device.type == "cuda" else torch.float32
+
+
 def unpack_bits(states: torch.Tensor) -> torch.Tensor:
     """(count, 128) float 0/1 of (count, 2) int64 states (a's bits, then b's)."""
     shifts = torch.arange(64, device=states.device)
-    return ((states.unsqueeze(-1) >> shifts) & 1).reshape(-1, 128).float()
+    bits = ((states.unsqueeze(-1) >> shifts) & 1).reshape(-1, 128)
+    return bits.to(count_dtype(states.device))
 
 
 def pack_bits(bits: torch.Tensor) -> torch.Tensor:
@@ -107,15 +117,14 @@ def draw_all(blocks: torch.Tensor, images: torch.Tensor, numel: int) -> torch.Te
     counts = unpack_bits(blocks) @ images  # GF(2): the parity of each sum is the bit
     states = pack_bits(counts.to(torch.uint8) & 1)  # counts <= 128
     a, b = states[:, 0], states[:, 1]
-    draws = torch.empty((a.numel(), STEPS), dtype=torch.int64, device=a.device)
-    for j in range(STEPS):  # xorshift128+, as rng.xorshift_step
-        t, s = a, b
-        t = t ^ (t << 23)
-        t = t ^ shift_right(t, 17)
-        t = t ^ (s ^ shift_right(s, 26))
-        a, b = s, t
-        draws[:, j] = t + s
-    return draws.reshape(-1)[:numel]
+    draws = torch.empty((STEPS, a.numel()), dtype=torch.int64, device=a.device)
+    for j in range(STEPS):  # xorshift128+, as rng.xorshift_step: 10 kernels
+        t = a ^ (a << 23)
+        t ^= shift_right(t, 17)
+        t ^= b ^ shift_right(b, 26)
+        torch.add(t, b, out=draws[j])
+        a, b = b, t
+    return draws.t().reshape(-1)[:numel]  # generator by generator, in index order
 
 
 def as_float64(draws: torch.Tensor) -> torch.Tensor:
