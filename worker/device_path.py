@@ -33,7 +33,8 @@ import torch
 from bps.common.protocol import join_frames
 from bps.worker.device_graphs import KeyGraphs
 
-__all__ = ["KeyStaging", "decode_into", "on_side_stream", "record_ready", "wait_side_stream"]
+__all__ = ["KeyStaging", "decode_into", "dedicated_stream", "on_side_stream", "record_ready",
+           "release_stream", "wait_side_stream"]
 
 _local = threading.local()
 
@@ -81,6 +82,19 @@ def _own_stream(device: torch.device) -> torch.cuda.Stream:
                 _taken.add(stream.cuda_stream)
                 return stream
     raise RuntimeError(f"no CUDA stream of {device} left for a codec thread of its own")
+
+
+def dedicated_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """A stream of ``device`` that no codec thread nor other caller holds until
+    :func:`release_stream` (None on the CPU): a pipeline's reduce thread runs its NCCL
+    collectives and casts on one, so that they never queue behind the broadcasts."""
+    return _own_stream(device) if device.type == "cuda" else None
+
+
+def release_stream(stream: torch.cuda.Stream | None) -> None:
+    """Give back a :func:`dedicated_stream`."""
+    if stream is not None:
+        _give_back([stream.cuda_stream])
 
 
 @contextlib.contextmanager
