@@ -23,6 +23,8 @@ Example (the forced path on CPU tensors, ``BPS_DEVICE_KERNELS=1``, as the tests 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import logging
 import threading
 import weakref
 from collections.abc import Iterator
@@ -37,10 +39,14 @@ __all__ = ["KeyStaging", "decode_into", "dedicated_stream", "on_side_stream", "r
            "release_stream", "wait_side_stream"]
 
 _local = threading.local()
+log = logging.getLogger("bps")
 
 
-_taken: set[int] = set()  # the live codec threads' side streams, by their CUDA handle
+_taken: set[int] = set()  # the side streams held (codec threads, reduce threads), by handle
+_free: dict[int, list] = {}  # device index -> streams given back, for the next taker
+_streams: dict[int, torch.cuda.Stream] = {}  # handle -> every stream handed out
 _taken_lock = threading.Lock()
+_CU_STREAM_NON_BLOCKING = 1  # no implicit sync with the legacy default stream
 
 
 class _ThreadStreams(dict):
@@ -55,7 +61,11 @@ class _ThreadStreams(dict):
 
 def _give_back(handles: list[int]) -> None:
     with _taken_lock:
-        _taken.difference_update(handles)
+        for handle in handles:
+            if handle in _taken:
+                _taken.discard(handle)
+                stream = _streams[handle]
+                _free.setdefault(stream.device.index, []).append(stream)
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
@@ -70,18 +80,64 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 def _own_stream(device: torch.device) -> torch.cuda.Stream:
-    """A stream from torch's pool that no other live codec thread has: a CUDA graph
-    captures whatever is launched on its stream, so two threads must never share one.
-    The pool hands out its streams in turn (32 per device), so a few tries find a free
-    one while fewer than 32 threads hold one."""
+    """A stream that no other holder has: a CUDA graph captures whatever is launched on
+    its stream, so two threads must never share one. It is bps's own, created through
+    the CUDA driver (non-blocking, never destroyed: given back streams are reused), not
+    one of torch's pool, which hands its 32 streams a device to any caller in turn (a
+    library's, NCCL's). Where the driver cannot be reached, one of the pool's that no
+    holder has (logged once)."""
     with _taken_lock:
-        for _ in range(64):
-            stream = torch.cuda.Stream(device)
-            if stream.cuda_stream not in _taken and \
-                    stream.cuda_stream != torch.cuda.current_stream(device).cuda_stream:
-                _taken.add(stream.cuda_stream)
-                return stream
-    raise RuntimeError(f"no CUDA stream of {device} left for a codec thread of its own")
+        free = _free.get(device.index)
+        stream = free.pop() if free else _private_stream(device) or _pool_stream(device)
+        _taken.add(stream.cuda_stream)
+        _streams[stream.cuda_stream] = stream
+        return stream
+
+
+def _private_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """A new non-blocking stream of ``device`` from the driver, in the device's primary
+    context (torch's), or None."""
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+        index = torch.cuda.current_device() if device.index is None else device.index
+        torch.cuda.init()
+        ordinal, context, handle = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_void_p()
+        _check(driver.cuInit(0), "cuInit")
+        _check(driver.cuDeviceGet(ctypes.byref(ordinal), index), "cuDeviceGet")
+        _check(driver.cuDevicePrimaryCtxRetain(ctypes.byref(context), ordinal),
+               "cuDevicePrimaryCtxRetain")  # held for the process, as torch holds it
+        _check(driver.cuCtxPushCurrent_v2(context), "cuCtxPushCurrent")
+        try:
+            _check(driver.cuStreamCreateWithPriority(ctypes.byref(handle),
+                                                     _CU_STREAM_NON_BLOCKING, 0),
+                   "cuStreamCreateWithPriority")
+        finally:
+            driver.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+        return torch.cuda.ExternalStream(handle.value, device=torch.device("cuda", index))
+    except (OSError, AttributeError, RuntimeError) as exc:
+        if not _warned:
+            _warned.append(True)
+            log.warning("no CUDA stream of bps's own (%s): side streams come from torch's "
+                        "pool, which other libraries may use too", exc)
+        return None
+
+
+def _check(status: int, call: str) -> None:
+    if status != 0:
+        raise OSError(f"{call} returned CUDA error {status}")
+
+
+_warned: list[bool] = []
+
+
+def _pool_stream(device: torch.device) -> torch.cuda.Stream:
+    """One of torch's pool streams that no holder has and that is not current."""
+    for _ in range(64):
+        stream = torch.cuda.Stream(device)
+        if stream.cuda_stream not in _taken and \
+                stream.cuda_stream != torch.cuda.current_stream(device).cuda_stream:
+            return stream
+    raise RuntimeError(f"no CUDA stream of {device} left for a thread of its own")
 
 
 def dedicated_stream(device: torch.device) -> torch.cuda.Stream | None:

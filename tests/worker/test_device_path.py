@@ -113,3 +113,31 @@ def test_a_staged_dithering_decode_refuses_what_the_host_decoder_refuses():
     device = DitheringTorch(64, torch.float32, levels=4, seed=1, device="cpu")
     with pytest.raises(ValueError, match=re.escape(str(refused.value))):
         KeyStaging(torch.device("cpu")).decode(device, reply_frames(payload), None)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_side_streams_are_bps_own_and_reused_once_given_back():
+    # torch's pool hands its streams to any caller (NCCL, libraries): none of them
+    import threading
+
+    from bps.worker.device_path import _side_stream
+    device = torch.device("cuda", 0)
+    pool = {torch.cuda.Stream(device, priority=p).cuda_stream
+            for p in (0, -1) for _ in range(80)}
+    pool.add(torch.cuda.default_stream(device).cuda_stream)
+    handles: list[int] = []
+
+    def codec_thread() -> None:
+        stream = _side_stream(device)
+        handles.append(stream.cuda_stream)
+        with torch.cuda.stream(stream):  # it works as a stream
+            handles.append(int((torch.arange(4, device=device) * 2).sum().item()))
+
+    for _ in range(2):
+        thread = threading.Thread(target=codec_thread)
+        thread.start()
+        thread.join(timeout=30)
+    assert handles[1] == handles[3] == 12
+    assert handles[0] not in pool
+    assert handles[0] == handles[2]  # the ended thread's stream, taken again
