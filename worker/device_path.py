@@ -86,6 +86,8 @@ def _own_stream(device: torch.device) -> torch.cuda.Stream:
     one of torch's pool, which hands its 32 streams a device to any caller in turn (a
     library's, NCCL's). Where the driver cannot be reached, one of the pool's that no
     holder has (logged once)."""
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     with _taken_lock:
         free = _free.get(device.index)
         stream = free.pop() if free else _private_stream(device) or _pool_stream(device)
@@ -99,7 +101,7 @@ def _private_stream(device: torch.device) -> torch.cuda.Stream | None:
     context (torch's), or None."""
     try:
         driver = ctypes.CDLL("libcuda.so.1")
-        index = torch.cuda.current_device() if device.index is None else device.index
+        index = device.index
         torch.cuda.init()
         ordinal, context, handle = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_void_p()
         _check(driver.cuInit(0), "cuInit")
