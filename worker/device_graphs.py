@@ -161,8 +161,9 @@ def private_generator(device: int) -> Iterator[None]:
     marks it "capturing" until the capture ends; meanwhile a draw on any other thread
     (dropout, ``torch.rand(device="cuda")``) fails ("Offset increment outside graph
     capture"). The kernels captured here draw nothing, so the capture gets a clone of
-    the state, and the shared state is put back as soon as ``capture_begin`` returns
-    (a draw elsewhere within those microseconds still meets the clone). Nothing is
+    the state, and the shared state is put back as soon as ``capture_begin`` returns:
+    a draw elsewhere within that call's few microseconds meets the clone, already
+    marked, and still fails (torch always registers the default generator). Nothing is
     done where torch has no ``graphsafe_set_state``."""
     default = torch.cuda.default_generators[device]
     if not hasattr(default, "graphsafe_set_state"):

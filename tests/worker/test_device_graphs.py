@@ -246,8 +246,8 @@ DECODED = {**{name: {"compressor": name, **description(name).examples[0], "ef": 
 
 def decodes_in_graphs(chain) -> bool:
     """Whether the chain's compressor checks payloads on the host (``decode_key``), so
-    that its decodes can be captured (randomk: checked on the device; dithering: on the
-    host, decoded there)."""
+    that its decodes can be captured (randomk: its indices drawn on the host too;
+    dithering: decoded there, its values copied on the device; not terngrad)."""
     while hasattr(chain, "inner"):
         chain = chain.inner
     return type(chain).decode_key is not TorchKernels.decode_key
@@ -428,31 +428,42 @@ def launches(x: torch.Tensor, count: int) -> torch.Tensor:
 @on_cuda
 def test_a_capture_leaves_random_numbers_to_the_other_threads():
     # torch marks the generator state registered with a capture "capturing" until it
-    # ends: on the shared state, a draw on any other thread would fail meanwhile
+    # ends: were it the shared state, a draw on another thread while the capture records
+    # its kernels would fail. The capturing thread waits, mid-recording, for the main
+    # thread's draws.
     import threading
     graphs = KeyGraphs(enabled=True, name="w")
     x = torch.zeros(16, device="cuda")
-    side, done, failures = torch.cuda.Stream(), threading.Event(), []
+    side = torch.cuda.Stream()
+    recording, drawn, failures = threading.Event(), threading.Event(), []
+
+    def kernels(v: torch.Tensor) -> torch.Tensor:
+        v = launches(v, 50)
+        recording.set()
+        assert drawn.wait(timeout=30), "the main thread never drew"
+        return launches(v, 50)
 
     def capture() -> None:
         try:
             with torch.cuda.stream(side):
-                for _ in range(20):
-                    graphs.record(lambda v: launches(v, 500), (x,))
+                graphs.record(kernels, (x,))
         except BaseException as exc:  # noqa: BLE001 - reported below
             failures.append(exc)
         finally:
-            done.set()
+            recording.set()
 
     thread = threading.Thread(target=capture)
     thread.start()
-    draws = 0
-    while not done.is_set():
-        torch.nn.functional.dropout(torch.ones(64, device="cuda"), 0.5)
-        torch.rand(8, device="cuda")
-        draws += 1
-    thread.join(timeout=60)
-    assert not failures and draws > 0  # and no draw above raised
+    try:
+        assert recording.wait(timeout=30)
+        masked = torch.nn.functional.dropout(torch.ones(4096, device="cuda"), 0.5)
+        drawn_values = torch.rand(8, device="cuda")
+    finally:
+        drawn.set()
+        thread.join(timeout=60)
+    assert not failures, failures
+    assert 1000 < int((masked == 0).sum()) < 3096  # a real mask, drawn
+    assert bool(((drawn_values >= 0) & (drawn_values < 1)).all())
 
 
 @on_cuda
