@@ -199,7 +199,10 @@ class TorchKernels(StagedChain, Compressor):
     def decode_key(self, payload: np.ndarray) -> tuple | None:
         """Check a payload still on the host as ``decompress`` would, raising the same
         errors, and return what decoding it depends on besides its bytes (the key of
-        :meth:`decode_checked`'s CUDA graph); None where the checks run on the device."""
+        :meth:`decode_checked`'s CUDA graph); None where the checks run on the device.
+        A compressor may also define ``decode_upload(payload) -> np.ndarray``: the bytes
+        that go up for ``decode_checked`` instead of the payload, made on the host
+        (randomk: its drawn indices with the payload; dithering: the decoded values)."""
         return None
 
     def decode_checked(self, payload: torch.Tensor, key: tuple) -> torch.Tensor:

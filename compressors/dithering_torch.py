@@ -7,7 +7,9 @@ matrix product on the device (a float matmul of 0/1 bits, exact) jumps each bloc
 start to its spans' starts. The levels (one byte per element) and the scale then cross
 to the host in one copy (the compress's sync), where dithering.py's coders write the
 stream: the payload is a CPU uint8 tensor. Decoding copies the payload to the host,
-decodes there and copies the values up.
+decodes there and copies the values up; a pulled aggregate, already on the host
+(``bps.worker.device_path``), is decoded there and only its values go up
+(``decode_upload``).
 
 Bytes are the host's for ``normalize="max"``; with ``"l2"`` the scale is a float64 sum
 in torch's order (docs/compression.md). The status is known on the host after the copy;
@@ -35,7 +37,10 @@ from .device import INPUT_NONFINITE, OK, TorchKernels, to_device_async
 from .dithering import TRAILER, Dithering
 from .rng import UINT64_MAX_F64, jump, jump_table
 
-STEPS = 64  # draws per generator on the device (sequential torch steps)
+# draws per generator on the device: each is a sequential torch step of 10 kernels, and
+# the GF(2) product that jumps the generators to their spans writes 128 counts per
+# generator (16 bytes an element at 16 steps, in float16 on a GPU)
+STEPS = 16
 SUB = 512  # generators per host-jumped block
 
 
@@ -75,7 +80,7 @@ def shared_images(spans: int, device: torch.device) -> torch.Tensor:
     with _IMAGES_LOCK:
         if (spans, device) not in _IMAGES:
             images = torch.from_numpy(span_images(spans, STEPS, jump_table()))
-            _IMAGES[spans, device] = images.to(device)
+            _IMAGES[spans, device] = images.to(device, count_dtype(device))
         return _IMAGES[spans, device]
 
 
@@ -84,10 +89,17 @@ def shift_right(t: torch.Tensor, k: int) -> torch.Tensor:
     return (t >> k) & ((1 << (64 - k)) - 1)
 
 
+def count_dtype(device: torch.device) -> torch.dtype:
+    """The GF(2) product's float dtype: sums of at most 128 ones are exact in float16
+    (a GPU's half-size counts) as in float32 (the CPU's fast matmul)."""
+    return torch.float16 if device.type == "cuda" else torch.float32
+
+
 def unpack_bits(states: torch.Tensor) -> torch.Tensor:
     """(count, 128) float 0/1 of (count, 2) int64 states (a's bits, then b's)."""
     shifts = torch.arange(64, device=states.device)
-    return ((states.unsqueeze(-1) >> shifts) & 1).reshape(-1, 128).float()
+    bits = ((states.unsqueeze(-1) >> shifts) & 1).reshape(-1, 128)
+    return bits.to(count_dtype(states.device))
 
 
 def pack_bits(bits: torch.Tensor) -> torch.Tensor:
@@ -105,15 +117,14 @@ def draw_all(blocks: torch.Tensor, images: torch.Tensor, numel: int) -> torch.Te
     counts = unpack_bits(blocks) @ images  # GF(2): the parity of each sum is the bit
     states = pack_bits(counts.to(torch.uint8) & 1)  # counts <= 128
     a, b = states[:, 0], states[:, 1]
-    draws = torch.empty((a.numel(), STEPS), dtype=torch.int64, device=a.device)
-    for j in range(STEPS):  # xorshift128+, as rng.xorshift_step
-        t, s = a, b
-        t = t ^ (t << 23)
-        t = t ^ shift_right(t, 17)
-        t = t ^ (s ^ shift_right(s, 26))
-        a, b = s, t
-        draws[:, j] = t + s
-    return draws.reshape(-1)[:numel]
+    draws = torch.empty((STEPS, a.numel()), dtype=torch.int64, device=a.device)
+    for j in range(STEPS):  # xorshift128+, as rng.xorshift_step: 10 kernels
+        t = a ^ (a << 23)
+        t ^= shift_right(t, 17)
+        t ^= b ^ shift_right(b, 26)
+        torch.add(t, b, out=draws[j])
+        a, b = b, t
+    return draws.t().reshape(-1)[:numel]  # generator by generator, in index order
 
 
 def as_float64(draws: torch.Tensor) -> torch.Tensor:
@@ -227,12 +238,28 @@ class DitheringTorch(TorchKernels, Dithering):
         if isinstance(payload, torch.Tensor):
             payload = payload.cpu()
         out = self.output(out)
-        device, self.device = self.device, torch.device("cpu")  # the host decoder's checks
+        return out.copy_(to_device_async(self._host_decoded(payload), self.device))
+
+    def _host_decoded(self, payload: Payload) -> torch.Tensor:
+        """The host decoder's values (a CPU tensor of the chain's dtype), with its checks."""
+        device, self.device = self.device, torch.device("cpu")
         try:
-            decoded = Dithering.decompress(self, payload)
+            return Dithering.decompress(self, payload)
         finally:
             self.device = device
-        return out.copy_(to_device_async(decoded, self.device))
+
+    def decode_key(self, payload: np.ndarray) -> tuple:
+        return ()  # the host decoder checks it in decode_upload, decoding it
+
+    def decode_upload(self, payload: np.ndarray) -> np.ndarray:
+        """What goes up for :meth:`decode_checked`: a pulled aggregate, whose bytes are on
+        the host, decoded there (the host decoder's checks and errors), as raw bytes."""
+        return self._host_decoded(payload).view(torch.uint8).numpy()
+
+    def decode_checked(self, payload: torch.Tensor, key: tuple) -> torch.Tensor:
+        """:meth:`decode_upload`'s values, on the device (a copy: ``payload`` is the key's
+        upload buffer, which its next decode overwrites)."""
+        return payload.view(self.dtype).clone()
 
     def load_state_dict(self, state: dict) -> None:
         Dithering.load_state_dict(self, state)

@@ -2,8 +2,11 @@
 
 The xorshift128+ draws stay on the host (numba, the same sequence as randomk.py); the
 k indices cross to the device in one copy with the generator state, and the values are
-gathered there. Decoding reads the 16-byte state back (with the finite check's flag,
-one host sync), draws the same indices and scatters on the device. Bytes are exact.
+gathered there. Decoding a payload on the device reads the 16-byte state back (with
+the finite check's flag, one host sync), draws the same indices and scatters there. A
+pulled aggregate, whose bytes arrive on the host (``bps.worker.device_path``), is
+checked and its indices drawn there (``decode_key``, ``decode_upload``), and goes up
+once with them: no copy back, no host sync. Bytes are exact.
 
 Example::
 
@@ -86,6 +89,33 @@ class RandomKTorch(SparseTorchKernels, RandomK):
         drawn, _ = draw_on_host(head[:16].view(np.uint64), self.numel, self.k)
         indices = to_device_async(drawn, self.device)[16:].view(torch.int64)
         return indices, values
+
+    def decode_key(self, payload: np.ndarray) -> tuple:
+        RandomK._parse(self, payload)  # the host decoder's checks
+        return ()
+
+    def decode_upload(self, payload: np.ndarray) -> np.ndarray:
+        """What goes up for :meth:`decode_checked`: the k int64 indices drawn from the
+        payload's state, then the (checked) payload itself.
+
+            >>> c = RandomKTorch(numel=10, k=3, seed=2, device="cpu")
+            >>> payload = c.compress(torch.ones(10)).numpy()
+            >>> c.decode_upload(payload).size == 8 * 3 + payload.size
+            True
+        """
+        up = np.empty(8 * self.k + payload.size, dtype=np.uint8)
+        state = sub_array(payload, 0, np.uint64, 2).copy()
+        draw_indices(state, self.numel, sub_array(up, 0, np.uint64, self.k))
+        up[8 * self.k:] = payload
+        return up
+
+    def decode_checked(self, payload: torch.Tensor, key: tuple) -> torch.Tensor:
+        """The scatter of :meth:`decode_upload`'s bytes on the device: kernels only."""
+        indices = payload[: 8 * self.k].view(torch.int64)
+        values = typed_part(payload, 8 * self.k + 16, self.dtype, self.k)
+        out = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        scatter_last(out, indices, values)
+        return out
 
     def decompress(self, payload: Payload, out: torch.Tensor | None = None) -> torch.Tensor:
         indices, values = self._parse_device(payload)

@@ -123,7 +123,7 @@ class CodecPool:
                 result = staging.decode(info.chain, frames, info.out)
             wait_side_stream(staging.device)
         if staging.device.type == "cuda":
-            self._count(pcie_bytes=nbytes if not staging.host_chain
+            self._count(pcie_bytes=staging.uploaded if not staging.host_chain
                         else result.numel() * result.element_size())
         return result
 

@@ -31,14 +31,16 @@ Example (on a codec thread's side stream, as :mod:`bps.worker.device_path` runs 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
-__all__ = ["ENV_SWITCH", "MAX_CAPTURES", "KeyGraphs", "enabled_by_env"]
+__all__ = ["ENV_SWITCH", "MAX_CAPTURES", "KeyGraphs", "enabled_by_env", "private_generator",
+           "release_pool"]
 
 log = logging.getLogger("bps")
 
@@ -122,16 +124,23 @@ class KeyGraphs:
 
     def record(self, fn: Callable[..., object], inputs: tuple[torch.Tensor, ...]) -> tuple:
         """``(graph, outputs)``: ``fn(*inputs)`` captured into a CUDA graph on the current
-        stream (nothing runs; ``graph.replay()`` runs it). Tests record otherwise."""
+        stream (nothing runs; ``graph.replay()`` runs it). Tests record otherwise.
+
+        The capture is ``thread_local`` (another thread's CUDA calls do not break it) and
+        runs with a generator state of its own (:func:`private_generator`): the model's
+        threads keep drawing random numbers while it runs. The pool handle is taken
+        before the capture, so a failed capture can still hand its pool back."""
+        pool = self.pool if self.pool is not None else torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         try:
-            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+            with private_generator(torch.cuda.current_device()):
+                graph.capture_begin(pool=pool, capture_error_mode="thread_local")
             try:
                 outputs = fn(*inputs)
             finally:
                 graph.capture_end()
         except RuntimeError:
-            _release_pool(graph)
+            release_pool(torch.cuda.current_device(), pool)
             raise
         return graph, outputs
 
@@ -143,13 +152,40 @@ class KeyGraphs:
         self._graphs.clear()
 
 
-def _release_pool(graph: torch.cuda.CUDAGraph) -> None:
-    """After a failed capture: let the caching allocator stop routing to the graph's
-    pool (torch's capture_end raises before it does so itself); best effort, through
-    torch's private hook where this version has it."""
+@contextlib.contextmanager
+def private_generator(device: int) -> Iterator[None]:
+    """A capture begun in the body registers a private state of the device's default
+    CUDA generator instead of the one every thread draws from.
+
+    torch registers the default generator's state with every graph it captures and
+    marks it "capturing" until the capture ends; meanwhile a draw on any other thread
+    (dropout, ``torch.rand(device="cuda")``) fails ("Offset increment outside graph
+    capture"). The kernels captured here draw nothing, so the capture gets a clone of
+    the state, and the shared state is put back as soon as ``capture_begin`` returns:
+    a draw elsewhere within that call's few microseconds meets the clone, already
+    marked, and still fails (torch always registers the default generator). Nothing is
+    done where torch has no ``graphsafe_set_state``."""
+    default = torch.cuda.default_generators[device]
+    if not hasattr(default, "graphsafe_set_state"):
+        yield
+        return
+    shared = default.graphsafe_get_state()
+    default.graphsafe_set_state(default.clone_state())
+    try:
+        yield
+    finally:
+        default.graphsafe_set_state(shared)
+
+
+def release_pool(device: int, pool: tuple) -> None:
+    """After a failed capture: let the caching allocator stop routing the capturing
+    thread's allocations to ``pool`` (torch's ``capture_end`` raises before it does so
+    itself); best effort, through torch's private hooks where this version has them.
+    ``pool`` is the handle the capture was given: the graph's own ``pool()`` raises
+    once its capture failed."""
     end = getattr(torch._C, "_cuda_endAllocateToPool", None)
     try:
         if end is not None:
-            end(torch.cuda.current_device(), graph.pool())
+            end(device, pool)
     except (RuntimeError, TypeError):
         pass

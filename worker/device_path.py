@@ -23,6 +23,8 @@ Example (the forced path on CPU tensors, ``BPS_DEVICE_KERNELS=1``, as the tests 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import logging
 import threading
 import weakref
 from collections.abc import Iterator
@@ -33,13 +35,18 @@ import torch
 from bps.common.protocol import join_frames
 from bps.worker.device_graphs import KeyGraphs
 
-__all__ = ["KeyStaging", "decode_into", "on_side_stream", "record_ready", "wait_side_stream"]
+__all__ = ["KeyStaging", "decode_into", "dedicated_stream", "on_side_stream", "record_ready",
+           "release_stream", "wait_side_stream"]
 
 _local = threading.local()
+log = logging.getLogger("bps")
 
 
-_taken: set[int] = set()  # the live codec threads' side streams, by their CUDA handle
+_taken: set[int] = set()  # the side streams held (codec threads, reduce threads), by handle
+_free: dict[int, list] = {}  # device index -> streams given back, for the next taker
+_streams: dict[int, torch.cuda.Stream] = {}  # handle -> every stream handed out
 _taken_lock = threading.Lock()
+_CU_STREAM_NON_BLOCKING = 1  # no implicit sync with the legacy default stream
 
 
 class _ThreadStreams(dict):
@@ -54,7 +61,11 @@ class _ThreadStreams(dict):
 
 def _give_back(handles: list[int]) -> None:
     with _taken_lock:
-        _taken.difference_update(handles)
+        for handle in handles:
+            if handle in _taken:
+                _taken.discard(handle)
+                stream = _streams[handle]
+                _free.setdefault(stream.device.index, []).append(stream)
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
@@ -69,18 +80,79 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 def _own_stream(device: torch.device) -> torch.cuda.Stream:
-    """A stream from torch's pool that no other live codec thread has: a CUDA graph
-    captures whatever is launched on its stream, so two threads must never share one.
-    The pool hands out its streams in turn (32 per device), so a few tries find a free
-    one while fewer than 32 threads hold one."""
+    """A stream that no other holder has: a CUDA graph captures whatever is launched on
+    its stream, so two threads must never share one. It is bps's own, created through
+    the CUDA driver (non-blocking, never destroyed: given back streams are reused), not
+    one of torch's pool, which hands its 32 streams a device to any caller in turn (a
+    library's, NCCL's). Where the driver cannot be reached, one of the pool's that no
+    holder has (logged once)."""
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     with _taken_lock:
-        for _ in range(64):
-            stream = torch.cuda.Stream(device)
-            if stream.cuda_stream not in _taken and \
-                    stream.cuda_stream != torch.cuda.current_stream(device).cuda_stream:
-                _taken.add(stream.cuda_stream)
-                return stream
-    raise RuntimeError(f"no CUDA stream of {device} left for a codec thread of its own")
+        free = _free.get(device.index)
+        stream = free.pop() if free else _private_stream(device) or _pool_stream(device)
+        _taken.add(stream.cuda_stream)
+        _streams[stream.cuda_stream] = stream
+        return stream
+
+
+def _private_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """A new non-blocking stream of ``device`` from the driver, in the device's primary
+    context (torch's), or None."""
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+        index = device.index
+        torch.cuda.init()
+        ordinal, context, handle = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_void_p()
+        _check(driver.cuInit(0), "cuInit")
+        _check(driver.cuDeviceGet(ctypes.byref(ordinal), index), "cuDeviceGet")
+        _check(driver.cuDevicePrimaryCtxRetain(ctypes.byref(context), ordinal),
+               "cuDevicePrimaryCtxRetain")  # held for the process, as torch holds it
+        _check(driver.cuCtxPushCurrent_v2(context), "cuCtxPushCurrent")
+        try:
+            _check(driver.cuStreamCreateWithPriority(ctypes.byref(handle),
+                                                     _CU_STREAM_NON_BLOCKING, 0),
+                   "cuStreamCreateWithPriority")
+        finally:
+            driver.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+        return torch.cuda.ExternalStream(handle.value, device=torch.device("cuda", index))
+    except (OSError, AttributeError, RuntimeError) as exc:
+        if not _warned:
+            _warned.append(True)
+            log.warning("no CUDA stream of bps's own (%s): side streams come from torch's "
+                        "pool, which other libraries may use too", exc)
+        return None
+
+
+def _check(status: int, call: str) -> None:
+    if status != 0:
+        raise OSError(f"{call} returned CUDA error {status}")
+
+
+_warned: list[bool] = []
+
+
+def _pool_stream(device: torch.device) -> torch.cuda.Stream:
+    """One of torch's pool streams that no holder has and that is not current."""
+    for _ in range(64):
+        stream = torch.cuda.Stream(device)
+        if stream.cuda_stream not in _taken and \
+                stream.cuda_stream != torch.cuda.current_stream(device).cuda_stream:
+            return stream
+    raise RuntimeError(f"no CUDA stream of {device} left for a thread of its own")
+
+
+def dedicated_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """A stream of ``device`` that no codec thread nor other caller holds until
+    :func:`release_stream` (None on the CPU): a pipeline's reduce thread runs its NCCL
+    collectives and casts on one, so that they never queue behind the broadcasts."""
+    return _own_stream(device) if device.type == "cuda" else None
+
+
+def release_stream(stream: torch.cuda.Stream | None) -> None:
+    """Give back a :func:`dedicated_stream`."""
+    if stream is not None:
+        _give_back([stream.cuda_stream])
 
 
 @contextlib.contextmanager
@@ -108,9 +180,10 @@ def record_ready(device: torch.device) -> torch.cuda.Event | None:
 
 
 def wait_side_stream(device: torch.device) -> None:
-    """Block this (codec) thread until its side stream's work so far is done."""
+    """Block this (codec) thread until its side stream's work so far is done: on a
+    blocking event, so the thread sleeps instead of spinning a core while it waits."""
     if device.type == "cuda":
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(blocking=True)  # the thread sleeps; it does not spin a core
         event.record(_side_stream(device))
         event.synchronize()
 
@@ -133,6 +206,7 @@ class KeyStaging:
         self._up: torch.Tensor | None = None
         self._flag: torch.Tensor | None = None
         self._status: torch.Tensor | None = None
+        self.uploaded = 0  # bytes the last upload (to_device, decode) copied up
 
     def _host_bytes(self, nbytes: int) -> torch.Tensor:
         if self._host is None or self._host.numel() < nbytes:
@@ -156,7 +230,9 @@ class KeyStaging:
         (or a new tensor), queued on the current stream: where the compressor checks
         payloads on the host (``decode_key``), it is checked before it goes up and
         decoded without a host sync, from a CUDA graph where they are on; else
-        ``chain.decompress`` checks it on the device."""
+        ``chain.decompress`` checks it on the device. A compressor with ``decode_upload``
+        (randomk: the indices it draws from the payload's seed) has it build, on the host,
+        the bytes that go up instead of the payload."""
         compressor = chain
         while hasattr(compressor, "inner"):  # decorators decode as their compressor
             compressor = compressor.inner
@@ -165,7 +241,8 @@ class KeyStaging:
             return decode_into(chain, self.to_device(frames), out)
         payload = self._gather(frames)
         key = decode_key(payload)
-        up = self._upload(payload)
+        upload = getattr(compressor, "decode_upload", None)  # host work done before it goes up
+        up = self._upload(payload if upload is None else self._gather(upload(payload)))
         if key is None:
             return decode_into(chain, up, out)
         result = self.decode_graphs.run(key, (up,), lambda p: compressor.decode_checked(p, key))
@@ -237,7 +314,7 @@ class KeyStaging:
         key's device buffer, queued on the current stream; on the CPU, as a tensor."""
         if self.device.type != "cuda":
             return torch.from_numpy(host)
-        nbytes = host.size
+        nbytes = self.uploaded = host.size
         if self._up is None or self._up.numel() < nbytes:
             self._up = torch.empty(max(nbytes, 64), dtype=torch.uint8, device=self.device)
         up = self._up[:nbytes]

@@ -31,7 +31,7 @@ from bps.compressors import validate_compression_params
 from bps.compressors.base import NonFiniteError
 from bps.core import held_momentum
 from bps.core.grad_pipeline import GradPipeline, GradTensor, Skipped
-from bps.core.loss_scale import LossScale
+from bps.core.loss_scale import LossScale, ScaleReading
 from bps.core.trainer_stats import StepStats
 
 log = logging.getLogger("bps")
@@ -88,7 +88,7 @@ class FrontEndCore:
         self.stats = StepStats()
         self.loss_scale = LossScale()  # how the chains follow a GradScaler's scale
         self.scaler: torch.amp.GradScaler | None = None
-        self.scale: float | None = None  # the scaler's scale this step, read at its start
+        self._scale = ScaleReading()  # the scaler's scale this step, read on first use
         self.engine_before: dict = {}  # the engine's counters at this step's start
         # another learning rate for the chains than the optimizer's (a step mode's)
         self.chain_lr_override: Callable[[int], float] | None = None
@@ -168,10 +168,10 @@ class FrontEndCore:
         runtime = self.runtime
 
         def step_start() -> None:
-            # stats count this step's traffic only; the scale is read once (on CUDA
-            # each read waits for the device)
+            # stats count this step's traffic only; the scale is read once, where first
+            # needed (on CUDA a read waits for the device: not in this, the first hook)
             self.engine_before = self.stats.snapshot(runtime.engine)
-            self.scale = None if self.scaler is None else self.scaler.get_scale()
+            self._scale.start(self.scaler)
             if on_step_start is not None:
                 on_step_start()
 
@@ -179,6 +179,18 @@ class FrontEndCore:
                             lambda: self.loss_scale.change(self.scale),
                             on_step_start=step_start, on_step_done=on_step_done,
                             on_error=on_error, partition_bytes=partition_bytes)
+
+    @property
+    def scale(self) -> float | None:
+        """The scaler's scale this step (None without one), read on first use: by the
+        reduce thread, as it hands the first gradient to the chains. On a GPU it is read
+        on the device's default stream, where ``scaler.update()`` wrote it (the reduce
+        thread's own stream is not ordered after it)."""
+        device = None if self.pipeline is None else self.pipeline.device
+        if device is None or device.type != "cuda":
+            return self._scale.value
+        with torch.cuda.stream(torch.cuda.default_stream(device)):
+            return self._scale.value
 
     # -- pushes -------------------------------------------------------------------------
 

@@ -56,7 +56,7 @@ from bps.compressors.device import forced_by_env
 from bps.compressors.finite import FLOAT16_LIMIT, divide_checked, tensor_finite
 from bps.compressors.momentum import nesterov_step_torch
 from bps.compressors.warm import load_soon
-from bps.worker.device_path import record_ready
+from bps.worker.device_path import dedicated_stream, record_ready, release_stream
 from bps.worker.engine import Skipped
 from bps.worker.planning import (
     Bucket,
@@ -144,6 +144,7 @@ class _Slot:
     nonfinite: bool = False  # this step's gradient has inf or NaN entries
     skipped: Skipped | None = None  # the servers did not sum this step
     ready_event: torch.cuda.Event | None = None  # the device path: ``share`` is written
+    reduced_event: torch.cuda.Event | None = None  # its reduce stream is done with ``send``
     futures: list = field(default_factory=list)
 
 
@@ -206,6 +207,11 @@ class GradPipeline:
         self._reduce_ch = rt.group.channel(rt.unique_name("reduce"))
         self._bcast_ch = rt.group.channel(rt.unique_name("broadcast"))
         self._flag_ch = rt.group.channel(rt.unique_name("flags"))
+        # the reduce thread's own stream: NCCL orders each collective after its caller's
+        # stream, and reduce and broadcast queued on one shared stream in another order
+        # on each rank wait for each other across ranks (a node of several GPUs)
+        self._reduce_stream = dedicated_stream(self.device) \
+            if self.on_device and rt.local_size > 1 else None
         self._reduce_q: queue.Queue = queue.Queue()
         self._bcast_q: queue.Queue = queue.Queue()
         self._threads = [
@@ -383,6 +389,8 @@ class GradPipeline:
             if slot.send is None:
                 slot.send = torch.empty(numel, dtype=node_dtype, device=slot.param.device)
             share = slot.send
+            if slot.reduced_event is not None:  # the last step's reduce of it, on its stream
+                torch.cuda.current_stream(share.device).wait_event(slot.reduced_event)
             if grad is None:
                 share.zero_()
             elif share.dtype == grad.dtype:
@@ -488,6 +496,16 @@ class GradPipeline:
         (NCCL), each part is cast or handed to its chain there, and every push carries an
         event after which its input is ready; aggregates are decoded on the device straight
         into the destination (local rank 0's ``recv`` on a node of several)."""
+        if self._reduce_stream is None:
+            self._reduce_and_push_here(index, slot)
+            return
+        with torch.cuda.stream(self._reduce_stream):
+            self._reduce_and_push_here(index, slot)
+            # what read or wrote the share: its next division waits for it
+            slot.reduced_event = record_ready(self.device)
+
+    def _reduce_and_push_here(self, index: int, slot: _Slot) -> None:
+        """:meth:`_reduce_and_push_on_device` on the current stream."""
         share = slot.share
         if share is not None and slot.ready_event is not None:
             torch.cuda.current_stream(self.device).wait_event(slot.ready_event)
@@ -733,3 +751,6 @@ class GradPipeline:
                 bucket.future.cancel()
         for thread in self._threads:
             thread.join(timeout=5)
+        if not self._threads[0].is_alive():
+            release_stream(self._reduce_stream)
+            self._reduce_stream = None

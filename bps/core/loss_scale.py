@@ -7,6 +7,11 @@ gradient is added. Both are measured from the last *applied* step: a skipped ste
 leaves every buffer at the scale it had. ``DistributedTrainer`` and the DDP hook keep
 one each.
 
+A step's scale is read where it is first needed (:class:`ScaleReading`): by the
+pipeline's reduce thread as it hands the first gradient to the chains, not in the
+first gradient hook, where a read (``scaler.get_scale()``) would stop the thread that
+runs the model until the device has caught up with it.
+
 Example::
 
     >>> follow = LossScale()
@@ -19,6 +24,8 @@ Example::
 """
 
 from __future__ import annotations
+
+import threading
 
 
 class LossScale:
@@ -49,3 +56,36 @@ class LossScale:
 
     def load(self, state: tuple[float | None, float | None]) -> None:
         self.first, self.applied = state
+
+
+class ScaleReading:
+    """A GradScaler's scale for one step, read on first use (once, on any thread) and
+    not when the step starts: on CUDA a read waits for the device.
+
+        >>> import torch
+        >>> reading = ScaleReading()
+        >>> reading.start(torch.amp.GradScaler("cpu", init_scale=8.0))  # nothing read yet
+        >>> reading.value
+        8.0
+        >>> reading.start(None); reading.value is None
+        True
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._scaler = None
+        self._value: float | None = None
+
+    def start(self, scaler) -> None:
+        """A step starts with ``scaler`` (None: none); its scale is read on first use."""
+        with self._lock:
+            self._scaler, self._value = scaler, None
+
+    @property
+    def value(self) -> float | None:
+        """The scale (None without a scaler), read from the scaler the first time."""
+        with self._lock:
+            if self._scaler is not None:
+                self._value = self._scaler.get_scale()
+                self._scaler = None
+            return self._value

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from bps.compressors import description
 from tests.harness.trainer_job import (
@@ -150,6 +151,27 @@ def test_fp16_two_local_ranks_per_node(tmp_path):
     raw = sum(int(np.prod(s)) * 4 for s in shapes.values())
     assert report["steps"][-1]["raw_bytes"] == raw
     assert 0 < report["steps"][-1]["bytes_pushed"] < 0.6 * raw  # fp16 on the wire
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs two CUDA devices")
+def test_two_gpus_per_node_reduce_and_broadcast_on_streams_of_their_own(tmp_path):
+    # NCCL orders a collective after its caller's stream: the reduce and broadcast
+    # threads' collectives on one shared stream, queued in another order on each local
+    # rank, waited for each other across ranks (a hang). Many keys, several steps.
+    shapes = {f"w{i}": (40, 10) for i in range(12)}
+    lrs = [0.1] * 6
+    params = {"compressor": "onebit", "scaling": True, "ef": "vanilla", "fp16": False}
+    result = launch({"runs": [{"params": params}], "lrs": lrs, "stop": len(lrs),
+                     "shapes": shapes, "device": "cuda-local"},
+                    tmp_path, workers=2, servers=1, local_size=2, timeout=240,
+                    env={"BYTEPS_PARTITION_BYTES": "800"})
+    assert result.returncode == 0, result.stdout[-3000:]
+    finals = load_params(tmp_path, 4)
+    for other in finals[1:]:
+        for name in shapes:
+            np.testing.assert_array_equal(other[name], finals[0][name])
 
 
 # tests/modes/test_periodic.py's test_overlap_modes_match_simulation_and_resume_exactly

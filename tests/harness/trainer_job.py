@@ -84,7 +84,10 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
     import bps
 
     tag = run.get("tag", "")
-    device = torch.device(cfg.get("device", "cpu"))
+    if cfg.get("device") == "cuda-local":  # a GPU of its own per local rank (NCCL)
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    else:
+        device = torch.device(cfg.get("device", "cpu"))
     model = make_model(rank, shapes).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg["lrs"][0], momentum=MOMENTUM)
     trainer = bps.DistributedTrainer(model, optimizer, run["params"])

@@ -16,7 +16,7 @@ import torch
 from bps.compressors import build, description, registered_names, supports_device
 from bps.compressors.base import NonFiniteError
 from bps.compressors.device import OK, TorchKernels
-from bps.worker.device_graphs import enabled_by_env
+from bps.worker.device_graphs import KeyGraphs, enabled_by_env
 from bps.worker.device_path import KeyStaging
 from tests.harness.chain_state import assert_same_state
 from tests.harness.graph_replay import RecordedGraphs
@@ -246,8 +246,8 @@ DECODED = {**{name: {"compressor": name, **description(name).examples[0], "ef": 
 
 def decodes_in_graphs(chain) -> bool:
     """Whether the chain's compressor checks payloads on the host (``decode_key``), so
-    that its decodes can be captured (randomk: checked on the device; dithering: on the
-    host, decoded there)."""
+    that its decodes can be captured (randomk: its indices drawn on the host too;
+    dithering: decoded there, its values copied on the device; not terngrad)."""
     while hasattr(chain, "inner"):
         chain = chain.inner
     return type(chain).decode_key is not TorchKernels.decode_key
@@ -416,3 +416,85 @@ def test_replayed_decodes_are_decompress(device_chain, name):
         assert torch.equal(out.view(torch.int32), expected.view(torch.int32))
     replays = staging.decode_graphs.replays
     assert replays >= 2 if decodes_in_graphs(chain) else replays == 0
+
+
+def launches(x: torch.Tensor, count: int) -> torch.Tensor:
+    """``count`` small kernels: a capture long enough for another thread to run into."""
+    for _ in range(count):
+        x = x + 1
+    return x
+
+
+@on_cuda
+def test_a_capture_leaves_random_numbers_to_the_other_threads():
+    # torch marks the generator state registered with a capture "capturing" until it
+    # ends: were it the shared state, a draw on another thread while the capture records
+    # its kernels would fail. The capturing thread waits, mid-recording, for the main
+    # thread's draws.
+    import threading
+    graphs = KeyGraphs(enabled=True, name="w")
+    x = torch.zeros(16, device="cuda")
+    side = torch.cuda.Stream()
+    recording, drawn, failures = threading.Event(), threading.Event(), []
+
+    def kernels(v: torch.Tensor) -> torch.Tensor:
+        v = launches(v, 50)
+        recording.set()
+        assert drawn.wait(timeout=30), "the main thread never drew"
+        return launches(v, 50)
+
+    def capture() -> None:
+        try:
+            with torch.cuda.stream(side):
+                graphs.record(kernels, (x,))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            failures.append(exc)
+        finally:
+            recording.set()
+
+    thread = threading.Thread(target=capture)
+    thread.start()
+    try:
+        assert recording.wait(timeout=30)
+        masked = torch.nn.functional.dropout(torch.ones(4096, device="cuda"), 0.5)
+        drawn_values = torch.rand(8, device="cuda")
+    finally:
+        drawn.set()
+        thread.join(timeout=60)
+    assert not failures, failures
+    assert 1000 < int((masked == 0).sum()) < 3096  # a real mask, drawn
+    assert bool(((drawn_values >= 0) & (drawn_values < 1)).all())
+
+
+@on_cuda
+def test_after_a_failed_capture_the_device_is_usable_and_graphs_capture_again():
+    # a host sync fails the capture; its pool is handed back through the handle taken
+    # before it (the graph's own pool() raises by then)
+    staging = KeyStaging(torch.device("cuda"), cuda_graphs=True, name="w")
+    graphs = staging.encode_graphs
+    side = torch.cuda.Stream()
+    x = torch.arange(8, dtype=torch.float32, device="cuda")
+    with torch.cuda.stream(side):
+        assert torch.equal(graphs.run((), (x,), lambda v: v * float(v.sum())), x * 28)
+        assert torch.equal(graphs.run((), (x,), lambda v: v * float(v.sum())), x * 28)
+        assert not graphs.enabled  # the second run captured, and failed
+        y = torch.full((4,), 2.0, device="cuda")  # allocations work after it
+        fresh = KeyGraphs(enabled=True, name="v", pool=torch.cuda.graph_pool_handle())
+        for value in (1.0, 2.0, 3.0):
+            out = fresh.run((), (y * value,), lambda v: v * 3)
+            assert out.tolist() == [6.0 * value] * 4
+    assert fresh.enabled and fresh.captures == 1 and fresh.replays == 2
+
+
+def test_a_failed_capture_runs_eagerly_from_then_on():
+    calls = []
+
+    class Failing(KeyGraphs):
+        def record(self, fn, inputs):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    graphs = Failing(enabled=True, name="w")
+    x = torch.arange(4.0)
+    for _ in range(3):
+        assert torch.equal(graphs.run((), (x,), lambda v: calls.append(1) or v * 2), x * 2)
+    assert len(calls) == 3 and not graphs.enabled and graphs.captures == 0
