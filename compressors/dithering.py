@@ -58,7 +58,7 @@ from .elias_delta import (
     code_windows,
     splice_chunk,
 )
-from .rng import job_seed, jump, jump_table, load_state_list, new_state, state_list
+from .rng import SeededState, job_seed, jump, jump_table, new_state
 from .threads import chunk_bounds, run_chunks
 
 TRAILER = 16
@@ -81,7 +81,7 @@ def bits_per_element(top: int) -> int:
 
 
 
-class Dithering(Compressor):
+class Dithering(SeededState, Compressor):
     """Stochastic rounding of |x|/scale onto s linear or 2**(s-1) natural levels."""
 
     description: ClassVar[Description] = Description(
@@ -302,18 +302,5 @@ class Dithering(Compressor):
             raise self.bad_payload(ERRORS[error])
         return index
 
-    def state_dict(self) -> dict:
-        return {"rng": state_list(self.rng)}
 
-    def load_state_dict(self, state: dict) -> None:
-        if not isinstance(state, dict) or set(state) != {"rng"}:
-            raise ValueError(f"Dithering state must be a dict with key 'rng', got {state!r}")
-        load_state_list(self, self.rng, state["rng"])
-        self.undo = None
-
-    def rollback(self) -> None:
-        """The RNG state before the last ``compress``."""
-        if self.undo is not None:
-            self.rng[:] = self.undo
-            self.undo = None
 

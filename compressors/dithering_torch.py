@@ -35,7 +35,7 @@ from numba import njit
 from .base import KERNEL_FLOAT_DTYPES, Payload
 from .device import INPUT_NONFINITE, OK, TorchKernels, to_device_async
 from .dithering import TRAILER, Dithering
-from .rng import UINT64_MAX_F64, jump, jump_table
+from .rng import UINT64_MAX_F64, SeededStaged, jump, jump_table
 
 # draws per generator on the device: each is a sequential torch step of 10 kernels, and
 # the GF(2) product that jumps the generators to their spans writes 128 counts per
@@ -156,7 +156,7 @@ def quantise(values: torch.Tensor, scale: torch.Tensor, divisor: float, natural:
     return torch.where(values < 0, -q, q)
 
 
-class DitheringTorch(TorchKernels, Dithering):
+class DitheringTorch(SeededStaged, TorchKernels, Dithering):
     """Dithering quantised on ``device`` (payload on the host, see the module docstring)."""
 
     def __init__(self, numel: int, dtype: torch.dtype = torch.float32, levels: int = 2,
@@ -223,14 +223,6 @@ class DitheringTorch(TorchKernels, Dithering):
             magnitude = magnitude.float().to(self.dtype)
         return torch.where(levels < 0, -magnitude, magnitude)
 
-    def commit(self) -> None:
-        self.undo = self.rng.copy()
-        self.rng[0], self.rng[1] = self.pending
-        self.pending = None
-
-    def discard(self) -> None:
-        self.pending = None
-
     def decompress(self, payload: Payload, out: torch.Tensor | None = None) -> torch.Tensor:
         """Decoded on the host (the stream is sequential), the values copied up."""
         if isinstance(payload, torch.Tensor) and payload.device != self.device:
@@ -261,9 +253,6 @@ class DitheringTorch(TorchKernels, Dithering):
         upload buffer, which its next decode overwrites)."""
         return payload.view(self.dtype).clone()
 
-    def load_state_dict(self, state: dict) -> None:
-        Dithering.load_state_dict(self, state)
-        self.pending = None
 
 
 _TORCH_INT = {np.int8: torch.int8, np.int32: torch.int32, np.int64: torch.int64}

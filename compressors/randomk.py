@@ -37,7 +37,7 @@ from .base import (
     payload_bytes,
     sub_array,
 )
-from .rng import job_seed, load_state_list, new_state, state_list, xorshift_step
+from .rng import SeededState, job_seed, new_state, xorshift_step
 from .sparse import SparseCompressor, resolve_k
 
 BLOCK = 4096  # indices drawn ahead of the memory accesses that use them
@@ -92,7 +92,7 @@ def zero_random(state, count, out):
             out[indices[j]] = zero
 
 
-class RandomK(SparseCompressor):
+class RandomK(SeededState, SparseCompressor):
     """Keeps k uniformly drawn entries; the payload carries the RNG state, not indices."""
 
     description: ClassVar[Description] = Description(
@@ -142,11 +142,6 @@ class RandomK(SparseCompressor):
         self.undo = state.copy()
         return payload
 
-    def rollback(self) -> None:
-        """The RNG state before the last ``compress``."""
-        if self.undo is not None:
-            self.rng[:] = self.undo
-            self.undo = None
 
     def _parse(self, payload: Payload) -> tuple[np.ndarray, np.ndarray]:
         buffer = payload_bytes(payload)
@@ -180,11 +175,3 @@ class RandomK(SparseCompressor):
         zero_random(state, self.k, bit_view(corrected))
         return corrected
 
-    def state_dict(self) -> dict:
-        return {"rng": state_list(self.rng)}
-
-    def load_state_dict(self, state: dict) -> None:
-        if not isinstance(state, dict) or set(state) != {"rng"}:
-            raise ValueError(f"RandomK state must be a dict with key 'rng', got {state!r}")
-        load_state_list(self, self.rng, state["rng"])
-        self.undo = None

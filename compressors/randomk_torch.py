@@ -25,6 +25,7 @@ import torch
 from .base import Payload, sub_array
 from .device import INPUT_NONFINITE, TorchKernels, flag_status, int_view, to_device_async
 from .randomk import RandomK, draw_indices
+from .rng import SeededStaged
 from .topk_torch import SparseTorchKernels, last_of_repeats, typed_part
 
 
@@ -50,7 +51,7 @@ def scatter_last(out: torch.Tensor, indices: torch.Tensor, values: torch.Tensor)
     int_view(out)[indices] = int_view(values)[last]
 
 
-class RandomKTorch(SparseTorchKernels, RandomK):
+class RandomKTorch(SeededStaged, SparseTorchKernels, RandomK):
     """RandomK on ``device`` with torch kernels (payload also on ``device``)."""
 
     def __init__(self, numel: int, dtype: torch.dtype = torch.float32, k: int = 1,
@@ -69,14 +70,6 @@ class RandomKTorch(SparseTorchKernels, RandomK):
         payload[16:] = values.view(torch.uint8)
         bad = ~torch.isfinite(values).all()
         return payload, flag_status(bad, INPUT_NONFINITE), indices
-
-    def commit(self) -> None:
-        self.undo = self.rng.copy()
-        self.rng[:] = self.pending
-        self.pending = None
-
-    def discard(self) -> None:
-        self.pending = None
 
     def _parse_device(self, payload: Payload) -> tuple[torch.Tensor, torch.Tensor]:
         """(the drawn indices on the device, the values); one host sync."""
@@ -130,6 +123,3 @@ class RandomKTorch(SparseTorchKernels, RandomK):
         corrected.index_fill_(0, indices, 0)
         return corrected
 
-    def load_state_dict(self, state: dict) -> None:
-        RandomK.load_state_dict(self, state)
-        self.pending = None

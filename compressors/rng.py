@@ -218,3 +218,56 @@ def load_state_list(owner: object, state: np.ndarray, value: object) -> None:
             f"got {value!r}"
         )
     state[0], state[1] = value
+
+
+class SeededState:
+    """The state of a compressor that draws from its own xorshift128+ state ``self.rng``
+    (two uint64): saved as a list of two ints, and put back by :meth:`rollback` to what
+    it was before the last ``compress``, which keeps that in ``self.undo``::
+
+        class RandomK(SeededState, SparseCompressor): ...
+    """
+
+    rng: np.ndarray
+    undo: np.ndarray | None = None
+
+    def state_dict(self) -> dict:
+        return {"rng": state_list(self.rng)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if not isinstance(state, dict) or set(state) != {"rng"}:
+            name = type(self).__name__.removesuffix("Torch")
+            raise ValueError(f"{name} state must be a dict with key 'rng', got {state!r}")
+        load_state_list(self, self.rng, state["rng"])
+        self.undo = None
+
+    def rollback(self) -> None:
+        """The RNG state before the last ``compress``."""
+        if self.undo is not None:
+            self.rng[:] = self.undo
+            self.undo = None
+
+
+class SeededStaged:
+    """:class:`SeededState` under the staged protocol of device chains: ``encode`` leaves
+    the state after its draws in ``self.pending``, ``commit`` makes it current (the one
+    before kept for ``rollback``) and ``discard`` drops it. First among a device class's
+    bases, before the kernels' protocol::
+
+        class RandomKTorch(SeededStaged, SparseTorchKernels, RandomK): ...
+    """
+
+    rng: np.ndarray
+    pending: object = None
+
+    def commit(self) -> None:
+        self.undo = self.rng.copy()
+        self.rng[0], self.rng[1] = self.pending
+        self.pending = None
+
+    def discard(self) -> None:
+        self.pending = None
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.pending = None

@@ -51,7 +51,7 @@ from .base import (
 from .device import INPUT_NONFINITE, TorchKernels, flag_status, to_device_async
 from .dithering_quantiser import max_abs, quantise_range
 from .dithering_torch import STEPS, SUB, block_starts, draw_all, quantise, shared_images
-from .rng import job_seed, jump, jump_table, load_state_list, new_state, state_list
+from .rng import SeededStaged, SeededState, job_seed, jump, jump_table, new_state
 from .threads import chunk_bounds, run_chunks
 
 HEADER = 8  # the float64 scale
@@ -86,7 +86,7 @@ def unpack_codes(codes, scale, out):
     return bad
 
 
-class TernGrad(Compressor):
+class TernGrad(SeededState, Compressor):
     """Stochastic ternary gradients: signs times max|x|, kept with probability |x|/max."""
 
     description: ClassVar[Description] = Description(
@@ -181,20 +181,7 @@ class TernGrad(Compressor):
         where = "padding code" if index >= self.numel else "code"
         return self.bad_payload(f"{where} of element {index} is not 0, 1 or 2")
 
-    def state_dict(self) -> dict:
-        return {"rng": state_list(self.rng)}
 
-    def load_state_dict(self, state: dict) -> None:
-        if not isinstance(state, dict) or set(state) != {"rng"}:
-            raise ValueError(f"TernGrad state must be a dict with key 'rng', got {state!r}")
-        load_state_list(self, self.rng, state["rng"])
-        self.undo = None
-
-    def rollback(self) -> None:
-        """The RNG state before the last ``compress``."""
-        if self.undo is not None:
-            self.rng[:] = self.undo
-            self.undo = None
 
 
 def code_shifts(device: torch.device) -> torch.Tensor:
@@ -218,7 +205,7 @@ def unpack_levels(codes: torch.Tensor) -> torch.Tensor:
     return ((codes.unsqueeze(-1) >> code_shifts(codes.device)) & 3).reshape(-1)
 
 
-class TernGradTorch(TorchKernels, TernGrad):
+class TernGradTorch(SeededStaged, TorchKernels, TernGrad):
     """TernGrad on ``device`` with torch kernels (payload also on ``device``)."""
 
     def __init__(self, numel: int, dtype: torch.dtype = torch.float32, seed: int = 1,
@@ -255,14 +242,6 @@ class TernGradTorch(TorchKernels, TernGrad):
         corrected.sub_((levels.double() * scale).to(self.dtype))
         return payload, status
 
-    def commit(self) -> None:
-        self.undo = self.rng.copy()
-        self.rng[0], self.rng[1] = self.pending
-        self.pending = None
-
-    def discard(self) -> None:
-        self.pending = None
-
     def decompress(self, payload: Payload, out: torch.Tensor | None = None) -> torch.Tensor:
         """Decoded on the device; the checks' flags come back in one host sync."""
         payload = self.device_payload(payload)
@@ -281,6 +260,3 @@ class TernGradTorch(TorchKernels, TernGrad):
         out = self.output(out)
         return out.copy_((levels.double() * scale).to(self.dtype))
 
-    def load_state_dict(self, state: dict) -> None:
-        TernGrad.load_state_dict(self, state)
-        self.pending = None
