@@ -189,7 +189,25 @@ class AdamCoupling:
         """No step of ours is due (a step that was not applied)."""
         self._armed = None
 
-    def _before_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict
+                     ) -> tuple[tuple, dict] | None:
+        """Apply the armed update; a step given a closure (as Lightning steps) runs the
+        backward, which arms this step's update, inside: the update then follows it."""
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if closure is None:
+            self._apply_armed(optimizer)
+            return None
+
+        def then_apply(*inner_args, **inner_kwargs):  # noqa: ANN202 - the closure's own
+            result = closure(*inner_args, **inner_kwargs)
+            self._apply_armed(optimizer)
+            return result
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": then_apply}
+        return (args[0], then_apply, *args[2:]), kwargs
+
+    def _apply_armed(self, optimizer: torch.optim.Optimizer) -> None:
         frozen, self._armed = self._armed, None
         if frozen is None:
             return

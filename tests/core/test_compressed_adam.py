@@ -38,6 +38,9 @@ RUNS = [
     {"tag": "nodecay", "params": ONEBIT, "optimizer": "AdamW", "wd": 0.0},
     {"tag": "ddp-onebit", "params": ONEBIT, "optimizer": "AdamW", "wd": 0.1, "ddp": True},
     {"tag": "ddp-topk", "params": TOPK, "optimizer": "Adam", "wd": 0.01, "ddp": True},
+    # optimizer.step(closure), as Lightning steps: the backward runs inside the step
+    {"tag": "ddp-closure", "params": ONEBIT, "optimizer": "AdamW", "wd": 0.1, "ddp": True,
+     "closure": True},
     {"tag": "ddp-part2", "params": ONEBIT, "optimizer": "AdamW", "wd": 0.1, "ddp": True,
      "stop": 2, "save": "ddp2"},
     {"tag": "ddp-resumed2", "params": ONEBIT, "optimizer": "AdamW", "wd": 0.1, "ddp": True,
@@ -94,8 +97,15 @@ def train_ddp(run: dict, rank: int, shapes: dict, out: Path) -> dict:
         for group in optimizer.param_groups:
             group["lr"] = LRS[step]
         optimizer.zero_grad()
-        ddp(goal, live).backward()
-        optimizer.step()
+        if run.get("closure"):
+            def closure() -> torch.Tensor:
+                loss = ddp(goal, live)
+                loss.backward()
+                return loss
+            optimizer.step(closure)
+        else:
+            ddp(goal, live).backward()
+            optimizer.step()
     if "save" in run:
         torch.save({"model": toy.state_dict(), "optimizer": optimizer.state_dict(),
                     "hook": state, "step": run["stop"]}, out / f"{run['save']}-{rank}.pt")
@@ -168,6 +178,18 @@ def test_matches_the_numpy_replay_bit_for_bit(cluster, tag):
     for rank, got in enumerate(load_params(cluster, 2, tag)):
         for name in SHAPES:
             np.testing.assert_array_equal(got[name], want[name], err_msg=f"{tag} {name} r{rank}")
+
+
+def test_a_step_given_a_closure_applies_its_own_update(cluster):
+    """``optimizer.step(closure)`` (Lightning's way): the backward inside the step arms
+    the update, which follows the closure. Within an ulp of the replay: a few elements
+    differ from the closure-free run by one ulp, not yet explained; the update of the
+    step before, which the step applied before the closure ran, is far off."""
+    want = expected(next(r for r in RUNS if r["tag"] == "ddp-closure"))
+    for rank, got in enumerate(load_params(cluster, 2, "ddp-closure")):
+        for name in SHAPES:
+            np.testing.assert_allclose(got[name], want[name], rtol=1e-6, atol=1e-7,
+                                       err_msg=f"closure {name} r{rank}")
 
 
 def test_the_device_chains_match_the_replay_too(tmp_path):
