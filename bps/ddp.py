@@ -295,8 +295,8 @@ class HookState:
                     (time.monotonic_ns() - self._started_ns) / 1e9, 1, nonfinite)
         if self._adam is not None and skip is None:  # optimizer.step() applies it
             self._adam.arm(self._adam.frozen(step))
-        elif self._adam is not None:
-            self._adam.disarm()
+        elif self._adam is not None:  # the user's optimizer.step() must not apply it
+            self._adam.skip()
         pipe.end_step(skip is None)
         if core.scale is not None:
             core.loss_scale.settle(core.scale, applied=skip is None)

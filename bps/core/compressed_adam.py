@@ -118,6 +118,9 @@ def _descend(x: torch.Tensor, m: torch.Tensor, v: torch.Tensor, t: int, t2: int,
     x.sub_(torch.div(m, denom).mul_(lr / (1 - b1 ** t)))
 
 
+SKIPPED = "skipped"  # an armed step that applies nothing of ours
+
+
 class AdamCoupling:
     """Compressed Adam bound to one ``torch.optim.Adam``/``AdamW`` (see the module).
 
@@ -138,7 +141,8 @@ class AdamCoupling:
         self.optimizer, self.freeze_step = optimizer, int(freeze_step)
         self._ours = {id(p) for p in params}
         self._groups = {id(p): g for g in optimizer.param_groups for p in g["params"]}
-        self._armed: bool | None = None  # the next optimizer.step(): frozen or plain
+        # the next optimizer.step(): frozen or plain, SKIPPED (touch none of ours) or None
+        self._armed: bool | str | None = None
         self._hidden: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._hooks = [optimizer.register_step_pre_hook(self._before_step),
                        optimizer.register_step_post_hook(self._after_step)]
@@ -185,6 +189,11 @@ class AdamCoupling:
         (plain) or momenta (``frozen``)."""
         self._armed = frozen
 
+    def skip(self) -> None:
+        """The next ``optimizer.step()`` leaves the averaged parameters and their Adam
+        state alone: the step was not applied (its ``.grad`` may hold NaN)."""
+        self._armed = SKIPPED
+
     def disarm(self) -> None:
         """No step of ours is due (a step that was not applied)."""
         self._armed = None
@@ -216,7 +225,8 @@ class AdamCoupling:
                 for p in group["params"]:
                     if p.grad is None or id(p) not in self._ours:
                         continue
-                    self._update(p, p.grad, group, frozen)
+                    if frozen is not SKIPPED:
+                        self._update(p, p.grad, group, frozen)
                     self._hidden.append((p, p.grad))
                     p.grad = None  # the optimizer's own step passes over it
 

@@ -192,6 +192,30 @@ def test_a_step_given_a_closure_applies_its_own_update(cluster):
                                        err_msg=f"closure {name} r{rank}")
 
 
+def test_a_skipped_step_leaves_parameters_and_adam_state_alone():
+    """A step the servers skipped (NaN in ``.grad``, the DDP hook's ``nonfinite``
+    policy without an error): the user's ``optimizer.step()`` changes none of it."""
+    import torch
+
+    from bps.core.compressed_adam import AdamCoupling
+
+    p = torch.nn.Parameter(torch.ones(4))
+    optimizer = torch.optim.AdamW([p], lr=0.1, weight_decay=0.1)
+    coupling = AdamCoupling(optimizer, 2, [p])
+    p.grad = torch.full((4,), 0.5)
+    coupling.arm(False)
+    optimizer.step()
+    before = p.detach().clone()
+    state = {k: v.clone() for k, v in optimizer.state[p].items()}
+    p.grad = torch.full((4,), float("nan"))
+    coupling.skip()
+    optimizer.step()
+    assert torch.equal(p.detach(), before)
+    assert all(torch.equal(optimizer.state[p][k], v) for k, v in state.items())
+    assert torch.isnan(p.grad).all()  # given back after the step
+    coupling.close()
+
+
 def test_the_device_chains_match_the_replay_too(tmp_path):
     """``BPS_DEVICE_KERNELS=1``: the chains' torch kernels (a GPU's) on CPU tensors."""
     runs = [r for r in RUNS if r.get("device")]
