@@ -265,6 +265,8 @@ class AgentProxy:
         try:
             return future.result(timeout=wait)
         except concurrent.futures.TimeoutError:
+            with self._lock:
+                self._calls.pop(call_id, None)
             raise ClusterError(f"{method} in the node agent of worker node {self.node_id} "
                                f"(pid {self.pid}): no answer within {wait:g} s") from None
 
@@ -297,8 +299,11 @@ class AgentProxy:
         return True
 
     def _complete(self, key: int, status: int, extra: bytes) -> None:
-        slot = self._keys[key]
-        future = slot.future
+        slot = self._keys.get(key)
+        future = None if slot is None else slot.future
+        if future is None:  # the agent's word on a key with no push of ours in flight
+            self._last_error = f"the node agent reported key {key}, which has no push in flight"
+            raise OSError(self._last_error)  # ends the reader: the agent is out of step
         try:
             if status == wire.OK:
                 if slot.target is not None:

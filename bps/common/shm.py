@@ -14,7 +14,9 @@ Usage::
     arena = Arena("job-1234", reserve=lambda path, size: agent.map(path, size))
     seg, offset = arena.alloc(4096)             # 64-byte aligned, zeroed
     view = arena.tensor(seg, offset, 1024, torch.float32)
-    arena.close()
+
+The mappings last as long as the process: tensors over them are handed out for the
+whole job, and a mapping with exported buffers cannot be closed.
 
 :func:`check_room` raises a :class:`ShmError` saying how much is needed before a
 segment that would not fit in ``/dev/shm`` is made (a tmpfs too small for a container
@@ -158,6 +160,9 @@ class Arena:
         segment = create_segment(path, size)
         try:
             self._reserve(path, size)
+        except BaseException:
+            segment.close()  # nothing was handed out over it
+            raise
         finally:
             os.unlink(path)  # both sides hold a mapping now (or the agent never will)
         self.segments.append(segment)

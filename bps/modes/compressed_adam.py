@@ -78,3 +78,4 @@ class CompressedAdamSteps(SynchronousSteps):
 
     def close(self) -> None:
         self.adam.close()
+        super().close()
