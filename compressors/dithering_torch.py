@@ -156,6 +156,31 @@ def quantise(values: torch.Tensor, scale: torch.Tensor, divisor: float, natural:
     return torch.where(values < 0, -q, q)
 
 
+class DeviceDraws:
+    """A key's uniform draws on its device from its xorshift128+ state: ``sub``
+    generators a block of ``sub * STEPS`` elements, each block's start jumped to on the
+    host, the jump images shared by keys (made at the first draw)::
+
+        draws = DeviceDraws(numel, device)
+        uniforms = draws(compressor.rng)   # float64, numel of them
+    """
+
+    def __init__(self, numel: int, device: torch.device) -> None:
+        spans = -(-numel // STEPS)
+        self.numel, self.device = numel, device
+        self.sub = min(SUB, spans)
+        self.block_count = -(-spans // self.sub)
+        self.images: torch.Tensor | None = None
+
+    def __call__(self, rng: np.ndarray) -> torch.Tensor:
+        if self.images is None:
+            self.images = shared_images(self.sub, self.device)
+        a, b = rng
+        blocks = block_starts(a, b, self.block_count, self.sub * STEPS, jump_table())
+        return draw_all(to_device_async(blocks.view(np.int64), self.device), self.images,
+                        self.numel)
+
+
 class DitheringTorch(SeededStaged, TorchKernels, Dithering):
     """Dithering quantised on ``device`` (payload on the host, see the module docstring)."""
 
@@ -164,20 +189,10 @@ class DitheringTorch(SeededStaged, TorchKernels, Dithering):
                  device: torch.device | str | None = None):
         Dithering.__init__(self, numel, dtype, levels, natural, l2, seed)
         TorchKernels.__init__(self, numel, dtype, device)
-        spans = -(-numel // STEPS)
-        self.sub = min(SUB, spans)
-        self.block_count = -(-spans // self.sub)
-        self.images: torch.Tensor | None = None  # shared_images (first use)
-        self.pending: tuple | None = None  # the RNG state after the last encode
+        self.draws = DeviceDraws(numel, self.device)
 
     def _levels(self, values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        if self.images is None:
-            self.images = shared_images(self.sub, self.device)
-        a, b = self.rng
-        blocks = block_starts(a, b, self.block_count, self.sub * STEPS, jump_table())
-        blocks = to_device_async(blocks.view(np.int64), self.device)
-        draws = draw_all(blocks, self.images, self.numel)
-        levels = quantise(values, scale, self.divisor, self.natural, draws)
+        levels = quantise(values, scale, self.divisor, self.natural, self.draws(self.rng))
         return torch.where(scale > 0, levels, 0)  # scale 0: every level is 0
 
     def _encode(self, x: torch.Tensor) -> tuple:

@@ -48,9 +48,9 @@ from .base import (
     payload_bytes,
     sub_array,
 )
-from .device import INPUT_NONFINITE, TorchKernels, flag_status, to_device_async
+from .device import INPUT_NONFINITE, TorchKernels, flag_status
 from .dithering_quantiser import max_abs, quantise_range
-from .dithering_torch import STEPS, SUB, block_starts, draw_all, quantise, shared_images
+from .dithering_torch import DeviceDraws, quantise
 from .rng import SeededStaged, SeededState, job_seed, jump, jump_table, new_state
 from .threads import chunk_bounds, run_chunks
 
@@ -212,25 +212,16 @@ class TernGradTorch(SeededStaged, TorchKernels, TernGrad):
                  device: torch.device | str | None = None):
         TernGrad.__init__(self, numel, dtype, seed)
         TorchKernels.__init__(self, numel, dtype, device)
-        spans = -(-numel // STEPS)
-        self.sub = min(SUB, spans)
-        self.block_count = -(-spans // self.sub)
-        self.images: torch.Tensor | None = None  # shared_images (first use)
-        self.pending: tuple | None = None  # the RNG state after the last encode
+        self.draws = DeviceDraws(numel, self.device)
 
     def _encode(self, x: torch.Tensor) -> tuple:
         values = x if x.dtype in KERNEL_FLOAT_DTYPES else x.float()
         scale = values.abs().amax().double()
-        if self.images is None:
-            self.images = shared_images(self.sub, self.device)
-        a, b = self.rng
-        blocks = block_starts(a, b, self.block_count, self.sub * STEPS, jump_table())
-        draws = draw_all(to_device_async(blocks.view(np.int64), self.device), self.images,
-                         self.numel)
+        draws = self.draws(self.rng)
         levels = torch.where(scale > 0, quantise(values, scale, 1.0, False, draws), 0)
         payload = torch.cat([scale.reshape(1).view(torch.uint8),
                              pack_levels(levels, self.numel)])
-        self.pending = jump(a, b, self.numel, jump_table())
+        self.pending = jump(self.rng[0], self.rng[1], self.numel, jump_table())
         return payload, flag_status(~torch.isfinite(scale), INPUT_NONFINITE), levels, scale
 
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
