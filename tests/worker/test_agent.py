@@ -320,19 +320,28 @@ def gone(pid: int) -> bool:
         return True
 
 
-def test_a_killed_agent_fails_its_training_process_naming_the_node(tmp_path):
+def kill_and_wait_for_the_other(tmp_path, victim: str, other: str, limit: float
+                                ) -> tuple[dict, subprocess.Popen, str]:
+    """Start a holding job, SIGKILL its ``victim`` process ("agent" or "trainer") and
+    wait at most ``limit`` s for the ``other`` to be gone; (pids, job, output)."""
     job = start_holding(tmp_path)
     try:
         pids = wait_for_pids(job, tmp_path)
-        os.kill(pids["agent"], signal.SIGKILL)
-        deadline = time.monotonic() + 30  # the failure, then the exit of a torch process
-        while not gone(pids["trainer"]):
-            assert time.monotonic() < deadline, "the training process outlived its agent"
+        os.kill(pids[victim], signal.SIGKILL)
+        deadline = time.monotonic() + limit
+        while not gone(pids[other]):
+            assert time.monotonic() < deadline, f"the {other} outlived the {victim}"
             time.sleep(0.05)
         output = finish(job, timeout=60)
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
+    return pids, job, output
+
+
+def test_a_killed_agent_fails_its_training_process_naming_the_node(tmp_path):
+    # 30 s: the failure, then the exit of a torch process
+    pids, job, output = kill_and_wait_for_the_other(tmp_path, "agent", "trainer", 30)
     assert job.returncode != 0, output[-3000:]
     assert f"the node agent of worker node 0 (pid {pids['agent']}) was killed by SIGKILL; " \
         "it reported no error" in output, output[-3000:]
@@ -341,18 +350,7 @@ def test_a_killed_agent_fails_its_training_process_naming_the_node(tmp_path):
 
 
 def test_a_killed_training_process_takes_its_agent_with_it(tmp_path):
-    job = start_holding(tmp_path)
-    try:
-        pids = wait_for_pids(job, tmp_path)
-        os.kill(pids["trainer"], signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while not gone(pids["agent"]):
-            assert time.monotonic() < deadline, "the agent outlived its training process"
-            time.sleep(0.05)
-        output = finish(job, timeout=60)
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
+    pids, job, output = kill_and_wait_for_the_other(tmp_path, "trainer", "agent", 10)
     assert job.returncode != 0, output[-3000:]
     assert bps_segments(pids["trainer"]) == []
 
