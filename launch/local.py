@@ -29,7 +29,7 @@ import tempfile
 from collections.abc import Sequence
 
 from bps.common.auth import job_credentials
-from bps.launch.role import free_port, local_rank_envs, share_cores
+from bps.launch.role import free_ports, local_rank_envs, share_cores
 from bps.launch.supervisor import JOINED_DIR_VARIABLE, Supervisor, command_problem
 
 
@@ -59,10 +59,12 @@ def main(args: Sequence[str]) -> int:
     """Run the cluster; returns the exit code of the first failing process, else 0."""
     ns = parse_args(args)
     base = dict(os.environ)
+    # every rendezvous at once: one at a time, two could be handed the same port
+    scheduler_port, master_port, *node_ports = free_ports(2 + ns.workers)
     base.update(DMLC_NUM_WORKER=str(ns.workers), DMLC_NUM_SERVER=str(ns.servers),
-                DMLC_PS_ROOT_URI="127.0.0.1", DMLC_PS_ROOT_PORT=str(free_port()),
+                DMLC_PS_ROOT_URI="127.0.0.1", DMLC_PS_ROOT_PORT=str(scheduler_port),
                 DMLC_NODE_HOST="127.0.0.1", PYTHONUNBUFFERED="1",
-                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     role_cmd = [sys.executable, "-m", "bps.launch.cli"]
     with job_credentials(os.environ) as credentials, Supervisor() as supervisor, \
@@ -80,7 +82,8 @@ def main(args: Sequence[str]) -> int:
         for node in range(ns.workers):
             node_env = {**base, **threads, "DMLC_ROLE": "worker",
                         "DMLC_WORKER_ID": str(node)}
-            for rank, env in enumerate(local_rank_envs(node_env, ns.local_size)):
+            envs = local_rank_envs(node_env, ns.local_size, node_ports[node])
+            for rank, env in enumerate(envs):
                 supervisor.spawn(ns.command, env, f"worker{node}.{rank}")
         try:
             return supervisor.wait(joined=lambda: bool(os.listdir(joined_dir)))

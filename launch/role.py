@@ -16,6 +16,7 @@ reported by name with exit code 2.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -31,25 +32,43 @@ from bps.server.role import EXIT_BAD_ENV, end_process, serve, setup_process
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago on ``host``."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    return free_ports(1, host)[0]
 
 
-def local_rank_envs(base: Mapping[str, str], local_size: int) -> list[dict[str, str]]:
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """``count`` distinct TCP ports that were free a moment ago on ``host``.
+
+    The sockets stay bound until all are picked: ports picked one at a time may repeat,
+    since the kernel can hand a just-released port out again.
+
+        >>> len(set(free_ports(8)))
+        8
+    """
+    with contextlib.ExitStack() as stack:
+        ports = []
+        for _ in range(count):
+            sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            sock.bind((host, 0))
+            ports.append(sock.getsockname()[1])
+        return ports
+
+
+def local_rank_envs(base: Mapping[str, str], local_size: int,
+                    master_port: int | None = None) -> list[dict[str, str]]:
     """The environments of the ``local_size`` processes of one worker node.
 
     Besides bps's variables each gets torch.distributed's job-wide ``RANK`` (node x
     ``local_size`` + local rank), ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` and
     ``GROUP_RANK``; ``MASTER_ADDR`` / ``MASTER_PORT`` pass through from ``base`` (the
     launcher sets them). bps's own node-local group meets at a different port
-    (``BPS_LOCAL_MASTER_PORT``) on its own store, so the two never meet.
+    (``BPS_LOCAL_MASTER_PORT``: ``master_port``, else a free one) on its own store, so the
+    two never meet.
 
         >>> envs = local_rank_envs({"DMLC_WORKER_ID": "1", "DMLC_NUM_WORKER": "2"}, 2)
         >>> [(e["RANK"], e["WORLD_SIZE"], e["LOCAL_RANK"]) for e in envs]
         [('2', '4', '0'), ('3', '4', '1')]
     """
-    master_port = str(free_port())
+    master_port = str(master_port or free_port())
     node = int(base.get("DMLC_WORKER_ID", "0"))
     world = int(base.get("DMLC_NUM_WORKER", "1")) * local_size
     envs = []
