@@ -60,10 +60,12 @@ class _Key:
 class Agent:
     """Serves one training process over ``link`` with ``engine``."""
 
-    def __init__(self, link: wire.Link, engine: Any, parent: int) -> None:
+    def __init__(self, link: wire.Link, engine: Any, parent: int,
+                 env: ClusterEnv | None = None, tracer: Any = None) -> None:
         self.link = link
         self.engine = engine
         self.parent = parent
+        self.env, self.tracer = env, tracer
         self.segments: list = []
         self.keys: dict[int, _Key] = {}
         self.calls: queue.Queue = queue.Queue()
@@ -88,12 +90,22 @@ class Agent:
                 self._push(*wire.unpack_push(body))
             elif kind == wire.CALL:
                 self.calls.put(wire.unpack_call(body))
+            else:
+                self.on_frame(kind, body)
             if self.closed.is_set():
                 return None
         self.calls.put(None)
         if self.closed.wait(1.0):  # a close was read just before the end
             return None
         return f"its training process (pid {self.parent}) ended without closing bps"
+
+    def on_frame(self, kind: int, body: bytes) -> None:
+        """A frame of another kind (a subclass's, :mod:`bps.core.shared_pipeline`)."""
+        raise ValueError(f"the node agent got a frame of unknown kind {kind}")
+
+    def send(self, frame: bytes) -> None:
+        """Send ``frame`` to the training process (nothing where it is gone)."""
+        self._send(frame)
 
     def _push(self, key: int, step: int, lr: float, priority: int, scale: float,
               mark: str | None, what: str) -> None:
@@ -125,7 +137,7 @@ class Agent:
         self._send(frame)
 
     def _send_failure(self, key: int, exc: BaseException) -> None:
-        self._send(wire.pack_done(key, wire.FAILED, _pickled_error(exc)))
+        self._send(wire.pack_done(key, wire.FAILED, pickled_error(exc)))
 
     def _send(self, frame: bytes) -> None:
         try:
@@ -146,7 +158,7 @@ class Agent:
                 result = getattr(self, f"call_{method}")(*args, **kwargs)
                 frame = wire.pack_call(wire.REPLY, call_id, b"\1" + pickle.dumps(result))
             except BaseException as exc:  # noqa: BLE001 - raised again in the caller
-                frame = wire.pack_call(wire.REPLY, call_id, b"\0" + _pickled_error(exc))
+                frame = wire.pack_call(wire.REPLY, call_id, b"\0" + pickled_error(exc))
             self._send(frame)
             if method == "close":
                 self.closed.set()
@@ -206,7 +218,7 @@ class Agent:
                 return
 
 
-def _pickled_error(exc: BaseException) -> bytes:
+def pickled_error(exc: BaseException) -> bytes:
     """``exc`` pickled, where it also unpickles (its type, its message); else a
     RuntimeError with its type's name and message."""
     try:
@@ -217,7 +229,8 @@ def _pickled_error(exc: BaseException) -> bytes:
         return pickle.dumps(RuntimeError(f"{type(exc).__name__}: {exc}"))
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], agent_type: type[Agent] = Agent) -> int:
+    """The agent process (``agent_type``: a subclass that serves more)."""
     fd, parent = int(argv[0]), int(argv[1])
     # Ctrl-C and SIGTERM reach the training process's whole process group: the training
     # process reports them through the agent, then closes it (or the agent sees it gone)
@@ -237,7 +250,7 @@ def main(argv: list[str]) -> int:
             "node_id": engine.node_id, "num_workers": engine.num_workers,
             "num_servers": engine.num_servers, "job_seed": engine.job_seed,
             "servers": engine.servers, "pid": os.getpid()})))
-        agent = Agent(link, engine, parent)
+        agent = agent_type(link, engine, parent, env=env, tracer=tracer)
         gone = agent.serve()
         if gone is not None:
             log.error("bps node agent of worker node %d: %s", engine.node_id, gone)

@@ -82,6 +82,8 @@ class AgentProxy:
         self._error: ClusterError | None = None
         self._last_error = ""
         self._closing = False
+        self._pipes: dict[int, Any] = {}  # pipelines the agent runs, by number
+        self._pipe_ids = itertools.count()
         job = f"{env.root_port}"
         self._arena = shm.Arena(job, lambda path, size: self._call("map", path, size))
         hello = self._hello()
@@ -95,15 +97,16 @@ class AgentProxy:
         self._reader.start()
 
     @classmethod
-    def start(cls, env: ClusterEnv) -> AgentProxy:
-        """Start this node's agent process, which rendezvouses with the scheduler; returns
-        once it is connected (up to ``BPS_TIMEOUT`` plus its start-up)."""
+    def start(cls, env: ClusterEnv, module: str = "bps.worker.agent") -> AgentProxy:
+        """Start this node's agent process (``python -m module``), which rendezvouses
+        with the scheduler; returns once it is connected (up to ``BPS_TIMEOUT`` plus its
+        start-up)."""
         shm.remove_stale()
         shm.check_room(shm.MIN_SEGMENT)
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             process = subprocess.Popen(
-                [sys.executable, "-m", "bps.worker.agent", str(theirs.fileno()),
+                [sys.executable, "-m", module, str(theirs.fileno()),
                  str(os.getpid())], pass_fds=(theirs.fileno(),))
         except BaseException:
             mine.close()
@@ -215,7 +218,8 @@ class AgentProxy:
     def _state_waits(self) -> int:
         """How many waits of up to ``BPS_TIMEOUT`` the agent's engine may take in a row
         for the chain states (one per window of requests)."""
-        compressed = sum(slot.compressed for slot in self._keys.values())
+        compressed = sum(slot.compressed for slot in self._keys.values()) + \
+            sum(len(pipe.compressed_keys()) for pipe in list(self._pipes.values()))
         return max(1, -(-compressed // STATE_WINDOW))
 
     def close(self, failure: str | None = None) -> None:
@@ -240,6 +244,36 @@ class AgentProxy:
                 self.process.wait()
             self._link.close()
             self._reader.join(timeout=5)
+
+    # ------------------------------------------------------------ pipelines in the agent
+
+    def shared(self, nbytes: int) -> tuple[torch.Tensor, tuple[int, int]]:
+        """``nbytes`` zeroed bytes of shared memory the agent maps too: a uint8 tensor
+        over them and where they lie (segment, offset), for the agent's side."""
+        where = self._arena.alloc(nbytes)
+        return self._arena.tensor(*where, nbytes, torch.uint8), where
+
+    def call(self, method: str, *args: Any, waits: int = 1) -> Any:
+        """``call_<method>(*args)`` of the agent's class, on its thread of calls."""
+        return self._call(method, *args, waits=waits)
+
+    def send(self, frame: bytes) -> None:
+        """Send a frame of :mod:`bps.worker.agent_wire` to the agent."""
+        self._send(frame)
+
+    def attach(self, listener: Any) -> int:
+        """A number for a pipeline the agent runs; its frames (GRAD_DONE, STEP_DONE,
+        PIPE_ERROR) go to ``listener.agent_frame(kind, index, extra)`` on the reader
+        thread, the agent's end to ``listener.agent_died(error)``;
+        ``listener.compressed_keys()``: its compressed keys (a checkpoint waits for each)."""
+        with self._lock:
+            pipe_id = next(self._pipe_ids)
+            self._pipes[pipe_id] = listener
+        return pipe_id
+
+    def detach(self, pipe_id: int) -> None:
+        with self._lock:
+            self._pipes.pop(pipe_id, None)
 
     # ------------------------------------------------------------------ the agent's side
 
@@ -296,6 +330,11 @@ class AgentProxy:
                     future.set_exception(pickle.loads(payload[1:]))
         elif kind == wire.FATAL:
             self._last_error = body.decode()
+        elif kind in (wire.GRAD_DONE, wire.STEP_DONE, wire.PIPE_ERROR):
+            pipe_id, index, extra = wire.unpack_pipe(body)
+            listener = self._pipes.get(pipe_id)
+            if listener is not None:
+                listener.agent_frame(kind, index, extra)
         return True
 
     def _complete(self, key: int, status: int, extra: bytes) -> None:
@@ -354,6 +393,9 @@ class AgentProxy:
             for slot in self._keys.values():
                 slot.future = slot.target = None
             calls, self._calls = list(self._calls.values()), {}
+            pipes = list(self._pipes.values())
         for future in pending + calls:
             if not future.done():
                 future.set_exception(error)
+        for listener in pipes:
+            listener.agent_died(error)

@@ -18,6 +18,12 @@ import struct
 import threading
 
 HELLO, PUSH, DONE, CALL, REPLY, FATAL = range(6)
+# a gradient pipeline the agent runs (bps.core.shared_pipeline): a parameter's gradient
+# is in its shared buffer (GRAD), the step is counted (END_STEP); back: a parameter's
+# average is in its buffer (GRAD_DONE), every one of the step's is (STEP_DONE), the
+# pipeline failed (PIPE_ERROR, a pickled exception)
+GRAD, END_STEP, GRAD_DONE, STEP_DONE, PIPE_ERROR = range(6, 11)
+JOINED, NOTIFY = 1, 2  # a GRAD's flags: a zero marker travels; answer with GRAD_DONE
 OK, SKIPPED, FAILED = range(3)  # a DONE's status
 MARK_CODES = {None: 0, "nonfinite": 1, "zero": 2}
 MARKS = {code: mark for mark, code in MARK_CODES.items()}
@@ -27,6 +33,8 @@ _LEN = struct.Struct("<I")
 _PUSH = struct.Struct("<QqdqdB")  # key step lr priority momentum_scale mark
 _DONE = struct.Struct("<QB")  # key status
 _CALL = struct.Struct("<Q")  # call id (CALL and REPLY)
+_GRAD = struct.Struct("<IIBdd")  # pipeline index flags lr momentum_scale
+_PIPE = struct.Struct("<II")  # pipeline, index (or applied: END_STEP)
 
 
 def pack_push(key: int, step: int, lr: float, priority: int, momentum_scale: float,
@@ -65,6 +73,34 @@ def unpack_call(body: bytes) -> tuple[int, bytes]:
     """``(call id, payload)``."""
     (call_id,) = _CALL.unpack_from(body)
     return call_id, body[_CALL.size:]
+
+
+def pack_grad(pipe: int, index: int, flags: int, lr: float, scale: float) -> bytes:
+    """The frame saying that parameter ``index`` of pipeline ``pipe`` is in its buffer.
+
+        >>> unpack_grad(pack_grad(1, 7, NOTIFY, 0.5, 1.0)[5:])
+        (1, 7, 2, 0.5, 1.0)
+    """
+    return _LEN.pack(_GRAD.size + 1) + bytes((GRAD,)) + _GRAD.pack(pipe, index, flags, lr,
+                                                                   scale)
+
+
+def unpack_grad(body: bytes) -> tuple[int, int, int, float, float]:
+    """``(pipeline, index, flags, lr, momentum_scale)``."""
+    return _GRAD.unpack_from(body)
+
+
+def pack_pipe(kind: int, pipe: int, index: int = 0, extra: bytes = b"") -> bytes:
+    """END_STEP (``index``: 1 where the step was applied), GRAD_DONE, STEP_DONE or
+    PIPE_ERROR (``extra``: the pickled exception) of pipeline ``pipe``."""
+    body = bytes((kind,)) + _PIPE.pack(pipe, index) + extra
+    return _LEN.pack(len(body)) + body
+
+
+def unpack_pipe(body: bytes) -> tuple[int, int, bytes]:
+    """``(pipeline, index, extra)``."""
+    pipe, index = _PIPE.unpack_from(body)
+    return pipe, index, body[_PIPE.size:]
 
 
 def pack(kind: int, payload: bytes) -> bytes:

@@ -32,6 +32,7 @@ from bps.compressors.base import NonFiniteError
 from bps.core import held_momentum
 from bps.core.grad_pipeline import GradPipeline, GradTensor, Skipped
 from bps.core.loss_scale import LossScale, ScaleReading
+from bps.core.shared_pipeline import SharedPipeline, runs_in_agent
 from bps.core.trainer_stats import StepStats
 
 log = logging.getLogger("bps")
@@ -149,22 +150,29 @@ class FrontEndCore:
     def build(self, runtime, tensors: list[GradTensor], *,
               on_step_start: Callable[[], None] | None = None,
               on_step_done: Callable[[], None] | None = None,
-              on_error: Callable[[BaseException], None] | None = None) -> GradPipeline:
-        """Plan and declare every parameter's keys on ``runtime``: the pipeline."""
+              on_error: Callable[[BaseException], None] | None = None,
+              grads_shared: bool = False) -> GradPipeline:
+        """Plan and declare every parameter's keys on ``runtime``: the pipeline.
+        ``grads_shared``: where the node agent runs it, each ``.grad`` becomes a view into
+        its buffer in shared memory (:mod:`bps.core.shared_pipeline`)."""
         self.attach(runtime)
         self.pipeline = self.new_pipeline(tensors, on_step_start=on_step_start,
-                                          on_step_done=on_step_done, on_error=on_error)
+                                          on_step_done=on_step_done, on_error=on_error,
+                                          grads_shared=grads_shared)
         return self.pipeline
 
     def new_pipeline(self, tensors: list[GradTensor], *,
                      on_step_start: Callable[[], None] | None = None,
                      on_step_done: Callable[[], None] | None = None,
                      on_error: Callable[[BaseException], None] | None = None,
-                     partition_bytes: int | None = None) -> GradPipeline:
+                     partition_bytes: int | None = None,
+                     grads_shared: bool = False) -> GradPipeline:
         """A pipeline of ``tensors`` on the attached runtime, with the core's learning
         rates and loss scale (a step mode that syncs parameters in fragments holds one
         per fragment; every rank must build them in the same order). ``partition_bytes``:
-        its largest partition (default ``BYTEPS_PARTITION_BYTES``)."""
+        its largest partition (default ``BYTEPS_PARTITION_BYTES``). Where the node agent
+        can run it (:func:`bps.core.shared_pipeline.runs_in_agent`), a
+        :class:`SharedPipeline` of the same interface (``grads_shared``: its install)."""
         runtime = self.runtime
 
         def step_start() -> None:
@@ -175,6 +183,12 @@ class FrontEndCore:
             if on_step_start is not None:
                 on_step_start()
 
+        if runs_in_agent(runtime, self.params, tensors):
+            return SharedPipeline(runtime, self.params, tensors, self.pipeline_lr,
+                                  lambda: self.loss_scale.change(self.scale),
+                                  on_step_start=step_start, on_step_done=on_step_done,
+                                  on_error=on_error, partition_bytes=partition_bytes,
+                                  install=grads_shared)
         return GradPipeline(runtime, self.params, tensors, self.pipeline_lr,
                             lambda: self.loss_scale.change(self.scale),
                             on_step_start=step_start, on_step_done=on_step_done,
@@ -197,6 +211,9 @@ class FrontEndCore:
     def push_grad(self, index: int, *, absent: bool = False, node_joined: bool = False) -> None:
         """Push parameter ``index``'s ``.grad`` (zeros where it has none or ``absent``; a
         zero marker where ``node_joined``); the average lands in ``.grad`` itself."""
+        if self.pipeline.shared_grads:  # .grad is its buffer in shared memory
+            self.pipeline.push_param(index, absent=absent, joined=node_joined)
+            return
         param = self.pipeline.slots[index].param
         source = None if absent else param.grad
         self.pipeline.push(index, source, grad_view(param), joined=node_joined)

@@ -173,6 +173,8 @@ class GradPipeline:
     step (the step number the pushes carry); :meth:`end_step` advances them.
     """
 
+    shared_grads = False  # .grad is not in shared memory (bps.core.shared_pipeline)
+
     def __init__(self, rt, params: dict, tensors: list[GradTensor],
                  lr: Callable[[int], float], rescale: Callable[[], float] | None = None,
                  on_step_start: Callable[[], None] | None = None,

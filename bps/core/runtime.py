@@ -61,7 +61,8 @@ class Runtime:
             from bps.worker.engine import WorkerEngine
 
             # BPS_NODE_AGENT=1: the engine runs in a node agent process of its own
-            self.engine = AgentProxy.start(env) if env.node_agent else \
+            self.engine = AgentProxy.start(env, "bps.core.pipeline_agent") \
+                if env.node_agent else \
                 WorkerEngine.connect(env, tracer=self.tracer)
             facts = struct.pack("<QQ", self.engine.num_workers, self.engine.job_seed)
         else:

@@ -26,7 +26,7 @@ def choose(core: FrontEndCore, runtime, tensors: list[GradTensor], *, staleness:
     if fragments is not None:
         core.attach(runtime)
         return StreamingAveraging(core, fragments, sync_every, outer, overlap)
-    core.build(runtime, tensors)
+    core.build(runtime, tensors, grads_shared=True)
     if outer is not None:
         return PeriodicAveraging(core, sync_every, outer)
     if staleness:
