@@ -24,6 +24,7 @@ buffer becomes ``.grad`` again; any other source or destination is copied in and
 from __future__ import annotations
 
 import pickle
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -103,6 +104,9 @@ class SharedPipeline:
         self._step_done = False
         self._cond = threading.Condition()
         self._compressed: list[int] = []
+        self._answers: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._answer_loop, daemon=True,
+                                        name="bps-shared-pipeline")
         # one region for every gradient: zeroed at once
         sizes = [-(-t.param.numel() * t.param.element_size() // ALIGN) * ALIGN
                  for t in tensors]
@@ -117,6 +121,7 @@ class SharedPipeline:
             specs.append((tensor.name, tuple(p.shape), p.dtype, tensor.group,
                           (segment, base + offset)))
             offset += size
+        self._thread.start()
         self.pipe_id = self._engine.attach(self)
         try:
             first = rt.allocate_keys(0)
@@ -125,6 +130,7 @@ class SharedPipeline:
                 waits=2)
         except BaseException:
             self._engine.detach(self.pipe_id)
+            self._answers.put(None)
             raise
         if rt.allocate_keys(count) != first:
             raise RuntimeError("keys were allocated while the node agent declared a "
@@ -252,9 +258,21 @@ class SharedPipeline:
                     else:
                         grad.zero_()
 
-    # -- the agent's answers (its reader thread) ---------------------------------------
+    # -- the agent's answers -------------------------------------------------------------
 
     def agent_frame(self, kind: int, index: int, extra: bytes) -> None:
+        """A frame of the agent (on the proxy's reader thread): handled on this
+        pipeline's thread, where ``done`` and ``on_step_done`` may call the agent."""
+        self._answers.put((kind, index, extra))
+
+    def _answer_loop(self) -> None:
+        while True:
+            item = self._answers.get()
+            if item is None:
+                return
+            self._answer(*item)
+
+    def _answer(self, kind: int, index: int, extra: bytes) -> None:
         try:
             if kind == wire.GRAD_DONE:
                 slot = self.slots[index]
@@ -344,3 +362,6 @@ class SharedPipeline:
                 self._engine.call("pipeline_close", self.pipe_id)
             except Exception:  # noqa: BLE001 - the agent is gone or closing: nothing runs
                 pass
+        self._answers.put(None)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
