@@ -26,7 +26,9 @@ def choose(core: FrontEndCore, runtime, tensors: list[GradTensor], *, staleness:
     if fragments is not None:
         core.attach(runtime)
         return StreamingAveraging(core, fragments, sync_every, outer, overlap)
-    core.build(runtime, tensors, grads_shared=True)
+    # with the node agent, .grad is its shared buffer where the mode pushes it in place
+    # (staleness=1 swaps .grad with the aggregate of the step before)
+    core.build(runtime, tensors, grads_shared=not staleness)
     if outer is not None:
         return PeriodicAveraging(core, sync_every, outer)
     if staleness:

@@ -51,6 +51,8 @@ RUNS = [
 
 def in_shared_memory(tensor) -> bool:
     """Whether ``tensor``'s first byte lies in a mapping of a node agent's segment."""
+    if tensor is None:
+        return False
     address = tensor.data_ptr()
     for line in Path("/proc/self/maps").read_text().splitlines():
         fields = line.split()
@@ -73,7 +75,7 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
     goal = {name: torch.from_numpy(t) for name, t in targets(rank, shapes).items()}
     params = dict(model.named_parameters())
     report = {"pipeline": type(trainer.core.pipeline).__name__, "views": [], "same": []}
-    for step, lr in enumerate(cfg["lrs"]):
+    for lr in cfg["lrs"]:
         for group in optimizer.param_groups:
             group["lr"] = lr
         if run["zero"] == "trainer":
