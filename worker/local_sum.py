@@ -121,6 +121,8 @@ def sum_in_rank_order(out: torch.Tensor, parts: list[torch.Tensor]) -> torch.Ten
     numel, the local ranks' in order), one rounding per addition; returns ``out``."""
     if out.dtype not in SUMMABLE:
         raise TypeError(f"the node agent sums {SUMMABLE}, not {out.dtype}")
+    if any(p.dtype != out.dtype or p.numel() != out.numel() for p in parts):
+        raise TypeError(f"the local ranks' tensors differ from {out.numel()} x {out.dtype}")
     acc = _array(out)
     acc[:] = _array(parts[0])
     if out.dtype == torch.float16:

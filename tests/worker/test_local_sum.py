@@ -47,7 +47,7 @@ def test_bfloat16_against_torch():
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_wide_floats_in_rank_order(dtype):
     rng = np.random.default_rng(2)
-    parts = [rng.standard_normal(1000).astype(dtype) * 10.0 ** rng.integers(-8, 8, 1000)
+    parts = [(rng.standard_normal(1000) * 10.0 ** rng.integers(-8, 8, 1000)).astype(dtype)
              for _ in range(4)]
     out = torch.empty(1000, dtype=torch.float32 if dtype == np.float32 else torch.float64)
     sum_in_rank_order(out, [torch.from_numpy(p) for p in parts])
