@@ -42,6 +42,7 @@ from bps.common import shm, trace
 from bps.common.env import ClusterEnv
 from bps.compressors.warm import load_soon
 from bps.worker import agent_wire as wire
+from bps.worker.agent_group import Hub, socket_name
 from bps.worker.send_queues import Skipped
 
 log = logging.getLogger("bps")
@@ -66,6 +67,9 @@ class Agent:
         self.engine = engine
         self.parent = parent
         self.env, self.tracer = env, tracer
+        self.local_rank = 0  # the local rank served (1, 2, ...: connected, not our parent)
+        self.hub: Hub | None = None  # the node's collectives, with several local ranks
+        self.failure: str | None = None  # why a local rank other than 0 gave up
         self.segments: list = []
         self.keys: dict[int, _Key] = {}
         self.calls: queue.Queue = queue.Queue()
@@ -100,7 +104,11 @@ class Agent:
         return f"its training process (pid {self.parent}) ended without closing bps"
 
     def on_frame(self, kind: int, body: bytes) -> None:
-        """A frame of another kind (a subclass's, :mod:`bps.core.shared_pipeline`)."""
+        """A frame of another kind: a collective of the local ranks, or a subclass's
+        (:mod:`bps.core.shared_pipeline`)."""
+        if kind == wire.COLL and self.hub is not None:
+            self.hub.arrive(self.local_rank, self, body)
+            return
         raise ValueError(f"the node agent got a frame of unknown kind {kind}")
 
     def send(self, frame: bytes) -> None:
@@ -160,7 +168,7 @@ class Agent:
             except BaseException as exc:  # noqa: BLE001 - raised again in the caller
                 frame = wire.pack_call(wire.REPLY, call_id, b"\0" + pickled_error(exc))
             self._send(frame)
-            if method == "close":
+            if method in ("close", "leave"):
                 self.closed.set()
                 try:  # wakes serve(): the proxy closes its end once it has the reply
                     self.link.sock.shutdown(socket.SHUT_WR)
@@ -171,8 +179,11 @@ class Agent:
     def call_map(self, path: str, size: int) -> None:
         self.segments.append(shm.map_segment(path, size))
 
-    def _view(self, where: tuple[int, int], numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def view(self, where: tuple[int, int], numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """``numel`` x ``dtype`` at ``where`` (segment, offset) of the served process's."""
         return shm.tensor(self.segments[where[0]], where[1], numel, dtype)
+
+    _view = view
 
     def call_declare(self, key: int, numel: int, dtype: torch.dtype, params: dict | None,
                      name: str, server: int | None, device: str | None,
@@ -202,13 +213,18 @@ class Agent:
     def call_close(self, failure: str | None) -> None:
         self.engine.close(failure=failure)
 
+    def call_leave(self, failure: str | None) -> None:
+        """A local rank other than 0 leaves (``failure``: it gives up, and why)."""
+        self.failure = failure
+
     # -- the parent ----------------------------------------------------------------
 
     def _watch_parent(self) -> None:
         """A training process killed outright may leave its end of the socket open in
         children it forked (data loader workers): its pid going away ends the agent."""
         while not self.closed.wait(0.5):
-            if os.getppid() != self.parent:
+            if (os.getppid() != self.parent) if self.local_rank == 0 else \
+                    not _alive(self.parent):
                 log.error("bps node agent: the training process (pid %d) is gone",
                           self.parent)
                 try:
@@ -216,6 +232,55 @@ class Agent:
                 except OSError:
                     pass
                 return
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _serve_local_ranks(env: ClusterEnv, engine: Any, agent_type: type[Agent], hub: Hub,
+                       hello: bytes) -> None:
+    """Take the connections of local ranks 1, 2, ... (:func:`agent_group.socket_name`),
+    each served by an agent of its own on the same engine; one that ends without
+    leaving, or gives up, fails the node and ends this process."""
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(socket_name(env.root_port, env.worker_id))
+    server.listen(env.local_size)
+    while True:
+        conn, _ = server.accept()
+        link = wire.Link(conn)
+        message = link.recv()
+        if message is None or message[0] != wire.JOIN:
+            link.close()
+            continue
+        who = pickle.loads(message[1])
+        agent = agent_type(link, engine, who["pid"], env=env)
+        agent.local_rank, agent.hub = who["local_rank"], hub
+        link.send(hello)
+        threading.Thread(target=_serve_local_rank, args=(agent,), daemon=True,
+                         name=f"bps-agent-rank{agent.local_rank}").start()
+
+
+def _serve_local_rank(agent: Agent) -> None:
+    gone = agent.serve()
+    why = agent.failure or gone
+    if why is None:
+        return
+    text = (f"worker node {agent.engine.node_id}: local rank {agent.local_rank} (pid "
+            f"{agent.parent}): {why}")
+    log.error("bps node agent: %s", text)
+    try:
+        agent.engine.close(failure=text)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
 
 def pickled_error(exc: BaseException) -> bytes:
@@ -246,11 +311,16 @@ def main(argv: list[str], agent_type: type[Agent] = Agent) -> int:
         label = f"worker{env.worker_id}.agent"
         tracer = trace.from_env(env, label)
         engine = WorkerEngine.connect(env, tracer=tracer)
-        link.send(wire.pack(wire.HELLO, pickle.dumps({
+        hello = wire.pack(wire.HELLO, pickle.dumps({
             "node_id": engine.node_id, "num_workers": engine.num_workers,
             "num_servers": engine.num_servers, "job_seed": engine.job_seed,
-            "servers": engine.servers, "pid": os.getpid()})))
+            "servers": engine.servers, "pid": os.getpid()}))
         agent = agent_type(link, engine, parent, env=env, tracer=tracer)
+        if env.local_size > 1:  # the other local ranks connect; collectives in the agent
+            agent.hub = Hub(env.local_size)
+            threading.Thread(target=_serve_local_ranks, daemon=True, name="bps-agent-listen",
+                             args=(env, engine, agent_type, agent.hub, hello)).start()
+        link.send(hello)
         gone = agent.serve()
         if gone is not None:
             log.error("bps node agent of worker node %d: %s", engine.node_id, gone)

@@ -33,6 +33,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from typing import Any
 
 import torch
@@ -70,10 +71,11 @@ class _Key:
 class AgentProxy:
     """A worker node's engine in its node agent process; create it with :meth:`start`."""
 
-    def __init__(self, env: ClusterEnv, process: subprocess.Popen, link: wire.Link) -> None:
+    def __init__(self, env: ClusterEnv, process: subprocess.Popen | None,
+                 link: wire.Link) -> None:
         self.env = env
-        self.process = process
-        self.pid = process.pid
+        self.process = process  # None: a local rank other than 0, connected to the agent
+        self.pid = process.pid if process is not None else None
         self._link = link
         self._keys: dict[int, _Key] = {}
         self._lock = threading.Lock()
@@ -84,6 +86,7 @@ class AgentProxy:
         self._closing = False
         self._pipes: dict[int, Any] = {}  # pipelines the agent runs, by number
         self._pipe_ids = itertools.count()
+        self._collectives: Any = None  # the node's AgentGroup (several local ranks)
         job = f"{env.root_port}"
         self._arena = shm.Arena(job, lambda path, size: self._call("map", path, size))
         hello = self._hello()
@@ -92,6 +95,7 @@ class AgentProxy:
         self.num_servers: int = hello["num_servers"]
         self.job_seed: int = hello["job_seed"]
         self.servers: list[str] = hello["servers"]
+        self.pid = hello["pid"]
         self._reader = threading.Thread(target=self._read_loop, name="bps-agent-reader",
                                         daemon=True)
         self._reader.start()
@@ -121,6 +125,43 @@ class AgentProxy:
             process.wait()
             mine.close()
             raise
+
+    @classmethod
+    def join_node(cls, env: ClusterEnv) -> AgentProxy:
+        """Connect local rank 1, 2, ... to the node agent that local rank 0 starts
+        (retrying up to ``BPS_TIMEOUT`` plus its start-up); its engine is not for this
+        process: the connection carries the node's collectives (:mod:`agent_group`)."""
+        from bps.worker.agent_group import socket_name
+
+        limit = env.timeout + START_SLACK_S
+        deadline = time.monotonic() + limit
+        while True:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.connect(socket_name(env.root_port, env.worker_id))
+                break
+            except OSError as exc:
+                sock.close()
+                if time.monotonic() > deadline:
+                    raise ClusterError(
+                        f"local rank {env.local_rank} of worker node {env.worker_id}: no node "
+                        f"agent to connect to within {limit:g} s (local rank 0 starts it): "
+                        f"{exc}") from None
+                time.sleep(0.05)
+        link = wire.Link(sock)
+        link.send(wire.pack(wire.JOIN, pickle.dumps({"local_rank": env.local_rank,
+                                                     "pid": os.getpid()})))
+        sock.settimeout(limit)
+        try:
+            return cls(env, None, link)
+        except BaseException:
+            link.close()
+            raise
+
+    def watch_collectives(self, group: Any) -> None:
+        """Hand COLL_DONE frames to ``group.collective_done(body)``, the agent's end to
+        ``group.agent_died(error)``."""
+        self._collectives = group
 
     def _hello(self) -> dict:
         try:
@@ -228,6 +269,9 @@ class AgentProxy:
         if self._closing:
             return
         self._closing = True
+        if self.process is None:  # a local rank other than 0 leaves; the agent stays
+            self._leave(failure)
+            return
         try:
             if self._error is None:  # a failure is reported within 2 s, or not at all
                 self._call("close", failure, limit=None if failure is None else 10.0)
@@ -244,6 +288,20 @@ class AgentProxy:
                 self.process.wait()
             self._link.close()
             self._reader.join(timeout=5)
+
+    def _leave(self, failure: str | None) -> None:
+        try:
+            if self._error is None:
+                self._call("leave", failure, limit=10.0)
+        except ClusterError:  # local rank 0 closed the agent first: nothing to leave
+            pass
+        finally:
+            try:
+                self._link.sock.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+            self._reader.join(timeout=5)
+            self._link.close()
 
     # ------------------------------------------------------------ pipelines in the agent
 
@@ -330,6 +388,8 @@ class AgentProxy:
                     future.set_exception(pickle.loads(payload[1:]))
         elif kind == wire.FATAL:
             self._last_error = body.decode()
+        elif kind == wire.COLL_DONE and self._collectives is not None:
+            self._collectives.collective_done(body)
         elif kind in (wire.GRAD_DONE, wire.STEP_DONE, wire.PIPE_ERROR):
             pipe_id, index, extra = wire.unpack_pipe(body)
             listener = self._pipes.get(pipe_id)
@@ -361,6 +421,8 @@ class AgentProxy:
             future.set_result(result)
 
     def _how_ended(self) -> str:
+        if self.process is None:
+            return "closed its connection"
         try:
             code = self.process.wait(timeout=2)
         except subprocess.TimeoutExpired:
@@ -399,3 +461,5 @@ class AgentProxy:
                 future.set_exception(error)
         for listener in pipes:
             listener.agent_died(error)
+        if self._collectives is not None:
+            self._collectives.agent_died(error)

@@ -24,6 +24,9 @@ HELLO, PUSH, DONE, CALL, REPLY, FATAL = range(6)
 # pipeline failed (PIPE_ERROR, a pickled exception)
 GRAD, END_STEP, GRAD_DONE, STEP_DONE, PIPE_ERROR = range(6, 11)
 JOINED, NOTIFY = 1, 2  # a GRAD's flags: a zero marker travels; answer with GRAD_DONE
+# a collective between the node's local ranks (bps.worker.agent_group), and its answer;
+# a local rank other than 0 says who it is (JOIN) when it connects
+COLL, COLL_DONE, JOIN = range(11, 14)
 OK, SKIPPED, FAILED = range(3)  # a DONE's status
 MARK_CODES = {None: 0, "nonfinite": 1, "zero": 2}
 MARKS = {code: mark for mark, code in MARK_CODES.items()}

@@ -50,20 +50,32 @@ class Runtime:
         self.rank = env.worker_id * env.local_size + env.local_rank
         label = f"worker{env.worker_id}" + (f".{env.local_rank}" if env.local_size > 1 else "")
         self.tracer = trace.from_env(env, label)
-        self.group = LocalGroup.connect(
-            env.local_rank, env.local_size, env.local_master_addr or "127.0.0.1",
-            env.local_master_port or 0, timeout_s=env.timeout,
-        )
-        self.setup_channel = self.group.channel("setup")
         self.engine = None
+        self.agent_link = None  # local ranks 1, 2, ...: their connection to the node agent
+        if env.node_agent and env.local_size > 1:
+            # BPS_NODE_AGENT=1: the node's collectives go through its agent, not gloo
+            from bps.worker.agent_group import AgentGroup
+            from bps.worker.agent_proxy import AgentProxy
+
+            if env.local_rank == 0:
+                self.engine = carrier = AgentProxy.start(env, "bps.core.pipeline_agent")
+            else:
+                self.agent_link = carrier = AgentProxy.join_node(env)
+            self.group = AgentGroup(carrier, env.local_rank, env.local_size, env.timeout)
+        else:
+            self.group = LocalGroup.connect(
+                env.local_rank, env.local_size, env.local_master_addr or "127.0.0.1",
+                env.local_master_port or 0, timeout_s=env.timeout,
+            )
+        self.setup_channel = self.group.channel("setup")
         if env.local_rank == 0:
             from bps.worker.agent_proxy import AgentProxy
             from bps.worker.engine import WorkerEngine
 
             # BPS_NODE_AGENT=1: the engine runs in a node agent process of its own
-            self.engine = AgentProxy.start(env, "bps.core.pipeline_agent") \
-                if env.node_agent else \
-                WorkerEngine.connect(env, tracer=self.tracer)
+            if self.engine is None:
+                self.engine = AgentProxy.start(env, "bps.core.pipeline_agent") \
+                    if env.node_agent else WorkerEngine.connect(env, tracer=self.tracer)
             facts = struct.pack("<QQ", self.engine.num_workers, self.engine.job_seed)
         else:
             facts = None
@@ -102,6 +114,9 @@ class Runtime:
                 self.engine.barrier()
             self.engine.close(failure=failure)
             self.engine = None
+        if self.agent_link is not None:
+            self.agent_link.close(failure=failure)
+            self.agent_link = None
         self.group.close(destroy=failure is None)
         if self.tracer is not None:
             self.tracer.save()

@@ -61,6 +61,7 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
     if not run.get("inject") and not run.get("hold"):
         report = trainer_train(cfg, run, rank, shapes, out)
         report["engine"] = type(bps.core.runtime.get().engine).__name__
+        report["group"] = type(bps.core.runtime.get().group).__name__
         return report
 
     tag = run.get("tag", "")
@@ -224,8 +225,9 @@ def test_trainer_through_the_agent_matches_the_simulation(tmp_path, env):
 
 
 def test_two_local_ranks_round_where_the_pipeline_does(tmp_path):
-    # 2 nodes x 2 local ranks: local rank 0 runs the agent, the node's sum is taken in
-    # the training processes as without it; bf16 and fp16 on the wire
+    # 2 nodes x 2 local ranks: local rank 0 starts the agent, local rank 1 connects to it,
+    # and the agent takes the node's sum of their shares in rank order (no gloo group);
+    # bf16 and fp16 on the wire
     runs = [{"tag": comm, "params": {"momentum": "nesterov", "comm_dtype": comm}}
             for comm in ("bf16", "fp16")]
     result = launch({"runs": runs, "lrs": COMM_LRS, "stop": len(COMM_LRS),
@@ -234,6 +236,7 @@ def test_two_local_ranks_round_where_the_pipeline_does(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:]
     reports = load_reports(tmp_path, 4)
     assert [r["bf16"]["engine"] for r in reports] == ["AgentProxy", "NoneType"] * 2
+    assert {r["bf16"]["group"] for r in reports} == {"AgentGroup"}
     for comm in ("bf16", "fp16"):
         expected = comm_reference(comm)
         for rank, final in enumerate(load_params(tmp_path, 4, comm)):
