@@ -86,7 +86,10 @@ class Agent:
         self._caller.start()
         self._watch.start()
         while True:
-            message = self.link.recv()
+            try:
+                message = self.link.recv()
+            except OSError:  # reset: the training process was killed with frames unread
+                message = None
             if message is None:
                 break
             kind, body = message

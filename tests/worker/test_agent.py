@@ -285,19 +285,22 @@ HOLD = {"runs": [{"params": {**SIM_CASES["onebit"], **COMMON}, "hold": True}],
         "lrs": [0.01]}
 
 
-def start_holding(tmp: Path) -> subprocess.Popen:
-    """A job of 2 nodes that trains until a process of it is killed."""
+def start_holding(tmp: Path, local_size: int = 1) -> subprocess.Popen:
+    """A job of 2 nodes (1 of ``local_size`` local ranks) that trains until a process of
+    it is killed."""
     cfg = {"shapes": SHAPES, **HOLD, "out": str(tmp)}
-    cmd = [*BPSLAUNCH, "local", "--workers", "2", "--servers", "1", "--", sys.executable,
-           "-m", __name__, json.dumps(cfg)]
+    workers = "2" if local_size == 1 else "1"
+    cmd = [*BPSLAUNCH, "local", "--workers", workers, "--servers", "1", "--local-size",
+           str(local_size), "--", sys.executable, "-m", __name__, json.dumps(cfg)]
     env = {**os.environ, **AGENT, "BPS_TIMEOUT": "20", "BYTEPS_PARTITION_BYTES": "400"}
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
-def wait_for_pids(job: subprocess.Popen, tmp: Path, timeout: float = 120) -> dict:
+def wait_for_pids(job: subprocess.Popen, tmp: Path, timeout: float = 120,
+                  rank: int = 0) -> dict:
     deadline = time.monotonic() + timeout
-    path = tmp / "pids0.json"
+    path = tmp / f"pids{rank}.json"
     while not path.exists():
         if job.poll() is not None or time.monotonic() > deadline:
             output = job.communicate()[0] if job.poll() is not None else ""
@@ -356,6 +359,43 @@ def test_a_killed_training_process_takes_its_agent_with_it(tmp_path):
     pids, job, output = kill_and_wait_for_the_other(tmp_path, "trainer", "agent", 10)
     assert job.returncode != 0, output[-3000:]
     assert bps_segments(pids["trainer"]) == []
+
+
+def test_a_killed_local_rank_fails_its_node_naming_it(tmp_path):
+    # local rank 1 of a node of 2, killed outright: the agent sees its connection end,
+    # reports the node FAILED naming it and ends; local rank 0 then fails too (no gloo
+    # group to hang or abort in); nothing of either stays in /dev/shm
+    job = start_holding(tmp_path, local_size=2)
+    try:
+        pids = wait_for_pids(job, tmp_path)
+        victim = wait_for_pids(job, tmp_path, rank=1)["trainer"]
+        os.kill(victim, signal.SIGKILL)
+        output = finish(job, timeout=60)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode != 0, output[-3000:]
+    assert f"worker node 0: local rank 1 (pid {victim}): its training process (pid " \
+        f"{victim}) ended without closing bps" in output, output[-3000:]
+    assert gone(pids["agent"]) and gone(pids["trainer"])
+    assert bps_segments(pids["trainer"]) == [] and bps_segments(victim) == []
+
+
+def test_a_killed_agent_fails_every_local_rank(tmp_path):
+    job = start_holding(tmp_path, local_size=2)
+    try:
+        pids = wait_for_pids(job, tmp_path)
+        other = wait_for_pids(job, tmp_path, rank=1)["trainer"]
+        os.kill(pids["agent"], signal.SIGKILL)
+        output = finish(job, timeout=60)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode != 0, output[-3000:]
+    assert f"the node agent of worker node 0 (pid {pids['agent']}) was killed by SIGKILL" \
+        in output, output[-3000:]
+    assert gone(pids["trainer"]) and gone(other)
+    assert bps_segments(pids["trainer"]) == [] and bps_segments(other) == []
 
 
 def test_ctrl_c_is_reported_through_the_agent(tmp_path):
