@@ -45,7 +45,7 @@ def pack_push(key: int, step: int, lr: float, priority: int, momentum_scale: flo
     """The frame announcing a push whose values lie in the key's input buffer."""
     body = bytes((PUSH,)) + _PUSH.pack(key, step, lr, priority, momentum_scale,
                                        MARK_CODES[mark])
-    if mark is not None and what:
+    if what:  # the tensor it is part of, for the error that names it
         body += what.encode()
     return _LEN.pack(len(body)) + body
 
