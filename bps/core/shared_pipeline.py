@@ -42,9 +42,9 @@ __all__ = ["SharedPipeline", "runs_in_agent"]
 
 
 def runs_in_agent(rt, params: dict, tensors: list[GradTensor]) -> bool:
-    """Whether the node agent runs the pipeline of ``tensors``: an agent, one local rank,
-    CPU tensors on the host chains, and compression_params that pickle."""
-    if not isinstance(rt.engine, AgentProxy) or rt.local_size != 1 or forced_by_env():
+    """Whether the node agent runs the pipeline of ``tensors``: an agent, CPU tensors on
+    the host chains, and compression_params that pickle."""
+    if not isinstance(carrier_of(rt), AgentProxy) or forced_by_env():
         return False
     if any(t.param.device.type != "cpu" for t in tensors):
         return False
@@ -53,6 +53,12 @@ def runs_in_agent(rt, params: dict, tensors: list[GradTensor]) -> bool:
     except Exception:  # noqa: BLE001 - a callable in the dict: the pipeline stays here
         return False
     return True
+
+
+def carrier_of(rt) -> AgentProxy | None:
+    """This process's connection to the node agent: local rank 0's engine, the other
+    local ranks' link (None without an agent)."""
+    return rt.engine if rt.engine is not None else getattr(rt, "agent_link", None)
 
 
 class _Slot:
@@ -90,7 +96,7 @@ class SharedPipeline:
                  on_error: Callable[[BaseException], None] | None = None,
                  partition_bytes: int | None = None, install: bool = False) -> None:
         self._rt = rt
-        self._engine: AgentProxy = rt.engine
+        self._engine: AgentProxy = carrier_of(rt)
         self.params = params
         self._lr = lr
         self._rescale = rescale or (lambda: 1.0)

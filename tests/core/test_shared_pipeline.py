@@ -46,6 +46,16 @@ RUNS = [
 ]
 
 
+# a node of two local ranks: the agent sums their shares in rank order in the node's dtype
+LOCAL_RUNS = [
+    {"tag": "local-fp16", "params": {**ONEBIT, "fp16": True, "min_compress_bytes": 600},
+     "zero": "trainer"},
+    {"tag": "local-bf16", "params": {"momentum": "nesterov", "comm_dtype": "bf16"},
+     "zero": "optimizer"},
+    {"tag": "local-fp32", "params": ONEBIT, "zero": "trainer", "staleness": 1},
+]
+
+
 # ----------------------------------------------------------------------------- worker side
 
 
@@ -100,19 +110,33 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
 # ----------------------------------------------------------------------------- test side
 
 
-def test_every_way_of_training_ends_where_the_pipeline_in_process_does(tmp_path):
-    # the same job with the pipeline in the training processes, then in the node agents
-    results = {}
+def run_both(tmp_path: Path, runs: list[dict], local_size: int = 1) -> tuple[dict, dict]:
+    """The same job with the pipeline in the training processes, then in the node
+    agents: ``{where: {tag: params by rank}}``, ``{where: reports}``."""
+    results, reports = {}, {}
+    ranks = 2 * local_size
     for where, env in (("process", {}), ("agent", {"BPS_NODE_AGENT": "1"})):
         out = tmp_path / where
         out.mkdir()
-        result = trainer_launch({"runs": RUNS, "lrs": SIM_LRS}, out, workers=2, servers=1,
-                                env=env, module=__name__, timeout=240)
+        result = trainer_launch({"runs": runs, "lrs": SIM_LRS}, out, workers=2, servers=1,
+                                local_size=local_size, env=env, module=__name__, timeout=240)
         assert result.returncode == 0, result.stdout[-3000:]
-        results[where] = {run["tag"]: load_params(out, 2, run["tag"]) for run in RUNS}
-        reports = load_reports(out, 2)
+        results[where] = {run["tag"]: load_params(out, ranks, run["tag"]) for run in runs}
+        reports[where] = load_reports(out, ranks)
+    for run in runs:
+        for rank in range(ranks):
+            for name in SHAPES:
+                np.testing.assert_array_equal(results["agent"][run["tag"]][rank][name],
+                                              results["process"][run["tag"]][rank][name],
+                                              err_msg=f"{run['tag']} {name} rank {rank}")
+    return results, reports
+
+
+def test_every_way_of_training_ends_where_the_pipeline_in_process_does(tmp_path):
+    results, reports = run_both(tmp_path, RUNS)
+    for where in ("process", "agent"):
         for rank in range(2):
-            report = reports[rank]
+            report = reports[where][rank]
             if where == "agent":
                 assert {r["pipeline"] for r in report.values()} == {"SharedPipeline"}
                 # .grad is the buffer, the same tensor every step, where the trainer zeroes
@@ -125,12 +149,6 @@ def test_every_way_of_training_ends_where_the_pipeline_in_process_does(tmp_path)
             else:
                 assert {r["pipeline"] for r in report.values()} == {"GradPipeline"}
                 assert not any(report["views"]["views"])
-    for run in RUNS:
-        for rank in range(2):
-            for name in SHAPES:
-                np.testing.assert_array_equal(results["agent"][run["tag"]][rank][name],
-                                              results["process"][run["tag"]][rank][name],
-                                              err_msg=f"{run['tag']} {name} rank {rank}")
     # and where numpy's replay of the pipeline says, for the synchronous runs
     expected = simulate(ONEBIT, 2, SIM_LRS)
     for tag in ("views", "none", "replaced"):
@@ -138,6 +156,15 @@ def test_every_way_of_training_ends_where_the_pipeline_in_process_does(tmp_path)
             for name in SHAPES:
                 np.testing.assert_array_equal(results["agent"][tag][rank][name],
                                               expected[name], err_msg=f"{tag} {name}")
+
+
+def test_two_local_ranks_end_where_the_pipeline_in_process_does(tmp_path):
+    # 2 nodes x 2 local ranks: one pipeline in each node's agent for both ranks, the
+    # node's sum in float16, bfloat16 and float32 (gloo's, in process)
+    _, reports = run_both(tmp_path, LOCAL_RUNS, local_size=2)
+    for rank, report in enumerate(reports["agent"]):
+        assert {r["pipeline"] for r in report.values()} == {"SharedPipeline"}, rank
+        assert report["local-fp16"]["views"] == [True] * len(SIM_LRS), rank
 
 
 if __name__ == "__main__":
