@@ -233,8 +233,8 @@ class DistributedTrainer:
             yield self
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """``optimizer.zero_grad``; with ``BPS_NODE_AGENT=1`` on a node of one local rank,
-        ``.grad`` is a view into shared memory, filled with zeros instead (docs/runtime.md)."""
+        """``optimizer.zero_grad``; with ``BPS_NODE_AGENT=1``, ``.grad`` is a view into
+        shared memory, filled with zeros instead (docs/runtime.md)."""
         pipe = self.core.pipeline
         if pipe is not None and pipe.shared_grads:
             pipe.zero_grads(set_to_none)

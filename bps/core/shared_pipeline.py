@@ -1,11 +1,12 @@
 """The gradient pipeline run by the node agent, seen from the training process.
 
-With ``BPS_NODE_AGENT=1`` on a node of one local rank, a :class:`SharedPipeline` stands
+With ``BPS_NODE_AGENT=1`` (and CPU tensors on the host chains), a :class:`SharedPipeline` stands
 in for :class:`bps.core.grad_pipeline.GradPipeline` (same interface, same results bit
 for bit): each parameter's gradient has a buffer in shared memory, and the pipeline
 itself (division, checks, partitions, buckets, chains, pushes, local momentum) runs in
-the node agent (:mod:`bps.core.pipeline_agent`) on that buffer. A push is 30 bytes on
-the agent's socket; the agent writes the average back into the buffer and says so.
+the node agent (:mod:`bps.core.pipeline_agent`) on that buffer, for every local rank of
+the node at once. A push is 30 bytes on the agent's socket; the agent writes the average
+back into the buffer and says so.
 
 With ``install`` (the trainer's pipeline), each parameter's ``.grad`` *is* its buffer
 (a view, as DDP's ``gradient_as_bucket_view``): backward accumulates into shared memory,
