@@ -18,6 +18,11 @@ reach the training process's whole process group: the training process reports t
 through the agent, then closes it. An error of its own goes to the
 training process (FATAL) before it exits, so that fails naming the node and the error.
 
+With several local ranks, the others connect to the agent too (an abstract Unix socket
+named by job and node, :func:`bps.worker.agent_group.socket_name`), each served by an
+:class:`Agent` of its own on the same engine; the node's collectives meet in a
+:class:`bps.worker.agent_group.Hub`. One that ends without leaving fails the node.
+
 Run by the proxy only::
 
     python -m bps.worker.agent FD PARENT_PID
@@ -186,8 +191,6 @@ class Agent:
         """``numel`` x ``dtype`` at ``where`` (segment, offset) of the served process's."""
         return shm.tensor(self.segments[where[0]], where[1], numel, dtype)
 
-    _view = view
-
     def call_declare(self, key: int, numel: int, dtype: torch.dtype, params: dict | None,
                      name: str, server: int | None, device: str | None,
                      inp: tuple[int, int], out: tuple[int, int]) -> None:
@@ -195,7 +198,7 @@ class Agent:
                             device=None if device is None else torch.device(device))
         if device is None:  # the chains run here: so that the first push does not wait
             load_soon(params, dtype)  # for numba (as the trainer does in-process)
-        self.keys[key] = _Key(self._view(inp, numel, dtype), self._view(out, numel, dtype),
+        self.keys[key] = _Key(self.view(inp, numel, dtype), self.view(out, numel, dtype),
                               params is not None, device is not None)
 
     def call_rollback(self, step: int, keys: list[int]) -> None:
