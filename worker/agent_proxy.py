@@ -438,7 +438,7 @@ class AgentProxy:
         """The agent is gone: fail every pending and later call, naming it."""
         if self._error is not None:
             return
-        if self._closing and not self._calls:
+        if self._closing and (not self._calls or self.process is None):  # leaving anyway
             error = ClusterError("bps is closed")
         else:
             last = f"; its last error: {self._last_error}" if self._last_error else \
