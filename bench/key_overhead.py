@@ -25,8 +25,9 @@ own CPU clocks, others from ``/proc/self/task``), the pushes per step, CPU per
 push beyond the model alone, and the time the training process spends in bps's
 autograd hook per parameter (50th and 99th percentile); medians over ``--rounds``.
 ``--node-agent`` also runs each configuration with ``BPS_NODE_AGENT=1`` in the same
-rounds: the engine in a node agent process, whose CPU counts in the column ``node
-agent`` and in the totals. JSON: ``--json`` (default
+rounds: the engine (and, with the host chains, the gradient pipeline, on ``.grad`` in
+shared memory) in a node agent process, whose CPU counts in the column ``node agent``
+and in the totals. JSON: ``--json`` (default
 bench/results/key_overhead-TIME.json).
 
 ``--convoy`` times a hook's kinds of calls, and a codec thread's work for one key of a
