@@ -148,7 +148,27 @@ class _Slot:
     futures: list = field(default_factory=list)
 
 
-class GradPipeline:
+class SlotQueries:
+    """What a front end asks of a pipeline's ``slots`` (each with ``param`` and ``ready``),
+    whether it runs in this process or in the node agent."""
+
+    slots: list
+
+    @property
+    def raw_bytes(self) -> int:
+        """Bytes one step's gradients take uncompressed in float32."""
+        return sum(s.param.numel() * 4 for s in self.slots)
+
+    def pushed(self, index: int) -> bool:
+        """Whether parameter ``index`` was pushed this step."""
+        return self.slots[index].ready
+
+    def pending(self) -> list[int]:
+        """The parameters not pushed yet this step."""
+        return [i for i, s in enumerate(self.slots) if not s.ready]
+
+
+class GradPipeline(SlotQueries):
     """Averages gradients over every worker through the parameter servers, per parameter.
 
     Args:
@@ -296,19 +316,6 @@ class GradPipeline:
         return slots
 
     # -- pushing -----------------------------------------------------------------------
-
-    @property
-    def raw_bytes(self) -> int:
-        """Bytes one step's gradients take uncompressed in float32."""
-        return sum(s.param.numel() * 4 for s in self.slots)
-
-    def pushed(self, index: int) -> bool:
-        """Whether parameter ``index`` was pushed this step."""
-        return self.slots[index].ready
-
-    def pending(self) -> list[int]:
-        """The parameters not pushed yet this step."""
-        return [i for i, s in enumerate(self.slots) if not s.ready]
 
     def push(self, index: int, source: torch.Tensor | None, dest: torch.Tensor,
              joined: bool = False, done: Callable[[int], None] | None = None) -> None:

@@ -34,7 +34,7 @@ import torch
 
 from bps.common.shm import ALIGN
 from bps.compressors.device import forced_by_env
-from bps.core.grad_pipeline import GradTensor
+from bps.core.grad_pipeline import GradTensor, SlotQueries
 from bps.worker import agent_wire as wire
 from bps.worker.agent_proxy import AgentProxy
 from bps.worker.engine import Skipped
@@ -82,7 +82,7 @@ def _same(tensor: torch.Tensor, flat: torch.Tensor) -> bool:
             and tensor.device.type == "cpu")
 
 
-class SharedPipeline:
+class SharedPipeline(SlotQueries):
     """:class:`bps.core.grad_pipeline.GradPipeline`'s interface, run by the node agent.
 
     Args: as GradPipeline's; ``install``: make each parameter's ``.grad`` its buffer."""
@@ -168,17 +168,6 @@ class SharedPipeline:
     def wire_step(self, value: int) -> None:
         self._wire_step = int(value)
         self._engine.call("pipeline_counters", self.pipe_id, self._step, self._wire_step)
-
-    @property
-    def raw_bytes(self) -> int:
-        """Bytes one step's gradients take uncompressed in float32."""
-        return sum(s.param.numel() * 4 for s in self.slots)
-
-    def pushed(self, index: int) -> bool:
-        return self.slots[index].ready
-
-    def pending(self) -> list[int]:
-        return [i for i, s in enumerate(self.slots) if not s.ready]
 
     def compressed_keys(self) -> list[int]:
         return list(self._compressed)
