@@ -59,6 +59,10 @@ def local_size() -> int:
 def __getattr__(name: str):
     if name == "ddp":  # the DDP communication hook: bps.ddp.HookState, bps.ddp.ps_hook
         return importlib.import_module("bps.ddp")
+    if name == "ElasticSampler":
+        from bps.sampler import ElasticSampler
+
+        return ElasticSampler
     if name in ("DistributedTrainer", "NonFiniteGradientError"):
         from bps import trainer
 
@@ -73,4 +77,4 @@ def __dir__() -> list[str]:
 
 
 __all__ = ["init", "shutdown", "rank", "size", "local_rank", "local_size", "DistributedTrainer",
-           "NonFiniteGradientError"]
+           "NonFiniteGradientError", "ElasticSampler"]

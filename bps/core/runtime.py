@@ -88,6 +88,7 @@ class Runtime:
                 f"DMLC_NUM_WORKER={env.num_workers}"
             )
         self.size = self.num_nodes * self.local_size
+        self.members = list(range(self.num_nodes))  # the worker node ids present
         self._next_key = 0
         self._names = 0
         self._lock = threading.Lock()

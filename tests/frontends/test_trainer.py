@@ -241,6 +241,6 @@ def test_dir_lists_the_names_loaded_lazily():
     assert result.returncode == 0, result.stderr
     names, loaded = result.stdout.splitlines()
     for name in ("init", "shutdown", "rank", "size", "local_rank", "local_size",
-                 "DistributedTrainer", "NonFiniteGradientError", "ddp"):
+                 "DistributedTrainer", "NonFiniteGradientError", "ElasticSampler", "ddp"):
         assert repr(name) in names, names
     assert loaded == "False False", loaded
