@@ -74,10 +74,19 @@ class Runtime:
                 f"the scheduler reports {self.num_nodes} worker nodes but "
                 f"DMLC_NUM_WORKER={env.num_workers}"
             )
-        self.size = self.num_nodes * self.local_size
+        self.size = self.num_nodes * self.local_size  # the ranks present: gradients' divisor
+        self.generation = 0  # the membership's (BPS_MIN_WORKERS: worker nodes may leave)
         self._next_key = 0
         self._names = 0
         self._lock = threading.Lock()
+
+    def set_membership(self, generation: int, nodes: int) -> None:
+        """Worker nodes left: from membership ``generation`` on, ``nodes`` worker nodes
+        are present, and gradients are divided by their ranks (``size``). An older
+        generation changes nothing."""
+        if generation > self.generation:
+            self.generation = generation
+            self.size = nodes * self.local_size
 
     def allocate_keys(self, count: int) -> int:
         """First of ``count`` fresh keys; every process allocates in the same order."""

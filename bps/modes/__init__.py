@@ -22,7 +22,19 @@ def choose(core: FrontEndCore, runtime, tensors: list[GradTensor], *, staleness:
     """The mode of checked arguments (see ``validate_staleness``, ``validate_sync_every``,
     ``validate_streaming``); ``fragments``: ``plan_fragments``' plan where the syncs
     stream. Every mode but the streaming one runs on the core's pipeline of
-    ``tensors``, built here."""
+    ``tensors``, built here. Where worker nodes may leave (``BPS_MIN_WORKERS``), only
+    synchronous steps are accepted: another mode raises ValueError naming it."""
+    if runtime.env.elastic:
+        refused = ("streaming averaging (sync_every with fragments or overlap)"
+                   if fragments is not None else
+                   "local SGD (sync_every > 1)" if outer is not None else
+                   "a one-step-delayed update (staleness=1)" if staleness else
+                   "compressed Adam (freeze_step)" if core.params.get("freeze_step") is not None
+                   else None)
+        if refused is not None:
+            raise ValueError(f"BPS_MIN_WORKERS={runtime.env.min_workers} (bpslaunch "
+                             f"--min-workers): worker nodes may leave a job of synchronous "
+                             f"steps only, not one of {refused}")
     if fragments is not None:
         core.attach(runtime)
         return StreamingAveraging(core, fragments, sync_every, outer, overlap)

@@ -1,0 +1,124 @@
+"""Elastic membership with the trainer (``bpslaunch local --min-workers``): a worker node
+killed at a given step leaves the job, and the others finish it, bit-identical to each
+other and to the numpy replay of the same membership change: the step in flight is
+dropped everywhere, and the later steps average over the nodes present."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from tests.harness.trainer_job import (
+    SHAPES,
+    SIM_CASES,
+    launch,
+    load_params,
+    make_model,
+    plain,
+    replay,
+    worker_main,
+)
+
+COMMON = {"ef": "vanilla", "momentum": "nesterov", "fp16": False, "min_compress_bytes": 1000}
+PARAMS = {**SIM_CASES["topk"], **COMMON}
+LRS = [0.5, 0.25, 0.25, 0.5, 0.125, 0.25]  # powers of two: lr * g is exact everywhere
+WORKERS = 3
+LEAVES = 2  # the worker node that dies
+AT = 2  # at the start of this step, before it pushes any of it
+
+
+def run(tmp_path, signal: str, min_workers: int, env: dict | None = None):
+    cfg = {"runs": [{"params": PARAMS}], "lrs": LRS, "stop": len(LRS),
+           "leave": [LEAVES, AT, signal]}
+    return launch(cfg, tmp_path, workers=WORKERS, servers=2, env=env, timeout=150,
+                  options=("--min-workers", str(min_workers)))
+
+
+def expected_after_leaving() -> dict:
+    """Steps before AT over every node; AT dropped; the rest over the survivors."""
+    survivors = [r for r in range(WORKERS) if r != LEAVES]
+    members = [list(range(WORKERS))] * AT + [None] + [survivors] * (len(LRS) - AT - 1)
+    return replay(PARAMS, WORKERS, LRS, plain(SHAPES), members=members)
+
+
+def check_survivors(tmp_path) -> None:
+    expected = expected_after_leaving()
+    survivors = [r for r in range(WORKERS) if r != LEAVES]
+    finals = load_params(tmp_path, WORKERS - 1)  # ranks 0 and 1 (the survivors)
+    assert survivors == [0, 1]
+    for rank, final in zip(survivors, finals, strict=True):
+        for n in SHAPES:
+            np.testing.assert_array_equal(final[n], expected[n], err_msg=f"rank {rank}: {n}")
+    assert not (tmp_path / f"params{LEAVES}.npz").exists()
+
+
+def test_a_killed_worker_node_leaves_and_the_others_match_the_replay(tmp_path):
+    """kill -9 at the start of step 2 with --min-workers 2: the job exits 0, its
+    connection closing is the news; survivors bit-identical to the replay."""
+    result = run(tmp_path, "SIGKILL", min_workers=2)
+    assert result.returncode == 0, result.stdout[-4000:]
+    check_survivors(tmp_path)
+    out = result.stdout
+    assert "worker 2 at 127.0.0.1 died: its connection to the scheduler closed" in out, out
+    assert "membership generation 1" in out
+    # the survivors were not told that anyone failed
+    assert "PEER_DEAD" not in out and "ClusterError" not in out, out[-4000:]
+
+
+def test_a_stopped_worker_node_leaves_and_is_refused_when_it_resumes(tmp_path):
+    """SIGSTOP at step 2: the heartbeat timeout removes it; survivors as the replay; once
+    resumed (a survivor sends SIGCONT after training), what it sends is refused naming
+    the generation it left at, and it fails alone."""
+    result = run(tmp_path, "SIGSTOP", min_workers=2,
+                 env={"BPS_HEARTBEAT_TIMEOUT": "3", "BPS_HEARTBEAT_INTERVAL": "0.5"})
+    assert result.returncode == 0, result.stdout[-4000:]
+    check_survivors(tmp_path)
+    out = result.stdout
+    assert "worker 2 at 127.0.0.1 died: no heartbeat" in out, out[-4000:]
+    assert "left the job at membership generation 1" in out, out[-4000:]
+
+
+def test_below_min_workers_the_job_fails_naming_the_dead_node(tmp_path):
+    result = run(tmp_path, "SIGKILL", min_workers=3)
+    assert result.returncode != 0
+    assert "worker 2 at 127.0.0.1 died" in result.stdout, result.stdout[-4000:]
+    assert "fewer than BPS_MIN_WORKERS=3" in result.stdout, result.stdout[-4000:]
+
+
+def refusing_train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
+    """Each mode but synchronous steps: the trainer's error, as each worker saw it."""
+    import torch
+
+    import bps
+
+    errors = []
+    for options in ({"staleness": 1}, {"sync_every": 2}):
+        model = make_model(rank, shapes)
+        try:
+            bps.DistributedTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                   {**SIM_CASES["topk"], "ef": "vanilla"}, **options)
+        except ValueError as exc:
+            errors.append(str(exc))
+    return {"errors": errors}
+
+
+def test_modes_other_than_synchronous_steps_are_refused_naming_them(tmp_path):
+    """With --min-workers, staleness=1 and local SGD are refused when the trainer is
+    made, before any key is declared, naming the mode and the setting."""
+    result = launch({"runs": [{"params": PARAMS}], "lrs": LRS, "stop": 1}, tmp_path,
+                    workers=2, servers=1, options=("--min-workers", "1"), module=__name__)
+    assert result.returncode == 0, result.stdout[-4000:]
+    for rank in range(2):
+        errors = json.loads((tmp_path / f"report{rank}.json").read_text())[""]["errors"]
+        assert len(errors) == 2, errors
+        assert "BPS_MIN_WORKERS=1 (bpslaunch --min-workers)" in errors[0], errors
+        assert "staleness=1" in errors[0] and "local SGD" in errors[1], errors
+
+
+if __name__ == "__main__":
+    from bps.server.role import end_process
+
+    end_process(worker_main(json.loads(sys.argv[1]), refusing_train))
