@@ -148,17 +148,27 @@ class Supervisor:
         by_process = {id(c.process): c for c in self.children}
         running = {id(c.process) for c in self.children}
         workers = {id(c.process) for c in self.children if not c.service}
+        services = {id(c.process) for c in self.children if c.service}
         while running:
             if workers and not (workers & running) and joined is not None and not joined():
                 self._log("no worker called bps.init(); stopping the scheduler and servers")
                 self._muted.update(c.name for c in self.children if c.service)
                 self.stop_all()
                 return 0
-            timeout = self.grace if not (workers & running) else None
+            # spare nodes: the services end once every worker present finished, so a worker
+            # process still running then is one that left the job (stopped, not dead)
+            ended = bool(self.spare_nodes and services and not (services & running))
+            timeout = self.grace if not (workers & running) or ended else None
             try:
                 process = self._exits.get(timeout=timeout) if timeout else self._get()
             except queue.Empty:
-                self._log("services still running after the workers finished; stopping them")
+                if ended:
+                    self._log("worker processes still running after the job ended (they "
+                              "left it); stopping them")
+                    self._muted.update(c.name for c in self.children if not c.service)
+                else:
+                    self._log("services still running after the workers finished; "
+                              "stopping them")
                 self.stop_all()
                 return 0
             running.discard(id(process))
