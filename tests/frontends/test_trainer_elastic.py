@@ -30,17 +30,20 @@ LEAVES = 2  # the worker node that dies
 AT = 2  # at the start of this step, before it pushes any of it
 
 
-def run(tmp_path, signal: str, min_workers: int, env: dict | None = None):
+def run(tmp_path, signal: str, min_workers: int, env: dict | None = None,
+        where: str = "start"):
     cfg = {"runs": [{"params": PARAMS}], "lrs": LRS, "stop": len(LRS),
-           "leave": [LEAVES, AT, signal]}
+           "leave": [LEAVES, AT, signal, where]}
     return launch(cfg, tmp_path, workers=WORKERS, servers=2, env=env, timeout=150,
                   options=("--min-workers", str(min_workers)))
 
 
-def expected_after_leaving() -> dict:
-    """Steps before AT over every node; AT dropped; the rest over the survivors."""
+def expected_after_leaving(dropped: int = AT) -> dict:
+    """Steps before ``dropped`` over every node; ``dropped`` dropped everywhere; the
+    rest over the survivors."""
     survivors = [r for r in range(WORKERS) if r != LEAVES]
-    members = [list(range(WORKERS))] * AT + [None] + [survivors] * (len(LRS) - AT - 1)
+    members = [list(range(WORKERS))] * dropped + [None] + \
+        [survivors] * (len(LRS) - dropped - 1)
     return replay(PARAMS, WORKERS, LRS, plain(SHAPES), members=members)
 
 
@@ -66,6 +69,24 @@ def test_a_killed_worker_node_leaves_and_the_others_match_the_replay(tmp_path):
     assert "membership generation 1" in out
     # the survivors were not told that anyone failed
     assert "PEER_DEAD" not in out and "ClusterError" not in out, out[-4000:]
+
+
+def test_a_worker_node_killed_with_its_pushes_on_the_way_ends_one_of_two_ways(tmp_path):
+    """kill -9 right after its backward at step 2: its pushes of step 2 may have reached
+    some servers, all or none. Either step 2 is dropped everywhere (a key lacks its push:
+    the whole step is skipped, the keys it completed rolled back), or every key has it
+    and step 3 is dropped; the survivors are bit-identical to one of the two replays."""
+    result = run(tmp_path, "SIGKILL", min_workers=2, where="backward")
+    assert result.returncode == 0, result.stdout[-4000:]
+    finals = load_params(tmp_path, WORKERS - 1)
+    for n in SHAPES:
+        np.testing.assert_array_equal(finals[0][n], finals[1][n], err_msg=n)
+    outcomes = {dropped: expected_after_leaving(dropped) for dropped in (AT, AT + 1)}
+    matches = [dropped for dropped, expected in outcomes.items()
+               if all(np.array_equal(finals[0][n], expected[n]) for n in SHAPES)]
+    assert len(matches) == 1, {n: (finals[0][n].ravel()[:3], {d: e[n].ravel()[:3] for d, e
+                                                             in outcomes.items()})
+                               for n in SHAPES}
 
 
 def test_a_stopped_worker_node_leaves_and_is_refused_when_it_resumes(tmp_path):

@@ -101,7 +101,7 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
     goal = {name: torch.from_numpy(t).to(device) for name, t in targets(rank, shapes).items()}
     engine = bps.core.runtime.get().engine
     for step in range(start, cfg["stop"]):
-        leave(cfg, rank, step, out)
+        leave(cfg, rank, step, out, "start")
         for group in optimizer.param_groups:
             group["lr"] = cfg["lrs"][step]
         trainer.zero_grad()
@@ -111,6 +111,7 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
                    for n in shapes)
         pushes_before = engine.stats.pushes if engine is not None else 0
         loss.backward()
+        leave(cfg, rank, step, out, "backward")
         pushes = run.get("pushes_per_step", cfg.get("pushes_per_step"))
         if engine is not None and pushes:
             # The hooks alone (no step() yet) must get every push answered.
@@ -133,12 +134,14 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
     return report
 
 
-def leave(cfg: dict, rank: int, step: int, out: Path) -> None:
-    """``cfg["leave"]`` = [rank, step, signal name]: that rank sends itself the signal at
-    the start of that step, before it pushes anything of it (SIGSTOP: its pid goes to
-    ``stopped.pid`` first, for :func:`resume_stopped`)."""
+def leave(cfg: dict, rank: int, step: int, out: Path, where: str = "start") -> None:
+    """``cfg["leave"]`` = [rank, step, signal name(, where)]: that rank sends itself the
+    signal at the start of that step, before it pushes anything of it, or (``where``
+    "backward") right after its backward, its pushes on their way (SIGSTOP: its pid goes
+    to ``stopped.pid`` first, for :func:`resume_stopped`)."""
     spec = cfg.get("leave")
-    if spec is None or spec[0] != rank or spec[1] != step:
+    if spec is None or spec[0] != rank or spec[1] != step or \
+            (spec[3] if len(spec) > 3 else "start") != where:
         return
     sig = getattr(signal, spec[2])
     if sig == signal.SIGSTOP:
