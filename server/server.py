@@ -224,7 +224,9 @@ class ParameterServer:
         owner: dict[int, KeyEngine] = {}
         next_engine = LeastLoaded(engines)
         poller = zmq.Poller()
-        for sock in (router, replies, link.sock):
+        # the scheduler's messages first: a membership change reaches the engines ahead
+        # of the requests that arrived with it (a rollback by the new lowest member)
+        for sock in (link.sock, router, replies):
             poller.register(sock, zmq.POLLIN)
         timeout_ms = int(self.env.heartbeat_interval * 1000)
         reading = True
