@@ -28,7 +28,6 @@ def choose(core: FrontEndCore, runtime, tensors: list[GradTensor], *, staleness:
         refused = ("streaming averaging (sync_every with fragments or overlap)"
                    if fragments is not None else
                    "local SGD (sync_every > 1)" if outer is not None else
-                   "a one-step-delayed update (staleness=1)" if staleness else
                    "compressed Adam (freeze_step)" if core.params.get("freeze_step") is not None
                    else None)
         if refused is not None:

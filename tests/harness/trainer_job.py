@@ -90,7 +90,7 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
         device = torch.device(cfg.get("device", "cpu"))
     model = make_model(rank, shapes).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg["lrs"][0], momentum=MOMENTUM)
-    trainer = bps.DistributedTrainer(model, optimizer, run["params"])
+    trainer = bps.DistributedTrainer(model, optimizer, run["params"], **run.get("mode", {}))
     report = {"counter": int(model.counter.item()),
               "optimizer_momentum": optimizer.param_groups[0]["momentum"], "steps": []}
     start = cfg.get("start", 0)
