@@ -23,11 +23,16 @@ def choose(core: FrontEndCore, runtime, tensors: list[GradTensor], *, staleness:
     ``validate_streaming``); ``fragments``: ``plan_fragments``' plan where the syncs
     stream. Every mode but the streaming one runs on the core's pipeline of
     ``tensors``, built here. Where worker nodes may leave (``BPS_MIN_WORKERS``), only
-    synchronous steps are accepted: another mode raises ValueError naming it."""
+    synchronous steps, ``staleness=1`` and local SGD of a model without floating-point
+    buffers are accepted: another mode raises ValueError naming it."""
     if runtime.env.elastic:
+        buffers = core.model is not None and any(
+            b.dtype.is_floating_point for _, b in core.model.named_buffers())
         refused = ("streaming averaging (sync_every with fragments or overlap)"
                    if fragments is not None else
-                   "local SGD (sync_every > 1)" if outer is not None else
+                   "local SGD (sync_every > 1) of a model with floating-point buffers "
+                   "(they are averaged after each outer round)"
+                   if outer is not None and buffers else
                    "compressed Adam (freeze_step)" if core.params.get("freeze_step") is not None
                    else None)
         if refused is not None:

@@ -122,6 +122,7 @@ def refusing_train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> 
     errors = []
     for options in ({"sync_every": 2}, {"sync_every": 4, "fragments": 2}):
         model = make_model(rank, shapes)
+        model.register_buffer("running", torch.zeros(3))  # a norm layer's statistics
         try:
             bps.DistributedTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                    {**SIM_CASES["topk"], "ef": "vanilla"}, **options)
@@ -131,8 +132,9 @@ def refusing_train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> 
 
 
 def test_modes_other_than_synchronous_steps_are_refused_naming_them(tmp_path):
-    """With --min-workers, local SGD and streaming syncs are refused when the trainer
-    is made, before any key is declared, naming the mode and the setting."""
+    """With --min-workers, local SGD of a model with floating-point buffers and streaming
+    syncs are refused when the trainer is made, before any key is declared, naming the
+    mode and the setting."""
     result = launch({"runs": [{"params": PARAMS}], "lrs": LRS, "stop": 1}, tmp_path,
                     workers=2, servers=1, options=("--min-workers", "1"), module=__name__)
     assert result.returncode == 0, result.stdout[-4000:]
@@ -140,7 +142,8 @@ def test_modes_other_than_synchronous_steps_are_refused_naming_them(tmp_path):
         errors = json.loads((tmp_path / f"report{rank}.json").read_text())[""]["errors"]
         assert len(errors) == 2, errors
         assert "BPS_MIN_WORKERS=1 (bpslaunch --min-workers)" in errors[0], errors
-        assert "local SGD (sync_every > 1)" in errors[0], errors
+        assert "local SGD (sync_every > 1) of a model with floating-point buffers" \
+            in errors[0], errors
         assert "streaming averaging" in errors[1], errors
 
 
