@@ -75,6 +75,16 @@ def test_a_killed_worker_node_leaves_and_the_others_match_the_replay(tmp_path, v
     assert "PEER_DEAD" not in out and "ClusterError" not in out, out[-4000:]
 
 
+def test_a_worker_node_that_fails_leaves_at_once(tmp_path):
+    """An exception at the start of step 2: its FAILED report is the news; the job
+    exits 0 and the survivors match the replay."""
+    result = run(tmp_path, "raise", min_workers=2)
+    assert result.returncode == 0, result.stdout[-4000:]
+    check_survivors(tmp_path)
+    assert "worker 2 at 127.0.0.1 failed: RuntimeError: boom: worker nodes [0, 1] go on " \
+        "(membership generation 1)" in result.stdout, result.stdout[-4000:]
+
+
 def test_a_worker_node_killed_with_its_pushes_on_the_way_ends_one_of_two_ways(tmp_path):
     """kill -9 right after its backward at step 2: its pushes of step 2 may have reached
     some servers, all or none. Either step 2 is dropped everywhere (a key lacks its push:

@@ -138,11 +138,14 @@ def leave(cfg: dict, rank: int, step: int, out: Path, where: str = "start") -> N
     """``cfg["leave"]`` = [rank, step, signal name(, where)]: that rank sends itself the
     signal at the start of that step, before it pushes anything of it, or (``where``
     "backward") right after its backward, its pushes on their way (SIGSTOP: its pid goes
-    to ``stopped.pid`` first, for :func:`resume_stopped`)."""
+    to ``stopped.pid`` first, for :func:`resume_stopped`); "raise" instead of a signal:
+    it raises RuntimeError("boom") there."""
     spec = cfg.get("leave")
     if spec is None or spec[0] != rank or spec[1] != step or \
             (spec[3] if len(spec) > 3 else "start") != where:
         return
+    if spec[2] == "raise":
+        raise RuntimeError("boom")
     sig = getattr(signal, spec[2])
     if sig == signal.SIGSTOP:
         (out / "stopped.pid").write_text(str(os.getpid()))
