@@ -204,8 +204,8 @@ class Scheduler:
                     log.error(msg)
                     self._broadcast(Op.ERROR, rid=-1, msg=msg)
                     return 1
-            if welcomed and env.elastic:
-                self._check_closed()
+            if env.elastic:
+                self._check_closed(welcomed)
                 if self.verdict is not None:
                     return 1
             node = self._silent_node(now)
@@ -261,12 +261,14 @@ class Scheduler:
                     self._send(other.identity, Op.RELEASE, seq=seq)
                 del self.barrier_waiting[seq]
 
-    def _check_closed(self) -> None:
+    def _check_closed(self, welcomed: bool) -> None:
         """Worker nodes whose connection closed without FINALIZE or FAILED: dead (a
-        process killed, a machine gone), seen at once; they leave."""
+        process killed, a machine gone), seen at once; they leave. Before the rendezvous
+        completes the closes are only taken (a file descriptor number is reused by later
+        connections): a node lost then fails the job by the heartbeat rule."""
         for fd in self.guard.closed_connections() if self.guard is not None else ():
             node = next((n for n in self.nodes.values() if n.fd == fd), None)
-            if node is None or node.finalized:
+            if not welcomed or node is None or node.finalized:
                 continue
             if not self._may_leave(node):
                 continue  # a server: its heartbeats decide, as without BPS_MIN_WORKERS
