@@ -60,6 +60,7 @@ from bps.common.striping import (
     pinned_connection,
 )
 from bps.common.trace import Tracer
+from bps.compressors.base import MultiRound
 from bps.worker.send_queues import (
     KeyInfo,
     Request,
@@ -453,6 +454,9 @@ class IOLoop:
                 self.generation, self.members = skipped.generation, skipped.members
                 log.warning("node %d: membership generation %d, worker nodes %s",
                             self.node_id, self.generation, list(self.members))
+                for other in list(self._keys.values()):  # powersgd: e = M - P Q^T / W
+                    if isinstance(other.chain, MultiRound):
+                        other.chain.set_workers(len(self.members))
             settle(info, future, skipped)
         elif info.chain is not None or info.staging is not None:  # decoded on a codec thread
             self._decode_reply(request, payloads)
