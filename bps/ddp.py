@@ -290,9 +290,10 @@ class HookState:
         core, pipe = self.core, self.core.pipeline
         skip = pipe.finish()
         nonfinite = skip is not None and skip.reason == "nonfinite"
+        dropped = skip is not None and skip.reason == "membership"  # worker nodes left
         step = pipe.step
         core.record(core.engine_before, step, pipe.raw_bytes,
-                    (time.monotonic_ns() - self._started_ns) / 1e9, 1, nonfinite)
+                    (time.monotonic_ns() - self._started_ns) / 1e9, 1, nonfinite or dropped)
         if self._adam is not None and skip is None:  # optimizer.step() applies it
             self._adam.arm(self._adam.frozen(step))
         elif self._adam is not None:  # the user's optimizer.step() must not apply it

@@ -257,7 +257,8 @@ class DistributedTrainer:
         ``samples``: the node's samples in the step (the first dimension of the model's
         first tensor input, summed over this process's training forwards, times the
         local ranks); ``bytes_per_sample``: ``(pushed + pulled) / samples``; ``skipped``:
-        a non-finite gradient made every worker skip the step. ``totals`` sums the byte
+        a non-finite gradient (or worker nodes leaving the job, ``BPS_MIN_WORKERS``) made
+        every worker skip the step. ``totals`` sums the byte
         counts, the steps and the skipped steps so far.
         """
         return self.core.stats.report()

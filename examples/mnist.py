@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -67,6 +68,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--test-size", type=int, default=1000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--metrics-json", default=None, help="write figures to this file (rank 0)")
+    p.add_argument("--step-log", default=None,
+                   help="a folder: each rank appends 'steps-so-far wall-clock-time pid skipped' "
+                        "to rank<R>.log after every step (bench/chaos.py watches it)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--accumulate", type=int, default=1,
                    help="micro-batches per step (backward_passes_per_step)")
@@ -214,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
               f"compression {json.dumps(params)}, device {device}, "
               f"{overlap_label(args)}", flush=True)
     generator = torch.Generator().manual_seed(args.seed)
+    step_log = open(f"{args.step_log}/rank{rank}.log", "a", buffering=1) \
+        if args.step_log else None  # noqa: SIM115 - open for the whole run
     train_start = time.perf_counter()
     for epoch in range(args.epochs):
         batches = epoch_batches(len(y_train), rank, size, args.batch_size, generator)
@@ -238,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
                 "bytes_pulled": stats["bytes_pulled"], "compress_time": stats["compress_time"],
                 "comm_time": stats["comm_time"], "wait_time": stats["wait_time"]})
             progress.update(epoch, step + 1, total)
+            if step_log is not None:
+                step_log.write(f"{len(metrics['steps'])} {time.time():.6f} {os.getpid()} "
+                               f"{int(stats['skipped'])}\n")
         if rank == 0:
             acc = accuracy(model, x_test, y_test)
             metrics["epochs"].append({"epoch": epoch + 1, "test_accuracy": acc,

@@ -10,7 +10,9 @@ loopback ports; every worker process also gets torch.distributed's variables
 ``MASTER_PORT``), so ``dist.init_process_group()`` works next to ``bps.init()``.
 Every output line is prefixed with the role and rank (``[server0]``,
 ``[worker1.0]``: node 1, local rank 0). When any process fails all others are stopped
-and bpslaunch exits with its code; Ctrl-C tears everything down. Every process gets
+and bpslaunch exits with its code, unless ``--min-workers M`` (``BPS_MIN_WORKERS``) lets
+worker nodes leave: then up to N - M worker nodes may fail and the job goes on without
+them (docs/runtime.md, "Elastic membership"); Ctrl-C tears everything down. Every process gets
 a fresh cluster key (``BPS_SECRET_FILE``) in a private temporary directory, removed
 when the job ends (none with ``BPS_INSECURE=1``). Where ``OMP_NUM_THREADS`` is unset,
 the worker processes get the cores divided among the job's workers and servers
@@ -40,6 +42,10 @@ def parse_args(args: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--servers", type=int, default=1, help="servers (default 1)")
     parser.add_argument("--local-size", type=int, default=1,
                         help="processes per worker node (default 1)")
+    parser.add_argument("--min-workers", type=int, default=None,
+                        help="worker nodes the job needs: a worker node that dies leaves "
+                        "the job while at least this many are left (default: all; "
+                        "BPS_MIN_WORKERS)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD...")
     ns = parser.parse_args(list(args))
     if ns.command and ns.command[0] == "--":
@@ -47,6 +53,17 @@ def parse_args(args: Sequence[str]) -> argparse.Namespace:
     for flag in ("workers", "servers", "local_size"):
         if getattr(ns, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1")
+    if ns.min_workers is None and os.environ.get("BPS_MIN_WORKERS", "").strip():
+        raw = os.environ["BPS_MIN_WORKERS"].strip()
+        if not raw.isdigit():
+            parser.error(f"BPS_MIN_WORKERS={raw!r} is not an integer")
+        ns.min_workers = int(raw)
+        flag = "BPS_MIN_WORKERS"
+    else:
+        flag = "--min-workers"
+    if ns.min_workers is not None and not 1 <= ns.min_workers <= ns.workers:
+        parser.error(f"{flag}={ns.min_workers} out of range: expected 1 to --workers "
+                     f"({ns.workers})")
     if not ns.command:
         parser.error("missing the command to run: bpslaunch local [options] -- CMD...")
     problem = command_problem(ns.command)
@@ -67,7 +84,11 @@ def main(args: Sequence[str]) -> int:
                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     role_cmd = [sys.executable, "-m", "bps.launch.cli"]
-    with job_credentials(os.environ) as credentials, Supervisor() as supervisor, \
+    spare = 0
+    if ns.min_workers is not None:
+        base["BPS_MIN_WORKERS"] = str(ns.min_workers)
+        spare = ns.workers - ns.min_workers
+    with job_credentials(os.environ) as credentials, Supervisor(spare_nodes=spare) as supervisor, \
             tempfile.TemporaryDirectory(prefix="bps-joined-") as joined_dir:
         base.update(credentials)
         base[JOINED_DIR_VARIABLE] = joined_dir  # bps.init() leaves a file there
@@ -84,7 +105,7 @@ def main(args: Sequence[str]) -> int:
                         "DMLC_WORKER_ID": str(node)}
             envs = local_rank_envs(node_env, ns.local_size, node_ports[node])
             for rank, env in enumerate(envs):
-                supervisor.spawn(ns.command, env, f"worker{node}.{rank}")
+                supervisor.spawn(ns.command, env, f"worker{node}.{rank}", node=str(node))
         try:
             return supervisor.wait(joined=lambda: bool(os.listdir(joined_dir)))
         except KeyboardInterrupt:

@@ -15,7 +15,10 @@ non-service child exited 0 (service children, such as the scheduler and the serv
 then given ``grace`` seconds to exit on their own before being stopped); as soon as any
 child fails, the others get ``report`` seconds to exit on their own (the cluster tells its
 processes, and each names the failure as it exits), the rest are stopped, and it returns
-that child's exit code (128 + signal for a child killed by a signal). Leaving the
+that child's exit code (128 + signal for a child killed by a signal). With
+``spare_nodes`` (``bpslaunch local --min-workers``), that many worker nodes may fail
+first: the rest of a failed node's processes are stopped and the job goes on (the
+scheduler tells the others; it fails the job itself where too few are left). Leaving the
 ``with`` block, an exception or Ctrl-C stops every child: SIGTERM, then SIGKILL after
 ``grace`` seconds. Children get SIGKILL if the supervisor itself dies.
 """
@@ -56,6 +59,7 @@ class Child:
     process: subprocess.Popen
     service: bool
     output: threading.Thread
+    node: str | None = None  # the worker node it belongs to (its processes fail together)
 
 
 def command_problem(argv: Sequence[str], path: str | None = None) -> str | None:
@@ -85,8 +89,10 @@ class Supervisor:
     """Starts children and watches them; see the module docstring."""
 
     def __init__(self, grace: float = 5.0, out: IO[str] | None = None,
-                 report: float = 2.0) -> None:
+                 report: float = 2.0, spare_nodes: int = 0) -> None:
         self.grace = grace
+        self.spare_nodes = spare_nodes  # worker nodes that may fail with the job going on
+        self.lost_nodes: list[str] = []
         self.report = report  # seconds the others get to name a failure and exit
         self.out = out or sys.stdout
         self.children: list[Child] = []
@@ -102,13 +108,14 @@ class Supervisor:
         self.stop_all()
 
     def spawn(self, argv: Sequence[str], env: Mapping[str, str], name: str,
-              service: bool = False) -> Child:
-        """Start ``argv`` with exactly ``env``; its output lines get ``[name]`` in front."""
+              service: bool = False, node: str | None = None) -> Child:
+        """Start ``argv`` with exactly ``env``; its output lines get ``[name]`` in front.
+        ``node``: the worker node it belongs to (``spare_nodes``)."""
         process = subprocess.Popen(
             list(argv), env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)
         output = threading.Thread(target=self._pump, args=(name, process), daemon=True)
-        child = Child(name, process, service, output)
+        child = Child(name, process, service, output, node)
         self.children.append(child)
         output.start()
         return child
@@ -141,21 +148,33 @@ class Supervisor:
         by_process = {id(c.process): c for c in self.children}
         running = {id(c.process) for c in self.children}
         workers = {id(c.process) for c in self.children if not c.service}
+        services = {id(c.process) for c in self.children if c.service}
         while running:
             if workers and not (workers & running) and joined is not None and not joined():
                 self._log("no worker called bps.init(); stopping the scheduler and servers")
                 self._muted.update(c.name for c in self.children if c.service)
                 self.stop_all()
                 return 0
-            timeout = self.grace if not (workers & running) else None
+            # spare nodes: the services end once every worker present finished, so a worker
+            # process still running then is one that left the job (stopped, not dead)
+            ended = bool(self.spare_nodes and services and not (services & running))
+            timeout = self.grace if not (workers & running) or ended else None
             try:
                 process = self._exits.get(timeout=timeout) if timeout else self._get()
             except queue.Empty:
-                self._log("services still running after the workers finished; stopping them")
+                if ended:
+                    self._log("worker processes still running after the job ended (they "
+                              "left it); stopping them")
+                    self._muted.update(c.name for c in self.children if not c.service)
+                else:
+                    self._log("services still running after the workers finished; "
+                              "stopping them")
                 self.stop_all()
                 return 0
             running.discard(id(process))
             code = exit_code(process.returncode)
+            if code != 0 and self._may_lose(by_process[id(process)], code):
+                continue
             if code != 0:
                 self._log(f"{by_process[id(process)].name} exited with code {code}; "
                           "stopping all processes")
@@ -163,6 +182,24 @@ class Supervisor:
                 self.stop_all()
                 return code
         return 0
+
+    def _may_lose(self, child: Child, code: int) -> bool:
+        """Whether the job goes on without ``child``'s worker node (``spare_nodes``); if
+        so, the node's other processes are stopped."""
+        node = child.node
+        if child.service or node is None:
+            return False
+        if node not in self.lost_nodes:
+            if len(self.lost_nodes) >= self.spare_nodes:
+                return False
+            self.lost_nodes.append(node)
+            self._log(f"{child.name} exited with code {code}; worker node {node} leaves the "
+                      f"job, the others go on ({len(self.lost_nodes)} of "
+                      f"{self.spare_nodes} that may)")
+            for other in self.children:
+                if other.node == node and other.process.poll() is None:
+                    _signal_group(other.process, signal.SIGTERM)
+        return True
 
     def _let_exit(self, running: set[int]) -> None:
         """Give the children in ``running`` up to ``report`` seconds to exit on their own

@@ -53,7 +53,29 @@ Where a worker learns that the whole step is skipped (another key's mark), node 
 returns to its state before it (error feedback keeps the previous error buffer for
 this, see ``Compressor.rollback``).
 
-``workers`` is a plain attribute: the number of worker nodes whose pushes make a step.
+``workers`` is a plain attribute: the number of worker nodes the job started with (node
+ids ``0 .. workers - 1``). ``members``, the node ids whose pushes make a step, are all of
+them until :meth:`Aggregator.set_members` announces another membership (a worker node
+left the job; docs/runtime.md, "Elastic membership"), with its ``generation``. A step
+still waits for every node it was started with, unless it is *dropped*: a membership
+change drops every step in progress that holds a push of an older generation than the
+new one (every push carries the generation its worker divided by), and a push of an
+older generation drops its step where it arrives later. A dropped step sums nothing: it
+waits for every present member's push, then answers each waiter with a skip
+``"membership"`` that carries the new ``generation`` and ``members``; the server chain
+does not change. So every worker gets the same answer for every key, and the workers
+skip that step as a whole (and roll back, as for a non-finite gradient). A push of a
+node that is not a member is refused, naming the generation it left at.
+
+    >>> sums = Aggregator(workers=3)
+    >>> _ = sums.register(1, numel=2, dtype=torch.float32, params=None, name="b", node=0)
+    >>> raw = lambda: [bytearray(np.ones(2, np.float32).tobytes())]
+    >>> _ = sums.push(1, node=0, step=0, payload=raw(), lr=0.1, waiter="w0")
+    >>> sums.set_members(1, [0, 1]).finished       # node 2 left: step 0 is dropped
+    []
+    >>> done, = sums.push(1, node=1, step=0, payload=raw(), lr=0.1, waiter="w1").finished
+    >>> done.skip["skip"], done.skip["members"], done.waiters
+    ('membership', [0, 1], ['w0', 'w1'])
 """
 
 from __future__ import annotations
@@ -90,8 +112,9 @@ class Push(NamedTuple):
     lr: float
     payload: Sequence[Any]
     waiter: Any
-    mark: str | None = None  # "zero" or "nonfinite": no values
+    mark: str | None = None  # "zero" or "nonfinite": no values ("dropped": internal)
     what: str = ""  # a nonfinite mark's tensor
+    generation: int = 0  # the membership generation its worker divided by
 
 
 @dataclass
@@ -101,17 +124,20 @@ class Step:
     total: torch.Tensor | None = None
     payloads: list[torch.Tensor] = field(default_factory=list)  # checked, summed at the end
     held: dict[int, Push] = field(default_factory=dict)  # arrived, not added yet
-    summed: int = 0  # the pushes of nodes 0 .. summed - 1 are in total
+    nodes: tuple[int, ...] = ()  # whose pushes make the step, in the order they are added
+    summed: int = 0  # the pushes of nodes[:summed] are in total
     waiters: list[Any] = field(default_factory=list)
     lr: float = 0.0
     first_lr: tuple[int, float] | None = None  # (node, lr) of the first push to arrive
     first_push_ns: int = 0  # when traced (bps.common.trace): the first push's arrival
     busy_ns: int = 0  # spent decoding and adding this step's pushes
     nonfinite: tuple[int, str] | None = None  # (node, what) of the first nonfinite mark
+    oldest: int | None = None  # the oldest membership generation among its pushes
+    dropped: bool = False  # a membership change: answered with a skip, nothing summed
 
     def pushed(self, node: int) -> bool:
         """Whether ``node``'s push of this step arrived (added, or held)."""
-        return node < self.summed or node in self.held
+        return node in self.held or node in self.nodes[:self.summed]
 
     def started(self) -> bool:
         """Whether any push of this step arrived."""
@@ -253,6 +279,9 @@ class Aggregator:
         self.workers = workers
         self.tracer = tracer
         self.keys: dict[int, KeyState] = {}
+        self.members: tuple[int, ...] = tuple(range(workers))
+        self.generation = 0
+        self.left: dict[int, int] = {}  # a node that left -> the generation it left at
 
     def key(self, key: int) -> KeyState:
         """The state of a declared key; RequestError where it is not."""
@@ -288,26 +317,43 @@ class Aggregator:
     # ---- pushes ------------------------------------------------------------------------
 
     def push(self, key: int, node: int, step: int, payload: Sequence[Any], lr: float,
-             waiter: Any, mark: str | None = None, what: str = "") -> Pushed:
+             waiter: Any, mark: str | None = None, what: str = "",
+             generation: int = 0) -> Pushed:
         """Worker ``node``'s push of ``step``: added to the step's sum, or held until the
         lower-numbered nodes' are; ``waiter`` is among the step's :class:`Finished`
-        waiters. A mark (``"zero"``, ``"nonfinite"``) carries no payload. Raises
-        RequestError, with nothing added, where the push is refused."""
+        waiters. A mark (``"zero"``, ``"nonfinite"``) carries no payload. ``generation``:
+        the membership its worker divided by (an older one than this aggregator's drops
+        the step). Raises RequestError, with nothing added, where the push is refused."""
         state = self.key(key)
         if not 0 <= node < self.workers:
             raise RequestError(f"{state.where}: field 'node'={node} out of range")
+        if node in self.left:
+            raise RequestError(f"{state.where}: push of step {step} refused: worker {node} "
+                               f"left the job at membership generation {self.left[node]} "
+                               f"(now {self.generation}, members {list(self.members)})")
         # a marker carries no gradient, so its learning rate is not the step's (a joined
         # worker's optimizer no longer steps)
-        checked_lr = None if mark is not None else float(lr)
-        self._check_push(state, state.steps.get(step), node, step, checked_lr)
-        pending = state.steps.setdefault(step, Step())
+        pending = state.steps.get(step)
+        drop = generation < self.generation
+        checked_lr = None if mark is not None or drop or (pending is not None
+                                                          and pending.dropped) else float(lr)
+        self._check_push(state, pending, node, step, checked_lr)
+        if pending is None:
+            pending = state.steps[step] = Step(nodes=self.members)
+        if drop and not pending.dropped:
+            self._drop(state, pending)
         if pending.first_lr is None and checked_lr is not None:
             pending.first_lr = (node, checked_lr)
         tracer = self.tracer
         if tracer is not None and tracer.at(step):
             pending.first_push_ns = pending.first_push_ns or time.monotonic_ns()
             tracer.instant("push", state.name, step, node=node)
-        pending.held[node] = Push(node, step, float(lr), payload, waiter, mark, what)
+        if pending.dropped:  # nothing of it is summed
+            payload, mark = (), "dropped"
+        pending.oldest = generation if pending.oldest is None else min(pending.oldest,
+                                                                       generation)
+        pending.held[node] = Push(node, step, float(lr), payload, waiter, mark, what,
+                                  generation)
         pending.waiters.append(waiter)
         refused = self._sum_held(state, pending)
         if not pending.started() and not pending.waiters:  # a refused push holds no slot
@@ -354,12 +400,53 @@ class Aggregator:
                                f"{lr!r}, but worker {first_node} pushed {first_lr!r} for the "
                                f"same step (the workers' learning rates differ)")
 
+    def set_members(self, generation: int, members: Sequence[int]) -> Pushed:
+        """A new membership (the scheduler's MEMBERSHIP): worker nodes ``members`` from
+        ``generation`` on. Every step in progress that holds a push of an older generation
+        is dropped; the others wait for the present members only. Returns what that
+        finished (steps whose last missing push was a departed node's) and refused (a
+        held push that could not be decoded once its turn came). An older or repeated
+        generation changes nothing."""
+        pushed = Pushed()
+        if generation <= self.generation:
+            return pushed
+        present = tuple(sorted(set(members)))
+        for node in self.members:
+            if node not in present:
+                self.left[node] = generation
+        self.generation, self.members = generation, present
+        for state in self.keys.values():
+            for pending in state.steps.values():
+                if pending.dropped or (pending.oldest is not None
+                                       and pending.oldest < generation):
+                    self._drop(state, pending)
+                else:  # no push of a departed node is in it (it never had this generation)
+                    pending.nodes = tuple(n for n in pending.nodes if n in present)
+                refused = self._sum_held(state, pending)
+                if refused is not None:
+                    push, error = refused
+                    pushed.refused.append((push.waiter, str(error)))
+            pushed.finished += self._finish_ready_steps(state)
+        return pushed
+
+    def _drop(self, state: KeyState, pending: Step) -> None:
+        """Drop a step in progress (a membership change): its sum so far is discarded, and
+        it waits for every present member's push, to be answered with a skip."""
+        arrived = {*pending.nodes[:pending.summed], *pending.held}
+        self._release(state, pending)
+        pending.total, pending.payloads, pending.nonfinite = None, [], None
+        pending.first_lr, pending.dropped, pending.summed = None, True, 0
+        pending.nodes = self.members
+        pending.held = {n: Push(n, 0, 0.0, (), None, "dropped") for n in sorted(arrived)
+                        if n in self.members}
+
     def _sum_held(self, state: KeyState, pending: Step) -> tuple[Push, RequestError] | None:
         """Add the held pushes to the sum in node order, as far as every lower-numbered
         node has pushed. A push that cannot be decoded is dropped (the nodes after it
         wait for that node to push again) and returned with its error."""
-        while pending.summed in pending.held:
-            push = pending.held.pop(pending.summed)
+        nodes = pending.nodes
+        while pending.summed < len(nodes) and nodes[pending.summed] in pending.held:
+            push = pending.held.pop(nodes[pending.summed])
             try:
                 self._add_push(state, pending, push)
             except RequestError as exc:
@@ -411,7 +498,7 @@ class Aggregator:
         out = state.spare_sum() if state.sums_in_place() else None
         if state.chain is None and len(payload) > 1 and (
                 pending.total is not None
-                or state.accumulate_dtype(self.workers) != state.dtype):
+                or state.accumulate_dtype(len(pending.nodes)) != state.dtype):
             out = state.join_buffer()
         try:
             values = self._decode(state, payload, node, out)
@@ -420,7 +507,7 @@ class Aggregator:
                 state.spare.append(out)
             raise
         if pending.total is None:
-            pending.total = values.to(state.accumulate_dtype(self.workers))
+            pending.total = values.to(state.accumulate_dtype(len(pending.nodes)))
             pending.lr = push.lr
         elif values.dtype == pending.total.dtype:
             add_in_chunks(pending.total, values)
@@ -496,7 +583,7 @@ class Aggregator:
             # only a step in progress or the next one: PULLs cannot park future steps
             raise RequestError(f"{state.where}: PULL of step {step}, which nobody pushed "
                                f"(last completed step {state.last_step})")
-        state.steps.setdefault(step, Step()).waiters.append(waiter)
+        state.steps.setdefault(step, Step(nodes=self.members)).waiters.append(waiter)
         return None
 
     def _finish_ready_steps(self, state: KeyState) -> list[Finished]:
@@ -504,7 +591,7 @@ class Aggregator:
         while state.steps:
             step = min(state.steps)
             pending = state.steps[step]
-            if pending.summed < self.workers:
+            if pending.summed < len(pending.nodes):
                 break
             del state.steps[step]
             state.last_step = step
@@ -515,6 +602,12 @@ class Aggregator:
     def _finish(self, state: KeyState, step: int, pending: Step) -> Finished:
         """The answer of a step every node pushed: its sum, compressed by the server
         chain, or a skip, or the chain's error."""
+        if pending.dropped:
+            self._release(state, pending)
+            state.last_payload = torch.zeros(0, dtype=torch.uint8)
+            state.last_skip = {"skip": "membership", "skip_node": -1, "skip_what": "",
+                               "generation": self.generation, "members": list(self.members)}
+            return self._answer(state, step, pending.waiters)
         if pending.nonfinite is not None or not pending.has_values():
             return self._skip(state, step, pending)
         summed_ns = time.monotonic_ns()

@@ -55,7 +55,8 @@ KEY_OPS = (Op.REGISTER, Op.PUSH, Op.PULL, Op.GET_STATE, Op.SET_STATE, Op.ABORT)
 
 
 def check_request(ident: bytes, header: dict, frame_sizes: list[int],
-                  members: dict[bytes, int], max_message_bytes: int) -> None:
+                  members: dict[bytes, int], max_message_bytes: int,
+                  left: dict[bytes, str] | None = None) -> None:
     """A decoded request is a key request of a member (:func:`check_member`) whose payload
     frames (``frame_sizes``) are as its header says; ProtocolError where not.
 
@@ -67,7 +68,7 @@ def check_request(ident: bytes, header: dict, frame_sizes: list[int],
     op = header["op"]
     if op not in KEY_OPS:
         raise ProtocolError(f"op {op.name} is not a server request")
-    check_member(members, ident, header)
+    check_member(members, ident, header, left)
     if op in OPS_WITH_PAYLOAD:
         check_payload(f"{op.name} key {header['key']}", header["nbytes"], frame_sizes,
                       max_message_bytes)
@@ -75,24 +76,29 @@ def check_request(ident: bytes, header: dict, frame_sizes: list[int],
         raise ProtocolError(f"{op.name}: {len(frame_sizes)} payload frames, expected 0")
 
 
-def check_member(members: dict[bytes, int], ident: bytes, header: dict) -> None:
+def check_member(members: dict[bytes, int], ident: bytes, header: dict,
+                 left: dict[bytes, str] | None = None) -> None:
     """The request comes from a connection of the worker it speaks for (``members``:
-    worker token -> node id, from the scheduler's WELCOME)."""
+    worker token -> node id, from the scheduler's WELCOME, less the nodes that left the
+    job; ``left``: their tokens -> why, for the refusal). SET_STATE and ABORT come from
+    the lowest-numbered member (worker 0 unless it left)."""
     op, key = header["op"], header["key"]
     node = members.get(ident[:TOKEN_BYTES])
     if node is None:
+        why = (left or {}).get(ident[:TOKEN_BYTES])
+        if why is not None:
+            raise ProtocolError(f"{op.name} key {key} refused: {why}")
         raise ProtocolError(f"{op.name} key {key}: this connection belongs to no worker "
                             f"of this job")
     claimed = header.get("node", node)
     if op in (Op.REGISTER, Op.PUSH) and claimed != node:
         raise ProtocolError(f"{op.name} key {key} as worker {claimed!r} on a connection "
                             f"of worker {node}")
-    if op == Op.SET_STATE and node != 0:
-        raise ProtocolError(f"SET_STATE key {key} from worker {node}: only worker 0 "
-                            f"restores the servers' state (load_state_dict)")
-    if op == Op.ABORT and node != 0:
-        raise ProtocolError(f"ABORT key {key} from worker {node}: only worker 0 "
-                            f"rolls back a skipped step")
+    if op in (Op.SET_STATE, Op.ABORT) and node != 0 and node != min(members.values()):
+        raise ProtocolError(f"{op.name} key {key} from worker {node}: only worker "
+                            f"{min(members.values())} " + (
+                                "restores the servers' state (load_state_dict)"
+                                if op == Op.SET_STATE else "rolls back a skipped step"))
 
 
 class Waiter(NamedTuple):
@@ -204,10 +210,19 @@ class Requests:
         pushed = self.aggregator.push(
             state.key, node, header["step"], _buffers(payload), header["lr"],
             Waiter(ident, header["rid"], header.get("peer", "?")), header.get("mark"),
-            header.get("what", ""))
+            header.get("what", ""), header.get("gen", 0))
         for waiter, msg in pushed.refused:  # an earlier push, held: after its ACK
             self._error(waiter, Op.PUSH, msg)
         self._reply(ident, encode(Op.ACK, rid=header["rid"]))  # added, or held
+        for answer in pushed.finished:
+            self._send(answer)
+
+    def membership(self, generation: int, members: list[int]) -> None:
+        """A new membership from the scheduler: the steps it drops or completes are
+        answered (:meth:`Aggregator.set_members`)."""
+        pushed = self.aggregator.set_members(generation, members)
+        for waiter, msg in pushed.refused:
+            self._error(waiter, Op.PUSH, msg)
         for answer in pushed.finished:
             self._send(answer)
 

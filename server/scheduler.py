@@ -20,6 +20,14 @@ worker has said FINALIZE the servers get SHUTDOWN and the scheduler exits 0; wor
 that finish after different numbers of steps, or a worker that pushes a step past the
 last step of one that finished, end the job with an error naming both.
 
+Elastic membership (``BPS_MIN_WORKERS=M``): a worker node that dies (its connection
+closes, which is seen at once; it reports FAILED; or it goes silent for
+``BPS_HEARTBEAT_TIMEOUT``) leaves the job instead of ending it while at least M worker
+nodes are left: every remaining server and worker gets MEMBERSHIP with the next
+generation number and the worker ids present, and from then on barriers, FINALIZE and
+the step checks count only those. A message from a node that left is refused, naming
+the generation it left at. Below M the job fails as without it, naming who died.
+
 Membership: the ROUTER is a CURVE server (:mod:`bps.common.auth`), so only holders of the
 cluster key reach it. A node id is bound to the connection that said HELLO first: a
 second HELLO for a taken worker id or server rank, or with a taken token, is refused
@@ -78,6 +86,7 @@ class _Node:
     finalized: bool = False
     step: int = -1  # a worker's highest pushed step (heartbeats, FINALIZE)
     step_since: float = 0.0  # when that step was first reported
+    fd: int = -1  # the scheduler's side of its connection (zmq.SRCFD), to see it close
 
     @property
     def label(self) -> str:
@@ -99,6 +108,8 @@ class Scheduler:
     # the latest HELLOs refused, "address (why)": the rendezvous timeout names them
     refused_hellos: deque = field(default_factory=lambda: deque(maxlen=REFUSED_KEPT))
     guard: Guard | None = None
+    generation: int = 0  # the membership's: each worker node that leaves adds one
+    left: dict[bytes, str] = field(default_factory=dict)  # connection -> why it left
 
     def __post_init__(self) -> None:
         self.loop_clock = LoopClock(self.env.heartbeat_interval)
@@ -114,7 +125,7 @@ class Scheduler:
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_HEADER_BYTES)
         self.sock.setsockopt(zmq.SNDHWM, PEER_QUEUE)
         self.sock.setsockopt(zmq.RCVHWM, PEER_QUEUE)
-        guard.serve(self.sock)
+        guard.serve(self.sock, watch_closes=self.env.elastic)
         try:
             try:
                 self.sock.bind(self.env.scheduler_address)
@@ -170,8 +181,12 @@ class Scheduler:
         env = self.env
         start = time.monotonic()
         welcomed = False
+        # elastic: a closed connection is a worker node leaving, seen within this poll
+        poll_ms = int(env.heartbeat_interval * 1000)
+        if env.elastic:
+            poll_ms = min(poll_ms, 50)
         while True:
-            if self.sock.poll(int(env.heartbeat_interval * 1000)):
+            if self.sock.poll(poll_ms):
                 ident, *frames = self.sock.recv_multipart(copy=False)
                 if not self.nodes:
                     start = time.monotonic()
@@ -189,10 +204,17 @@ class Scheduler:
                     log.error(msg)
                     self._broadcast(Op.ERROR, rid=-1, msg=msg)
                     return 1
+            if env.elastic:
+                self._check_closed(welcomed)
+                if self.verdict is not None:
+                    return 1
             node = self._silent_node(now)
             if node is not None:
                 msg = (f"{node.label} died: no heartbeat for {now - node.last_seen:.1f} s "
                        f"(BPS_HEARTBEAT_TIMEOUT={env.heartbeat_timeout:g})")
+                if welcomed and self._may_leave(node):
+                    self._leave(node, msg)
+                    continue
                 log.error(msg)
                 self._broadcast(Op.PEER_DEAD, exclude=node.identity, msg=msg)
                 return 1
@@ -204,6 +226,55 @@ class Scheduler:
                 self._broadcast(Op.SHUTDOWN)
                 log.info("all workers finished; servers shut down")
                 return 0
+
+    def _may_leave(self, node: _Node) -> bool:
+        """Whether ``node`` may leave the job rather than end it: a worker of an elastic
+        job (``BPS_MIN_WORKERS``) that has not finished; a server or the scheduler never."""
+        return self.env.elastic and node.role == "worker" and not node.finalized
+
+    def _workers(self) -> list[_Node]:
+        """The worker nodes present, in node order."""
+        return sorted((n for n in self.nodes.values() if n.role == "worker"),
+                      key=lambda n: n.rank)
+
+    def _leave(self, node: _Node, why: str) -> None:
+        """Worker ``node`` died (``why`` says how): it leaves, and everyone left gets the
+        new membership; or, where fewer than BPS_MIN_WORKERS would be left, the job fails
+        naming it, as without BPS_MIN_WORKERS."""
+        left = [n for n in self._workers() if n.identity != node.identity]
+        if len(left) < (self.env.min_workers or 0):
+            self._fail(f"{why}; {len(left)} worker node(s) left, fewer than "
+                       f"BPS_MIN_WORKERS={self.env.min_workers}", exclude=node.identity)
+            return
+        del self.nodes[node.identity]
+        self.generation += 1
+        self.left[node.identity] = (f"{node.label} left the job at membership generation "
+                                    f"{self.generation}")
+        members = [n.rank for n in left]
+        msg = f"{why}: worker nodes {members} go on (membership generation {self.generation})"
+        log.warning(msg)
+        self._broadcast(Op.MEMBERSHIP, generation=self.generation, members=members, msg=msg)
+        for seq, waiting in list(self.barrier_waiting.items()):
+            waiting.discard(node.identity)
+            if waiting and {n.identity for n in left} <= waiting:
+                for other in left:
+                    self._send(other.identity, Op.RELEASE, seq=seq)
+                del self.barrier_waiting[seq]
+
+    def _check_closed(self, welcomed: bool) -> None:
+        """Worker nodes whose connection closed without FINALIZE or FAILED: dead (a
+        process killed, a machine gone), seen at once; they leave. Before the rendezvous
+        completes the closes are only taken (a file descriptor number is reused by later
+        connections): a node lost then fails the job by the heartbeat rule."""
+        for fd in self.guard.closed_connections() if self.guard is not None else ():
+            node = next((n for n in self.nodes.values() if n.fd == fd), None)
+            if not welcomed or node is None or node.finalized:
+                continue
+            if not self._may_leave(node):
+                continue  # a server: its heartbeats decide, as without BPS_MIN_WORKERS
+            self._leave(node, f"{node.label} died: its connection to the scheduler closed")
+            if self.verdict is not None:
+                return
 
     def _check_stalls(self, now: float) -> None:
         """A worker that has pushed before but stays behind another worker's step for
@@ -285,6 +356,11 @@ class Scheduler:
             node.last_seen = time.monotonic()
         if op == Op.HELLO:
             self._hello(ident, peer, header, welcomed)
+            node = self.nodes.get(ident)
+            if node is not None and self.env.elastic:
+                node.fd = _source_fd(frames[0])
+        elif node is None and ident in self.left:
+            self._refuse(ident, peer, f"{op.name} refused: {self.left[ident]}")
         elif node is None:
             self._refuse(ident, peer, f"{op.name} before HELLO")
         elif op == Op.HEARTBEAT:
@@ -298,7 +374,10 @@ class Scheduler:
             self._finalize(node, header["step"])
         elif op == Op.FAILED:
             self._send(ident, Op.BYE)  # the node may exit now: its report arrived
-            self._fail(f"{node.label} failed: {header['msg']}", exclude=node.identity)
+            if welcomed and self._may_leave(node):
+                self._leave(node, f"{node.label} failed: {header['msg']}")
+            else:
+                self._fail(f"{node.label} failed: {header['msg']}", exclude=node.identity)
         else:
             self._refuse(ident, peer, f"unexpected op {op.name}")
 
@@ -452,6 +531,14 @@ def _is_tcp_address(value: Any) -> bool:
         return bool(parts.hostname) and parts.port is not None and 0 < parts.port < 65536
     except ValueError:  # a port that is not a number, or out of range
         return False
+
+
+def _source_fd(frame: zmq.Frame) -> int:
+    """The file descriptor of the connection a message came on (-1: unknown)."""
+    try:
+        return int(frame.get(zmq.SRCFD))
+    except (zmq.ZMQError, AttributeError, TypeError, ValueError):
+        return -1
 
 
 def _peer(frame: zmq.Frame) -> str:

@@ -99,6 +99,9 @@ class KeyEngine(threading.Thread):
         try:
             while (item := self.inbox.get()) is not None:
                 ident, header, payload = item
+                if ident is None:  # a membership change, in order with the requests
+                    requests.membership(header["generation"], header["members"])
+                    continue
                 self.server.dequeued(payload)
                 requests.serve(ident, header, payload)
         finally:
@@ -140,6 +143,7 @@ class ParameterServer:
         self.tracer: trace.Tracer | None = None  # set at rendezvous where BYTEPS_TRACE_ON=1
         self.replies_address = f"inproc://bps-server-replies-{id(self)}"
         self.members: dict[bytes, int] = {}  # worker token -> node id (from WELCOME)
+        self.left: dict[bytes, str] = {}  # a worker that left the job: token -> why
         self._queued = 0  # payload bytes in the engines' inboxes
         self._queued_lock = threading.Lock()
 
@@ -220,7 +224,9 @@ class ParameterServer:
         owner: dict[int, KeyEngine] = {}
         next_engine = LeastLoaded(engines)
         poller = zmq.Poller()
-        for sock in (router, replies, link.sock):
+        # the scheduler's messages first: a membership change reaches the engines ahead
+        # of the requests that arrived with it (a rollback by the new lowest member)
+        for sock in (link.sock, router, replies):
             poller.register(sock, zmq.POLLIN)
         timeout_ms = int(self.env.heartbeat_interval * 1000)
         reading = True
@@ -240,10 +246,29 @@ class ParameterServer:
                         self._dispatch(router, frames, owner, next_engine)
                         if self._queued > INBOX_BYTES:
                             break
-                elif link.receive()["op"] == Op.SHUTDOWN:
-                    log.info("shutdown requested by the scheduler")
-                    return 0
+                else:
+                    header = link.receive()
+                    if header["op"] == Op.SHUTDOWN:
+                        log.info("shutdown requested by the scheduler")
+                        return 0
+                    if header["op"] == Op.MEMBERSHIP:
+                        self._membership(header, engines)
             link.tick()
+
+    def _membership(self, header: dict, engines: list[KeyEngine]) -> None:
+        """Worker nodes left the job: their connections are refused from now on, and every
+        engine thread learns the members after the requests already queued."""
+        present = set(header["members"])
+        generation = header["generation"]
+        for token, node in list(self.members.items()):
+            if node not in present:
+                del self.members[token]
+                self.left[token] = (f"worker {node} left the job at membership generation "
+                                    f"{generation}")
+        log.warning("membership generation %d: worker nodes %s (%s)", generation,
+                    sorted(present), header["msg"])
+        for engine in engines:
+            engine.inbox.put((None, header, None))
 
     def _dispatch(self, router: Any, frames: list[zmq.Frame], owner: dict,
                   next_engine: Any) -> None:
@@ -257,7 +282,7 @@ class ParameterServer:
             rid = header.get("rid", -1)
             payloads = frames[2:]
             check_request(ident, header, [len(frame) for frame in payloads], self.members,
-                          self.env.max_message_bytes)
+                          self.env.max_message_bytes, self.left)
             header["peer"] = peer
             engine = owner.get(header["key"])
             if engine is None:

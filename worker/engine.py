@@ -41,7 +41,10 @@ marker instead of values (``"zero"``: this node contributes nothing); a compress
 whose chain refuses its input as non-finite is pushed as such a marker too. The future
 of a step that the server did not sum gives a :class:`Skipped` instead of a tensor;
 ``rollback(step)`` then returns every worker chain that compressed that step, and
-(node 0) every server chain, to its state before it.
+(node 0, or the lowest-numbered node present) every server chain, to its state before it.
+A step that the servers dropped because worker nodes left (``BPS_MIN_WORKERS``) gives a
+:class:`Skipped` of reason ``"membership"`` with the new ``generation`` and ``members``;
+from then on this node's pushes carry that generation (``engine.generation``).
 """
 
 from __future__ import annotations
@@ -428,13 +431,23 @@ class WorkerEngine:
             if info.compressed_step == step:
                 info.chain.rollback()
                 info.compressed_step = -1
-        if self.node_id != 0:
+        if self.node_id != min(self.members):  # the lowest-numbered node present
             return
         futures = [self._io.request(Op.ABORT, info.server, {"key": info.key, "step": step},
                                     None, f"ABORT of {info_label(info)} step {step}", info)
                    for info in compressed]
         for info, future in zip(compressed, futures, strict=True):
             self._wait(future, f"ABORT of {info_label(info)} step {step}")
+
+    @property
+    def generation(self) -> int:
+        """The membership generation this node's pushes carry (0: the job's first)."""
+        return self._io.generation
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        """The worker nodes present in that generation."""
+        return self._io.members
 
     def barrier(self) -> None:
         """Block until every worker node called barrier (up to ``BPS_TIMEOUT``)."""

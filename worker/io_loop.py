@@ -60,6 +60,7 @@ from bps.common.striping import (
     pinned_connection,
 )
 from bps.common.trace import Tracer
+from bps.compressors.base import MultiRound
 from bps.worker.send_queues import (
     KeyInfo,
     Request,
@@ -72,6 +73,16 @@ from bps.worker.send_queues import (
 )
 
 log = logging.getLogger("bps.engine")
+
+
+def _membership(header: dict) -> tuple[int, tuple[int, ...]]:
+    """A membership skip's (generation, members); (0, ()) where it carries none."""
+    generation, members = header.get("generation", 0), header.get("members", [])
+    if type(generation) is not int or not isinstance(members, list) \
+            or not all(type(n) is int for n in members):
+        raise ProtocolError("DATA: a skip's fields 'generation' and 'members' must be an "
+                            "int and a list of ints")
+    return generation, tuple(members)
 
 
 def striping(env: ClusterEnv, servers: list[str]) -> tuple[int, int]:
@@ -106,6 +117,10 @@ class IOLoop:
         self._tracer = tracer
         self._decode_reply = decode_reply
         self._link = link
+        # the membership the pushes carry: the job's first (0), until a skip of a step
+        # dropped for a membership change names a later one
+        self.generation = 0
+        self.members: tuple[int, ...] = tuple(range(env.num_workers))
         self.connections, self.io_threads = striping(env, servers)
         # its own context: I/O threads are fixed when a context's first socket is made
         self._data_ctx = zmq.Context(io_threads=self.io_threads)
@@ -215,6 +230,8 @@ class IOLoop:
         fields_ = {"key": info.key, "step": step, "node": self.node_id,
                    "dtype": dtype_name(info.dtype), "numel": info.numel, "nbytes": body.nbytes,
                    "lr": float(lr), **(extra or {})}
+        if self.generation:  # the membership this push was divided for
+            fields_["gen"] = self.generation
         request = Request(order, -1, Op.PUSH, info.server, fields_, body, future,
                           f"push_pull of {info_label(info)} step {step}", info,
                           queued_ns=time.monotonic_ns())
@@ -430,8 +447,17 @@ class IOLoop:
             return
         if "skip" in header:  # the server did not sum this step
             self._count(pushes=1)
-            settle(info, future, Skipped(str(header["skip"]), int(header.get("skip_node", -1)),
-                                         str(header.get("skip_what", "")), info_label(info)))
+            skipped = Skipped(str(header["skip"]), int(header.get("skip_node", -1)),
+                              str(header.get("skip_what", "")), info_label(info),
+                              *_membership(header))
+            if skipped.generation > self.generation:  # later pushes divide by the members
+                self.generation, self.members = skipped.generation, skipped.members
+                log.warning("node %d: membership generation %d, worker nodes %s",
+                            self.node_id, self.generation, list(self.members))
+                for other in list(self._keys.values()):  # powersgd: e = M - P Q^T / W
+                    if isinstance(other.chain, MultiRound):
+                        other.chain.set_workers(len(self.members))
+            settle(info, future, skipped)
         elif info.chain is not None or info.staging is not None:  # decoded on a codec thread
             self._decode_reply(request, payloads)
         elif header["nbytes"] != info.numel * info.dtype.itemsize:
@@ -450,6 +476,9 @@ class IOLoop:
 
     def _on_scheduler(self, header: dict) -> None:
         op = header["op"]
+        if op == Op.MEMBERSHIP:  # the servers answer the step in flight with its skip
+            log.warning("node %d: %s", self.node_id, header["msg"])
+            return
         reply = (op, header["seq"]) if op == Op.RELEASE else (op,)
         future = self._scheduler_waiters.pop(reply, None)
         if future is not None:

@@ -41,13 +41,16 @@ class KeyInfo:
 @dataclass(frozen=True)
 class Skipped:
     """What a push_pull's future gives where the server did not sum its step:
-    ``reason`` ``"nonfinite"`` (worker node ``node`` marked ``what`` as inf/NaN) or
-    ``"zero"`` (every node pushed a zero marker); ``key`` names the key."""
+    ``reason`` ``"nonfinite"`` (worker node ``node`` marked ``what`` as inf/NaN),
+    ``"zero"`` (every node pushed a zero marker) or ``"membership"`` (worker nodes left:
+    ``members`` are present from membership ``generation`` on); ``key`` names the key."""
 
     reason: str
     node: int
     what: str
     key: str
+    generation: int = 0
+    members: tuple[int, ...] = ()
 
 
 @dataclass(order=True)

@@ -211,15 +211,28 @@ class Guard:
         self._auth.start()
         self._failures = _FailedHandshakeLog(refusals, self.refused)
 
-    def serve(self, sock: Any) -> None:
-        """Make ``sock`` (before ``bind``) a CURVE server of the cluster (no-op if None)."""
+    def serve(self, sock: Any, watch_closes: bool = False) -> None:
+        """Make ``sock`` (before ``bind``) a CURVE server of the cluster (no-op if None).
+        ``watch_closes``: also record the file descriptor of each of its connections that
+        closes (:meth:`closed_connections`), with or without a key."""
         if self.key is None:
+            if watch_closes:
+                if self._failures is None:
+                    self._failures = _FailedHandshakeLog(RateLimitedLog(log), self.refused)
+                self._failures.record_closes = True
+                self._failures.watch(sock)
             return
         sock.zap_domain = ZAP_DOMAIN.encode()
         sock.curve_secretkey = self.key.secret
         sock.curve_publickey = self.key.public
         sock.curve_server = True
+        self._failures.record_closes = self._failures.record_closes or watch_closes
         self._failures.watch(sock)
+
+    def closed_connections(self) -> list[int]:
+        """The file descriptors of the served sockets' connections that closed since the
+        last call (a message's ``zmq.SRCFD`` names the connection it came on)."""
+        return self._failures.take_closed() if self._failures is not None else []
 
     def close(self) -> None:
         """Stop the authenticator (before the context is terminated)."""
@@ -269,6 +282,8 @@ class _FailedHandshakeLog(threading.Thread):
         self.refused = refused
         self._lock = threading.Lock()
         self._monitors: list[tuple[Any, Any]] = []  # (served socket, its monitor)
+        self._closed: list[int] = []  # fds of connections that closed, not taken yet
+        self.record_closes = False  # whether to keep them (someone takes them)
         self._stopping = threading.Event()
         self.start()
 
@@ -296,6 +311,9 @@ class _FailedHandshakeLog(threading.Thread):
                         failed += 1
                     elif event == zmq.EVENT_DISCONNECTED:
                         peer = peers.pop(value, "?")
+                        if self.record_closes:
+                            with self._lock:
+                                self._closed.append(value)
                         if failed:
                             failed -= 1
                             self.refused.add(peer, NOT_A_MEMBER)
@@ -303,6 +321,11 @@ class _FailedHandshakeLog(threading.Thread):
                                 "refused a connection from %s: its handshake failed (it does "
                                 "not hold the cluster key of BPS_SECRET_FILE, or runs with "
                                 "BPS_INSECURE=1)", peer)
+
+    def take_closed(self) -> list[int]:
+        with self._lock:
+            closed, self._closed = self._closed, []
+        return closed
 
     def close(self) -> None:
         self._stopping.set()

@@ -14,6 +14,10 @@ bps's own variables:
   scheduler it is alive.
 * ``BPS_HEARTBEAT_TIMEOUT`` (seconds, default ``min(BPS_TIMEOUT, 10 * interval)``): a node
   silent for this long is declared dead and every other process fails naming it.
+* ``BPS_MIN_WORKERS`` (default unset: every worker node is needed): the job goes on
+  while at least this many worker nodes are left, ``1 <= M <= DMLC_NUM_WORKER``; a worker
+  node that dies leaves the membership instead of failing the job (docs/runtime.md,
+  "Elastic membership"). Every role reads it; the scheduler decides.
 * ``DMLC_NODE_HOST`` (default 127.0.0.1): the address this process binds and advertises.
 * ``BPS_SERVER_ID`` (servers, optional): this server's rank; unset: registration order.
 * ``BPS_JOB_SEED`` (scheduler only, optional): the job seed; random if unset.
@@ -111,6 +115,31 @@ def _optional_int(environ: Mapping[str, str], name: str, lo: int, hi: int) -> in
     return _int(environ, name, None, lo, hi)
 
 
+def _min_workers(environ: Mapping[str, str], num_workers: int) -> int | None:
+    """``BPS_MIN_WORKERS`` in [1, DMLC_NUM_WORKER]; None where unset or empty.
+
+        >>> _min_workers({"BPS_MIN_WORKERS": "3"}, 4), _min_workers({}, 4)
+        (3, None)
+    """
+    if not environ.get("BPS_MIN_WORKERS", "").strip():
+        return None
+    value = _int(environ, "BPS_MIN_WORKERS", None, 1)
+    if value > num_workers:
+        raise EnvError(f"BPS_MIN_WORKERS={value} out of range: at most "
+                       f"DMLC_NUM_WORKER={num_workers} (the worker nodes the job starts with)")
+    return value
+
+
+def _node_agent(environ: Mapping[str, str]) -> bool:
+    """``BPS_NODE_AGENT``; not with ``BPS_MIN_WORKERS`` (a node agent's pipeline does not
+    follow membership changes yet)."""
+    agent = bool(_int(environ, "BPS_NODE_AGENT", 0, 0, 1))
+    if agent and environ.get("BPS_MIN_WORKERS", "").strip():
+        raise EnvError("BPS_NODE_AGENT=1 and BPS_MIN_WORKERS cannot be combined yet: the "
+                       "node agent does not follow worker nodes leaving; unset one of them")
+    return agent
+
+
 def _seconds(environ: Mapping[str, str], name: str, default: float) -> float:
     raw = _get(environ, name, repr(default))
     try:
@@ -192,6 +221,12 @@ class ClusterEnv:
     connections_per_server: int | None = None  # None: follows the host (bps.common.striping)
     io_threads: int | None = None  # None: follows the host (bps.common.striping)
     node_agent: bool = False  # local rank 0 runs the engine in a node agent process
+    min_workers: int | None = None  # BPS_MIN_WORKERS: worker nodes may leave down to this
+
+    @property
+    def elastic(self) -> bool:
+        """Whether worker nodes may leave the job (``BPS_MIN_WORKERS`` is set)."""
+        return self.min_workers is not None
 
     @property
     def on_one_host(self) -> bool:
@@ -276,7 +311,8 @@ class ClusterEnv:
             frame_bytes=frame_bytes,
             connections_per_server=_optional_int(env, "BPS_CONNECTIONS_PER_SERVER", 1, 64),
             io_threads=_optional_int(env, "BPS_IO_THREADS", 1, 64),
-            node_agent=bool(_int(env, "BPS_NODE_AGENT", 0, 0, 1)),
+            node_agent=_node_agent(env),
+            min_workers=_min_workers(env, num_workers),
         )
 
 

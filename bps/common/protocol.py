@@ -39,6 +39,10 @@ Worker <-> server ops (the reply echoes ``rid``):
   with an empty payload. A step of a key with a non-finite mark, or with nothing but
   zero marks, is not summed: its ``DATA`` has ``nbytes`` 0 and ``skip`` (the mark),
   ``skip_node`` and ``skip_what``, and the server chain's state does not change.
+* A ``PUSH`` may carry ``gen``: the membership generation its worker divided by (absent:
+  0, the job's first). A step holding a push of an older generation than the server's
+  is dropped: its ``DATA`` has ``skip`` ``"membership"``, with ``generation`` and
+  ``members`` (the worker node ids present) of the server's membership.
 * ``ABORT`` key step -> ``OK``: the step is skipped after all (another key had a
   non-finite mark); the server chain returns to its state before that step.
 * ``GET_STATE`` key -> ``DATA`` (msgpack of the server chain's state) ; ``SET_STATE``
@@ -53,7 +57,10 @@ both ways (a worker's carries ``step``, the highest step it pushed); ``BARRIER``
 step -> ``RELEASE``; ``FINALIZE`` step -> ``BYE``; ``FAILED`` msg (a node gives up: an
 exception, a signal, an exit without ``bps.shutdown()``); scheduler -> servers
 ``SHUTDOWN``; scheduler -> everyone ``PEER_DEAD`` (msg names the dead or failed
-process) and ``ERROR``.
+process) and ``ERROR``; with ``BPS_MIN_WORKERS``, scheduler -> everyone ``MEMBERSHIP``
+generation members msg: worker nodes left (``msg`` names who and why), ``members`` the
+worker node ids present from generation ``generation`` on (0 is the job's first; each
+change adds one). A later join can announce itself the same way.
 
 A worker's token (16 random bytes, first byte non-zero) is the prefix of the ZeroMQ
 routing id of every connection it opens to a server: a server takes a request from a
@@ -103,6 +110,7 @@ class Op(IntEnum):
     SHUTDOWN = 27
     PEER_DEAD = 28
     FAILED = 29
+    MEMBERSHIP = 30
 
 
 _INT = (int,)
@@ -136,6 +144,7 @@ FIELDS: dict[Op, dict[str, tuple[type, ...]]] = {
     Op.SHUTDOWN: {},
     Op.PEER_DEAD: {"msg": _STR},
     Op.FAILED: {"msg": _STR},
+    Op.MEMBERSHIP: {"generation": _INT, "members": (list,), "msg": _STR},
 }
 
 MARKS = ("nonfinite", "zero")  # a PUSH's optional ``mark``
@@ -220,6 +229,11 @@ def decode(frame: bytes | memoryview) -> dict[str, Any]:
             raise ProtocolError(f"{op.name}: field {name!r} has type {type(value).__name__}")
     if "lr" in FIELDS[op] and not math.isfinite(header["lr"]):
         raise ProtocolError(f"{op.name}: field 'lr' is {header['lr']!r}, expected finite")
+    if op == Op.PUSH and "gen" in header and (type(header["gen"]) is not int
+                                              or header["gen"] < 0):
+        raise ProtocolError(f"PUSH: field 'gen' is {header['gen']!r}, expected an int >= 0")
+    if op == Op.MEMBERSHIP and not all(type(n) is int for n in header["members"]):
+        raise ProtocolError("MEMBERSHIP: field 'members' must be a list of worker node ids")
     if op == Op.PUSH and "mark" in header:
         if header["mark"] not in MARKS or not isinstance(header.get("what", ""), str):
             raise ProtocolError(f"PUSH: field 'mark' is {header['mark']!r}, expected one of "

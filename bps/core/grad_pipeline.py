@@ -688,38 +688,57 @@ class GradPipeline(SlotQueries):
         gradient on any worker returns every chain, on workers and servers, to its state
         before the step and fills every destination with NaN."""
         skips = [s.skipped for s in self.slots if s.skipped is not None]
-        skip = next((s for s in skips if s.reason == "nonfinite"), skips[0] if skips else None)
+        moved = max((s for s in skips if s.reason == "membership"),
+                    key=lambda s: s.generation, default=None)
+        skip = next((s for s in skips if s.reason == "nonfinite"),
+                    moved or (skips[0] if skips else None))
         if self._rt.local_size > 1:
-            skip = self._share_skip(skip)
+            skip, moved = self._share_skip(skip, moved)
+        if moved is not None:  # worker nodes left: the next steps divide by those present
+            self._rt.set_membership(moved.generation, list(moved.members))
+            self._divisor = None
         if skip is None:
             for slot in self.slots:  # the local momentum of this step becomes current
                 if slot.local_momentum is not None:
                     slot.local_momentum, slot.momentum_next = (slot.momentum_next,
                                                                slot.local_momentum)
-        elif skip.reason == "nonfinite":
+        elif skip.reason in ("nonfinite", "membership"):
             if self._rt.engine is not None:
                 self._rt.engine.rollback(self.wire_step, self.compressed_keys())
+            # a step dropped because worker nodes left averages nothing: zeros (a DDP
+            # loop's optimizer.step() then steps on a zero gradient, on every node alike)
+            fill = float("nan") if skip.reason == "nonfinite" else 0.0
             with torch.no_grad():
                 for slot in self.slots:
                     if slot.dest is not None:
-                        slot.dest.fill_(float("nan"))
+                        slot.dest.fill_(fill)
         return skip
 
-    def _share_skip(self, skip: Skipped | None) -> Skipped | None:
-        """The node root's verdict on this step, for every local rank."""
+    def _share_skip(self, skip: Skipped | None, moved: Skipped | None
+                    ) -> tuple[Skipped | None, Skipped | None]:
+        """The node root's verdict on this step, and the membership it learned (a
+        ``"membership"`` skip: only its generation and its members travel, a mark per
+        worker node the job started with), for every local rank."""
         names = [s.name for s in self.slots]
-        flag = torch.zeros(3, dtype=torch.float64)
+        reasons = ("nonfinite", "zero", "membership")
+        flag = torch.zeros(4 + self._rt.num_nodes, dtype=torch.float64)
         if self._rt.local_rank == 0 and skip is not None:
-            flag[0] = 1 if skip.reason == "nonfinite" else 2
+            flag[0] = 1 + reasons.index(skip.reason)
             flag[1] = skip.node
             flag[2] = names.index(skip.what) if skip.what in names else -1
+        if self._rt.local_rank == 0 and moved is not None:
+            flag[3] = moved.generation
+            flag[4 + torch.tensor(moved.members, dtype=torch.long)] = 1
         self._flag_ch.broadcast(flag)
-        if flag[0] == 0:
-            return None
         if self._rt.local_rank == 0:
-            return skip
+            return skip, moved
+        if flag[3] > 0:
+            members = tuple(int(i) for i in torch.nonzero(flag[4:]).flatten())
+            moved = Skipped("membership", -1, "", "", int(flag[3]), members)
+        if flag[0] == 0:
+            return None, moved
         what = names[int(flag[2])] if flag[2] >= 0 else ""
-        return Skipped("nonfinite" if flag[0] == 1 else "zero", int(flag[1]), what, "")
+        return Skipped(reasons[int(flag[0]) - 1], int(flag[1]), what, ""), moved
 
     def end_step(self, applied: bool) -> None:
         """Count the step (``applied``: also as an applied step) and get ready for the next."""

@@ -111,6 +111,9 @@ class UnevenInputs:
         if self.future is not None:
             counts = self.future.result(timeout=rt.env.timeout * 2)
             self.future = None
+            if not isinstance(counts, torch.Tensor):  # a step dropped (worker nodes left)
+                counts = torch.zeros(rt.num_nodes, dtype=torch.float32)
+                counts[self.active] = 1.0  # as in the step before
         if rt.local_size > 1:  # local rank 0's counts, to its node
             self.channel.broadcast(counts)
         self.active = [node for node, c in enumerate(counts.tolist()) if c]

@@ -87,11 +87,21 @@ class Runtime:
                 f"the scheduler reports {self.num_nodes} worker nodes but "
                 f"DMLC_NUM_WORKER={env.num_workers}"
             )
-        self.size = self.num_nodes * self.local_size
+        self.size = self.num_nodes * self.local_size  # the ranks present: gradients' divisor
+        self.generation = 0  # the membership's (BPS_MIN_WORKERS: worker nodes may leave)
         self.members = list(range(self.num_nodes))  # the worker node ids present
         self._next_key = 0
         self._names = 0
         self._lock = threading.Lock()
+
+    def set_membership(self, generation: int, members: list[int]) -> None:
+        """Worker nodes left: from membership ``generation`` on, the worker nodes
+        ``members`` are present, and gradients are divided by their ranks (``size``). An
+        older generation changes nothing."""
+        if generation > self.generation:
+            self.generation = generation
+            self.members = sorted(members)
+            self.size = len(self.members) * self.local_size
 
     def allocate_keys(self, count: int) -> int:
         """First of ``count`` fresh keys; every process allocates in the same order."""

@@ -38,9 +38,9 @@ class StepStats:
                samples: int = 0) -> None:
         """Close a step: the counters' growth since ``before``; ``raw_bytes``: what one
         direction would carry uncompressed in float32; ``wait``: seconds step() blocked;
-        ``passes``: backward passes per step; ``skipped``: a non-finite gradient made
-        every worker skip the step; ``samples``: the node's samples in the step (0:
-        unknown, and ``bytes_per_sample`` is None)."""
+        ``passes``: backward passes per step; ``skipped``: a non-finite gradient (or worker
+        nodes leaving the job) made every worker skip the step; ``samples``: the node's
+        samples in the step (0: unknown, and ``bytes_per_sample`` is None)."""
         after = self.snapshot(engine)
 
         def delta(key: str) -> float:

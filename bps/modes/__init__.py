@@ -22,7 +22,23 @@ def choose(core: FrontEndCore, runtime, tensors: list[GradTensor], *, staleness:
     """The mode of checked arguments (see ``validate_staleness``, ``validate_sync_every``,
     ``validate_streaming``); ``fragments``: ``plan_fragments``' plan where the syncs
     stream. Every mode but the streaming one runs on the core's pipeline of
-    ``tensors``, built here."""
+    ``tensors``, built here. Where worker nodes may leave (``BPS_MIN_WORKERS``), only
+    synchronous steps, ``staleness=1`` and local SGD of a model without floating-point
+    buffers are accepted: another mode raises ValueError naming it."""
+    if runtime.env.elastic:
+        buffers = core.model is not None and any(
+            b.dtype.is_floating_point for _, b in core.model.named_buffers())
+        refused = ("streaming averaging (sync_every with fragments or overlap)"
+                   if fragments is not None else
+                   "local SGD (sync_every > 1) of a model with floating-point buffers "
+                   "(they are averaged after each outer round)"
+                   if outer is not None and buffers else
+                   "compressed Adam (freeze_step)" if core.params.get("freeze_step") is not None
+                   else None)
+        if refused is not None:
+            raise ValueError(f"BPS_MIN_WORKERS={runtime.env.min_workers} (bpslaunch "
+                             f"--min-workers): worker nodes may leave a job of synchronous "
+                             f"steps only, not one of {refused}")
     if fragments is not None:
         core.attach(runtime)
         return StreamingAveraging(core, fragments, sync_every, outer, overlap)

@@ -86,9 +86,11 @@ class DelayedUpdate(StepMode):
         self.settle()
         skip = self.skip
         nonfinite = skip is not None and skip.reason == "nonfinite"
+        dropped = skip is not None and skip.reason == "membership"  # worker nodes left
         before, wait = self.settled or (core.stats.snapshot(core.runtime.engine), 0.0)
         core.record(before, self.round_step, core.pipeline.raw_bytes if self.settled else 0,
-                    wait, core.passes, nonfinite, core.samples * core.runtime.local_size)
+                    wait, core.passes, nonfinite or dropped,
+                    core.samples * core.runtime.local_size)
         step = self.round_step
         applied = self.push_and_apply()
         if nonfinite:

@@ -250,8 +250,9 @@ class PeriodicAveraging(StepMode):
         synced = time.monotonic_ns()
         self._apply(skip is None)
         nonfinite = skip is not None and skip.reason == "nonfinite"
+        dropped = skip is not None and skip.reason == "membership"  # worker nodes left
         core.record(core.engine_before, pipe.step, pipe.raw_bytes, (synced - called) / 1e9,
-                    core.passes, nonfinite, core.samples * core.runtime.local_size)
+                    core.passes, nonfinite or dropped, core.samples * core.runtime.local_size)
         step = pipe.step
         pipe.end_step(skip is None)
         if nonfinite:
@@ -284,8 +285,8 @@ class PeriodicAveraging(StepMode):
 
     def _apply(self, applied: bool) -> None:
         """The outer update from the averaged delta in ``.grad`` (every worker the same),
-        or, for a round skipped everywhere (a non-finite delta), every worker back to
-        the parameters of the last sync."""
+        or, for a round skipped everywhere (a non-finite delta, or a round dropped because
+        worker nodes left), every worker back to the parameters of the last sync."""
         with torch.no_grad():
             for slot in self.core.pipeline.slots:
                 anchor = self.anchor[slot.name]

@@ -72,8 +72,9 @@ class SynchronousSteps(StepMode):
         end_ns = time.monotonic_ns()
         self._trace(pipe.step, called_ns, synced_ns, end_ns)
         nonfinite = skip is not None and skip.reason == "nonfinite"
+        dropped = skip is not None and skip.reason == "membership"  # worker nodes left
         core.record(core.engine_before, pipe.step, pipe.raw_bytes,
-                    (synced_ns - called_ns) / 1e9, core.passes, nonfinite,
+                    (synced_ns - called_ns) / 1e9, core.passes, nonfinite or dropped,
                     core.samples * core.runtime.local_size)
         step = pipe.step
         self.uneven.end_step()

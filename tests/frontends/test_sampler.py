@@ -59,3 +59,44 @@ def test_each_process_of_a_job_reads_its_own_shard() -> None:
     for rank, shard in shards.items():
         assert shard[1:] == deal(23, rank, 4, epoch=2, seed=4)
         assert shard[0] == 6
+
+
+LEAVING_JOB = """
+import os, signal, sys, torch, bps
+bps.init()
+torch.manual_seed(0)
+model = torch.nn.Linear(8, 4)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+trainer = bps.DistributedTrainer(model, optimizer, {"compressor": "onebit", "ef": "vanilla"})
+sampler = bps.ElasticSampler(range(50), seed=3)
+for step in range(5):
+    if step == 2 and os.environ["DMLC_WORKER_ID"] == "1":
+        os.kill(os.getpid(), signal.SIGKILL)
+    x = torch.full((2, 8), (bps.rank() + step) / 8)
+    trainer.zero_grad()
+    model(x).sum().backward()
+    trainer.step()
+sampler.set_epoch(1)
+total = sum(float(p.double().sum()) for p in model.parameters())
+print("after", bps.size(), repr(total), len(sampler), *sampler, flush=True)
+bps.shutdown()
+"""
+
+
+def test_after_a_node_leaves_every_local_rank_deals_over_the_survivors() -> None:
+    """3 worker nodes of 2 local ranks, node 1 killed at step 2 (--min-workers 2): every
+    survivor, local rank 1 too, learns the members present; their models agree and
+    their shards of the next epoch cover the data set once."""
+    code, output = run_command(
+        BPSLAUNCH + ["local", "--workers", "3", "--servers", "1", "--local-size", "2",
+                     "--min-workers", "2", "--", sys.executable, "-c", LEAVING_JOB],
+        TEST_ENV, timeout=150)
+    assert code == 0, output[-4000:]
+    lines = {line.split("] ")[0][1:]: line.split()[2:] for line in output.splitlines()
+             if "] after " in line}
+    assert sorted(lines) == ["worker0.0", "worker0.1", "worker2.0", "worker2.1"], output
+    assert {tuple(f[:2]) for f in lines.values()} == {("4", lines["worker0.0"][1])}, lines
+    shards = {name: [int(i) for i in f[3:]] for name, f in lines.items()}
+    for position, name in enumerate(sorted(shards)):
+        assert shards[name] == deal(50, position, 4, epoch=1, seed=3), name
+        assert int(lines[name][2]) == len(shards[name]) == 13

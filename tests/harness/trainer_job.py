@@ -90,7 +90,7 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
         device = torch.device(cfg.get("device", "cpu"))
     model = make_model(rank, shapes).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg["lrs"][0], momentum=MOMENTUM)
-    trainer = bps.DistributedTrainer(model, optimizer, run["params"])
+    trainer = bps.DistributedTrainer(model, optimizer, run["params"], **run.get("mode", {}))
     report = {"counter": int(model.counter.item()),
               "optimizer_momentum": optimizer.param_groups[0]["momentum"], "steps": []}
     start = cfg.get("start", 0)
@@ -101,6 +101,7 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
     goal = {name: torch.from_numpy(t).to(device) for name, t in targets(rank, shapes).items()}
     engine = bps.core.runtime.get().engine
     for step in range(start, cfg["stop"]):
+        leave(cfg, rank, step, out, "start")
         for group in optimizer.param_groups:
             group["lr"] = cfg["lrs"][step]
         trainer.zero_grad()
@@ -110,6 +111,7 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
                    for n in shapes)
         pushes_before = engine.stats.pushes if engine is not None else 0
         loss.backward()
+        leave(cfg, rank, step, out, "backward")
         pushes = run.get("pushes_per_step", cfg.get("pushes_per_step"))
         if engine is not None and pushes:
             # The hooks alone (no step() yet) must get every push answered.
@@ -127,8 +129,38 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
                        out / f"ckpt{rank}.pt")
     np.savez(out / f"params{tag}{rank}.npz",
              **{n: getattr(model, n).detach().cpu().numpy() for n in shapes})
+    resume_stopped(out)
     trainer.close()
     return report
+
+
+def leave(cfg: dict, rank: int, step: int, out: Path, where: str = "start") -> None:
+    """``cfg["leave"]`` = [rank, step, signal name(, where)]: that rank sends itself the
+    signal at the start of that step, before it pushes anything of it, or (``where``
+    "backward") right after its backward, its pushes on their way (SIGSTOP: its pid goes
+    to ``stopped.pid`` first, for :func:`resume_stopped`); "raise" instead of a signal:
+    it raises RuntimeError("boom") there."""
+    spec = cfg.get("leave")
+    if spec is None or spec[0] != rank or spec[1] != step or \
+            (spec[3] if len(spec) > 3 else "start") != where:
+        return
+    if spec[2] == "raise":
+        raise RuntimeError("boom")
+    sig = getattr(signal, spec[2])
+    if sig == signal.SIGSTOP:
+        (out / "stopped.pid").write_text(str(os.getpid()))
+    os.kill(os.getpid(), sig)
+
+
+def resume_stopped(out: Path) -> None:
+    """A survivor that has finished training lets a stopped worker go on (SIGCONT): it
+    left the job meanwhile, so what it sends next is refused."""
+    pid = out / "stopped.pid"
+    if pid.exists():
+        try:
+            os.kill(int(pid.read_text()), signal.SIGCONT)
+        except ProcessLookupError:
+            pass
 
 
 def worker_main(cfg: dict, train: Callable[..., dict] = train) -> int:
@@ -162,14 +194,15 @@ def worker_main(cfg: dict, train: Callable[..., dict] = train) -> int:
 
 def launch(cfg: dict, tmp: Path, workers: int = 2, servers: int = 1, local_size: int = 1,
            env: dict | None = None, timeout: float = 120,
-           module: str = "tests.harness.trainer_job") -> subprocess.CompletedProcess:
+           module: str = "tests.harness.trainer_job",
+           options: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     """Run ``module``'s worker program (``python -m module``, from the repository's root)
-    on a ``bpslaunch local`` cluster with ``cfg``."""
+    on a ``bpslaunch local`` cluster with ``cfg`` (``options``: more of bpslaunch's)."""
     from tests.harness.ps_job import BPSLAUNCH
 
     cfg = {"shapes": SHAPES, **cfg, "out": str(tmp)}
     cmd = [*BPSLAUNCH, "local", "--workers", str(workers), "--servers", str(servers),
-           "--local-size", str(local_size), "--", sys.executable, "-m", module,
+           "--local-size", str(local_size), *options, "--", sys.executable, "-m", module,
            json.dumps(cfg)]
     full_env = {**os.environ, "BPS_TIMEOUT": "20", "BYTEPS_PARTITION_BYTES": "400",
                 "BPS_JOB_SEED": "4242", **(env or {})}
@@ -229,11 +262,14 @@ def simulate(params: dict, nodes: int, lrs: list[float], compressed_from: int | 
 
 
 def replay(params: dict, nodes: int, lrs: list[float], grads, compressed_from: int | None = 0,
-           shapes: dict = SHAPES) -> dict:
+           shapes: dict = SHAPES, members: list[list[int] | None] | None = None) -> dict:
     """docs/architecture.md's pipeline in numpy (see ``simulate``), with node ``r``'s
     gradient at step ``s`` given by ``grads(s, r, w)`` (a dict of
     float32 arrays): ``big`` is compressed (from step ``compressed_from``; None: never),
-    the rest travels raw and gets Nesterov momentum after the sum."""
+    the rest travels raw and gets Nesterov momentum after the sum. ``members``: per
+    step, the nodes present (each share divided by their number, summed in node order),
+    or None for a step dropped everywhere (worker nodes left: nothing changes); default
+    all ``nodes`` every step."""
     from tests.harness.reference_compressors import RefChain
 
     f32 = np.float32
@@ -245,22 +281,26 @@ def replay(params: dict, nodes: int, lrs: list[float], grads, compressed_from: i
     servers = [RefChain(*reference_codec(params, n), n, "float32", True, None)
                for _, n in parts]
     local_momentum = {n: np.zeros(shape, f32) for n, shape in shapes.items()}
+    applied = 0  # steps applied: warmup counts these
     for step, lr in enumerate(lrs):
-        shares = [{n: (g / f32(nodes)).astype(f32) for n, g in grads(step, r, w).items()}
-                  for r in range(nodes)]
+        present = list(range(nodes)) if members is None else members[step]
+        if present is None:
+            continue
+        shares = {r: {n: (g / f32(len(present))).astype(f32)
+                      for n, g in grads(step, r, w).items()} for r in present}
         out = {}
         for n in shapes:
-            if n == "big" and compressed_from is not None and step >= compressed_from:
+            if n == "big" and compressed_from is not None and applied >= compressed_from:
                 continue
             summed = np.zeros(shapes[n], f32)
-            for r in range(nodes):
+            for r in present:
                 summed = (summed + shares[r][n]).astype(f32)
             out[n], local_momentum[n] = nesterov(f32(MOMENTUM), summed, local_momentum[n])
         if "big" not in out:
             big = np.zeros(numel, f32)
             for i, (offset, n) in enumerate(parts):
                 summed = np.zeros(n, f32)
-                for r in range(nodes):
+                for r in present:
                     workers[r][i].set_lr(lr)
                     share = shares[r]["big"].reshape(-1)[offset:offset + n]
                     decoded = workers[r][i].decode(workers[r][i].compress(share))
@@ -270,6 +310,7 @@ def replay(params: dict, nodes: int, lrs: list[float], grads, compressed_from: i
             out["big"] = big.reshape(shapes["big"])
         for n in shapes:
             w[n] = (w[n] - f32(lr) * out[n]).astype(f32)
+        applied += 1
     return w
 
 

@@ -28,6 +28,38 @@ def test_failing_worker_stops_everything_and_exit_code_propagates() -> None:
     assert "[bpslaunch] worker1.0 exited with code 3; stopping all processes" in output
 
 
+def test_with_min_workers_a_failing_worker_node_leaves_and_the_job_goes_on() -> None:
+    """The launcher's side of --min-workers: worker 1 fails, the others are not stopped
+    (worker 0 then finishes on its own, a file it waits for being the trigger: here, the
+    launcher's line); two failures with one to spare stop everything."""
+    script = ("import os, sys\n"
+              "if os.environ['DMLC_WORKER_ID'] == '1': sys.exit(3)\n"
+              "print('worker', os.environ['DMLC_WORKER_ID'], 'done', flush=True)\n")
+    code, output = run_command(BPSLAUNCH + ["local", "--workers", "3", "--servers", "1",
+                                            "--min-workers", "2", "--", PY, "-c", script],
+                               TEST_ENV, timeout=60)
+    assert "worker1.0 exited with code 3; worker node 1 leaves the job" in output, output
+    assert "worker 0 done" in output and "worker 2 done" in output, output
+    assert "stopping all processes" not in output.split("leaves the job")[0], output
+    script = ("import os, sys\n"
+              "if os.environ['DMLC_WORKER_ID'] != '0': sys.exit(3)\n"
+              "import time; time.sleep(600)\n")
+    code, output = run_command(BPSLAUNCH + ["local", "--workers", "3", "--servers", "1",
+                                            "--min-workers", "2", "--", PY, "-c", script],
+                               TEST_ENV, timeout=60)
+    assert code == 3 and "exited with code 3; stopping all processes" in output, output
+
+
+def test_min_workers_out_of_range_is_refused_before_anything_starts() -> None:
+    code, output = run_command(BPSLAUNCH + ["local", "--workers", "2", "--min-workers", "3",
+                                            "--", PY, "-c", "pass"], TEST_ENV, timeout=60)
+    assert code == 2 and "--min-workers=3 out of range: expected 1 to --workers (2)" in output
+    code, output = run_command(BPSLAUNCH + ["local", "--workers", "2", "--", PY, "-c", "pass"],
+                               {**TEST_ENV, "BPS_MIN_WORKERS": "0"}, timeout=60)
+    assert code == 2 and "BPS_MIN_WORKERS=0 out of range" in output, output
+    assert "[scheduler]" not in output
+
+
 def test_local_sets_roles_ranks_and_prefixes_output() -> None:
     script = ("import os\nprint('env', *(os.environ[v] for v in ('DMLC_ROLE', 'DMLC_WORKER_ID',"
               " 'BYTEPS_LOCAL_RANK', 'BYTEPS_LOCAL_SIZE', 'DMLC_NUM_WORKER', 'DMLC_NUM_SERVER',"

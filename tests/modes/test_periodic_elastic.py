@@ -1,0 +1,101 @@
+"""Local SGD (``sync_every``) when a worker node leaves the job (``bpslaunch local
+--min-workers``): the first outer round after its death is dropped on every survivor
+(each goes back to the parameters of the last sync, as for a non-finite delta), the
+later rounds average the deltas of the nodes present; the survivors end bit-identical to
+each other and to a numpy simulation."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tests.harness.trainer_job import (
+    MOMENTUM,
+    PARTITION,
+    SHAPES,
+    SIM_CASES,
+    initial_params,
+    launch,
+    reference_codec,
+    targets,
+)
+
+PARAMS = {**SIM_CASES["topk"], "ef": "vanilla", "fp16": False, "min_compress_bytes": 1000}
+LRS = [0.5, 0.25, 0.25, 0.5, 0.125, 0.25, 0.125, 0.0625, 0.25]
+EVERY, WORKERS, VICTIM, AT = 3, 3, 1, 4  # killed in the second round's local steps
+
+
+def sgd_momentum(w: np.ndarray, g: np.ndarray, buf: np.ndarray | None, lr: float):
+    """torch.optim.SGD with momentum (no dampening, no Nesterov): (w, buf)."""
+    f32 = np.float32
+    buf = g.copy() if buf is None else (f32(MOMENTUM) * buf + g).astype(f32)
+    return (w - f32(lr) * buf).astype(f32), buf
+
+
+def simulate(dropped_round: int) -> dict:
+    """Local SGD with momentum on each node's own target; every EVERY steps the deltas
+    ``anchor - w`` of the nodes present, divided by their number, go through topk with
+    error feedback (the chains' lr: the outer lr, 1) and the servers' sum in node order,
+    and the anchor moves by the mean (outer "average"); round ``dropped_round`` is
+    dropped: every survivor restarts from the anchor."""
+    from tests.harness.reference_compressors import RefChain
+
+    f32 = np.float32
+    anchor = initial_params(0, SHAPES)
+    survivors = [r for r in range(WORKERS) if r != VICTIM]
+    ws = {r: dict(anchor) for r in range(WORKERS)}
+    bufs = {r: {n: None for n in SHAPES} for r in range(WORKERS)}
+    numel = int(np.prod(SHAPES["big"]))
+    parts = [(o, min(PARTITION, numel - o)) for o in range(0, numel, PARTITION)]
+    workers = {r: [RefChain(*reference_codec(PARAMS, n), n, "float32", True, None)
+                   for _, n in parts] for r in range(WORKERS)}
+    servers = [RefChain(*reference_codec(PARAMS, n), n, "float32", True, None)
+               for _, n in parts]
+    rounds = 0
+    for step, lr in enumerate(LRS):
+        for r in ws:
+            goal = targets(r, SHAPES)
+            for n in SHAPES:
+                ws[r][n], bufs[r][n] = sgd_momentum(ws[r][n], (ws[r][n] - goal[n]).astype(f32),
+                                                    bufs[r][n], lr)
+        if (step + 1) % EVERY:
+            continue
+        present = list(range(WORKERS)) if rounds < dropped_round else survivors
+        if rounds != dropped_round:
+            shares = {r: {n: ((anchor[n] - ws[r][n]).astype(f32) / f32(len(present)))
+                          .astype(f32) for n in SHAPES} for r in present}
+            for n in ("small", "bias"):
+                summed = np.zeros(SHAPES[n], f32)
+                for r in present:
+                    summed = (summed + shares[r][n]).astype(f32)
+                anchor[n] = (anchor[n] - summed).astype(f32)
+            big = np.zeros(numel, f32)
+            for i, (offset, n) in enumerate(parts):
+                summed = np.zeros(n, f32)
+                for r in present:
+                    workers[r][i].set_lr(1.0)
+                    share = shares[r]["big"].reshape(-1)[offset:offset + n]
+                    summed = (summed + workers[r][i].decode(
+                        workers[r][i].compress(share)).astype(f32)).astype(f32)
+                servers[i].set_lr(1.0)
+                big[offset:offset + n] = servers[i].decode(servers[i].compress(summed))
+            anchor["big"] = (anchor["big"] - big.reshape(SHAPES["big"])).astype(f32)
+        rounds += 1
+        ws = {r: dict(anchor) for r in (present if rounds > dropped_round else ws)}
+    return ws[survivors[0]]
+
+
+def test_the_round_after_a_worker_node_died_is_dropped(tmp_path):
+    """Node 1 killed at the start of step 4 (a local step of the second round): rounds
+    1 and 3 (steps 2 and 8) average over three and two nodes, round 2 (step 5) is
+    dropped; the survivors match the simulation bit for bit."""
+    cfg = {"runs": [{"params": PARAMS, "mode": {"sync_every": EVERY}}], "lrs": LRS,
+           "stop": len(LRS), "leave": [VICTIM, AT, "SIGKILL"]}
+    result = launch(cfg, tmp_path, workers=WORKERS, servers=2, timeout=150,
+                    options=("--min-workers", "2"))
+    assert result.returncode == 0, result.stdout[-4000:]
+    expected = simulate(dropped_round=1)
+    for rank in (0, 2):
+        final = np.load(tmp_path / f"params{rank}.npz")
+        for n in SHAPES:
+            np.testing.assert_array_equal(final[n], expected[n], err_msg=f"rank {rank}: {n}")
+    assert "membership generation 1" in result.stdout

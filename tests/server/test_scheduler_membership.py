@@ -1,0 +1,111 @@
+"""The scheduler's side of elastic membership (``BPS_MIN_WORKERS``), with real sockets
+and the scheduler in a thread: a worker whose connection closes, or that reports FAILED,
+leaves; everyone left gets MEMBERSHIP with the next generation and the workers present;
+a message from a node that left is refused naming the generation; barriers and
+FINALIZE count only the workers present; below the minimum the job fails as before."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import zmq
+
+from bps.common.auth import load_key
+from bps.common.env import ClusterEnv
+from bps.common.protocol import Op, decode
+from bps.common.scheduler_client import SchedulerClient
+from bps.launch.role import free_port
+from bps.server.scheduler import Scheduler
+from tests.harness.env_vars import BASE
+
+
+def scheduler_env(cluster_key: str, min_workers: int) -> ClusterEnv:
+    return ClusterEnv.from_environ({**BASE, "DMLC_ROLE": "scheduler", "DMLC_NUM_WORKER": "3",
+                                    "DMLC_NUM_SERVER": "1", "DMLC_PS_ROOT_URI": "127.0.0.1",
+                                    "DMLC_PS_ROOT_PORT": str(free_port()),
+                                    "BPS_SECRET_FILE": cluster_key,
+                                    "BPS_MIN_WORKERS": str(min_workers)})
+
+
+class Job:
+    """A scheduler in a thread, three workers and a server as bare clients, welcomed."""
+
+    def __init__(self, env: ClusterEnv) -> None:
+        self.scheduler = Scheduler(env)
+        self.codes: list[int] = []
+        self.thread = threading.Thread(target=lambda: self.codes.append(self.scheduler.run()),
+                                       daemon=True)
+        self.thread.start()
+        self.ctx = zmq.Context()
+        key = load_key(env)
+        self.workers = [SchedulerClient(self.ctx, env, "worker", key=key) for _ in range(3)]
+        self.server = SchedulerClient(self.ctx, env, "server", "tcp://127.0.0.1:1", key=key)
+        for node, worker in enumerate(self.workers):
+            worker.send(Op.HELLO, role="worker", worker_id=node, addr="127.0.0.1",
+                        token=worker.token)
+        self.server.send(Op.HELLO, role="server", worker_id=-1, addr=self.server.addr,
+                         token=b"")
+        for client in (*self.workers, self.server):
+            assert self.next(client)["op"] == Op.WELCOME
+
+    @staticmethod
+    def next(client: SchedulerClient) -> dict:
+        assert client.sock.poll(10_000), f"{client.role}: nothing from the scheduler in 10 s"
+        return decode(client.sock.recv())
+
+    def close(self) -> None:
+        for client in (*self.workers, self.server):
+            client.close(linger=0)  # its handshake monitor too, closed or not
+        self.thread.join(timeout=10)
+        self.ctx.term()
+
+
+@pytest.fixture
+def job(cluster_key: str):
+    made: list[Job] = []
+    yield lambda min_workers: made.append(Job(scheduler_env(cluster_key, min_workers))) \
+        or made[-1]
+    for each in made:
+        each.close()
+
+
+def test_closed_connection_and_failure_each_make_a_new_generation(job) -> None:
+    j = job(1)
+    w0, w1, w2 = j.workers
+    w0.send(Op.BARRIER, seq=0, step=5)  # waits for w1 and w2
+    w2.sock.close(linger=0)  # a process killed: its connection closes
+    for client in (w0, w1, j.server):
+        msg = j.next(client)
+        assert (msg["op"], msg["generation"], msg["members"]) == (Op.MEMBERSHIP, 1, [0, 1])
+        assert "worker 2 at 127.0.0.1 died: its connection to the scheduler closed" \
+            in msg["msg"], msg
+    w1.send(Op.FAILED, msg="RuntimeError: boom")
+    assert j.next(w1)["op"] == Op.BYE
+    for client in (w0, j.server):
+        msg = j.next(client)
+        assert (msg["op"], msg["generation"], msg["members"]) == (Op.MEMBERSHIP, 2, [0])
+        assert "worker 1 at 127.0.0.1 failed: RuntimeError: boom" in msg["msg"], msg
+    # the barrier w0 waits in now counts w0 alone
+    assert (j.next(w0)["op"]) == Op.RELEASE
+    w1.send(Op.HEARTBEAT, step=6)  # a node that left is refused, naming the generation
+    refusal = j.next(w1)
+    assert refusal["op"] == Op.ERROR
+    assert refusal["msg"] == ("HEARTBEAT refused: worker 1 at 127.0.0.1 left the job at "
+                              "membership generation 2"), refusal
+    w0.send(Op.FINALIZE, step=9)  # the last worker present: the job is complete
+    assert j.next(w0)["op"] == Op.BYE and j.next(j.server)["op"] == Op.SHUTDOWN
+    j.thread.join(timeout=10)
+    assert j.codes == [0]
+
+
+def test_below_min_workers_everyone_is_told_who_died(job) -> None:
+    j = job(3)
+    j.workers[1].sock.close(linger=0)
+    for client in (j.workers[0], j.workers[2], j.server):
+        msg = j.next(client)
+        assert msg["op"] == Op.PEER_DEAD, msg
+        assert msg["msg"] == ("worker 1 at 127.0.0.1 died: its connection to the scheduler "
+                              "closed; 2 worker node(s) left, fewer than BPS_MIN_WORKERS=3")
+    j.thread.join(timeout=10)
+    assert j.codes == [1]
