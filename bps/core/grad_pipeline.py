@@ -721,7 +721,7 @@ class GradPipeline(SlotQueries):
         worker node the job started with), for every local rank."""
         names = [s.name for s in self.slots]
         reasons = ("nonfinite", "zero", "membership")
-        flag = torch.zeros(4 + self._rt.num_nodes, dtype=torch.float64)
+        flag = torch.zeros(4 + self._rt.env.num_workers, dtype=torch.float64)
         if self._rt.local_rank == 0 and skip is not None:
             flag[0] = 1 + reasons.index(skip.reason)
             flag[1] = skip.node
