@@ -22,7 +22,7 @@ from tests.harness.trainer_job import (
     MOMENTUM,
     SHAPES,
     SIM_CASES,
-    initial_params,
+    closed_form,
     leave,
     load_params,
     plain,
@@ -51,13 +51,7 @@ def worker_main(cfg: dict) -> int:
     dist.init_process_group("gloo")
     rank, out = dist.get_rank(), Path(cfg["out"])
 
-    class Closed(torch.nn.Module):
-        def forward(self, goals: dict):
-            return sum(0.5 * ((getattr(self, n) - goals[n]) ** 2).sum() for n in SHAPES)
-
-    module = Closed()
-    for name, value in initial_params(rank, SHAPES).items():
-        module.register_parameter(name, torch.nn.Parameter(torch.from_numpy(value)))
+    module = closed_form(rank, SHAPES)
     ddp = DistributedDataParallel(module)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=LRS[0], momentum=MOMENTUM)
     state = bps.ddp.HookState(PARAMS, optimizer=optimizer, module=module)

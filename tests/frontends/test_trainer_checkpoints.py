@@ -25,7 +25,7 @@ from tests.harness.trainer_job import (
     SHAPES,
     SIM_CASES,
     SIM_LRS,
-    initial_params,
+    closed_form,
     launch,
     load_params,
     make_model,
@@ -39,20 +39,6 @@ PARAMS = {**SIM_CASES["randomk"], "ef": "vanilla", "momentum": "nesterov", "fp16
 SAVE_AT = 3
 
 # ----------------------------------------------------------------------------- worker side
-
-
-def closed_form(rank: int):
-    """A module whose ``forward(goals)`` is ``sum 0.5 * ||w - goal||^2``."""
-    import torch
-
-    class Closed(torch.nn.Module):
-        def forward(self, goals: dict):
-            return sum(0.5 * ((getattr(self, n) - goals[n]) ** 2).sum() for n in SHAPES)
-
-    module = Closed()
-    for name, value in initial_params(rank, SHAPES).items():
-        module.register_parameter(name, torch.nn.Parameter(torch.from_numpy(value)))
-    return module
 
 
 def train_trainer(run: dict, rank: int) -> None:
@@ -103,7 +89,7 @@ def train_ddp(run: dict, rank: int) -> None:
     import bps.ddp
 
     save, resume = checkpoint_snippet("ddp.md")
-    model = closed_form(rank)
+    model = closed_form(rank, SHAPES)
     names = {"bps": bps, "torch": torch, "dist": dist, "model": model,
              "DistributedDataParallel": DistributedDataParallel,
              "compression_params": dict(PARAMS)}

@@ -54,6 +54,21 @@ def make_model(rank: int, shapes: dict):
     return model
 
 
+def closed_form(rank: int, shapes: dict):
+    """A module whose ``forward(goals)`` is ``sum 0.5 * ||w - goal||^2`` over ``shapes``,
+    starting from ``rank``'s parameters."""
+    import torch
+
+    class Closed(torch.nn.Module):
+        def forward(self, goals: dict):
+            return sum(0.5 * ((getattr(self, n) - goals[n]) ** 2).sum() for n in shapes)
+
+    module = Closed()
+    for name, value in initial_params(rank, shapes).items():
+        module.register_parameter(name, torch.nn.Parameter(torch.from_numpy(value)))
+    return module
+
+
 def expect_errors(cfg: dict, rank: int, shapes: dict) -> list[str]:
     """Every bad dict, then a model that differs on rank 1: the error each raised."""
     import torch
