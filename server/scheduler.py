@@ -33,9 +33,9 @@ cluster key reach it. A node id is bound to the connection that said HELLO first
 second HELLO for a taken worker id or server rank, or with a taken token, is refused
 and logged with the peer's address; messages from a connection that did not say HELLO
 are refused the same way. So is a HELLO whose job-wide settings (``DMLC_NUM_WORKER``,
-``DMLC_NUM_SERVER``) differ from the scheduler's, naming both values. The rendezvous
-timeout names, besides who is missing, the addresses whose handshake (another cluster's
-key) or HELLO was refused, and why.
+``DMLC_NUM_SERVER``, ``BPS_MIN_WORKERS``) differ from the scheduler's, naming both
+values. The rendezvous timeout names, besides who is missing, the addresses whose
+handshake (another cluster's key) or HELLO was refused, and why.
 """
 
 from __future__ import annotations
@@ -482,15 +482,17 @@ class Scheduler:
         """A job-wide setting the HELLO carries that differs from the scheduler's (None:
         all agree). A HELLO without them (an older client) is not checked."""
         for name, variable, mine in (("num_workers", "DMLC_NUM_WORKER", self.env.num_workers),
-                                     ("num_servers", "DMLC_NUM_SERVER", self.env.num_servers)):
+                                     ("num_servers", "DMLC_NUM_SERVER", self.env.num_servers),
+                                     ("min_workers", "BPS_MIN_WORKERS",
+                                      self.env.min_workers or 0)):
             theirs = header.get(name)
             if theirs is None:
                 continue
             if isinstance(theirs, bool) or not isinstance(theirs, int):
                 return f"field {name!r} has type {type(theirs).__name__}"
-            if theirs != mine:
-                return (f"its {variable}={theirs} differs from the scheduler's "
-                        f"{variable}={mine} (every node of a job needs the same)")
+            if theirs != mine:  # 0: BPS_MIN_WORKERS unset
+                return (f"its {variable}={theirs or 'unset'} differs from the scheduler's "
+                        f"{variable}={mine or 'unset'} (every node of a job needs the same)")
         return None
 
     def _barrier(self, node: _Node, seq: int) -> None:

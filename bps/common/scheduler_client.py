@@ -110,7 +110,8 @@ class SchedulerClient:
         # the job-wide settings the scheduler checks against its own
         self.send(Op.HELLO, role=self.role, worker_id=worker_id, addr=self.addr,
                   token=self.token, num_workers=self.env.num_workers,
-                  num_servers=self.env.num_servers, **extra)
+                  num_servers=self.env.num_servers, min_workers=self.env.min_workers or 0,
+                  **extra)
         # the scheduler's own rendezvous timeout (which names who is missing) comes first
         deadline = time.monotonic() + self.env.timeout + self.env.heartbeat_timeout
         self.last_seen = time.monotonic()

@@ -276,16 +276,22 @@ def test_every_role_that_fails_is_named_within_the_heartbeat_timeout(
             assert not blamed.search(c.log(name)), (name, healthy, c.log(name))
 
 
-def test_a_node_with_another_num_server_is_refused_and_named(cluster) -> None:
-    """A worker whose DMLC_NUM_SERVER differs from the scheduler's is refused at once,
-    naming both values; the others' rendezvous timeout names its address and why."""
+@pytest.mark.parametrize("setting,why", [
+    ({"DMLC_NUM_SERVER": "2"},
+     "its DMLC_NUM_SERVER=2 differs from the scheduler's DMLC_NUM_SERVER=1"),
+    ({"BPS_MIN_WORKERS": "1"},
+     "its BPS_MIN_WORKERS=1 differs from the scheduler's BPS_MIN_WORKERS=unset"),
+])
+def test_a_node_with_another_job_setting_is_refused_and_named(cluster, setting, why) -> None:
+    """A worker whose DMLC_NUM_SERVER or BPS_MIN_WORKERS differs from the scheduler's is
+    refused at once, naming both values; the others' rendezvous timeout names its
+    address and why."""
     c = cluster(workers=2, servers=1, timeout=5.0)
     c.start("scheduler", ROLE, DMLC_ROLE="scheduler")
     c.start("server0", ROLE, DMLC_ROLE="server")
     c.worker(0)
     c.start("worker1", [sys.executable, JOB, "--out", str(c.tmp_path), "--case", "loop"],
-            DMLC_ROLE="worker", DMLC_WORKER_ID="1", DMLC_NUM_SERVER="2")
-    why = "its DMLC_NUM_SERVER=2 differs from the scheduler's DMLC_NUM_SERVER=1"
+            DMLC_ROLE="worker", DMLC_WORKER_ID="1", **setting)
     code, out = c.wait("worker1", EXIT_WITHIN)
     assert code != 0 and f"HELLO as worker 1: {why}" in out, out
     assert "rendezvous timed out" not in out, out  # at once, not after BPS_TIMEOUT
