@@ -130,16 +130,6 @@ def _min_workers(environ: Mapping[str, str], num_workers: int) -> int | None:
     return value
 
 
-def _node_agent(environ: Mapping[str, str]) -> bool:
-    """``BPS_NODE_AGENT``; not with ``BPS_MIN_WORKERS`` (a node agent's pipeline does not
-    follow membership changes yet)."""
-    agent = bool(_int(environ, "BPS_NODE_AGENT", 0, 0, 1))
-    if agent and environ.get("BPS_MIN_WORKERS", "").strip():
-        raise EnvError("BPS_NODE_AGENT=1 and BPS_MIN_WORKERS cannot be combined yet: the "
-                       "node agent does not follow worker nodes leaving; unset one of them")
-    return agent
-
-
 def _seconds(environ: Mapping[str, str], name: str, default: float) -> float:
     raw = _get(environ, name, repr(default))
     try:
@@ -311,7 +301,7 @@ class ClusterEnv:
             frame_bytes=frame_bytes,
             connections_per_server=_optional_int(env, "BPS_CONNECTIONS_PER_SERVER", 1, 64),
             io_threads=_optional_int(env, "BPS_IO_THREADS", 1, 64),
-            node_agent=_node_agent(env),
+            node_agent=bool(_int(env, "BPS_NODE_AGENT", 0, 0, 1)),
             min_workers=_min_workers(env, num_workers),
         )
 

@@ -71,9 +71,11 @@ class _AgentRuntime:
 
     def __init__(self, env: ClusterEnv, engine: Any, tracer: Any, first_key: int,
                  node: _NodePipe) -> None:
-        self.env, self.engine, self.tracer = env, engine, tracer
+        self.env, self.engine, self.tracer, self.node = env, engine, tracer, node
         self.local_size = node.size
         self.size = engine.num_workers * node.size
+        self.generation = 0
+        self.members = list(range(engine.num_workers))
         self.group = LocalGroup.connect(0, 1, "127.0.0.1", 0) if node.size == 1 \
             else _NodeGroup(node)
         self.first_key = self.next_key = first_key
@@ -84,6 +86,12 @@ class _AgentRuntime:
         with self._lock:
             first, self.next_key = self.next_key, self.next_key + count
             return first
+
+    def set_membership(self, generation: int, members: list[int]) -> None:
+        """Runtime.set_membership: the node's local ranks divide by the ranks present."""
+        if generation > self.generation:
+            self.generation, self.members = generation, sorted(members)
+            self.size = self.node.world = len(self.members) * self.local_size
 
     def unique_name(self, prefix: str) -> str:
         with self._lock:
@@ -210,10 +218,11 @@ class _NodePipe:
             if self.finished is not None and self.finished[0] == self.pipe.wire_step:
                 return self.finished[1]
             skip = self.pipe.finish()
-            if skip is not None and skip.reason == "nonfinite":
+            if skip is not None and skip.reason in ("nonfinite", "membership"):
+                fill = float("nan") if skip.reason == "nonfinite" else 0.0
                 for rank in range(1, self.size):
                     for view in self.ranks[rank][1]:
-                        view.fill_(float("nan"))
+                        view.fill_(fill)
             self.finished = (self.pipe.wire_step, skip)
             return skip
 

@@ -322,13 +322,17 @@ class SharedPipeline(SlotQueries):
 
     def finish(self) -> Skipped | None:
         """GradPipeline's ``finish``, in the agent (one call); destinations outside the
-        buffers get NaN too where a gradient was not finite."""
+        buffers get NaN too where a gradient was not finite, zeros where worker nodes left
+        (and this process's runtime learns who is present)."""
         skip = self._engine.call("pipeline_finish", self.pipe_id)
-        if skip is not None and skip.reason == "nonfinite":
+        if skip is not None and skip.reason == "membership":
+            self._rt.set_membership(skip.generation, list(skip.members))
+        if skip is not None and skip.reason in ("nonfinite", "membership"):
+            fill = float("nan") if skip.reason == "nonfinite" else 0.0
             with torch.no_grad():
                 for slot in self.slots:
                     if slot.dest is not None:
-                        slot.dest.fill_(float("nan"))
+                        slot.dest.fill_(fill)
         return skip
 
     def end_step(self, applied: bool) -> None:

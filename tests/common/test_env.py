@@ -50,8 +50,6 @@ def test_env_defaults() -> None:
     ({"BPS_MIN_WORKERS": "0"}, "BPS_MIN_WORKERS=0 out of range"),
     ({"BPS_MIN_WORKERS": "5"}, "BPS_MIN_WORKERS=5 out of range: at most DMLC_NUM_WORKER=4"),
     ({"BPS_MIN_WORKERS": "most"}, "BPS_MIN_WORKERS='most' is not an integer"),
-    ({"BPS_MIN_WORKERS": "3", "BPS_NODE_AGENT": "1"},
-     "BPS_NODE_AGENT=1 and BPS_MIN_WORKERS cannot be combined"),
 ])
 def test_env_errors_name_the_variable(change: dict, fragment: str) -> None:
     environ = {k: v for k, v in {**BASE, **change}.items() if v is not None}

@@ -83,14 +83,16 @@ bps.shutdown()
 """
 
 
-def test_after_a_node_leaves_every_local_rank_deals_over_the_survivors() -> None:
-    """3 worker nodes of 2 local ranks, node 1 killed at step 2 (--min-workers 2): every
-    survivor, local rank 1 too, learns the members present; their models agree and
-    their shards of the next epoch cover the data set once."""
+@pytest.mark.parametrize("agent", ["0", "1"])
+def test_after_a_node_leaves_every_local_rank_deals_over_the_survivors(agent) -> None:
+    """3 worker nodes of 2 local ranks, node 1 killed at step 2 (--min-workers 2), with
+    and without the node agent: every survivor, local rank 1 too, learns the members
+    present; their models agree and their shards of the next epoch cover the data set
+    once."""
     code, output = run_command(
         BPSLAUNCH + ["local", "--workers", "3", "--servers", "1", "--local-size", "2",
                      "--min-workers", "2", "--", sys.executable, "-c", LEAVING_JOB],
-        TEST_ENV, timeout=150)
+        {**TEST_ENV, "BPS_NODE_AGENT": agent}, timeout=150)
     assert code == 0, output[-4000:]
     lines = {line.split("] ")[0][1:]: line.split()[2:] for line in output.splitlines()
              if "] after " in line}

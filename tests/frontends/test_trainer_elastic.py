@@ -75,6 +75,15 @@ def test_a_killed_worker_node_leaves_and_the_others_match_the_replay(tmp_path, v
     assert "PEER_DEAD" not in out and "ClusterError" not in out, out[-4000:]
 
 
+def test_under_the_node_agent_a_killed_worker_node_leaves_too(tmp_path):
+    """BPS_NODE_AGENT=1: the pipelines in the agents follow the membership change; the
+    survivors match the same replay."""
+    result = run(tmp_path, "SIGKILL", min_workers=2, env={"BPS_NODE_AGENT": "1"})
+    assert result.returncode == 0, result.stdout[-4000:]
+    check_survivors(tmp_path)
+    assert "membership generation 1" in result.stdout
+
+
 def test_a_worker_node_that_fails_leaves_at_once(tmp_path):
     """An exception at the start of step 2: its FAILED report is the news; the job
     exits 0 and the survivors match the replay."""
