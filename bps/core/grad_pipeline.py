@@ -149,7 +149,7 @@ class _Slot:
 
 
 class SlotQueries:
-    """What a front end asks of a pipeline's ``slots`` (each with ``param`` and ``ready``),
+    """What a front end asks of a pipeline's ``slots`` (each with ``name``, ``param``, ``ready``),
     whether it runs in this process or in the node agent."""
 
     slots: list
@@ -166,6 +166,17 @@ class SlotQueries:
     def pending(self) -> list[int]:
         """The parameters not pushed yet this step."""
         return [i for i, s in enumerate(self.slots) if not s.ready]
+
+    def check_push(self, index: int, dest: torch.Tensor):
+        """Parameter ``index``'s slot, where a push of it into ``dest`` may start: not
+        pushed yet this step, ``dest`` contiguous with the parameter's numel."""
+        slot = self.slots[index]
+        if slot.ready:
+            raise RuntimeError(f"gradient of {slot.name!r} pushed twice in one step")
+        if dest.numel() != slot.param.numel() or not dest.is_contiguous():
+            raise ValueError(f"dest of {slot.name!r} must be a contiguous tensor of "
+                             f"{slot.param.numel()} elements")
+        return slot
 
 
 class GradPipeline(SlotQueries):
@@ -327,12 +338,7 @@ class GradPipeline(SlotQueries):
         ``joined``: this rank has no data (``join()``): a ``zero`` marker travels, no
         chain runs, nothing is added. ``done(index)`` runs on the broadcast thread once
         ``dest`` holds the average (the step may still be skipped: :meth:`finish`)."""
-        slot = self.slots[index]
-        if slot.ready:
-            raise RuntimeError(f"gradient of {slot.name!r} pushed twice in one step")
-        if dest.numel() != slot.param.numel() or not dest.is_contiguous():
-            raise ValueError(f"dest of {slot.name!r} must be a contiguous tensor of "
-                             f"{slot.param.numel()} elements")
+        slot = self.check_push(index, dest)
         slot.ready = True
         slot.dest, slot.done = dest if dest.dim() == 1 else dest.view(-1), done
         if self._tracer is not None:

@@ -204,12 +204,7 @@ class SharedPipeline(SlotQueries):
              joined: bool = False, done: Callable[[int], None] | None = None) -> None:
         """GradPipeline's ``push``: ``source`` is copied into the buffer unless it is the
         buffer, the average out of it unless ``dest`` is the buffer."""
-        slot = self.slots[index]
-        if slot.ready:
-            raise RuntimeError(f"gradient of {slot.name!r} pushed twice in one step")
-        if dest.numel() != slot.param.numel() or not dest.is_contiguous():
-            raise ValueError(f"dest of {slot.name!r} must be a contiguous tensor of "
-                             f"{slot.param.numel()} elements")
+        slot = self.check_push(index, dest)
         flat = dest if dest.dim() == 1 else dest.view(-1)
         with torch.no_grad():
             if joined:
