@@ -30,10 +30,10 @@ from tests.harness.trainer_job import (
     SHAPES,
     SIM_CASES,
     SIM_LRS,
+    big_chains,
     initial_params,
     make_model,
     nesterov,
-    reference_codec,
     targets,
     worker_main,
 )
@@ -185,8 +185,6 @@ def simulate(params: dict | None, nodes: int, lrs: list[float], passes: int = 1,
     contributing nothing (the divisor stays the number of ranks; a node none of whose
     ranks has data pushes nothing). ``params`` None: uncompressed float32 wire, no
     momentum."""
-    from tests.harness.reference_compressors import RefChain
-
     f32 = np.float32
     ranks = nodes * local_size
     w = initial_params(0, shapes)
@@ -197,10 +195,7 @@ def simulate(params: dict | None, nodes: int, lrs: list[float], passes: int = 1,
     compressed = params is not None and params.get("compressor") is not None
     mu = MOMENTUM if params is not None and params.get("momentum") else None
     if compressed:
-        workers = [[RefChain(*reference_codec(params, n), n, "float32", True, mu)
-                    for _, n in parts] for _ in range(nodes)]
-        servers = [RefChain(*reference_codec(params, n), n, "float32", True, None)
-                   for _, n in parts]
+        _, workers, servers = big_chains(params, nodes, mu, shapes)
     local_momentum = {n: np.zeros(shape, f32) for n, shape in shapes.items()}
     optimizer_momentum = {n: None for n in shapes}
     for step in range(max(steps_per_rank)):

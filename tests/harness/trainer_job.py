@@ -266,6 +266,22 @@ def reference_codec(params: dict, numel: int):
     return ref.ref_codec({**params, "seed": SIM_SEED}, numel, "float32")
 
 
+def big_chains(params: dict, nodes: int, mu: float | None, shapes: dict = SHAPES
+               ) -> tuple[list[tuple[int, int]], list[list], list]:
+    """The reference chains of ``shapes["big"]`` cut in partitions of ``PARTITION``
+    elements: (offset, numel) of each partition, each node's worker chains (momentum
+    ``mu``) and the servers' chains, one per partition."""
+    from tests.harness.reference_compressors import RefChain
+
+    numel = int(np.prod(shapes["big"]))
+    parts = [(o, min(PARTITION, numel - o)) for o in range(0, numel, PARTITION)]
+    workers = [[RefChain(*reference_codec(params, n), n, "float32", True, mu)
+                for _, n in parts] for _ in range(nodes)]
+    servers = [RefChain(*reference_codec(params, n), n, "float32", True, None)
+               for _, n in parts]
+    return parts, workers, servers
+
+
 def simulate(params: dict, nodes: int, lrs: list[float], compressed_from: int | None = 0,
              shapes: dict = SHAPES) -> dict:
     """The pipeline of docs/architecture.md in numpy: per node, g = (w - t_node) / nodes ->
@@ -285,16 +301,10 @@ def replay(params: dict, nodes: int, lrs: list[float], grads, compressed_from: i
     step, the nodes present (each share divided by their number, summed in node order),
     or None for a step dropped everywhere (worker nodes left: nothing changes); default
     all ``nodes`` every step."""
-    from tests.harness.reference_compressors import RefChain
-
     f32 = np.float32
     w = initial_params(0, shapes)  # rank 0's parameters, broadcast at construction
     numel = int(np.prod(shapes["big"]))
-    parts = [(o, min(PARTITION, numel - o)) for o in range(0, numel, PARTITION)]
-    workers = [[RefChain(*reference_codec(params, n), n, "float32", True, MOMENTUM)
-                for _, n in parts] for _ in range(nodes)]
-    servers = [RefChain(*reference_codec(params, n), n, "float32", True, None)
-               for _, n in parts]
+    parts, workers, servers = big_chains(params, nodes, MOMENTUM, shapes)
     local_momentum = {n: np.zeros(shape, f32) for n, shape in shapes.items()}
     applied = 0  # steps applied: warmup counts these
     for step, lr in enumerate(lrs):

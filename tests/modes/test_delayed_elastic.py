@@ -9,13 +9,12 @@ import numpy as np
 
 from tests.harness.trainer_job import (
     MOMENTUM,
-    PARTITION,
     SHAPES,
     SIM_CASES,
+    big_chains,
     initial_params,
     launch,
     nesterov,
-    reference_codec,
     targets,
 )
 
@@ -29,16 +28,10 @@ def simulate_stale(members: list[list[int] | None]) -> dict:
     """Step t pushes round t (the gradients at w_t, divided by the nodes present, or
     nothing where ``members[t]`` is None: dropped) and applies round t-1's aggregate
     with step t's lr (plain SGD: the momentum runs in the chains)."""
-    from tests.harness.reference_compressors import RefChain
-
     f32 = np.float32
     w = initial_params(0, SHAPES)
     numel = int(np.prod(SHAPES["big"]))
-    parts = [(o, min(PARTITION, numel - o)) for o in range(0, numel, PARTITION)]
-    workers = [[RefChain(*reference_codec(PARAMS, n), n, "float32", True, MOMENTUM)
-                for _, n in parts] for _ in range(WORKERS)]
-    servers = [RefChain(*reference_codec(PARAMS, n), n, "float32", True, None)
-               for _, n in parts]
+    parts, workers, servers = big_chains(PARAMS, WORKERS, MOMENTUM)
     momentum = {n: np.zeros(s, f32) for n, s in SHAPES.items() if n != "big"}
     pending = None
     for t, lr in enumerate(LRS):

@@ -10,12 +10,11 @@ import numpy as np
 
 from tests.harness.trainer_job import (
     MOMENTUM,
-    PARTITION,
     SHAPES,
     SIM_CASES,
+    big_chains,
     initial_params,
     launch,
-    reference_codec,
     targets,
 )
 
@@ -37,19 +36,13 @@ def simulate(dropped_round: int) -> dict:
     error feedback (the chains' lr: the outer lr, 1) and the servers' sum in node order,
     and the anchor moves by the mean (outer "average"); round ``dropped_round`` is
     dropped: every survivor restarts from the anchor."""
-    from tests.harness.reference_compressors import RefChain
-
     f32 = np.float32
     anchor = initial_params(0, SHAPES)
     survivors = [r for r in range(WORKERS) if r != VICTIM]
     ws = {r: dict(anchor) for r in range(WORKERS)}
     bufs = {r: {n: None for n in SHAPES} for r in range(WORKERS)}
     numel = int(np.prod(SHAPES["big"]))
-    parts = [(o, min(PARTITION, numel - o)) for o in range(0, numel, PARTITION)]
-    workers = {r: [RefChain(*reference_codec(PARAMS, n), n, "float32", True, None)
-                   for _, n in parts] for r in range(WORKERS)}
-    servers = [RefChain(*reference_codec(PARAMS, n), n, "float32", True, None)
-               for _, n in parts]
+    parts, workers, servers = big_chains(PARAMS, WORKERS, None)
     rounds = 0
     for step, lr in enumerate(LRS):
         for r in ws:
