@@ -194,9 +194,9 @@ def test_graphs_give_the_eager_payloads_and_state(device_chain, name):
             if step == 5:
                 x[7] = torch.nan  # refused by both: nothing changes
             lr = [0.5, 0.4, 0.4, 0.1, 0.3, 0.3, 0.2, 0.6, 0.6][step]
+            before = copy.deepcopy(graphed.state_dict())  # a rollback undoes set_lr too
             eager.set_lr(lr)
             graphed.set_lr(lr)
-            before = copy.deepcopy(graphed.state_dict())
             a = staged_step(eager.encode, eager, x)
             b = staged_step(lambda x: staging.encode(graphed, x), graphed, x)
             assert (a is None) == (b is None) == (step == 5), step
