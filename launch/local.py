@@ -32,7 +32,13 @@ from collections.abc import Sequence
 
 from bps.common.auth import job_credentials
 from bps.launch.role import free_ports, local_rank_envs, share_cores
-from bps.launch.supervisor import JOINED_DIR_VARIABLE, Supervisor, command_problem
+from bps.launch.supervisor import (
+    JOINED_DIR_VARIABLE,
+    Supervisor,
+    add_min_workers_option,
+    command_problem,
+    min_workers,
+)
 
 
 def parse_args(args: Sequence[str]) -> argparse.Namespace:
@@ -42,10 +48,7 @@ def parse_args(args: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--servers", type=int, default=1, help="servers (default 1)")
     parser.add_argument("--local-size", type=int, default=1,
                         help="processes per worker node (default 1)")
-    parser.add_argument("--min-workers", type=int, default=None,
-                        help="worker nodes the job needs: a worker node that dies leaves "
-                        "the job while at least this many are left (default: all; "
-                        "BPS_MIN_WORKERS)")
+    add_min_workers_option(parser)
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD...")
     ns = parser.parse_args(list(args))
     if ns.command and ns.command[0] == "--":
@@ -53,17 +56,7 @@ def parse_args(args: Sequence[str]) -> argparse.Namespace:
     for flag in ("workers", "servers", "local_size"):
         if getattr(ns, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1")
-    if ns.min_workers is None and os.environ.get("BPS_MIN_WORKERS", "").strip():
-        raw = os.environ["BPS_MIN_WORKERS"].strip()
-        if not raw.isdigit():
-            parser.error(f"BPS_MIN_WORKERS={raw!r} is not an integer")
-        ns.min_workers = int(raw)
-        flag = "BPS_MIN_WORKERS"
-    else:
-        flag = "--min-workers"
-    if ns.min_workers is not None and not 1 <= ns.min_workers <= ns.workers:
-        parser.error(f"{flag}={ns.min_workers} out of range: expected 1 to --workers "
-                     f"({ns.workers})")
+    ns.min_workers = min_workers(parser, ns.min_workers, ns.workers, "--workers")
     if not ns.command:
         parser.error("missing the command to run: bpslaunch local [options] -- CMD...")
     problem = command_problem(ns.command)

@@ -11,12 +11,13 @@ Usage::
     bpslaunch netem --nodes 4 --servers 4 --rate 100mbit -- python examples/mnist.py ...
     bpslaunch netem --nodes 4 --rate 100mbit --torchrun -- python examples/ddp_mnist.py ...
 
-``--torchrun`` runs CMD with torchrun's variables (MASTER_ADDR = node 0, RANK,
-WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE) and no bps servers: for DDP baselines
-on the same emulated network. ``--stats-json PATH`` writes the bytes every host
-sent and received. Everything is torn down on exit, on failure, on Ctrl-C and on
-SIGTERM; namespaces left by a run that was killed outright are removed by the
-next run.
+``--min-workers M`` lets worker hosts leave the job as ``bpslaunch local``'s does
+(docs/runtime.md, "Elastic membership"). ``--torchrun`` runs CMD with torchrun's
+variables (MASTER_ADDR = node 0, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE) and no
+bps servers: for DDP baselines on the same emulated network. ``--stats-json PATH``
+writes the bytes every host sent and received. Everything is torn down on exit, on
+failure, on Ctrl-C and on SIGTERM; namespaces left by a run that was killed outright are
+removed by the next run.
 """
 
 from __future__ import annotations
@@ -32,7 +33,12 @@ from bps.common.auth import job_credentials
 from bps.launch.link_shape import LinkShape, NetnsError
 from bps.launch.netns import EmulatedCluster, clean_stale, require_privileges
 from bps.launch.role import share_cores
-from bps.launch.supervisor import Supervisor, command_problem
+from bps.launch.supervisor import (
+    Supervisor,
+    add_min_workers_option,
+    command_problem,
+    min_workers,
+)
 
 SCHEDULER_PORT = 9000  # every namespace is fresh, so fixed ports cannot clash
 TORCH_MASTER_PORT = 29500
@@ -67,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="run CMD with torch.distributed variables instead of bps roles")
     parser.add_argument("--stats-json", metavar="PATH",
                         help="write the bytes each host sent and received to PATH")
+    add_min_workers_option(parser)
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD...")
     return parser
 
@@ -91,6 +98,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error("--torchrun runs no bps servers: leave --servers out (or set it to 0)")
     if not args.torchrun and args.servers < 1:
         parser.error(f"--servers must be >= 1, got {args.servers}")
+    if args.torchrun and args.min_workers is not None:
+        parser.error("--torchrun runs no bps scheduler: --min-workers needs bps mode")
+    args.min_workers = None if args.torchrun else \
+        min_workers(parser, args.min_workers, args.nodes, "--nodes")
     try:
         args.shape = LinkShape.parse(args.rate, args.delay, args.loss)
     except NetnsError as exc:
@@ -124,6 +135,8 @@ def bps_processes(args: argparse.Namespace, cluster: EmulatedCluster):
         "MASTER_ADDR": cluster.hosts["w0"].ip,
         "MASTER_PORT": str(TORCH_MASTER_PORT),
     }
+    if args.min_workers is not None:
+        common["BPS_MIN_WORKERS"] = str(args.min_workers)
     launcher = [sys.executable, "-m", "bps.launch.cli"]
     roles = [("sched", "scheduler", {})]
     roles += [(f"s{j}", "server", {"BPS_SERVER_ID": str(j)}) for j in range(args.servers)]
@@ -206,9 +219,11 @@ def main(argv: list[str]) -> int:
         threads = share_cores(sharing)
         start = time.monotonic()
         with job_credentials(os.environ) as credentials:
+            spare = 0 if args.min_workers is None else args.nodes - args.min_workers
             exit_code = run_processes([
                 (name, argv, {**env, **credentials, **(threads if not service else {})},
-                 service) for name, argv, env, service in processes(args, cluster)])
+                 service) for name, argv, env, service in processes(args, cluster)],
+                spare_nodes=spare)
         if args.stats_json:
             write_stats(args.stats_json, args, cluster, time.monotonic() - start, exit_code)
     except NetnsError as exc:
@@ -230,13 +245,16 @@ def main(argv: list[str]) -> int:
     return exit_code
 
 
-def run_processes(processes: list[tuple[str, list[str], dict, bool]]) -> int:
+def run_processes(processes: list[tuple[str, list[str], dict, bool]],
+                  spare_nodes: int = 0) -> int:
     """Start every process under one supervisor; the workers' exit codes decide.
 
     Scheduler and servers are services: once every worker exited 0 they get the
-    supervisor's grace period to finish on their own.
+    supervisor's grace period to finish on their own. ``spare_nodes`` worker hosts may
+    fail with the job going on (``--min-workers``).
     """
-    with Supervisor() as supervisor:
+    with Supervisor(spare_nodes=spare_nodes) as supervisor:
         for name, argv, env, service in processes:
-            supervisor.spawn(argv, env, name, service=service)
+            supervisor.spawn(argv, env, name, service=service,
+                             node=None if service else name)
         return supervisor.wait()

@@ -16,7 +16,7 @@ then given ``grace`` seconds to exit on their own before being stopped); as soon
 child fails, the others get ``report`` seconds to exit on their own (the cluster tells its
 processes, and each names the failure as it exits), the rest are stopped, and it returns
 that child's exit code (128 + signal for a child killed by a signal). With
-``spare_nodes`` (``bpslaunch local --min-workers``), that many worker nodes may fail
+``spare_nodes`` (``bpslaunch local|netem --min-workers``), that many worker nodes may fail
 first: the rest of a failed node's processes are stopped and the job goes on (the
 scheduler tells the others; it fails the job itself where too few are left). Leaving the
 ``with`` block, an exception or Ctrl-C stops every child: SIGTERM, then SIGKILL after
@@ -25,6 +25,7 @@ scheduler tells the others; it fails the job itself where too few are left). Lea
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import os
 import queue
@@ -60,6 +61,29 @@ class Child:
     service: bool
     output: threading.Thread
     node: str | None = None  # the worker node it belongs to (its processes fail together)
+
+
+def add_min_workers_option(parser: argparse.ArgumentParser) -> None:
+    """``--min-workers M``, read by :func:`min_workers` (``bpslaunch local`` and ``netem``)."""
+    parser.add_argument("--min-workers", type=int, default=None,
+                        help="worker nodes the job needs: a worker node that dies leaves "
+                        "the job while at least this many are left (default: all; "
+                        "BPS_MIN_WORKERS)")
+
+
+def min_workers(parser: argparse.ArgumentParser, given: int | None, workers: int,
+                workers_flag: str) -> int | None:
+    """``--min-workers`` (else ``BPS_MIN_WORKERS``, else None), checked against the job's
+    ``workers`` worker nodes; a bad value is a usage error naming the flag or variable."""
+    flag = "--min-workers"
+    if given is None and os.environ.get("BPS_MIN_WORKERS", "").strip():
+        raw = os.environ["BPS_MIN_WORKERS"].strip()
+        if not raw.isdigit():
+            parser.error(f"BPS_MIN_WORKERS={raw!r} is not an integer")
+        given, flag = int(raw), "BPS_MIN_WORKERS"
+    if given is not None and not 1 <= given <= workers:
+        parser.error(f"{flag}={given} out of range: expected 1 to {workers_flag} ({workers})")
+    return given
 
 
 def command_problem(argv: Sequence[str], path: str | None = None) -> str | None:

@@ -154,17 +154,36 @@ def leave(cfg: dict, rank: int, step: int, out: Path, where: str = "start") -> N
     signal at the start of that step, before it pushes anything of it, or (``where``
     "backward") right after its backward, its pushes on their way (SIGSTOP: its pid goes
     to ``stopped.pid`` first, for :func:`resume_stopped`); "raise" instead of a signal:
-    it raises RuntimeError("boom") there."""
+    it raises RuntimeError("boom") there; "cut" (under ``bpslaunch netem``): its host's
+    cable is out for ``spec[4]`` seconds from there (:func:`cut_link`), and it goes on."""
     spec = cfg.get("leave")
     if spec is None or spec[0] != rank or spec[1] != step or \
             (spec[3] if len(spec) > 3 else "start") != where:
         return
     if spec[2] == "raise":
         raise RuntimeError("boom")
+    if spec[2] == "cut":
+        cut_link(float(spec[4]))
+        return
     sig = getattr(signal, spec[2])
     if sig == signal.SIGSTOP:
         (out / "stopped.pid").write_text(str(os.getpid()))
     os.kill(os.getpid(), sig)
+
+
+def cut_link(seconds: float) -> None:
+    """Take this emulated host's cable out: its port on ``bpslaunch netem``'s switch goes
+    down (the host's own interface stays up, as when a cable is pulled at the far end)
+    and comes back up after ``seconds``, whatever the job does meanwhile."""
+    netns = subprocess.run(["ip", "netns", "identify"], capture_output=True, text=True,
+                           check=True).stdout.split()[0]
+    tag, host = netns.rsplit("-", 1)
+    switch, port = f"{tag}-sw", f"p-{host}"
+    subprocess.run(["ip", "-n", switch, "link", "set", port, "down"], check=True)
+    # the cut's length, not a synchronisation: the job must cope with any length
+    subprocess.Popen(["sh", "-c", f"sleep {seconds}; ip -n {switch} link set {port} up"],
+                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                     stderr=subprocess.DEVNULL, start_new_session=True)
 
 
 def resume_stopped(out: Path) -> None:
@@ -210,13 +229,16 @@ def worker_main(cfg: dict, train: Callable[..., dict] = train) -> int:
 def launch(cfg: dict, tmp: Path, workers: int = 2, servers: int = 1, local_size: int = 1,
            env: dict | None = None, timeout: float = 120,
            module: str = "tests.harness.trainer_job",
-           options: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+           options: tuple[str, ...] = (), netem: bool = False) -> subprocess.CompletedProcess:
     """Run ``module``'s worker program (``python -m module``, from the repository's root)
-    on a ``bpslaunch local`` cluster with ``cfg`` (``options``: more of bpslaunch's)."""
+    on a ``bpslaunch local`` cluster with ``cfg`` (``options``: more of bpslaunch's), or
+    with ``netem`` on ``bpslaunch netem``'s emulated hosts, unthrottled."""
     from tests.harness.ps_job import BPSLAUNCH
 
     cfg = {"shapes": SHAPES, **cfg, "out": str(tmp)}
-    cmd = [*BPSLAUNCH, "local", "--workers", str(workers), "--servers", str(servers),
+    cluster = ["netem", "--nodes", str(workers), "--rate", "none"] if netem else \
+        ["local", "--workers", str(workers)]
+    cmd = [*BPSLAUNCH, *cluster, "--servers", str(servers),
            "--local-size", str(local_size), *options, "--", sys.executable, "-m", module,
            json.dumps(cfg)]
     full_env = {**os.environ, "BPS_TIMEOUT": "20", "BYTEPS_PARTITION_BYTES": "400",

@@ -122,6 +122,10 @@ def namespaces_if_visible() -> set[str] | None:
     (["--nodes", "2", "--rate", "100mbit"], "no command"),
     (["--nodes", "2", "--servers", "1", "--torchrun", "--rate", "1mbit", "--", "true"],
      "--torchrun"),
+    (["--nodes", "2", "--min-workers", "3", "--rate", "1mbit", "--", "true"],
+     "--min-workers=3 out of range: expected 1 to --nodes (2)"),
+    (["--nodes", "2", "--min-workers", "1", "--torchrun", "--rate", "1mbit", "--", "true"],
+     "--min-workers needs bps mode"),
 ])
 def test_cli_rejects_bad_arguments(args, needle):
     before = namespaces_if_visible()
