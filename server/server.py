@@ -253,13 +253,25 @@ class ParameterServer:
                         return 0
                     if header["op"] == Op.MEMBERSHIP:
                         self._membership(header, engines)
+                        # confirmed: a joiner's requests may come (their order after it
+                        # is the inbox's)
+                        link.send(Op.HEARTBEAT, generation=header["generation"])
             link.tick()
 
     def _membership(self, header: dict, engines: list[KeyEngine]) -> None:
         """Worker nodes left the job: their connections are refused from now on, and every
-        engine thread learns the members after the requests already queued."""
+        engine thread learns the members after the requests already queued. A node that
+        joins (``joined``: its node id and token) is a member from now on; the token of
+        a node's earlier incarnation stays refused."""
         present = set(header["members"])
         generation = header["generation"]
+        for node, token in header.get("joined", []):
+            for old, other in list(self.members.items()):
+                if other == node:  # an incarnation the scheduler did not see leave yet
+                    del self.members[old]
+                    self.left[old] = (f"worker {node} was replaced at membership "
+                                      f"generation {generation}")
+            self.members[bytes(token)] = node
         for token, node in list(self.members.items()):
             if node not in present:
                 del self.members[token]

@@ -293,14 +293,16 @@ def simulate(params: dict, nodes: int, lrs: list[float], compressed_from: int | 
 
 
 def replay(params: dict, nodes: int, lrs: list[float], grads, compressed_from: int | None = 0,
-           shapes: dict = SHAPES, members: list[list[int] | None] | None = None) -> dict:
+           shapes: dict = SHAPES, members: list[list[int] | None] | None = None,
+           fresh: dict[int, int] | None = None) -> dict:
     """docs/architecture.md's pipeline in numpy (see ``simulate``), with node ``r``'s
     gradient at step ``s`` given by ``grads(s, r, w)`` (a dict of
     float32 arrays): ``big`` is compressed (from step ``compressed_from``; None: never),
     the rest travels raw and gets Nesterov momentum after the sum. ``members``: per
     step, the nodes present (each share divided by their number, summed in node order),
     or None for a step dropped everywhere (worker nodes left: nothing changes); default
-    all ``nodes`` every step."""
+    all ``nodes`` every step. ``fresh``: node -> the step from which its worker chains
+    start anew (a node that joined again: its error feedback and momentum at zero)."""
     f32 = np.float32
     w = initial_params(0, shapes)  # rank 0's parameters, broadcast at construction
     numel = int(np.prod(shapes["big"]))
@@ -309,6 +311,9 @@ def replay(params: dict, nodes: int, lrs: list[float], grads, compressed_from: i
     applied = 0  # steps applied: warmup counts these
     for step, lr in enumerate(lrs):
         present = list(range(nodes)) if members is None else members[step]
+        for r, first in (fresh or {}).items():
+            if first == step:
+                workers[r] = big_chains(params, 1, MOMENTUM, shapes)[1][0]
         if present is None:
             continue
         shares = {r: {n: (g / f32(len(present))).astype(f32)
