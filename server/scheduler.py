@@ -596,6 +596,10 @@ class Scheduler:
         node.last_seen = time.monotonic()
         if op == Op.HEARTBEAT:
             self._send(node.identity, Op.HEARTBEAT)
+        elif op == Op.JOIN and any(n.finalized for n in self.nodes.values()):
+            self._refuse(node.identity, node.peer, "JOIN refused: the job is finishing (a "
+                         "worker node has finished)")
+            self._drop_joiner(node, "the job is finishing")
         elif op == Op.JOIN:
             self._admit(node)
         elif op == Op.FAILED:
