@@ -115,8 +115,8 @@ class DistributedTrainer:
         joined = None
         if rt.joining:  # a node started after the job began: the state of one present
             refusal = join_refusal(rt, "staleness=1" if staleness else
-                                   "local SGD (sync_every > 1)" if sync_every > 1 else
-                                   "compressed Adam (freeze_step)"
+                                   "streaming averaging (fragments, overlap)" if streaming
+                                   else "compressed Adam (freeze_step)"
                                    if core.params.get("freeze_step") is not None else None)
             if refusal is not None:
                 raise ValueError(refusal)
@@ -126,6 +126,7 @@ class DistributedTrainer:
             check_same_model(rt, model)
             broadcast_model(rt, model)
         self._first_key = rt.next_key()  # the mode's keys: a joiner takes the same
+        self._steps = 0  # step() calls: a joiner takes the count of the node it joins from
         self.core = core
         self.mode = choose(core, rt, tensors, staleness=staleness, sync_every=sync_every,
                            outer=outer_spec, fragments=plan, overlap=overlap)
@@ -209,8 +210,7 @@ class DistributedTrainer:
         (docs/runtime.md, "Elastic membership") starts from the count of the node it
         took the state from: ``for step in range(trainer.step_count, total)`` runs the
         same steps on every node."""
-        pipe = self.core.pipeline
-        return pipe.wire_step if pipe is not None else 0
+        return self._steps
 
     def step(self, scaler: torch.amp.GradScaler | None = None) -> bool:
         """Wait for the averaged gradients, then run ``optimizer.step()``; returns whether
@@ -228,6 +228,7 @@ class DistributedTrainer:
         try:
             applied = self.mode.step(scaler)
         finally:
+            self._steps += 1
             self._in_step = False
             self._seen = [0] * len(self._seen)
             self.core.samples = 0
@@ -240,7 +241,7 @@ class DistributedTrainer:
         error feedback and momentum, which start at zero on the joiner."""
         pipe, rt = self.core.pipeline, self.core.runtime
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "step": pipe.step, "wire_step": pipe.wire_step,
+                "steps": self._steps, "step": pipe.step, "wire_step": pipe.wire_step,
                 "local_momentum": pipe.momentum_state(),  # of raw parts: the same everywhere
                 "scale": self.core.loss_scale.state(), "mode": self.mode.state_dict(),
                 "first_key": self._first_key, "next_key": rt.next_key()}
@@ -250,6 +251,7 @@ class DistributedTrainer:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         pipe = self.core.pipeline
+        self._steps = int(state["steps"])
         pipe.step, pipe.wire_step = int(state["step"]), int(state["wire_step"])
         pipe.load_momentum_state(state["local_momentum"])
         self.core.loss_scale.load(state["scale"])

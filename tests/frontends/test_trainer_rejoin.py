@@ -9,23 +9,17 @@ three nodes again, node 2's error feedback and momentum starting at zero."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import sys
-import time
-from pathlib import Path
 
 import numpy as np
 
 from tests.harness.trainer_job import (
-    MOMENTUM,
     SHAPES,
     SIM_CASES,
     launch,
-    make_model,
     plain,
+    rejoin_train,
     replay,
-    targets,
     worker_main,
 )
 
@@ -35,49 +29,6 @@ LRS = [0.5, 0.25, 0.25, 0.5, 0.125, 0.25, 0.5, 0.25]  # powers of two: lr * g is
 WORKERS = 3
 VICTIM, KILLED_AT = 2, 2  # node 2 kills itself at the start of step 2
 WAIT_AT = 4  # the others wait at the start of step 4 until the scheduler announced the join
-
-
-def rejoin_train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
-    """Train the closed-form model; the victim kills itself once; a node that joins
-    saves the parameters it started from; every node saves its parameters at the start
-    of each step."""
-    import torch
-
-    import bps
-
-    model = make_model(rank, shapes)
-    optimizer = torch.optim.SGD(model.parameters(), lr=cfg["lrs"][0], momentum=MOMENTUM)
-    trainer = bps.DistributedTrainer(model, optimizer, run["params"])
-    start = trainer.step_count
-    params = lambda: {n: getattr(model, n).detach().numpy().copy() for n in shapes}  # noqa: E731
-    if start:
-        np.savez(out / f"admitted{rank}.npz", **params())
-    goal = {n: torch.from_numpy(t) for n, t in targets(rank, shapes).items()}
-    engine = bps.core.runtime.get().engine
-    history, skipped = {}, []
-    for step in range(start, cfg["stop"]):
-        marker = out / f"killed{rank}"
-        if (rank, step) == tuple(cfg["kill"]) and not marker.exists():
-            marker.write_text("")
-            os.kill(os.getpid(), signal.SIGKILL)
-        if step == cfg["wait_at"] and rank != cfg["kill"][0]:
-            deadline = time.monotonic() + 90  # the victim starts again: seconds
-            while engine.announced_generation < 2:
-                assert time.monotonic() < deadline, "the restarted node never joined"
-                time.sleep(0.01)
-        history.update({f"{n}@{step}": v for n, v in params().items()})
-        for group in optimizer.param_groups:
-            group["lr"] = cfg["lrs"][step]
-        trainer.zero_grad()
-        sum((getattr(model, n) * (getattr(model, n).detach() - goal[n])).sum()
-            for n in shapes).backward()  # grad = w - t_rank exactly
-        trainer.step()
-        if trainer.stats()["skipped"]:
-            skipped.append(step)
-    np.savez(out / f"params{rank}.npz", **params())
-    np.savez(out / f"history{rank}.npz", **history)
-    trainer.close()
-    return {"start": start, "skipped": skipped}
 
 
 def test_a_killed_worker_node_restarts_joins_and_matches_the_replay(tmp_path):

@@ -149,6 +149,53 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
     return report
 
 
+def rejoin_train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
+    """The ``train`` of a worker node that dies and joins again: ``cfg["kill"]`` = [rank,
+    step]: that rank kills itself (SIGKILL) at the start of that step, once (a file
+    marks it: the restarted process goes on); the others wait at the start of step
+    ``cfg["wait_at"]`` until the scheduler announced the join (generation 2). A node
+    that joined saves the parameters it started from (``admitted<rank>.npz``); every
+    node its parameters at the start of each step (``history<rank>.npz``, ``name@step``)
+    and at the end; the report: the step it started at, the steps it skipped."""
+    import torch
+
+    import bps
+
+    model = make_model(rank, shapes)
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg["lrs"][0], momentum=MOMENTUM)
+    trainer = bps.DistributedTrainer(model, optimizer, run["params"], **run.get("mode", {}))
+    start = trainer.step_count
+    params = lambda: {n: getattr(model, n).detach().numpy().copy() for n in shapes}  # noqa: E731
+    if start:
+        np.savez(out / f"admitted{rank}.npz", **params())
+    goal = {n: torch.from_numpy(t) for n, t in targets(rank, shapes).items()}
+    engine = bps.core.runtime.get().engine
+    history, skipped = {}, []
+    for step in range(start, cfg["stop"]):
+        marker = out / f"killed{rank}"
+        if (rank, step) == tuple(cfg["kill"]) and not marker.exists():
+            marker.write_text("")
+            os.kill(os.getpid(), signal.SIGKILL)
+        if step == cfg["wait_at"] and rank != cfg["kill"][0]:
+            deadline = time.monotonic() + 90  # the victim starts again: seconds
+            while engine.announced_generation < 2:
+                assert time.monotonic() < deadline, "the restarted node never joined"
+                time.sleep(0.01)
+        history.update({f"{n}@{step}": v for n, v in params().items()})
+        for group in optimizer.param_groups:
+            group["lr"] = cfg["lrs"][step]
+        trainer.zero_grad()
+        sum((getattr(model, n) * (getattr(model, n).detach() - goal[n])).sum()
+            for n in shapes).backward()  # grad = w - t_rank exactly
+        trainer.step()
+        if trainer.stats()["skipped"]:
+            skipped.append(step)
+    np.savez(out / f"params{rank}.npz", **params())
+    np.savez(out / f"history{rank}.npz", **history)
+    trainer.close()
+    return {"start": start, "skipped": skipped}
+
+
 def leave(cfg: dict, rank: int, step: int, out: Path, where: str = "start") -> None:
     """``cfg["leave"]`` = [rank, step, signal name(, where)]: that rank sends itself the
     signal at the start of that step, before it pushes anything of it, or (``where``
