@@ -65,7 +65,7 @@ from bps.common.striping import (
 )
 
 from .aggregator import Aggregator
-from .requests import MAX_NUMEL, Requests, check_request, refusals
+from .requests import MAX_NUMEL, Requests, check_request, refusals, update_members
 
 log = logging.getLogger("bps.server")
 
@@ -263,22 +263,9 @@ class ParameterServer:
         engine thread learns the members after the requests already queued. A node that
         joins (``joined``: its node id and token) is a member from now on; the token of
         a node's earlier incarnation stays refused."""
-        present = set(header["members"])
-        generation = header["generation"]
-        for node, token in header.get("joined", []):
-            for old, other in list(self.members.items()):
-                if other == node:  # an incarnation the scheduler did not see leave yet
-                    del self.members[old]
-                    self.left[old] = (f"worker {node} was replaced at membership "
-                                      f"generation {generation}")
-            self.members[bytes(token)] = node
-        for token, node in list(self.members.items()):
-            if node not in present:
-                del self.members[token]
-                self.left[token] = (f"worker {node} left the job at membership generation "
-                                    f"{generation}")
-        log.warning("membership generation %d: worker nodes %s (%s)", generation,
-                    sorted(present), header["msg"])
+        update_members(self.members, self.left, header)
+        log.warning("membership generation %d: worker nodes %s (%s)", header["generation"],
+                    sorted(set(header["members"])), header["msg"])
         for engine in engines:
             engine.inbox.put((None, header, None))
 
