@@ -21,9 +21,19 @@ Usage::
     .venv/bin/python bench/chaos.py --seed 2 --runs 3    # three kills, seeds 2, 3, 4
     .venv/bin/python bench/chaos.py --heartbeat          # SIGSTOP: the heartbeat path
 
-Results go to ``bench/results/chaos_<seed>.json``. ``--heartbeat`` stops the victim
-(SIGSTOP) instead of killing it, so that only its silence, not a closed connection, tells
-the scheduler (``BPS_HEARTBEAT_TIMEOUT``, 3 s here); it is killed when the job ends.
+``--max-restarts 1`` has bpslaunch start the killed node again (same worker id); it joins
+the job again with node 0's state. The kill then comes in the first quarter of the
+steps, and the job needs to be long enough for the restart (a process start, ``import
+torch``, the rendezvous: seconds): ``--epochs 24``. Also reported then: ``rejoined``,
+from the kill to the restarted node's first finished step (and when the scheduler saw
+its HELLO, its JOIN and the state sent for it), the steps the node missed, and the
+steps the survivors skipped (two: the one in flight at the kill, the one the join
+dropped).
+
+Results go to ``bench/results/chaos_<seed>.json`` (``chaos_restart_<seed>.json``).
+``--heartbeat`` stops the victim (SIGSTOP) instead of killing it, so that only its
+silence, not a closed connection, tells the scheduler (``BPS_HEARTBEAT_TIMEOUT``, 3 s
+here); it is killed when the job ends.
 """
 
 from __future__ import annotations
@@ -38,6 +48,7 @@ import sys
 import tempfile
 import threading
 import time
+from datetime import datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -53,11 +64,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--epochs", type=int, default=6)
     p.add_argument("--heartbeat", action="store_true",
                    help="SIGSTOP the victim instead: found by the heartbeat timeout")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="bpslaunch --max-restarts: the killed node starts again and rejoins")
     p.add_argument("--timeout", type=float, default=900, help="seconds per job")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     args = p.parse_args(argv)
     if args.runs < 1 or args.epochs < 1:
         p.error("--runs and --epochs must be >= 1")
+    if args.max_restarts < 0 or (args.max_restarts and args.heartbeat):
+        p.error("--max-restarts must be >= 0, and it restarts killed nodes (not --heartbeat)")
     return args
 
 
@@ -67,15 +82,16 @@ def steps_per_rank(epochs: int) -> int:
 
 
 def run_job(workdir: Path, seed: int, epochs: int, timeout: float, env_extra: dict,
-            victim: int | None = None, kill_after: int = 0, how: int = signal.SIGKILL
-            ) -> dict:
+            victim: int | None = None, kill_after: int = 0, how: int = signal.SIGKILL,
+            restarts: int = 0) -> dict:
     """One job; with ``victim``, that rank gets ``how`` once it has logged ``kill_after``
     steps. Returns rank 0's metrics, every rank's step log and the kill's time."""
     logs = workdir / "steps"
     logs.mkdir(parents=True)
     metrics = workdir / "metrics.json"
     argv = [sys.executable, "-m", "bps.launch.cli", "local", "--workers", str(WORKERS),
-            "--servers", str(SERVERS), "--min-workers", str(MIN_WORKERS), "--",
+            "--servers", str(SERVERS), "--min-workers", str(MIN_WORKERS),
+            *(["--max-restarts", str(restarts)] if restarts else []), "--",
             sys.executable, str(REPO / "examples" / "mnist.py"), *JOB, "--epochs",
             str(epochs), "--device", "cpu", "--metrics-json", str(metrics),
             "--step-log", str(logs)]
@@ -120,9 +136,24 @@ def run_job(workdir: Path, seed: int, epochs: int, timeout: float, env_extra: di
     for rank in range(WORKERS):
         path = logs / f"rank{rank}.log"
         rows = [line.split() for line in path.read_text().splitlines()] if path.exists() else []
-        steps[rank] = [(int(r[0]), float(r[1]), int(r[3])) for r in rows]
+        steps[rank] = [(int(r[0]), float(r[1]), int(r[3]), int(r[2])) for r in rows]
     return {"metrics": json.loads(metrics.read_text()), "steps": steps, "wall": wall,
-            "kill_time": killed.get("time")}
+            "kill_time": killed.get("time"), "joins": scheduler_times(workdir / "job.log")}
+
+
+def scheduler_times(log: Path) -> dict:
+    """When the scheduler logged a node asking to join (its HELLO), its JOIN and the
+    state sent for it (the first of each; Unix times from the log's timestamps)."""
+    found = {}
+    for line in log.read_text().splitlines():
+        if not line.startswith("[scheduler] "):
+            continue
+        for event, text in (("hello", "asks to join"), ("join", " joined: "),
+                            ("state", "sent the state")):
+            if text in line and event not in found:
+                stamp = " ".join(line.split()[1:3])
+                found[event] = datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    return found
 
 
 def measure(args: argparse.Namespace, seed: int, workdir: Path) -> dict:
@@ -130,28 +161,32 @@ def measure(args: argparse.Namespace, seed: int, workdir: Path) -> dict:
     rng = random.Random(seed)
     victim = rng.randrange(1, WORKERS)
     total = steps_per_rank(args.epochs)
-    kill_after = rng.randrange(5, total - 5)
+    # a restarted node needs seconds to start and join: killed in the first quarter
+    kill_after = rng.randrange(5, total // 4 if args.max_restarts else total - 5)
     env = {"BPS_HEARTBEAT_TIMEOUT": "3", "BPS_HEARTBEAT_INTERVAL": "0.5"} \
         if args.heartbeat else {}
     base = run_job(workdir / "base", seed, args.epochs, args.timeout, env)
     how = signal.SIGSTOP if args.heartbeat else signal.SIGKILL
     chaos = run_job(workdir / "chaos", seed, args.epochs, args.timeout, env, victim,
-                    kill_after, how)
+                    kill_after, how, args.max_restarts)
     killed_at = chaos["kill_time"]
     survivors = [r for r in range(WORKERS) if r != victim]
     # the victim was in step kill_after + 1 (counting from 1) when it was killed: each
     # survivor's first step after that one applied; recovery: the last of them
     def first_applied(rank: int) -> float | None:
-        return next((t for n, t, skipped in chaos["steps"][rank]
+        return next((t for n, t, skipped, _ in chaos["steps"][rank]
                      if n > kill_after + 1 and t > killed_at and not skipped), None)
 
     def settled(rank: int) -> float | None:  # the step in flight, dropped or completed
-        return next((t for n, t, _ in chaos["steps"][rank] if n == kill_after + 1), None)
+        return next((t for n, t, _, _ in chaos["steps"][rank] if n == kill_after + 1), None)
 
     next_done = [first_applied(r) for r in survivors]
     recovery = max(next_done) - killed_at if all(t is not None for t in next_done) else None
     in_flight = [settled(r) for r in survivors]
-    lost = [sum(s for _, _, s in chaos["steps"][r]) for r in survivors]
+    lost = [sum(s for _, _, s, _ in chaos["steps"][r]) for r in survivors]
+    # the restarted node: its first step logged by another process than the one killed
+    again = [(n, t) for n, t, _, pid in chaos["steps"][victim] if t > killed_at
+             and pid != chaos["steps"][victim][kill_after - 1][3]]
     acc_base = base["metrics"]["test_accuracy"]
     acc_chaos = chaos["metrics"]["test_accuracy"]
     return {
@@ -163,6 +198,11 @@ def measure(args: argparse.Namespace, seed: int, workdir: Path) -> dict:
         "steps_lost": lost, "accuracy_failure_free": acc_base, "accuracy_with_kill": acc_chaos,
         "accuracy_delta_points": 100 * (acc_chaos - acc_base),
         "wall_failure_free_s": base["wall"], "wall_with_kill_s": chaos["wall"],
+        "rejoined_s": again[0][1] - killed_at if again else None,
+        # from the kill: the restarted node's HELLO, its JOIN (its trainer made), the
+        # state sent for it (the survivors' next step boundary)
+        **{f"{event}_s": when - killed_at for event, when in chaos["joins"].items()},
+        "victim_steps_missed": again[0][0] - kill_after - 1 if again else None,
     }
 
 
@@ -184,7 +224,17 @@ def main(argv: list[str] | None = None) -> int:
               f"({result['accuracy_delta_points']:+.2f} points); wall "
               f"{result['wall_with_kill_s']:.1f} s vs {result['wall_failure_free_s']:.1f} s",
               flush=True)
-    name = f"chaos_{'heartbeat_' if args.heartbeat else ''}{args.seed}.json"
+        if args.max_restarts:
+            rejoined = result["rejoined_s"]
+            print(f"  restarted: worker {result['victim']} finished its first step again "
+                  + (f"{rejoined:.2f} s after the kill, having missed "
+                     f"{result['victim_steps_missed']} steps (its HELLO after "
+                     f"{result.get('hello_s', float('nan')):.2f} s, JOIN after "
+                     f"{result.get('join_s', float('nan')):.2f} s, the state sent after "
+                     f"{result.get('state_s', float('nan')):.2f} s)" if rejoined is not None
+                     else "never (it did not rejoin)"), flush=True)
+    kind = "heartbeat_" if args.heartbeat else "restart_" if args.max_restarts else ""
+    name = f"chaos_{kind}{args.seed}.json"
     (args.out / name).write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
                                              "results": results}, indent=1))
     print(f"written: {args.out / name}")

@@ -140,6 +140,15 @@ class HookState:
                  optimizer: torch.optim.Optimizer | None = None,
                  module: torch.nn.Module | None = None,
                  scaler: torch.amp.GradScaler | None = None) -> None:
+        try:
+            rt = bps_runtime.get()
+        except RuntimeError:  # bps.init() comes later
+            rt = None
+        if rt is not None and rt.joining:
+            raise RuntimeError(
+                f"worker node {rt.node_id} started after the job began, but the DDP hook "
+                "cannot join a running job (DDP's process group is fixed when it starts); "
+                "bps.DistributedTrainer can (docs/runtime.md, 'Joining and --max-restarts')")
         self._setup(FrontEndCore(compression_params, optimizer,
                                  skip_means="gives NaN gradients instead",
                                  skipped_as="the gradients are NaN"), module, None)

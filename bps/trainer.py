@@ -42,6 +42,7 @@ from bps.compressors.warm import load_soon
 from bps.core import runtime as bps_runtime
 from bps.core.frontend import FrontEndCore, NonFiniteGradientError
 from bps.core.model_sync import ModelMismatchError, broadcast_model, check_same_model
+from bps.core.rejoin import join_job, join_refusal, publish_if_joined
 from bps.modes import choose
 from bps.modes.compressed_adam import validate_compressed_adam
 from bps.modes.delayed import validate_staleness
@@ -111,11 +112,26 @@ class DistributedTrainer:
         tensors = core.grad_tensors(named)
         plan = plan_fragments(tensors, fragments) if streaming else None
         rt = bps_runtime.get()
-        check_same_model(rt, model)
-        broadcast_model(rt, model)
+        joined = None
+        if rt.joining:  # a node started after the job began: the state of one present
+            refusal = join_refusal(rt, "staleness=1" if staleness else
+                                   "streaming averaging (fragments, overlap)" if streaming
+                                   else "compressed Adam (freeze_step)"
+                                   if core.params.get("freeze_step") is not None else None)
+            if refusal is not None:
+                raise ValueError(refusal)
+            joined = join_job(rt)
+            rt.skip_keys_to(joined["first_key"])
+        else:
+            check_same_model(rt, model)
+            broadcast_model(rt, model)
+        self._first_key = rt.next_key()  # the mode's keys: a joiner takes the same
+        self._steps = 0  # step() calls: a joiner takes the count of the node it joins from
         self.core = core
         self.mode = choose(core, rt, tensors, staleness=staleness, sync_every=sync_every,
                            outer=outer_spec, fragments=plan, overlap=overlap)
+        if joined is not None:
+            self._load_joined(joined)
         self._seen = [0] * len(tensors)  # backward passes per parameter this step
         self._in_step = False  # inside step(): the optimizer steps as the trainer says
         self._optimizer_hook = optimizer.register_step_pre_hook(self._optimizer_stepping)
@@ -188,6 +204,14 @@ class DistributedTrainer:
         the step. ``step()`` calls it; call it yourself to clip gradients before."""
         return self.mode.synchronize()
 
+    @property
+    def step_count(self) -> int:
+        """Steps taken so far, applied or skipped. A node that joined a running job
+        (docs/runtime.md, "Elastic membership") starts from the count of the node it
+        took the state from: ``for step in range(trainer.step_count, total)`` runs the
+        same steps on every node."""
+        return self._steps
+
     def step(self, scaler: torch.amp.GradScaler | None = None) -> bool:
         """Wait for the averaged gradients, then run ``optimizer.step()``; returns whether
         the step was applied.
@@ -199,12 +223,40 @@ class DistributedTrainer:
         ``compression_params['nonfinite']`` says whether that raises
         :class:`NonFiniteGradientError` (``"raise"``, the default) or logs a warning."""
         self._in_step = True
+        rt = self.core.runtime
+        before = rt.members
         try:
-            return self.mode.step(scaler)
+            applied = self.mode.step(scaler)
         finally:
+            self._steps += 1
             self._in_step = False
             self._seen = [0] * len(self._seen)
             self.core.samples = 0
+        if rt.members != before:  # worker nodes joined: the lowest one present sends them
+            publish_if_joined(rt, before, self._join_state)
+        return applied
+
+    def _join_state(self) -> dict:
+        """What a node joining the job loads (:mod:`bps.core.rejoin`); not the chains'
+        error feedback and momentum, which start at zero on the joiner."""
+        pipe, rt = self.core.pipeline, self.core.runtime
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "steps": self._steps, "step": pipe.step, "wire_step": pipe.wire_step,
+                "local_momentum": pipe.momentum_state(),  # of raw parts: the same everywhere
+                "scale": self.core.loss_scale.state(), "mode": self.mode.state_dict(),
+                "first_key": self._first_key, "next_key": rt.next_key()}
+
+    def _load_joined(self, state: dict) -> None:
+        """Load what the node that sent the state had (:meth:`_join_state`)."""
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        pipe = self.core.pipeline
+        self._steps = int(state["steps"])
+        pipe.step, pipe.wire_step = int(state["step"]), int(state["wire_step"])
+        pipe.load_momentum_state(state["local_momentum"])
+        self.core.loss_scale.load(state["scale"])
+        self.mode.load_state_dict(state["mode"])
+        self.core.runtime.skip_keys_to(state["next_key"])
 
     def join(self) -> contextlib.AbstractContextManager:
         """Train on uneven inputs (DDP's ``Join``): a worker whose loop inside the block

@@ -70,6 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--metrics-json", default=None, help="write figures to this file (rank 0)")
     p.add_argument("--step-log", default=None,
                    help="a folder: each rank appends 'steps-so-far wall-clock-time pid skipped' "
+                        "(steps of the job: a node that joined counts from where it joined) "
                         "to rank<R>.log after every step (bench/chaos.py watches it)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--accumulate", type=int, default=1,
@@ -204,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     trainer = bps.DistributedTrainer(model, optimizer, params,
                                      backward_passes_per_step=args.accumulate,
                                      **overlap_args(args, params))
+    # a worker node that joined a running job (bpslaunch --max-restarts) starts where the
+    # others are: the steps before are skipped, their batches drawn alike
+    first = trainer.step_count
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
     scaler = torch.amp.GradScaler(device.type) if args.amp == "fp16" else None
 
@@ -224,6 +228,10 @@ def main(argv: list[str] | None = None) -> int:
     for epoch in range(args.epochs):
         batches = epoch_batches(len(y_train), rank, size, args.batch_size, generator)
         for step, idx in enumerate(batches):
+            if epoch * steps + step < first:
+                if scheduler is not None:
+                    scheduler.step()
+                continue
             t0 = time.perf_counter()
             trainer.zero_grad()
             total = 0.0
@@ -245,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
                 "comm_time": stats["comm_time"], "wait_time": stats["wait_time"]})
             progress.update(epoch, step + 1, total)
             if step_log is not None:
-                step_log.write(f"{len(metrics['steps'])} {time.time():.6f} {os.getpid()} "
+                step_log.write(f"{first + len(metrics['steps'])} {time.time():.6f} {os.getpid()} "
                                f"{int(stats['skipped'])}\n")
         if rank == 0:
             acc = accuracy(model, x_test, y_test)

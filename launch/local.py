@@ -12,7 +12,9 @@ Every output line is prefixed with the role and rank (``[server0]``,
 ``[worker1.0]``: node 1, local rank 0). When any process fails all others are stopped
 and bpslaunch exits with its code, unless ``--min-workers M`` (``BPS_MIN_WORKERS``) lets
 worker nodes leave: then up to N - M worker nodes may fail and the job goes on without
-them (docs/runtime.md, "Elastic membership"); Ctrl-C tears everything down. Every process gets
+them (docs/runtime.md, "Elastic membership"), and ``--max-restarts N`` starts a failed
+worker node again (same command, environment and worker id; it joins the job again) up
+to N times in all; Ctrl-C tears everything down. Every process gets
 a fresh cluster key (``BPS_SECRET_FILE``) in a private temporary directory, removed
 when the job ends (none with ``BPS_INSECURE=1``). Where ``OMP_NUM_THREADS`` is unset,
 the worker processes get the cores divided among the job's workers and servers
@@ -49,6 +51,11 @@ def parse_args(args: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--local-size", type=int, default=1,
                         help="processes per worker node (default 1)")
     add_min_workers_option(parser)
+    parser.add_argument("--max-restarts", type=int, default=0,
+                        help="start a failed worker node (or server) again, with the same "
+                        "command, environment and id, up to this many times in all for "
+                        "the job (default 0); needs --min-workers below --workers: the "
+                        "job goes on without the node until it joins again")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD...")
     ns = parser.parse_args(list(args))
     if ns.command and ns.command[0] == "--":
@@ -57,6 +64,12 @@ def parse_args(args: Sequence[str]) -> argparse.Namespace:
         if getattr(ns, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1")
     ns.min_workers = min_workers(parser, ns.min_workers, ns.workers, "--workers")
+    if ns.max_restarts < 0:
+        parser.error(f"--max-restarts={ns.max_restarts} must be >= 0")
+    if ns.max_restarts and (ns.min_workers is None or ns.min_workers >= ns.workers):
+        parser.error(f"--max-restarts={ns.max_restarts} needs --min-workers (or "
+                     f"BPS_MIN_WORKERS) below --workers ({ns.workers}): a restarted worker "
+                     "node joins a job that went on without it")
     if not ns.command:
         parser.error("missing the command to run: bpslaunch local [options] -- CMD...")
     problem = command_problem(ns.command)
@@ -81,7 +94,8 @@ def main(args: Sequence[str]) -> int:
     if ns.min_workers is not None:
         base["BPS_MIN_WORKERS"] = str(ns.min_workers)
         spare = ns.workers - ns.min_workers
-    with job_credentials(os.environ) as credentials, Supervisor(spare_nodes=spare) as supervisor, \
+    with job_credentials(os.environ) as credentials, Supervisor(
+            spare_nodes=spare, max_restarts=ns.max_restarts) as supervisor, \
             tempfile.TemporaryDirectory(prefix="bps-joined-") as joined_dir:
         base.update(credentials)
         base[JOINED_DIR_VARIABLE] = joined_dir  # bps.init() leaves a file there

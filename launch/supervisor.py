@@ -18,7 +18,12 @@ processes, and each names the failure as it exits), the rest are stopped, and it
 that child's exit code (128 + signal for a child killed by a signal). With
 ``spare_nodes`` (``bpslaunch local|netem --min-workers``), that many worker nodes may fail
 first: the rest of a failed node's processes are stopped and the job goes on (the
-scheduler tells the others; it fails the job itself where too few are left). Leaving the
+scheduler tells the others; it fails the job itself where too few are left). With
+``max_restarts`` (``bpslaunch local --max-restarts``), a child that fails is started
+again with the same command and environment instead, up to that many times in all for
+the job, as torchrun's agent does: a worker process with every other process of its
+node (they are stopped first; the node then joins the job again), a service (a server)
+on its own. Leaving the
 ``with`` block, an exception or Ctrl-C stops every child: SIGTERM, then SIGKILL after
 ``grace`` seconds. Children get SIGKILL if the supervisor itself dies.
 """
@@ -61,6 +66,8 @@ class Child:
     service: bool
     output: threading.Thread
     node: str | None = None  # the worker node it belongs to (its processes fail together)
+    argv: tuple[str, ...] = ()  # what started it, to start it again
+    env: dict | None = None
 
 
 def add_min_workers_option(parser: argparse.ArgumentParser) -> None:
@@ -113,9 +120,12 @@ class Supervisor:
     """Starts children and watches them; see the module docstring."""
 
     def __init__(self, grace: float = 5.0, out: IO[str] | None = None,
-                 report: float = 2.0, spare_nodes: int = 0) -> None:
+                 report: float = 2.0, spare_nodes: int = 0, max_restarts: int = 0) -> None:
         self.grace = grace
         self.spare_nodes = spare_nodes  # worker nodes that may fail with the job going on
+        self.restarts_left = max_restarts  # failed children started again, in all
+        self.restarted: list[str] = []  # the names of the children started again
+        self._replaced: set[int] = set()  # processes stopped to restart their node
         self.lost_nodes: list[str] = []
         self.report = report  # seconds the others get to name a failure and exit
         self.out = out or sys.stdout
@@ -139,7 +149,7 @@ class Supervisor:
             list(argv), env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)
         output = threading.Thread(target=self._pump, args=(name, process), daemon=True)
-        child = Child(name, process, service, output, node)
+        child = Child(name, process, service, output, node, tuple(argv), dict(env))
         self.children.append(child)
         output.start()
         return child
@@ -196,7 +206,15 @@ class Supervisor:
                 self.stop_all()
                 return 0
             running.discard(id(process))
+            if id(process) in self._replaced:  # stopped to restart its node
+                continue
             code = exit_code(process.returncode)
+            if code != 0 and self.restarts_left > 0:
+                for child in self._restart(by_process[id(process)], code):
+                    by_process[id(child.process)] = child
+                    running.add(id(child.process))
+                    (services if child.service else workers).add(id(child.process))
+                continue
             if code != 0 and self._may_lose(by_process[id(process)], code):
                 continue
             if code != 0:
@@ -224,6 +242,33 @@ class Supervisor:
                 if other.node == node and other.process.poll() is None:
                     _signal_group(other.process, signal.SIGTERM)
         return True
+
+    def _restart(self, child: Child, code: int) -> list[Child]:
+        """Start ``child`` again, with every other process of its worker node (stopped
+        first, SIGTERM then SIGKILL after ``grace``); returns the new children."""
+        self.restarts_left -= 1
+        latest = {child.name: child}  # of each process name, its latest start
+        for other in self.children:
+            if child.node is not None and other.node == child.node:
+                latest[other.name] = other
+        group = list(latest.values())
+        what = f"worker node {child.node}" if child.node is not None else child.name
+        self._log(f"{child.name} exited with code {code}; restarting {what} "
+                  f"({self.restarts_left} restart(s) left)")
+        for other in group:
+            if other is not child:
+                self._replaced.add(id(other.process))
+                _signal_group(other.process, signal.SIGTERM)
+        for other in group:
+            if other is not child and not self._reaped(other):
+                _signal_group(other.process, signal.SIGKILL)
+                self._reaped(other)
+        started = []
+        for old in group:
+            started.append(self.spawn(old.argv, old.env or {}, old.name, old.service,
+                                      old.node))
+            self.restarted.append(old.name)
+        return started
 
     def _let_exit(self, running: set[int]) -> None:
         """Give the children in ``running`` up to ``report`` seconds to exit on their own

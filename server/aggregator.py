@@ -282,6 +282,7 @@ class Aggregator:
         self.members: tuple[int, ...] = tuple(range(workers))
         self.generation = 0
         self.left: dict[int, int] = {}  # a node that left -> the generation it left at
+        self.joined: dict[int, int] = {}  # a node that joined -> the generation it joined at
 
     def key(self, key: int) -> KeyState:
         """The state of a declared key; RequestError where it is not."""
@@ -341,7 +342,8 @@ class Aggregator:
         if pending is None:
             pending = state.steps[step] = Step(nodes=self.members)
         if drop and not pending.dropped:
-            self._drop(state, pending)
+            self._drop(state, pending, generation if pending.oldest is None
+                       else min(pending.oldest, generation))
         if pending.first_lr is None and checked_lr is not None:
             pending.first_lr = (node, checked_lr)
         tracer = self.tracer
@@ -414,12 +416,16 @@ class Aggregator:
         for node in self.members:
             if node not in present:
                 self.left[node] = generation
+        for node in present:
+            if node not in self.members:  # a node joins (again): its pushes count from now
+                self.left.pop(node, None)
+                self.joined[node] = generation
         self.generation, self.members = generation, present
         for state in self.keys.values():
             for pending in state.steps.values():
                 if pending.dropped or (pending.oldest is not None
                                        and pending.oldest < generation):
-                    self._drop(state, pending)
+                    self._drop(state, pending, pending.oldest)
                 else:  # no push of a departed node is in it (it never had this generation)
                     pending.nodes = tuple(n for n in pending.nodes if n in present)
                 refused = self._sum_held(state, pending)
@@ -429,14 +435,17 @@ class Aggregator:
             pushed.finished += self._finish_ready_steps(state)
         return pushed
 
-    def _drop(self, state: KeyState, pending: Step) -> None:
+    def _drop(self, state: KeyState, pending: Step, oldest: int | None) -> None:
         """Drop a step in progress (a membership change): its sum so far is discarded, and
-        it waits for every present member's push, to be answered with a skip."""
+        it waits for every present member's push, to be answered with a skip; a node that
+        joined after ``oldest`` (the oldest generation among its pushes) never pushes it
+        (it starts with the step after) and is not waited for."""
         arrived = {*pending.nodes[:pending.summed], *pending.held}
         self._release(state, pending)
         pending.total, pending.payloads, pending.nonfinite = None, [], None
         pending.first_lr, pending.dropped, pending.summed = None, True, 0
-        pending.nodes = self.members
+        oldest = self.generation if oldest is None else oldest
+        pending.nodes = tuple(n for n in self.members if self.joined.get(n, 0) <= oldest)
         pending.held = {n: Push(n, 0, 0.0, (), None, "dropped") for n in sorted(arrived)
                         if n in self.members}
 

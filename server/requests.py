@@ -76,6 +76,32 @@ def check_request(ident: bytes, header: dict, frame_sizes: list[int],
         raise ProtocolError(f"{op.name}: {len(frame_sizes)} payload frames, expected 0")
 
 
+def update_members(members: dict[bytes, int], left: dict[bytes, str], header: dict) -> None:
+    """Apply the scheduler's MEMBERSHIP ``header`` to ``members`` (worker token -> node
+    id) and ``left`` (token -> why it is refused): a node that joins (``joined``: its id
+    and token) is a member from now on, the tokens of nodes not present are refused
+    naming the generation, and so stays the token of an earlier incarnation.
+
+        >>> members, left = {b"a": 0, b"b": 1}, {}
+        >>> update_members(members, left, {"generation": 1, "members": [0]})
+        >>> update_members(members, left, {"generation": 2, "members": [0, 1],
+        ...                                "joined": [[1, b"c"]]})
+        >>> members, left
+        ({b'a': 0, b'c': 1}, {b'b': 'worker 1 left the job at membership generation 1'})
+    """
+    generation, present = header["generation"], set(header["members"])
+    for node, token in header.get("joined", []):
+        for old, other in list(members.items()):
+            if other == node:  # an incarnation whose leaving was not announced here
+                del members[old]
+                left[old] = f"worker {node} was replaced at membership generation {generation}"
+        members[bytes(token)] = node
+    for token, node in list(members.items()):
+        if node not in present:
+            del members[token]
+            left[token] = f"worker {node} left the job at membership generation {generation}"
+
+
 def check_member(members: dict[bytes, int], ident: bytes, header: dict,
                  left: dict[bytes, str] | None = None) -> None:
     """The request comes from a connection of the worker it speaks for (``members``:

@@ -28,6 +28,17 @@ generation number and the worker ids present, and from then on barriers, FINALIZ
 the step checks count only those. A message from a node that left is refused, naming
 the generation it left at. Below M the job fails as without it, naming who died.
 
+Joining (elastic jobs only): a worker HELLO after the rendezvous, for a node id in range
+that is not present (a node restarted with its old id, or one started late), gets a
+WELCOME marked ``joining`` at once, but is no member until it sends JOIN (its trainer is
+ready): then everyone else gets MEMBERSHIP with the next generation and the joiner's
+token, and once every server has confirmed that generation the joiner gets JOIN back,
+naming the lowest-numbered old member as the ``source`` of its state. The source sends
+the state in STATE chunks, which the scheduler keeps (the latest few) and hands to the
+joiner's FETCHes (``bps.common.protocol``). A joiner that leaves before JOIN changes
+nothing. A node that left stays refused: its connection is known, and a restarted
+process opens a new one.
+
 Membership: the ROUTER is a CURVE server (:mod:`bps.common.auth`), so only holders of the
 cluster key reach it. A node id is bound to the connection that said HELLO first: a
 second HELLO for a taken worker id or server rank, or with a taken token, is refused
@@ -54,6 +65,7 @@ from bps.common.auth import REFUSED_KEPT, Guard, load_key
 from bps.common.env import ClusterEnv
 from bps.common.protocol import (
     MAX_HEADER_BYTES,
+    STATE_CHUNK,
     TOKEN_BYTES,
     Op,
     ProtocolError,
@@ -71,6 +83,7 @@ refusals = RateLimitedLog(log)
 # replies queued for one connection that does not read them: beyond this the ROUTER
 # drops them (a node has at most a few requests out: HELLO, heartbeat, barrier, finalize)
 PEER_QUEUE = 1000
+STATES_KEPT = 3  # the joiners' states kept, the latest ones
 
 
 @dataclass
@@ -87,6 +100,7 @@ class _Node:
     step: int = -1  # a worker's highest pushed step (heartbeats, FINALIZE)
     step_since: float = 0.0  # when that step was first reported
     fd: int = -1  # the scheduler's side of its connection (zmq.SRCFD), to see it close
+    generation: int = 0  # a server's: the latest membership generation it confirmed
 
     @property
     def label(self) -> str:
@@ -110,6 +124,13 @@ class Scheduler:
     guard: Guard | None = None
     generation: int = 0  # the membership's: each worker node that leaves adds one
     left: dict[bytes, str] = field(default_factory=dict)  # connection -> why it left
+    joining: dict[bytes, _Node] = field(default_factory=dict)  # welcomed, not members yet
+    # admitted joiners waiting for every server to confirm: (connection, generation,
+    # members, source)
+    admitting: list[tuple[bytes, int, list[int], int]] = field(default_factory=list)
+    # the joiners' states by the generation their source saw: {"total", "data", "got"}
+    states: dict[int, dict] = field(default_factory=dict)
+    fetches: list[tuple[bytes, int, int]] = field(default_factory=list)  # (who, gen, offset)
 
     def __post_init__(self) -> None:
         self.loop_clock = LoopClock(self.env.heartbeat_interval)
@@ -267,6 +288,10 @@ class Scheduler:
         completes the closes are only taken (a file descriptor number is reused by later
         connections): a node lost then fails the job by the heartbeat rule."""
         for fd in self.guard.closed_connections() if self.guard is not None else ():
+            joiner = next((n for n in self.joining.values() if n.fd == fd), None)
+            if joiner is not None:
+                self._drop_joiner(joiner, "its connection to the scheduler closed")
+                continue
             node = next((n for n in self.nodes.values() if n.fd == fd), None)
             if not welcomed or node is None or node.finalized:
                 continue
@@ -314,6 +339,10 @@ class Scheduler:
         for node in self.nodes.values():
             if not node.finalized and now - node.last_seen > self.env.heartbeat_timeout:
                 return node
+        for node in list(self.joining.values()):
+            node.last_seen = min(now, node.last_seen + stall)
+            if now - node.last_seen > self.env.heartbeat_timeout:
+                self._drop_joiner(node, f"no heartbeat for {now - node.last_seen:.1f} s")
         return None
 
     def _welcome(self) -> None:
@@ -356,16 +385,27 @@ class Scheduler:
             node.last_seen = time.monotonic()
         if op == Op.HELLO:
             self._hello(ident, peer, header, welcomed)
-            node = self.nodes.get(ident)
+            node = self.nodes.get(ident) or self.joining.get(ident)
             if node is not None and self.env.elastic:
                 node.fd = _source_fd(frames[0])
+        elif ident in self.joining:
+            self._handle_joiner(self.joining[ident], op)
         elif node is None and ident in self.left:
             self._refuse(ident, peer, f"{op.name} refused: {self.left[ident]}")
         elif node is None:
             self._refuse(ident, peer, f"{op.name} before HELLO")
         elif op == Op.HEARTBEAT:
             self._send(ident, Op.HEARTBEAT)
+            generation = header.get("generation")
+            if node.role == "server" and type(generation) is int:
+                node.generation = max(node.generation, generation)
+                self._check_admitting()
             self._progress(node, header.get("step"))
+        elif op == Op.STATE and node.role == "worker":
+            self._store_state(node, header)
+        elif op == Op.FETCH and node.role == "worker":
+            self.fetches.append((ident, header["generation"], header["offset"]))
+            self._serve_fetches()
         elif op == Op.BARRIER:
             if header["step"] > node.step:
                 node.step, node.step_since = header["step"], time.monotonic()
@@ -442,6 +482,9 @@ class Scheduler:
         role, worker_id, addr = header["role"], header["worker_id"], header["addr"]
         token = header["token"]
         error = None
+        if welcomed and role == "worker" and self.env.elastic and ident not in self.nodes:
+            self._hello_joiner(ident, peer, header)
+            return
         if welcomed or ident in self.nodes:
             error = "rendezvous already complete" if welcomed else "duplicate HELLO"
         elif settings := self._settings_error(header):
@@ -511,6 +554,136 @@ class Scheduler:
             for identity in workers:
                 self._send(identity, Op.RELEASE, seq=seq)
             del self.barrier_waiting[seq]
+
+    # ---- worker nodes joining ----------------------------------------------------------
+
+    def _hello_joiner(self, ident: bytes, peer: str, header: dict) -> None:
+        """A worker's HELLO after the rendezvous of an elastic job: welcomed as a joiner
+        (no member yet) where its node id is free; refused, naming why, where not."""
+        worker_id, token = header["worker_id"], header["token"]
+        present = {n.rank for n in self.nodes.values() if n.role == "worker"}
+        error = self._settings_error(header)
+        if ident in self.left:
+            error = f"{self.left[ident]}; a restarted process may join again"
+        elif error is None and len(token) != TOKEN_BYTES:
+            error = f"field 'token' has {len(token)} bytes, expected {TOKEN_BYTES}"
+        elif error is None and not 0 <= worker_id < self.env.num_workers:
+            error = (f"DMLC_WORKER_ID={worker_id} out of range for "
+                     f"DMLC_NUM_WORKER={self.env.num_workers}")
+        elif error is None and (worker_id in present or ident in self.joining or any(
+                n.rank == worker_id for n in self.joining.values())):
+            error = f"worker node {worker_id} is present (or joining) already"
+        elif error is None and any(n.token == token for n in (*self.nodes.values(),
+                                                                *self.joining.values())):
+            error = "token already taken"
+        elif error is None and any(n.finalized for n in self.nodes.values()):
+            error = "the job is finishing (a worker node has finished)"
+        if error:
+            self._refuse(ident, peer, f"HELLO as worker {worker_id} to join: {error}")
+            return
+        node = self.joining[ident] = _Node(ident, "worker", worker_id, header["addr"],
+                                           time.monotonic(), token=token, peer=peer)
+        servers = sorted((n for n in self.nodes.values() if n.role == "server"),
+                         key=lambda n: n.rank)
+        self._send(ident, Op.WELCOME, node_id=worker_id, servers=[n.addr for n in servers],
+                   endpoints=[n.endpoints or [n.addr] for n in servers],
+                   num_workers=self.env.num_workers, num_servers=self.env.num_servers,
+                   seed=self.seed, members=[], joining=True)
+        log.info("%s asks to join (connection from %s)", node.label, peer)
+
+    def _handle_joiner(self, node: _Node, op: Op) -> None:
+        """A message of a joiner that is no member yet."""
+        node.last_seen = time.monotonic()
+        if op == Op.HEARTBEAT:
+            self._send(node.identity, Op.HEARTBEAT)
+        elif op == Op.JOIN and any(n.finalized for n in self.nodes.values()):
+            self._refuse(node.identity, node.peer, "JOIN refused: the job is finishing (a "
+                         "worker node has finished)")
+            self._drop_joiner(node, "the job is finishing")
+        elif op == Op.JOIN:
+            self._admit(node)
+        elif op == Op.FAILED:
+            self._send(node.identity, Op.BYE)
+            self._drop_joiner(node, "it failed")
+        elif op == Op.FINALIZE:
+            self._send(node.identity, Op.BYE)
+            self._drop_joiner(node, "it finished without joining")
+        else:
+            self._refuse(node.identity, node.peer, f"{op.name} before JOIN")
+
+    def _drop_joiner(self, node: _Node, why: str) -> None:
+        """A joiner that is no member yet went away: nothing changes for the job."""
+        self.joining.pop(node.identity, None)
+        log.warning("%s will not join: %s", node.label, why)
+
+    def _admit(self, node: _Node) -> None:
+        """The joiner is ready: it becomes a member of the next generation; everyone else
+        gets MEMBERSHIP, the joiner its JOIN once every server confirmed it."""
+        old = self._workers()
+        del self.joining[node.identity]
+        self.nodes[node.identity] = node
+        self.generation += 1
+        members = [n.rank for n in self._workers()]
+        msg = (f"{node.label} joined: worker nodes {members} (membership generation "
+               f"{self.generation}); worker {old[0].rank} sends it the state")
+        log.warning(msg)
+        self._broadcast(Op.MEMBERSHIP, exclude=node.identity, generation=self.generation,
+                        members=members, msg=msg, joined=[[node.rank, node.token]])
+        self.admitting.append((node.identity, self.generation, members, old[0].rank))
+        self._check_admitting()
+
+    def _check_admitting(self) -> None:
+        """Answer the JOIN of every joiner whose generation all servers confirmed."""
+        servers = [n for n in self.nodes.values() if n.role == "server"]
+        waiting = []
+        for ident, generation, members, source in self.admitting:
+            if ident not in self.nodes:
+                continue  # it left again
+            if all(n.generation >= generation for n in servers):
+                self._send(ident, Op.JOIN, generation=generation, members=members,
+                           source=source)
+            else:
+                waiting.append((ident, generation, members, source))
+        self.admitting = waiting
+
+    def _store_state(self, node: _Node, header: dict) -> None:
+        """A chunk of a joiner's state from its source: kept, and acknowledged."""
+        generation, offset, total, data = (header["generation"], header["offset"],
+                                           header["total"], header["data"])
+        entry = self.states.get(generation)
+        if entry is None or entry["total"] != total or offset == 0:
+            entry = self.states[generation] = {"total": total, "data": bytearray(total),
+                                               "got": 0}
+            for old in sorted(self.states)[:-STATES_KEPT]:
+                del self.states[old]
+        if offset + len(data) > total:
+            self._refuse(node.identity, node.peer, f"STATE of {offset + len(data)} bytes "
+                         f"past its total {total}")
+            return
+        entry["data"][offset:offset + len(data)] = data
+        entry["got"] = max(entry["got"], offset + len(data))
+        self._send(node.identity, Op.STATE, generation=generation, offset=offset,
+                   total=total, data=b"")
+        if entry["got"] == total:
+            log.info("%s sent the state of generation %d (%d bytes)", node.label,
+                     generation, total)
+            self._serve_fetches()
+
+    def _serve_fetches(self) -> None:
+        """Answer every FETCH whose state has arrived: the chunk at its offset of the first
+        complete state of its generation or a later one."""
+        waiting = []
+        for ident, generation, offset in self.fetches:
+            ready = [g for g, e in sorted(self.states.items())
+                     if g >= generation and e["got"] == e["total"]]
+            if not ready:
+                waiting.append((ident, generation, offset))
+                continue
+            entry = self.states[ready[0]]
+            self._send(ident, Op.STATE, generation=ready[0], offset=offset,
+                       total=entry["total"],
+                       data=bytes(entry["data"][offset:offset + STATE_CHUNK]))
+        self.fetches = waiting
 
 
 def _endpoints_error(endpoints: Any) -> str | None:

@@ -65,7 +65,7 @@ from bps.common.striping import (
 )
 
 from .aggregator import Aggregator
-from .requests import MAX_NUMEL, Requests, check_request, refusals
+from .requests import MAX_NUMEL, Requests, check_request, refusals, update_members
 
 log = logging.getLogger("bps.server")
 
@@ -253,20 +253,19 @@ class ParameterServer:
                         return 0
                     if header["op"] == Op.MEMBERSHIP:
                         self._membership(header, engines)
+                        # confirmed: a joiner's requests may come (their order after it
+                        # is the inbox's)
+                        link.send(Op.HEARTBEAT, generation=header["generation"])
             link.tick()
 
     def _membership(self, header: dict, engines: list[KeyEngine]) -> None:
         """Worker nodes left the job: their connections are refused from now on, and every
-        engine thread learns the members after the requests already queued."""
-        present = set(header["members"])
-        generation = header["generation"]
-        for token, node in list(self.members.items()):
-            if node not in present:
-                del self.members[token]
-                self.left[token] = (f"worker {node} left the job at membership generation "
-                                    f"{generation}")
-        log.warning("membership generation %d: worker nodes %s (%s)", generation,
-                    sorted(present), header["msg"])
+        engine thread learns the members after the requests already queued. A node that
+        joins (``joined``: its node id and token) is a member from now on; the token of
+        a node's earlier incarnation stays refused."""
+        update_members(self.members, self.left, header)
+        log.warning("membership generation %d: worker nodes %s (%s)", header["generation"],
+                    sorted(set(header["members"])), header["msg"])
         for engine in engines:
             engine.inbox.put((None, header, None))
 

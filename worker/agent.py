@@ -320,7 +320,7 @@ def main(argv: list[str], agent_type: type[Agent] = Agent) -> int:
         hello = wire.pack(wire.HELLO, pickle.dumps({
             "node_id": engine.node_id, "num_workers": engine.num_workers,
             "num_servers": engine.num_servers, "job_seed": engine.job_seed,
-            "servers": engine.servers, "pid": os.getpid()}))
+            "servers": engine.servers, "pid": os.getpid(), "joining": engine.joining}))
         agent = agent_type(link, engine, parent, env=env, tracer=tracer)
         if env.local_size > 1:  # the other local ranks connect; collectives in the agent
             agent.hub = Hub(env.local_size)

@@ -95,6 +95,7 @@ class AgentProxy:
         self.num_servers: int = hello["num_servers"]
         self.job_seed: int = hello["job_seed"]
         self.servers: list[str] = hello["servers"]
+        self.joining: bool = bool(hello.get("joining", False))  # not supported in an agent
         self.pid = hello["pid"]
         self._reader = threading.Thread(target=self._read_loop, name="bps-agent-reader",
                                         daemon=True)

@@ -64,7 +64,7 @@ import zmq
 from bps.common.auth import ClusterKey, load_key
 from bps.common.env import ClusterEnv
 from bps.common.memory import keep_buffers_in_heap
-from bps.common.protocol import MARKS, ClusterError, Op, dtype_name
+from bps.common.protocol import MARKS, STATE_CHUNK, ClusterError, Op, dtype_name
 from bps.common.scheduler_client import SchedulerClient
 from bps.common.striping import server_endpoints
 from bps.common.trace import Tracer
@@ -129,6 +129,8 @@ class WorkerEngine:
         self.num_workers: int = welcome["num_workers"]
         self.num_servers: int = welcome["num_servers"]
         self.job_seed: int = welcome["seed"]
+        # a node started after the rendezvous (BPS_MIN_WORKERS): no member until join()
+        self.joining: bool = bool(welcome.get("joining", False))
         self.servers: list[str] = list(welcome["servers"])
         self.endpoints = server_endpoints(welcome, self.servers)
         self.placement = Placement(self.num_servers)
@@ -445,9 +447,57 @@ class WorkerEngine:
         return self._io.generation
 
     @property
+    def announced_generation(self) -> int:
+        """The latest membership generation the scheduler announced to this node (its
+        pushes take it up once the servers answer a step with it)."""
+        return self._io.announced
+
+    @property
     def members(self) -> tuple[int, ...]:
         """The worker nodes present in that generation."""
         return self._io.members
+
+    def set_membership(self, generation: int, members: list[int]) -> None:
+        """Push with membership ``generation`` of worker nodes ``members`` from now on (a
+        joiner's, from its JOIN or the state it loaded); an older one changes nothing."""
+        if generation > self._io.generation:
+            self._io.generation, self._io.members = generation, tuple(sorted(members))
+
+    def join(self) -> tuple[int, list[int], int]:
+        """A joining node becomes a member: (generation, members, source), ``source`` the
+        worker node that sends it the training state (:meth:`fetch_state`)."""
+        reply = self._wait(self._io.scheduler_request(Op.JOIN, (Op.JOIN,)),
+                           f"JOIN of worker node {self.node_id}")
+        self.joining = False
+        self.set_membership(reply["generation"], list(reply["members"]))
+        return reply["generation"], list(reply["members"]), int(reply["source"])
+
+    def publish_state(self, generation: int, blob: bytes) -> None:
+        """Send the training state a node joining at ``generation`` (or earlier) loads,
+        through the scheduler, in chunks of STATE_CHUNK bytes."""
+        for offset in range(0, max(len(blob), 1), STATE_CHUNK):
+            self._wait(self._io.scheduler_request(
+                Op.STATE, (Op.STATE, offset), generation=generation, offset=offset,
+                total=len(blob), data=blob[offset:offset + STATE_CHUNK]),
+                f"sending the joining node's state ({offset} of {len(blob)} bytes)")
+
+    def fetch_state(self, generation: int, source: int) -> tuple[int, bytes]:
+        """The state that worker node ``source`` sent for ``generation`` or a later one:
+        (the generation it was sent for, the bytes). Waits up to BPS_TIMEOUT for each
+        chunk (the source sends it at its next step boundary)."""
+        what = f"state from worker node {source} (membership generation {generation})"
+        first = self._wait(self._io.scheduler_request(
+            Op.FETCH, (Op.STATE, 0), generation=generation, offset=0), what)
+        total, sent_for = first["total"], first["generation"]
+        parts = [first["data"]]
+        for offset in range(STATE_CHUNK, total, STATE_CHUNK):
+            parts.append(self._wait(self._io.scheduler_request(
+                Op.FETCH, (Op.STATE, offset), generation=sent_for, offset=offset),
+                what)["data"])
+        blob = b"".join(parts)
+        if len(blob) != total:
+            raise ClusterError(f"{what}: {len(blob)} bytes arrived, expected {total}")
+        return sent_for, blob
 
     def barrier(self) -> None:
         """Block until every worker node called barrier (up to ``BPS_TIMEOUT``)."""

@@ -121,6 +121,7 @@ class IOLoop:
         # dropped for a membership change names a later one
         self.generation = 0
         self.members: tuple[int, ...] = tuple(range(env.num_workers))
+        self.announced = 0  # the latest generation the scheduler's MEMBERSHIP announced
         self.connections, self.io_threads = striping(env, servers)
         # its own context: I/O threads are fixed when a context's first socket is made
         self._data_ctx = zmq.Context(io_threads=self.io_threads)
@@ -477,12 +478,14 @@ class IOLoop:
     def _on_scheduler(self, header: dict) -> None:
         op = header["op"]
         if op == Op.MEMBERSHIP:  # the servers answer the step in flight with its skip
+            self.announced = max(self.announced, header["generation"])
             log.warning("node %d: %s", self.node_id, header["msg"])
             return
-        reply = (op, header["seq"]) if op == Op.RELEASE else (op,)
+        reply = (op, header["seq"]) if op == Op.RELEASE else \
+            (op, header["offset"]) if op == Op.STATE else (op,)
         future = self._scheduler_waiters.pop(reply, None)
         if future is not None:
-            future.set_result(None)
+            future.set_result(header)
         elif op == Op.BYE:
             pass
         elif op != Op.HEARTBEAT:

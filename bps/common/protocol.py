@@ -60,7 +60,20 @@ exception, a signal, an exit without ``bps.shutdown()``); scheduler -> servers
 process) and ``ERROR``; with ``BPS_MIN_WORKERS``, scheduler -> everyone ``MEMBERSHIP``
 generation members msg: worker nodes left (``msg`` names who and why), ``members`` the
 worker node ids present from generation ``generation`` on (0 is the job's first; each
-change adds one). A later join can announce itself the same way.
+change adds one).
+
+Joining (``BPS_MIN_WORKERS``; docs/runtime.md, "Elastic membership"): a worker whose
+HELLO comes after the rendezvous, for a node id not present, gets ``WELCOME`` with
+``joining`` true at once; it is not a member yet. Its ``JOIN`` admits it: everyone else
+gets ``MEMBERSHIP`` with the next generation, the members with it, and ``joined``
+``[[node, token]]`` (the servers take its token); once every server has answered
+with a ``HEARTBEAT`` carrying that ``generation``, the joiner gets ``JOIN`` back with
+``generation``, ``members`` and ``source`` (the node that sends it the state). The
+source, at its next step boundary, sends the training state in ``STATE`` chunks
+(``generation`` it saw, ``offset``, ``total``, ``data`` of at most
+:data:`STATE_CHUNK` bytes), each answered by an empty ``STATE`` of that offset; the
+joiner asks for the chunks with ``FETCH`` generation offset and gets ``STATE`` back
+(the first state sent for that generation or a later one) once all of it arrived.
 
 A worker's token (16 random bytes, first byte non-zero) is the prefix of the ZeroMQ
 routing id of every connection it opens to a server: a server takes a request from a
@@ -111,6 +124,9 @@ class Op(IntEnum):
     PEER_DEAD = 28
     FAILED = 29
     MEMBERSHIP = 30
+    JOIN = 31
+    STATE = 32
+    FETCH = 33
 
 
 _INT = (int,)
@@ -145,7 +161,12 @@ FIELDS: dict[Op, dict[str, tuple[type, ...]]] = {
     Op.PEER_DEAD: {"msg": _STR},
     Op.FAILED: {"msg": _STR},
     Op.MEMBERSHIP: {"generation": _INT, "members": (list,), "msg": _STR},
+    Op.JOIN: {},
+    Op.STATE: {"generation": _INT, "offset": _INT, "total": _INT, "data": _BYTES},
+    Op.FETCH: {"generation": _INT, "offset": _INT},
 }
+
+STATE_CHUNK = 256 << 10  # bytes of a joining node's state per STATE message
 
 MARKS = ("nonfinite", "zero")  # a PUSH's optional ``mark``
 
@@ -234,6 +255,14 @@ def decode(frame: bytes | memoryview) -> dict[str, Any]:
         raise ProtocolError(f"PUSH: field 'gen' is {header['gen']!r}, expected an int >= 0")
     if op == Op.MEMBERSHIP and not all(type(n) is int for n in header["members"]):
         raise ProtocolError("MEMBERSHIP: field 'members' must be a list of worker node ids")
+    if op == Op.MEMBERSHIP and not all(
+            isinstance(pair, list) and len(pair) == 2 and type(pair[0]) is int
+            and isinstance(pair[1], bytes) for pair in header.get("joined", [])):
+        raise ProtocolError("MEMBERSHIP: field 'joined' must be a list of [node, token]")
+    if op == Op.STATE and not (0 <= header["offset"] <= max(header["total"], 0)
+                               and len(header["data"]) <= STATE_CHUNK):
+        raise ProtocolError(f"STATE: field 'offset' {header['offset']} or 'data' "
+                            f"({len(header['data'])} bytes) out of range")
     if op == Op.PUSH and "mark" in header:
         if header["mark"] not in MARKS or not isinstance(header.get("what", ""), str):
             raise ProtocolError(f"PUSH: field 'mark' is {header['mark']!r}, expected one of "

@@ -76,12 +76,16 @@ class Runtime:
             if self.engine is None:
                 self.engine = AgentProxy.start(env, "bps.core.pipeline_agent") \
                     if env.node_agent else WorkerEngine.connect(env, tracer=self.tracer)
-            facts = struct.pack("<QQ", self.engine.num_workers, self.engine.job_seed)
+            facts = struct.pack("<QQQ", self.engine.num_workers, self.engine.job_seed,
+                                int(getattr(self.engine, "joining", False)))
         else:
             facts = None
-        self.num_nodes, self.job_seed = struct.unpack(
-            "<QQ", self.setup_channel.broadcast_bytes(facts)
+        self.num_nodes, self.job_seed, joining = struct.unpack(
+            "<QQQ", self.setup_channel.broadcast_bytes(facts)
         )
+        # a node started after the job began (BPS_MIN_WORKERS): it joins once its trainer
+        # is ready (bps.core.rejoin), with the state of a node present
+        self.joining = bool(joining)
         if self.num_nodes != env.num_workers:
             raise EnvError(
                 f"the scheduler reports {self.num_nodes} worker nodes but "
@@ -102,6 +106,17 @@ class Runtime:
             self.generation = generation
             self.members = sorted(members)
             self.size = len(self.members) * self.local_size
+
+    def next_key(self) -> int:
+        """The key the next :meth:`allocate_keys` returns."""
+        with self._lock:
+            return self._next_key
+
+    def skip_keys_to(self, key: int) -> None:
+        """Allocate from ``key`` on (a joining node takes the key numbers the nodes
+        present gave its trainer's keys); never backwards."""
+        with self._lock:
+            self._next_key = max(self._next_key, key)
 
     def allocate_keys(self, count: int) -> int:
         """First of ``count`` fresh keys; every process allocates in the same order."""

@@ -149,6 +149,53 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
     return report
 
 
+def rejoin_train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
+    """The ``train`` of a worker node that dies and joins again: ``cfg["kill"]`` = [rank,
+    step]: that rank kills itself (SIGKILL) at the start of that step, once (a file
+    marks it: the restarted process goes on); the others wait at the start of step
+    ``cfg["wait_at"]`` until the scheduler announced the join (generation 2). A node
+    that joined saves the parameters it started from (``admitted<rank>.npz``); every
+    node its parameters at the start of each step (``history<rank>.npz``, ``name@step``)
+    and at the end; the report: the step it started at, the steps it skipped."""
+    import torch
+
+    import bps
+
+    model = make_model(rank, shapes)
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg["lrs"][0], momentum=MOMENTUM)
+    trainer = bps.DistributedTrainer(model, optimizer, run["params"], **run.get("mode", {}))
+    start = trainer.step_count
+    params = lambda: {n: getattr(model, n).detach().numpy().copy() for n in shapes}  # noqa: E731
+    if start:
+        np.savez(out / f"admitted{rank}.npz", **params())
+    goal = {n: torch.from_numpy(t) for n, t in targets(rank, shapes).items()}
+    engine = bps.core.runtime.get().engine
+    history, skipped = {}, []
+    for step in range(start, cfg["stop"]):
+        marker = out / f"killed{rank}"
+        if (rank, step) == tuple(cfg["kill"]) and not marker.exists():
+            marker.write_text("")
+            os.kill(os.getpid(), signal.SIGKILL)
+        if step == cfg["wait_at"] and rank != cfg["kill"][0]:
+            deadline = time.monotonic() + 90  # the victim starts again: seconds
+            while engine.announced_generation < 2:
+                assert time.monotonic() < deadline, "the restarted node never joined"
+                time.sleep(0.01)
+        history.update({f"{n}@{step}": v for n, v in params().items()})
+        for group in optimizer.param_groups:
+            group["lr"] = cfg["lrs"][step]
+        trainer.zero_grad()
+        sum((getattr(model, n) * (getattr(model, n).detach() - goal[n])).sum()
+            for n in shapes).backward()  # grad = w - t_rank exactly
+        trainer.step()
+        if trainer.stats()["skipped"]:
+            skipped.append(step)
+    np.savez(out / f"params{rank}.npz", **params())
+    np.savez(out / f"history{rank}.npz", **history)
+    trainer.close()
+    return {"start": start, "skipped": skipped}
+
+
 def leave(cfg: dict, rank: int, step: int, out: Path, where: str = "start") -> None:
     """``cfg["leave"]`` = [rank, step, signal name(, where)]: that rank sends itself the
     signal at the start of that step, before it pushes anything of it, or (``where``
@@ -315,14 +362,16 @@ def simulate(params: dict, nodes: int, lrs: list[float], compressed_from: int | 
 
 
 def replay(params: dict, nodes: int, lrs: list[float], grads, compressed_from: int | None = 0,
-           shapes: dict = SHAPES, members: list[list[int] | None] | None = None) -> dict:
+           shapes: dict = SHAPES, members: list[list[int] | None] | None = None,
+           fresh: dict[int, int] | None = None) -> dict:
     """docs/architecture.md's pipeline in numpy (see ``simulate``), with node ``r``'s
     gradient at step ``s`` given by ``grads(s, r, w)`` (a dict of
     float32 arrays): ``big`` is compressed (from step ``compressed_from``; None: never),
     the rest travels raw and gets Nesterov momentum after the sum. ``members``: per
     step, the nodes present (each share divided by their number, summed in node order),
     or None for a step dropped everywhere (worker nodes left: nothing changes); default
-    all ``nodes`` every step."""
+    all ``nodes`` every step. ``fresh``: node -> the step from which its worker chains
+    start anew (a node that joined again: its error feedback and momentum at zero)."""
     f32 = np.float32
     w = initial_params(0, shapes)  # rank 0's parameters, broadcast at construction
     numel = int(np.prod(shapes["big"]))
@@ -331,6 +380,9 @@ def replay(params: dict, nodes: int, lrs: list[float], grads, compressed_from: i
     applied = 0  # steps applied: warmup counts these
     for step, lr in enumerate(lrs):
         present = list(range(nodes)) if members is None else members[step]
+        for r, first in (fresh or {}).items():
+            if first == step:
+                workers[r] = big_chains(params, 1, MOMENTUM, shapes)[1][0]
         if present is None:
             continue
         shares = {r: {n: (g / f32(len(present))).astype(f32)

@@ -60,6 +60,47 @@ def test_min_workers_out_of_range_is_refused_before_anything_starts() -> None:
     assert "[scheduler]" not in output
 
 
+def test_max_restarts_starts_a_failed_worker_node_again_with_all_its_processes(
+        tmp_path: Path) -> None:
+    """--max-restarts 1: local rank 0 of node 1 fails on its first run; both processes of
+    node 1 are started again (rank 1 stopped first), with the same environment, and the
+    job ends 0. A second failure, with no restart left, is a node leaving as before."""
+    script = ("import os, sys, time, pathlib\n"
+              "node, rank = os.environ['DMLC_WORKER_ID'], os.environ['BYTEPS_LOCAL_RANK']\n"
+              "runs = pathlib.Path(sys.argv[1]) / f'runs{node}.{rank}'\n"
+              "n = len(runs.read_text()) if runs.exists() else 0\n"
+              "runs.write_text('x' * (n + 1))\n"
+              "if node == '1' and n == 0:\n"
+              "    if rank == '0': sys.exit(3)\n"
+              "    time.sleep(600)\n"
+              "if node == '2': sys.exit(4)\n")
+    code, output = run_command(BPSLAUNCH + ["local", "--workers", "3", "--servers", "1",
+                                            "--local-size", "2", "--min-workers", "1",
+                                            "--max-restarts", "1", "--", PY, "-c", script,
+                                            str(tmp_path)], TEST_ENV, timeout=60)
+    assert "worker1.0 exited with code 3; restarting worker node 1 (0 restart(s) left)" \
+        in output, output
+    runs = {p.name: p.read_text() for p in tmp_path.iterdir()}
+    assert runs == {"runs0.0": "x", "runs0.1": "x", "runs1.0": "xx", "runs1.1": "xx",
+                    "runs2.0": "x", "runs2.1": "x"}, (runs, output)
+    assert "exited with code 4; worker node 2 leaves the job" in output, output
+    assert code == 0, output
+
+
+def test_max_restarts_is_refused_before_anything_starts_without_spare_nodes() -> None:
+    for options in (["--max-restarts", "1"], ["--min-workers", "2", "--max-restarts", "1"],
+                    ["--min-workers", "1", "--max-restarts", "-1"]):
+        code, output = run_command(BPSLAUNCH + ["local", "--workers", "2", *options, "--",
+                                                PY, "-c", "pass"], TEST_ENV, timeout=60)
+        assert code == 2, output
+        assert "[scheduler]" not in output, output
+        if "-1" in options:
+            assert "--max-restarts=-1 must be >= 0" in output, output
+        else:
+            assert "--max-restarts=1 needs --min-workers (or BPS_MIN_WORKERS) below " \
+                "--workers (2)" in output, output
+
+
 def test_local_sets_roles_ranks_and_prefixes_output() -> None:
     script = ("import os\nprint('env', *(os.environ[v] for v in ('DMLC_ROLE', 'DMLC_WORKER_ID',"
               " 'BYTEPS_LOCAL_RANK', 'BYTEPS_LOCAL_SIZE', 'DMLC_NUM_WORKER', 'DMLC_NUM_SERVER',"

@@ -1,0 +1,86 @@
+"""Worker nodes joining a running job (``BPS_MIN_WORKERS``; docs/runtime.md, "Elastic
+membership").
+
+A worker node that starts after the job began (one restarted after it died, with its
+old ``DMLC_WORKER_ID``, or one started late) is welcomed by the scheduler as a
+*joiner* (``Runtime.joining``), not yet a member. Its trainer does not take rank 0's
+model at construction: :func:`join_job` makes it a member (JOIN: the scheduler tells
+everyone the next membership generation) and waits for the training state of the
+lowest-numbered node present, which that node sends through the scheduler at its next
+step boundary (:func:`publish_if_joined`, after the step that the membership change
+dropped everywhere). The joiner loads it and pushes the next step with everyone else.
+
+What travels: the model's parameters and buffers, the optimizer's state, the step
+counters, the loss scale and the step mode's state (``torch.save`` bytes). The joiner's
+own compression chains (error feedback, momentum) start at zero, as the servers'
+state has nothing per node.
+
+Usage (inside ``DistributedTrainer``)::
+
+    state = join_job(rt) if rt.joining else None     # on every local rank of the joiner
+    before = rt.members
+    mode.step()
+    publish_if_joined(rt, before, trainer_state)      # on every node present
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+
+log = logging.getLogger("bps")
+
+
+def join_refusal(rt, mode: str | None) -> str | None:
+    """Why this joining node cannot join (None: it can, or it is no joiner). ``mode``:
+    the step mode's name where it cannot take a joiner."""
+    if not rt.joining:
+        return None
+    if mode is not None:
+        return (f"worker node {rt.node_id} started after the job began, but a node can "
+                f"join a running job only with synchronous steps or local SGD, not with "
+                f"{mode}")
+    if rt.env.node_agent:
+        return (f"worker node {rt.node_id} started after the job began, but a node cannot "
+                "join a running job with BPS_NODE_AGENT=1")
+    return None
+
+
+def join_job(rt) -> dict:
+    """Become a member and load the state a node present sent (every local rank of
+    the joiner calls it): the dict :func:`publish_if_joined` sent, with ``generation``
+    and ``members``. Waits up to ``BPS_TIMEOUT`` for it, naming its source."""
+    blob = None
+    if rt.engine is not None:
+        generation, members, source = rt.engine.join()
+        log.warning("bps: worker node %d joins the job at membership generation %d "
+                    "(worker nodes %s); waiting for the state of worker node %d",
+                    rt.node_id, generation, members, source)
+        sent_for, blob = rt.engine.fetch_state(generation, source)
+    blob = rt.setup_channel.broadcast_bytes(blob)
+    state = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+    rt.joining = False
+    rt.set_membership(state["generation"], state["members"])
+    if rt.engine is not None:
+        rt.engine.set_membership(state["generation"], state["members"])
+    return state
+
+
+def publish_if_joined(rt, before: Sequence[int], state: Callable[[], dict]) -> None:
+    """After a step: where nodes joined since ``before`` (the members then), the
+    lowest-numbered node that was present before sends ``state()`` for them."""
+    now = set(rt.members)
+    stayed = set(before) & now
+    if not now - set(before) or not stayed or rt.engine is None or \
+            rt.node_id != min(stayed):
+        return
+    buffer = io.BytesIO()
+    torch.save({**state(), "generation": rt.generation, "members": sorted(now)}, buffer)
+    blob = buffer.getvalue()
+    rt.engine.publish_state(rt.generation, blob)
+    log.warning("bps: worker node %d sent the training state (%d bytes) to worker node(s) "
+                "%s, which join at membership generation %d", rt.node_id, len(blob),
+                sorted(now - set(before)), rt.generation)
