@@ -18,7 +18,9 @@ processes, and each names the failure as it exits), the rest are stopped, and it
 that child's exit code (128 + signal for a child killed by a signal). With
 ``spare_nodes`` (``bpslaunch local --min-workers``), that many worker nodes may fail
 first: the rest of a failed node's processes are stopped and the job goes on (the
-scheduler tells the others; it fails the job itself where too few are left). Leaving the
+scheduler tells the others; it fails the job itself where too few are left). With
+``replace_servers`` (``bpslaunch local --spare-servers``), server processes may fail:
+the scheduler moves their keys to a replacement, or fails the job itself. Leaving the
 ``with`` block, an exception or Ctrl-C stops every child: SIGTERM, then SIGKILL after
 ``grace`` seconds. Children get SIGKILL if the supervisor itself dies.
 """
@@ -60,6 +62,7 @@ class Child:
     service: bool
     output: threading.Thread
     node: str | None = None  # the worker node it belongs to (its processes fail together)
+    server: bool = False  # a server (spare_servers: may fail with the job going on)
 
 
 def command_problem(argv: Sequence[str], path: str | None = None) -> str | None:
@@ -89,9 +92,11 @@ class Supervisor:
     """Starts children and watches them; see the module docstring."""
 
     def __init__(self, grace: float = 5.0, out: IO[str] | None = None,
-                 report: float = 2.0, spare_nodes: int = 0) -> None:
+                 report: float = 2.0, spare_nodes: int = 0,
+                 replace_servers: bool = False) -> None:
         self.grace = grace
         self.spare_nodes = spare_nodes  # worker nodes that may fail with the job going on
+        self.replace_servers = replace_servers  # servers may fail so (the scheduler decides)
         self.lost_nodes: list[str] = []
         self.report = report  # seconds the others get to name a failure and exit
         self.out = out or sys.stdout
@@ -108,14 +113,15 @@ class Supervisor:
         self.stop_all()
 
     def spawn(self, argv: Sequence[str], env: Mapping[str, str], name: str,
-              service: bool = False, node: str | None = None) -> Child:
+              service: bool = False, node: str | None = None, server: bool = False) -> Child:
         """Start ``argv`` with exactly ``env``; its output lines get ``[name]`` in front.
-        ``node``: the worker node it belongs to (``spare_nodes``)."""
+        ``node``: the worker node it belongs to (``spare_nodes``); ``server``: a server
+        process (``replace_servers``)."""
         process = subprocess.Popen(
             list(argv), env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)
         output = threading.Thread(target=self._pump, args=(name, process), daemon=True)
-        child = Child(name, process, service, output, node)
+        child = Child(name, process, service, output, node, server)
         self.children.append(child)
         output.start()
         return child
@@ -187,6 +193,10 @@ class Supervisor:
         """Whether the job goes on without ``child``'s worker node (``spare_nodes``); if
         so, the node's other processes are stopped."""
         node = child.node
+        if child.server and self.replace_servers:
+            self._log(f"{child.name} exited with code {code}; the scheduler moves its keys "
+                      "to a replacement, or ends the job")
+            return True
         if child.service or node is None:
             return False
         if node not in self.lost_nodes:

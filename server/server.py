@@ -53,7 +53,7 @@ from bps.common.protocol import (
     error_text,
     new_socket,
 )
-from bps.common.scheduler_client import SchedulerClient, failure_reason
+from bps.common.scheduler_client import SchedulerClient, StandbyOver, failure_reason
 from bps.common.striping import (
     bind_per_io_thread,
     core_shares,
@@ -187,9 +187,17 @@ class ParameterServer:
             engines += [KeyEngine(self, i) for i in range(threads)]
             log.info("server %d serving on %s, engine threads: %d", welcome["node_id"],
                      address, threads)
+            if welcome.get("generation"):  # a replacement: the job's membership now
+                self._membership({"generation": welcome["generation"],
+                                  "members": welcome["present"],
+                                  "msg": f"taking the place of server {welcome['node_id']}"},
+                                 engines)
             for engine in engines:
                 engine.start()
             return self._loop(router, replies, link, engines)
+        except StandbyOver as exc:
+            log.info("spare server at %s stopping: %s", address, exc)
+            return 0
         except ClusterError as exc:
             log.error("server at %s stopping: %s", address, exc)
             return 1

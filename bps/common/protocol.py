@@ -60,7 +60,13 @@ exception, a signal, an exit without ``bps.shutdown()``); scheduler -> servers
 process) and ``ERROR``; with ``BPS_MIN_WORKERS``, scheduler -> everyone ``MEMBERSHIP``
 generation members msg: worker nodes left (``msg`` names who and why), ``members`` the
 worker node ids present from generation ``generation`` on (0 is the job's first; each
-change adds one). A later join can announce itself the same way.
+change adds one). A later join can announce itself the same way. With
+``BPS_SPARE_SERVERS``, scheduler -> a server that registers while every slot is held
+``STANDBY`` (it waits, heartbeating, as a spare); a server that takes a dead server's
+slot gets ``WELCOME`` with ``generation`` and ``present`` (the worker node ids present),
+the other servers ``MEMBERSHIP`` (the same members, the next generation) and the workers
+``REPLACED`` server addr endpoints generation msg: server slot ``server`` is served from
+``addr`` (``endpoints``: one per I/O thread) from membership ``generation`` on.
 
 A worker's token (16 random bytes, first byte non-zero) is the prefix of the ZeroMQ
 routing id of every connection it opens to a server: a server takes a request from a
@@ -111,6 +117,8 @@ class Op(IntEnum):
     PEER_DEAD = 28
     FAILED = 29
     MEMBERSHIP = 30
+    STANDBY = 40
+    REPLACED = 41
 
 
 _INT = (int,)
@@ -145,6 +153,9 @@ FIELDS: dict[Op, dict[str, tuple[type, ...]]] = {
     Op.PEER_DEAD: {"msg": _STR},
     Op.FAILED: {"msg": _STR},
     Op.MEMBERSHIP: {"generation": _INT, "members": (list,), "msg": _STR},
+    Op.STANDBY: {},
+    Op.REPLACED: {"server": _INT, "addr": _STR, "endpoints": (list,), "generation": _INT,
+                  "msg": _STR},
 }
 
 MARKS = ("nonfinite", "zero")  # a PUSH's optional ``mark``
@@ -234,6 +245,8 @@ def decode(frame: bytes | memoryview) -> dict[str, Any]:
         raise ProtocolError(f"PUSH: field 'gen' is {header['gen']!r}, expected an int >= 0")
     if op == Op.MEMBERSHIP and not all(type(n) is int for n in header["members"]):
         raise ProtocolError("MEMBERSHIP: field 'members' must be a list of worker node ids")
+    if op == Op.REPLACED and not all(isinstance(e, str) for e in header["endpoints"]):
+        raise ProtocolError("REPLACED: field 'endpoints' must be a list of addresses")
     if op == Op.PUSH and "mark" in header:
         if header["mark"] not in MARKS or not isinstance(header.get("what", ""), str):
             raise ProtocolError(f"PUSH: field 'mark' is {header['mark']!r}, expected one of "
