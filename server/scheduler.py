@@ -611,7 +611,7 @@ class Scheduler:
         if slot is None:
             self._send(ident, Op.STANDBY)
             return
-        self._replace(slot, node, f"a server registered from {peer}")
+        self._replace(slot, node, self.servers.died[slot])
 
     def _settings_error(self, header: dict) -> str | None:
         """A job-wide setting the HELLO carries that differs from the scheduler's (None:

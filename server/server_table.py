@@ -43,6 +43,7 @@ class ServerTable:
     holders: dict[int, bytes] = field(default_factory=dict)  # slot -> its server's identity
     waiting: list[bytes] = field(default_factory=list)  # spares, in registration order
     vacant: dict[int, tuple[str, float]] = field(default_factory=dict)  # slot -> why, since
+    died: dict[int, str] = field(default_factory=dict)  # slot -> why its last server died
 
     @property
     def replaces(self) -> bool:
@@ -95,6 +96,7 @@ class ServerTable:
         (the slot waits for a server to register)."""
         self.holders.pop(slot, None)
         self.vacant[slot] = (why, now)
+        self.died[slot] = why
         if not self.waiting:
             return None
         identity = self.waiting[0]
