@@ -63,6 +63,7 @@ from bps.common.striping import (
     io_thread_cpu_seconds,
     io_threads,
 )
+from bps.compressors.warm import load_soon
 
 from .aggregator import Aggregator
 from .requests import MAX_NUMEL, Requests, check_request, refusals
@@ -177,6 +178,10 @@ class ParameterServer:
         log.info("server at %s: %d ZeroMQ I/O thread(s), one endpoint each: ports %s", address,
                  len(endpoints), ", ".join(e.rsplit(":", 1)[1] for e in endpoints))
         engines: list[KeyEngine] = []
+        if self.env.replaces_servers:
+            # a spare may take a slot mid-job: numba's code generator (0.4 s and more, a
+            # stall of the first step it serves) starts now, while the job starts
+            load_soon(None, torch.float32)
         try:
             welcome = link.rendezvous()
             threads = self.env.server_threads or engine_threads(host_cores(),
