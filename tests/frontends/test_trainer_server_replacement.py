@@ -107,14 +107,19 @@ def test_without_a_replacement_the_job_fails_naming_the_server(tmp_path):
         out[-4000:]
 
 
-@pytest.mark.parametrize("flag", [("--spare-servers", "-1"), ("--spare-servers", "65")])
-def test_a_bad_spare_count_is_refused_before_anything_starts(tmp_path, flag):
+@pytest.mark.parametrize(("flag", "env", "message"), [
+    (("--spare-servers", "-1"), {}, "--spare-servers=-1 out of range: expected 0 to 64"),
+    (("--spare-servers", "65"), {}, "--spare-servers=65 out of range: expected 0 to 64"),
+    ((), {"BPS_SPARE_SERVERS": "two"}, "BPS_SPARE_SERVERS='two' is not an integer"),
+])
+def test_a_bad_spare_count_is_refused_before_anything_starts(flag, env, message):
     from tests.harness.ps_job import BPSLAUNCH
 
     result = subprocess.run([*BPSLAUNCH, "local", *flag, "--", "true"], capture_output=True,
-                            text=True, timeout=60)
+                            text=True, timeout=60, env={**os.environ, **env})
     assert result.returncode == 2
-    assert f"--spare-servers={flag[1]} out of range" in result.stderr, result.stderr
+    assert message in result.stderr, result.stderr
+    assert "[scheduler]" not in result.stdout  # nothing started
 
 
 def _alive(pid: int) -> bool:
