@@ -76,6 +76,8 @@ from bps.worker.send_queues import (
 )
 
 log = logging.getLogger("bps.engine")
+# a DATA reply's fields that make it a skip (bps.common.protocol)
+SKIP_FIELDS = ("skip", "skip_node", "skip_what", "generation", "members")
 
 
 def _membership(header: dict) -> tuple[int, tuple[int, ...]]:
@@ -136,6 +138,9 @@ class IOLoop:
         # key -> (server, REGISTER fields) of every declared key: a replacement server
         # gets them again
         self._registered: dict[int, tuple[int, dict]] = {}
+        # key -> (step, skip fields or None, payload bytes) of the last answer to a push,
+        # kept where servers may be replaced (BPS_SPARE_SERVERS): a replacement gets it
+        self._last: dict[int, tuple[int, dict | None, bytes]] = {}
         self._poller: Any = None  # the I/O thread's
         try:
             for server, address in enumerate(servers):
@@ -196,7 +201,6 @@ class IOLoop:
             log.warning("node %d: REPLACED names server %d of %d", self.node_id, slot,
                         len(self._dealers))
             return
-        log.warning("node %d: %s", self.node_id, header["msg"])
         for dealer in self._dealers[slot]:
             for monitor in self._watch.forget(dealer):
                 self._poller.unregister(monitor)
@@ -210,14 +214,24 @@ class IOLoop:
         unanswered = sorted((r for r in self._pending.values() if r.server == slot),
                             key=lambda r: r.rid)
         declaring = {r.fields["key"] for r in unanswered if r.op == Op.REGISTER}
-        for key, (server, fields_) in self._registered.items():
-            if server == slot and key not in declaring:
-                info = self._keys.get(key)
+        again = [(key, fields_) for key, (server, fields_) in self._registered.items()
+                 if server == slot and key not in declaring]
+        log.warning("node %d: %s; %d key(s) declared there again, %d request(s) sent again",
+                    self.node_id, header["msg"], len(again), len(unanswered))
+        for key, fields_ in again:  # no KeyInfo: settling these must not free the key
+            what = f"key {key} ({fields_['name']!r}) on the replacement of server {slot}"
+            future = new_future()
+            future.add_done_callback(self._redeclared)
+            self._send(Request((), -1, Op.REGISTER, slot, fields_, None, future,
+                               f"declare of {what}", None))
+            if key in self._last:  # the dead server's last answer: for a node that missed it
+                step, skip, body = self._last[key]
                 future = new_future()
                 future.add_done_callback(self._redeclared)
-                self._send(Request((), -1, Op.REGISTER, slot, fields_, None, future,
-                                   f"declare of key {key} ({fields_['name']!r}) on the "
-                                   f"replacement of server {slot}", info))
+                self._send(Request((), -1, Op.LAST, slot,
+                                   {"key": key, "step": step, "skip": skip,
+                                    "nbytes": len(body)}, body if body else None, future,
+                                   f"last answer of {what}", None))
         for request in unanswered:
             del self._pending[request.rid]
             self._send(request)
@@ -499,6 +513,10 @@ class IOLoop:
             settle(info, future, join_frames(payloads).tobytes() if len(payloads) > 1
                    else payloads[0].bytes)
             return
+        if self.env.replaces_servers and request.op == Op.PUSH:  # a copy: decoded in place
+            skip = {f: header[f] for f in SKIP_FIELDS if f in header} or None
+            self._last[request.fields["key"]] = (
+                header["step"], skip, b"".join(frame.bytes for frame in payloads))
         if "skip" in header:  # the server did not sum this step
             self._count(pushes=1)
             skipped = Skipped(str(header["skip"]), int(header.get("skip_node", -1)),

@@ -47,6 +47,10 @@ Worker <-> server ops (the reply echoes ``rid``):
   non-finite mark); the server chain returns to its state before that step.
 * ``GET_STATE`` key -> ``DATA`` (msgpack of the server chain's state) ; ``SET_STATE``
   key + payload -> ``OK``
+* ``LAST`` key step skip + payload -> ``OK``: to a server that replaced a dead one, the
+  last answer (``DATA``) of the key this worker got from the dead one, its step, and its
+  skip fields (a map, or nil) with no payload where it was a skip. A worker that missed
+  that answer and pushes that step again gets it.
 
 Node <-> scheduler ops: ``HELLO`` role worker_id addr token (a server's also
 ``endpoints``: its addresses, one per ZeroMQ I/O thread; optional ``num_workers``,
@@ -119,6 +123,7 @@ class Op(IntEnum):
     MEMBERSHIP = 30
     STANDBY = 40
     REPLACED = 41
+    LAST = 42
 
 
 _INT = (int,)
@@ -154,6 +159,7 @@ FIELDS: dict[Op, dict[str, tuple[type, ...]]] = {
     Op.FAILED: {"msg": _STR},
     Op.MEMBERSHIP: {"generation": _INT, "members": (list,), "msg": _STR},
     Op.STANDBY: {},
+    Op.LAST: {"rid": _INT, "key": _INT, "step": _INT, "nbytes": _INT, "skip": _OPT_DICT},
     Op.REPLACED: {"server": _INT, "addr": _STR, "endpoints": (list,), "generation": _INT,
                   "msg": _STR},
 }

@@ -8,6 +8,7 @@ naming the dead server."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -73,6 +74,10 @@ def test_a_spare_takes_the_keys_of_a_killed_server(tmp_path):
     assert "server 1 at tcp://127.0.0.1" in out and "died: its connection to the " \
         "scheduler closed: server 1 is now served from" in out, out[-4000:]
     assert "membership generation 1" in out
+    for node in range(WORKERS):  # (requests in flight to the dead server: sent again)
+        assert re.search(rf"node {node}: .*server 1 is now served from .*; \d+ key\(s\) "
+                         r"declared there again, \d+ request\(s\) sent again", out), \
+            out[-4000:]
     assert "PEER_DEAD" not in out and "ClusterError" not in out, out[-4000:]
 
 
