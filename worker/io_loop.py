@@ -230,7 +230,7 @@ class IOLoop:
                 future.add_done_callback(self._redeclared)
                 self._send(Request((), -1, Op.LAST, slot,
                                    {"key": key, "step": step, "skip": skip,
-                                    "nbytes": len(body)}, body if body else None, future,
+                                    "nbytes": len(body)}, body, future,
                                    f"last answer of {what}", None))
         for request in unanswered:
             del self._pending[request.rid]
