@@ -81,6 +81,14 @@ def test_a_spare_takes_the_keys_of_a_killed_server(tmp_path):
     assert "PEER_DEAD" not in out and "ClusterError" not in out, out[-4000:]
 
 
+@pytest.mark.slow  # the engine is the same in the agent: the test above covers it
+def test_under_the_node_agent_a_spare_takes_the_keys_too(tmp_path):
+    """BPS_NODE_AGENT=1: the agents' engines reconnect; the same replay."""
+    result = run(tmp_path, spares=1, env={"BPS_NODE_AGENT": "1"})
+    assert result.returncode == 0, result.stdout[-4000:]
+    check_workers(tmp_path)
+
+
 def test_a_restarted_server_takes_the_slot_of_the_one_killed(tmp_path):
     """No spare (``--spare-servers 0``): the server started again with the dead one's
     environment registers after the job began and takes slot 1; the same replay."""
