@@ -1,4 +1,4 @@
-"""A job that loses a worker node: recovery time, steps lost and final accuracy.
+"""A job that loses a worker node or a server: recovery time, steps lost, final accuracy.
 
 Runs examples/mnist.py (the MNIST MLP, onebit + error feedback) on a loopback cluster of
 4 worker nodes and 2 servers with ``bpslaunch local --min-workers 3``, twice with the
@@ -30,10 +30,17 @@ its HELLO, its JOIN and the state sent for it), the steps the node missed, and t
 steps the survivors skipped (two: the one in flight at the kill, the one the join
 dropped).
 
-Results go to ``bench/results/chaos_<seed>.json`` (``chaos_restart_<seed>.json``).
-``--heartbeat`` stops the victim (SIGSTOP) instead of killing it, so that only its
-silence, not a closed connection, tells the scheduler (``BPS_HEARTBEAT_TIMEOUT``, 3 s
-here); it is killed when the job ends.
+``--kill server`` (with ``--spare-servers 1``, the default then) kills a server instead
+(server 0 or 1, drawn from the seed), once rank 0 has logged the drawn number of steps;
+both jobs run with ``bpslaunch local --spare-servers 1`` and no ``--min-workers``: the
+spare takes the dead server's keys, and every worker node is a survivor::
+
+    .venv/bin/python bench/chaos.py --kill server --runs 3
+
+Results go to ``bench/results/chaos_<seed>.json`` (``chaos_restart_<seed>.json``,
+``chaos_server_<seed>.json``). ``--heartbeat`` stops the victim (SIGSTOP) instead of
+killing it, so that only its silence, not a closed connection, tells the scheduler
+(``BPS_HEARTBEAT_TIMEOUT``, 3 s here); it is killed when the job ends.
 """
 
 from __future__ import annotations
@@ -66,6 +73,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="SIGSTOP the victim instead: found by the heartbeat timeout")
     p.add_argument("--max-restarts", type=int, default=0,
                    help="bpslaunch --max-restarts: the killed node starts again and rejoins")
+    p.add_argument("--kill", choices=("worker", "server"), default="worker",
+                   help="what dies: a worker node (--min-workers 3) or a server "
+                   "(--spare-servers)")
+    p.add_argument("--spare-servers", type=int, default=None,
+                   help="bpslaunch local --spare-servers (default: 1 with --kill server)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per job")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     args = p.parse_args(argv)
@@ -73,6 +85,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--runs and --epochs must be >= 1")
     if args.max_restarts < 0 or (args.max_restarts and args.heartbeat):
         p.error("--max-restarts must be >= 0, and it restarts killed nodes (not --heartbeat)")
+    if args.max_restarts and args.kill == "server":
+        p.error("--max-restarts restarts a killed worker node (with --kill worker)")
+    if args.spare_servers is None and args.kill == "server":
+        args.spare_servers = 1
+    if args.kill == "server" and args.spare_servers < 1:
+        p.error("--kill server needs --spare-servers >= 1 (else the job fails)")
     return args
 
 
@@ -81,30 +99,53 @@ def steps_per_rank(epochs: int) -> int:
     return epochs * (4000 // WORKERS // 32)
 
 
+def server_pid(job: str, server: int) -> int:
+    """The pid of server ``server`` of the job whose processes carry ``BPS_CHAOS_JOB=job``
+    (read from /proc: the launcher passes the variable on)."""
+    want = {b"DMLC_ROLE=server", b"BPS_SERVER_ID=%d" % server, b"BPS_CHAOS_JOB=" + job.encode()}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            environ = set(Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"))
+        except OSError:
+            continue
+        if want <= environ:
+            return int(pid)
+    raise RuntimeError(f"server {server} of the job not found")
+
+
 def run_job(workdir: Path, seed: int, epochs: int, timeout: float, env_extra: dict,
             victim: int | None = None, kill_after: int = 0, how: int = signal.SIGKILL,
-            restarts: int = 0) -> dict:
-    """One job; with ``victim``, that rank gets ``how`` once it has logged ``kill_after``
-    steps. Returns rank 0's metrics, every rank's step log and the kill's time."""
+            restarts: int = 0, kill: str = "worker", spare_servers: int | None = None
+            ) -> dict:
+    """One job; with ``victim``, that rank (``kill`` "server": that server) gets ``how``
+    once it (a server's: rank 0) has logged ``kill_after`` steps. Returns rank 0's
+    metrics, every rank's step log and the kill's time."""
     logs = workdir / "steps"
     logs.mkdir(parents=True)
     metrics = workdir / "metrics.json"
+    options = ["--min-workers", str(MIN_WORKERS)] if kill == "worker" else []
+    if spare_servers is not None:
+        options += ["--spare-servers", str(spare_servers)]
     argv = [sys.executable, "-m", "bps.launch.cli", "local", "--workers", str(WORKERS),
-            "--servers", str(SERVERS), "--min-workers", str(MIN_WORKERS),
+            "--servers", str(SERVERS), *options,
             *(["--max-restarts", str(restarts)] if restarts else []), "--",
             sys.executable, str(REPO / "examples" / "mnist.py"), *JOB, "--epochs",
             str(epochs), "--device", "cpu", "--metrics-json", str(metrics),
             "--step-log", str(logs)]
-    env = {**os.environ, "BPS_JOB_SEED": str(seed), **env_extra}
+    job = f"{os.getpid()}-{time.time_ns()}"
+    env = {**os.environ, "BPS_JOB_SEED": str(seed), "BPS_CHAOS_JOB": job, **env_extra}
     killed: dict = {}
     stop = threading.Event()
 
-    def watch() -> None:  # the victim's step log is the trigger
-        path = logs / f"rank{victim}.log"
+    def watch() -> None:  # the victim's step log (a server's: rank 0's) is the trigger
+        path = logs / f"rank{victim if kill == 'worker' else 0}.log"
+        pid = None
         while not stop.is_set():
             lines = path.read_text().splitlines() if path.exists() else []
+            if lines and kill == "server" and pid is None:  # the servers are up by now
+                pid = server_pid(job, victim)
             if len(lines) >= kill_after:
-                pid = int(lines[kill_after - 1].split()[2])
+                pid = int(lines[kill_after - 1].split()[2]) if kill == "worker" else pid
                 killed["time"] = time.time()
                 os.kill(pid, how)
                 killed["pid"] = pid
@@ -163,14 +204,18 @@ def measure(args: argparse.Namespace, seed: int, workdir: Path) -> dict:
     total = steps_per_rank(args.epochs)
     # a restarted node needs seconds to start and join: killed in the first quarter
     kill_after = rng.randrange(5, total // 4 if args.max_restarts else total - 5)
+    if args.kill == "server":
+        victim = rng.randrange(SERVERS)
     env = {"BPS_HEARTBEAT_TIMEOUT": "3", "BPS_HEARTBEAT_INTERVAL": "0.5"} \
         if args.heartbeat else {}
-    base = run_job(workdir / "base", seed, args.epochs, args.timeout, env)
+    base = run_job(workdir / "base", seed, args.epochs, args.timeout, env, kill=args.kill,
+                   spare_servers=args.spare_servers)
     how = signal.SIGSTOP if args.heartbeat else signal.SIGKILL
     chaos = run_job(workdir / "chaos", seed, args.epochs, args.timeout, env, victim,
-                    kill_after, how, args.max_restarts)
+                    kill_after, how, args.max_restarts, kill=args.kill,
+                    spare_servers=args.spare_servers)
     killed_at = chaos["kill_time"]
-    survivors = [r for r in range(WORKERS) if r != victim]
+    survivors = [r for r in range(WORKERS) if args.kill == "server" or r != victim]
     # the victim was in step kill_after + 1 (counting from 1) when it was killed: each
     # survivor's first step after that one applied; recovery: the last of them
     def first_applied(rank: int) -> float | None:
@@ -190,9 +235,10 @@ def measure(args: argparse.Namespace, seed: int, workdir: Path) -> dict:
     acc_base = base["metrics"]["test_accuracy"]
     acc_chaos = chaos["metrics"]["test_accuracy"]
     return {
-        "seed": seed, "victim": victim, "signal": "SIGSTOP" if args.heartbeat else "SIGKILL",
+        "seed": seed, "kill": args.kill, "victim": victim,
+        "signal": "SIGSTOP" if args.heartbeat else "SIGKILL",
         "killed_after_steps": kill_after, "steps_per_rank": total,
-        "victim_steps_logged": len(chaos["steps"][victim]),
+        "victim_steps_logged": len(chaos["steps"][victim]) if args.kill == "worker" else None,
         "recovery_s": recovery, "next_step_done_s": [t - killed_at for t in next_done],
         "in_flight_settled_s": [t - killed_at for t in in_flight],
         "steps_lost": lost, "accuracy_failure_free": acc_base, "accuracy_with_kill": acc_chaos,
@@ -214,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="bps-chaos-") as tmp:
             result = measure(args, seed, Path(tmp))
         results.append(result)
-        print(f"seed {seed}: {result['signal']} worker {result['victim']} after "
+        print(f"seed {seed}: {result['signal']} {args.kill} {result['victim']} after "
               f"{result['killed_after_steps']} of {result['steps_per_rank']} steps; next step "
               f"applied on every survivor {result['recovery_s']:.2f} s after the kill (the "
               f"step in flight settled after "
@@ -234,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"{result.get('state_s', float('nan')):.2f} s)" if rejoined is not None
                      else "never (it did not rejoin)"), flush=True)
     kind = "heartbeat_" if args.heartbeat else "restart_" if args.max_restarts else ""
-    name = f"chaos_{kind}{args.seed}.json"
+    name = f"chaos_{'server_' if args.kill == 'server' else ''}{kind}{args.seed}.json"
     (args.out / name).write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
                                              "results": results}, indent=1))
     print(f"written: {args.out / name}")

@@ -12,9 +12,12 @@ Every output line is prefixed with the role and rank (``[server0]``,
 ``[worker1.0]``: node 1, local rank 0). When any process fails all others are stopped
 and bpslaunch exits with its code, unless ``--min-workers M`` (``BPS_MIN_WORKERS``) lets
 worker nodes leave: then up to N - M worker nodes may fail and the job goes on without
-them (docs/runtime.md, "Elastic membership"), and ``--max-restarts N`` starts a failed
-worker node again (same command, environment and worker id; it joins the job again) up
-to N times in all; Ctrl-C tears everything down. Every process gets
+them (docs/runtime.md, "Elastic membership"); ``--spare-servers S``
+(``BPS_SPARE_SERVERS``) starts S spare servers more, idle until a server dies: one then
+takes its keys and the job goes on (docs/runtime.md, "Server replacement");
+``--max-restarts N`` starts a failed worker node (same command, environment and worker
+id; it joins the job again) or server (it takes its own slot back) again, up to N times
+in all; Ctrl-C tears everything down. Every process gets
 a fresh cluster key (``BPS_SECRET_FILE``) in a private temporary directory, removed
 when the job ends (none with ``BPS_INSECURE=1``). Where ``OMP_NUM_THREADS`` is unset,
 the worker processes get the cores divided among the job's workers and servers
@@ -33,6 +36,7 @@ import tempfile
 from collections.abc import Sequence
 
 from bps.common.auth import job_credentials
+from bps.common.env import MAX_SPARE_SERVERS
 from bps.launch.role import free_ports, local_rank_envs, share_cores
 from bps.launch.supervisor import (
     JOINED_DIR_VARIABLE,
@@ -51,8 +55,12 @@ def parse_args(args: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--local-size", type=int, default=1,
                         help="processes per worker node (default 1)")
     add_min_workers_option(parser)
+    parser.add_argument("--spare-servers", type=int, default=None,
+                        help="spare servers started besides --servers, idle until a server "
+                        "dies: one then takes its keys and the job goes on (default: none, "
+                        "a dead server ends the job; BPS_SPARE_SERVERS)")
     parser.add_argument("--max-restarts", type=int, default=0,
-                        help="start a failed worker node (or server) again, with the same "
+                        help="start a failed worker node or server again, with the same "
                         "command, environment and id, up to this many times in all for "
                         "the job (default 0); needs --min-workers below --workers: the "
                         "job goes on without the node until it joins again")
@@ -64,12 +72,23 @@ def parse_args(args: Sequence[str]) -> argparse.Namespace:
         if getattr(ns, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1")
     ns.min_workers = min_workers(parser, ns.min_workers, ns.workers, "--workers")
+    spare_flag = "--spare-servers"
+    if ns.spare_servers is None and os.environ.get("BPS_SPARE_SERVERS", "").strip():
+        raw = os.environ["BPS_SPARE_SERVERS"].strip()
+        if not raw.isdigit():
+            parser.error(f"BPS_SPARE_SERVERS={raw!r} is not an integer")
+        ns.spare_servers, spare_flag = int(raw), "BPS_SPARE_SERVERS"
+    if ns.spare_servers is not None and not 0 <= ns.spare_servers <= MAX_SPARE_SERVERS:
+        parser.error(f"{spare_flag}={ns.spare_servers} out of range: expected 0 to "
+                     f"{MAX_SPARE_SERVERS}")
     if ns.max_restarts < 0:
         parser.error(f"--max-restarts={ns.max_restarts} must be >= 0")
     if ns.max_restarts and (ns.min_workers is None or ns.min_workers >= ns.workers):
         parser.error(f"--max-restarts={ns.max_restarts} needs --min-workers (or "
                      f"BPS_MIN_WORKERS) below --workers ({ns.workers}): a restarted worker "
                      "node joins a job that went on without it")
+    if ns.max_restarts and ns.spare_servers is None:
+        ns.spare_servers = 0  # a restarted server takes its own slot back
     if not ns.command:
         parser.error("missing the command to run: bpslaunch local [options] -- CMD...")
     problem = command_problem(ns.command)
@@ -94,8 +113,12 @@ def main(args: Sequence[str]) -> int:
     if ns.min_workers is not None:
         base["BPS_MIN_WORKERS"] = str(ns.min_workers)
         spare = ns.workers - ns.min_workers
-    with job_credentials(os.environ) as credentials, Supervisor(
-            spare_nodes=spare, max_restarts=ns.max_restarts) as supervisor, \
+    spares = ns.spare_servers or 0
+    if ns.spare_servers is not None:
+        base["BPS_SPARE_SERVERS"] = str(ns.spare_servers)
+    with job_credentials(os.environ) as credentials, \
+            Supervisor(spare_nodes=spare, max_restarts=ns.max_restarts,
+                       replace_servers=ns.spare_servers is not None) as supervisor, \
             tempfile.TemporaryDirectory(prefix="bps-joined-") as joined_dir:
         base.update(credentials)
         base[JOINED_DIR_VARIABLE] = joined_dir  # bps.init() leaves a file there
@@ -104,8 +127,13 @@ def main(args: Sequence[str]) -> int:
         for server in range(ns.servers):
             supervisor.spawn(role_cmd, {**base, "DMLC_ROLE": "server",
                                         "BPS_SERVER_ID": str(server)},
-                             f"server{server}", service=True)
-        processes = ns.workers * ns.local_size + ns.servers  # the scheduler mostly sleeps
+                             f"server{server}", service=True, server=True)
+        for index in range(spares):  # ids from DMLC_NUM_SERVER on: they wait for a slot
+            supervisor.spawn(role_cmd, {**base, "DMLC_ROLE": "server",
+                                        "BPS_SERVER_ID": str(ns.servers + index)},
+                             f"spare{index}", service=True, server=True)
+        # the scheduler and the spares mostly sleep
+        processes = ns.workers * ns.local_size + ns.servers
         threads = share_cores(processes)
         for node in range(ns.workers):
             node_env = {**base, **threads, "DMLC_ROLE": "worker",

@@ -23,7 +23,9 @@ scheduler tells the others; it fails the job itself where too few are left). Wit
 again with the same command and environment instead, up to that many times in all for
 the job, as torchrun's agent does: a worker process with every other process of its
 node (they are stopped first; the node then joins the job again), a service (a server)
-on its own. Leaving the
+on its own. With ``replace_servers`` (``bpslaunch local --spare-servers``), server
+processes may fail: the scheduler moves their keys to a replacement, or fails the job
+itself. Leaving the
 ``with`` block, an exception or Ctrl-C stops every child: SIGTERM, then SIGKILL after
 ``grace`` seconds. Children get SIGKILL if the supervisor itself dies.
 """
@@ -68,6 +70,7 @@ class Child:
     node: str | None = None  # the worker node it belongs to (its processes fail together)
     argv: tuple[str, ...] = ()  # what started it, to start it again
     env: dict | None = None
+    server: bool = False  # a server (replace_servers: may fail with the job going on)
 
 
 def add_min_workers_option(parser: argparse.ArgumentParser) -> None:
@@ -120,12 +123,14 @@ class Supervisor:
     """Starts children and watches them; see the module docstring."""
 
     def __init__(self, grace: float = 5.0, out: IO[str] | None = None,
-                 report: float = 2.0, spare_nodes: int = 0, max_restarts: int = 0) -> None:
+                 report: float = 2.0, spare_nodes: int = 0, max_restarts: int = 0,
+                 replace_servers: bool = False) -> None:
         self.grace = grace
         self.spare_nodes = spare_nodes  # worker nodes that may fail with the job going on
         self.restarts_left = max_restarts  # failed children started again, in all
         self.restarted: list[str] = []  # the names of the children started again
         self._replaced: set[int] = set()  # processes stopped to restart their node
+        self.replace_servers = replace_servers  # servers may fail so (the scheduler decides)
         self.lost_nodes: list[str] = []
         self.report = report  # seconds the others get to name a failure and exit
         self.out = out or sys.stdout
@@ -142,14 +147,15 @@ class Supervisor:
         self.stop_all()
 
     def spawn(self, argv: Sequence[str], env: Mapping[str, str], name: str,
-              service: bool = False, node: str | None = None) -> Child:
+              service: bool = False, node: str | None = None, server: bool = False) -> Child:
         """Start ``argv`` with exactly ``env``; its output lines get ``[name]`` in front.
-        ``node``: the worker node it belongs to (``spare_nodes``)."""
+        ``node``: the worker node it belongs to (``spare_nodes``); ``server``: a server
+        process (``replace_servers``)."""
         process = subprocess.Popen(
             list(argv), env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)
         output = threading.Thread(target=self._pump, args=(name, process), daemon=True)
-        child = Child(name, process, service, output, node, tuple(argv), dict(env))
+        child = Child(name, process, service, output, node, tuple(argv), dict(env), server)
         self.children.append(child)
         output.start()
         return child
@@ -229,6 +235,10 @@ class Supervisor:
         """Whether the job goes on without ``child``'s worker node (``spare_nodes``); if
         so, the node's other processes are stopped."""
         node = child.node
+        if child.server and self.replace_servers:
+            self._log(f"{child.name} exited with code {code}; the scheduler moves its keys "
+                      "to a replacement, or ends the job")
+            return True
         if child.service or node is None:
             return False
         if node not in self.lost_nodes:
@@ -266,7 +276,7 @@ class Supervisor:
         started = []
         for old in group:
             started.append(self.spawn(old.argv, old.env or {}, old.name, old.service,
-                                      old.node))
+                                      old.node, old.server))
             self.restarted.append(old.name)
         return started
 

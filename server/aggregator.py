@@ -195,6 +195,7 @@ class KeyState:
     joined: torch.Tensor | None = None  # a raw push in several buffers joined, reused
     spare: list[torch.Tensor] = field(default_factory=list)  # sums of finished steps
     state_blob: bytes | None = None  # GET_STATE's answer until the state changes
+    restored_step: int = -1  # a step whose answer a worker restored (Aggregator.restore)
 
     @property
     def where(self) -> str:
@@ -328,6 +329,8 @@ class Aggregator:
         state = self.key(key)
         if not 0 <= node < self.workers:
             raise RequestError(f"{state.where}: field 'node'={node} out of range")
+        if step == state.last_step == state.restored_step:  # it missed the answer: again
+            return Pushed(finished=[self._answer(state, step, [waiter])])
         if node in self.left:
             raise RequestError(f"{state.where}: push of step {step} refused: worker {node} "
                                f"left the job at membership generation {self.left[node]} "
@@ -731,6 +734,28 @@ class Aggregator:
         state.committed_step = -1
         state.last_server_s = 0.0
         state.state_blob = None
+
+    def restore(self, key: int, step: int, payload: Sequence[Any], skip: dict | None
+                ) -> list[Finished]:
+        """The answer of ``step`` (``payload``'s bytes, or the ``skip`` fields) that a
+        worker got from the server this one replaced: where it is later than every step
+        this key finished, it becomes the key's last answer, and the step of that number
+        in progress (a worker that missed the answer pushed it again) is answered with
+        it; a later push of that step too. Returns the steps that finished."""
+        state = self.key(key)
+        if step <= state.last_step:
+            return []
+        finished = []
+        for number in sorted(s for s in state.steps if s <= step):
+            pending = state.steps.pop(number)
+            self._release(state, pending)
+            if number == step:
+                finished.append(pending)
+        state.last_step, state.restored_step = step, step
+        state.last_payload = torch.from_numpy(join_frames(payload))  # a copy of its own
+        state.last_skip = dict(skip) if skip is not None else None
+        state.committed_step, state.state_blob = -1, None
+        return [self._answer(state, step, pending.waiters) for pending in finished]
 
     def abort(self, key: int, step: int) -> None:
         """Undo the server chain's compression of ``step`` where it was the last (a step

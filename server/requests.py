@@ -50,8 +50,8 @@ refusals = RateLimitedLog(log)
 
 MAX_KEY = 2**63
 MAX_NUMEL = 2**31 - 1
-OPS_WITH_PAYLOAD = (Op.PUSH, Op.SET_STATE)
-KEY_OPS = (Op.REGISTER, Op.PUSH, Op.PULL, Op.GET_STATE, Op.SET_STATE, Op.ABORT)
+OPS_WITH_PAYLOAD = (Op.PUSH, Op.SET_STATE, Op.LAST)
+KEY_OPS = (Op.REGISTER, Op.PUSH, Op.PULL, Op.GET_STATE, Op.SET_STATE, Op.ABORT, Op.LAST)
 
 
 def check_request(ident: bytes, header: dict, frame_sizes: list[int],
@@ -187,6 +187,9 @@ class Requests:
         elif op == Op.ABORT:
             sums.abort(key, header["step"])
             self._reply(ident, encode(Op.OK, rid=rid))
+        elif op == Op.LAST:
+            self._last(header, payload)
+            self._reply(ident, encode(Op.OK, rid=rid))
 
     def _register(self, header: dict) -> None:
         key, numel, name = header["key"], header["numel"], header["name"]
@@ -241,6 +244,21 @@ class Requests:
             self._error(waiter, Op.PUSH, msg)
         self._reply(ident, encode(Op.ACK, rid=header["rid"]))  # added, or held
         for answer in pushed.finished:
+            self._send(answer)
+
+    def _last(self, header: dict, payload: list | None) -> None:
+        """A worker's last answer of the key from the server this one replaced
+        (:meth:`Aggregator.restore`); a step it completes is answered."""
+        state = self.aggregator.key(header["key"])
+        skip, nbytes = header["skip"], header["nbytes"]
+        raw_bytes = state.numel * state.dtype.itemsize
+        if skip is not None and (nbytes or not isinstance(skip.get("skip"), str)):
+            raise RequestError(f"{state.where}: LAST: a skip has field 'skip' and no payload")
+        if skip is None and (nbytes != raw_bytes if state.chain is None
+                             else nbytes > 2 * raw_bytes + 64):
+            raise RequestError(f"{state.where}: LAST: a payload of {nbytes} bytes")
+        for answer in self.aggregator.restore(state.key, header["step"], _buffers(payload),
+                                              skip):
             self._send(answer)
 
     def membership(self, generation: int, members: list[int]) -> None:

@@ -28,6 +28,16 @@ generation number and the worker ids present, and from then on barriers, FINALIZ
 the step checks count only those. A message from a node that left is refused, naming
 the generation it left at. Below M the job fails as without it, naming who died.
 
+Server replacement (``BPS_SPARE_SERVERS=S``): servers that register once every server
+slot is held wait as spares (STANDBY; at most S). A server that dies (its connection
+closes, it reports FAILED, or it goes silent) leaves its slot vacant
+(:class:`~bps.server.server_table.ServerTable`): the oldest spare takes it at once, or
+else the next server that registers (one restarted with the same environment takes its
+own slot). The replacement gets WELCOME with the next membership generation and the
+workers present, the other servers MEMBERSHIP (the same workers, that generation: the
+step in flight is dropped everywhere) and the workers REPLACED (the slot's new address).
+A slot left vacant for ``BPS_HEARTBEAT_TIMEOUT`` fails the job, naming the dead server.
+
 Joining (elastic jobs only): a worker HELLO after the rendezvous, for a node id in range
 that is not present (a node restarted with its old id, or one started late), gets a
 WELCOME marked ``joining`` at once, but is no member until it sends JOIN (its trainer is
@@ -78,6 +88,8 @@ from bps.common.ratelimit import RateLimitedLog
 from bps.common.scheduler_client import LoopClock, failure_reason
 from bps.common.striping import MAX_IO_THREADS
 
+from .server_table import ServerTable, TableError
+
 log = logging.getLogger("bps.scheduler")
 refusals = RateLimitedLog(log)
 # replies queued for one connection that does not read them: beyond this the ROUTER
@@ -106,7 +118,8 @@ class _Node:
     def label(self) -> str:
         where = f" at {self.addr}" if self.addr else ""
         rank = f" {self.rank}" if self.rank >= 0 else ""
-        return f"{self.role}{rank}{where}"
+        role = "spare server" if self.role == "spare" else self.role
+        return f"{role}{rank}{where}"
 
 
 @dataclass
@@ -131,9 +144,18 @@ class Scheduler:
     # the joiners' states by the generation their source saw: {"total", "data", "got"}
     states: dict[int, dict] = field(default_factory=dict)
     fetches: list[tuple[bytes, int, int]] = field(default_factory=list)  # (who, gen, offset)
+    servers: ServerTable = field(init=False)  # BPS_SPARE_SERVERS: slots, spares, vacancies
+    tokens: list[bytes] = field(default_factory=list)  # the workers', in node order
 
     def __post_init__(self) -> None:
         self.loop_clock = LoopClock(self.env.heartbeat_interval)
+        self.servers = ServerTable(self.env.num_servers, self.env.spare_servers)
+
+    @property
+    def watches_closes(self) -> bool:
+        """Whether a closed connection is a death the job survives (a worker leaving,
+        a server replaced), seen at once."""
+        return self.env.elastic or self.env.replaces_servers
 
     def run(self) -> int:
         # Its own context unless given one: terminating it on the way out is what makes
@@ -146,7 +168,7 @@ class Scheduler:
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_HEADER_BYTES)
         self.sock.setsockopt(zmq.SNDHWM, PEER_QUEUE)
         self.sock.setsockopt(zmq.RCVHWM, PEER_QUEUE)
-        guard.serve(self.sock, watch_closes=self.env.elastic)
+        guard.serve(self.sock, watch_closes=self.watches_closes)
         try:
             try:
                 self.sock.bind(self.env.scheduler_address)
@@ -180,7 +202,8 @@ class Scheduler:
                 self._send(node.identity, op, **fields)
 
     def _complete(self) -> bool:
-        return len(self.nodes) == self.env.num_workers + self.env.num_servers
+        spares = sum(n.role == "spare" for n in self.nodes.values())
+        return len(self.nodes) - spares == self.env.num_workers + self.env.num_servers
 
     def _missing(self) -> str:
         workers = {n.rank for n in self.nodes.values() if n.role == "worker"}
@@ -204,7 +227,7 @@ class Scheduler:
         welcomed = False
         # elastic: a closed connection is a worker node leaving, seen within this poll
         poll_ms = int(env.heartbeat_interval * 1000)
-        if env.elastic:
+        if self.watches_closes:
             poll_ms = min(poll_ms, 50)
         while True:
             if self.sock.poll(poll_ms):
@@ -225,7 +248,7 @@ class Scheduler:
                     log.error(msg)
                     self._broadcast(Op.ERROR, rid=-1, msg=msg)
                     return 1
-            if env.elastic:
+            if self.watches_closes:
                 self._check_closed(welcomed)
                 if self.verdict is not None:
                     return 1
@@ -233,14 +256,16 @@ class Scheduler:
             if node is not None:
                 msg = (f"{node.label} died: no heartbeat for {now - node.last_seen:.1f} s "
                        f"(BPS_HEARTBEAT_TIMEOUT={env.heartbeat_timeout:g})")
-                if welcomed and self._may_leave(node):
-                    self._leave(node, msg)
+                if self._lost(node, msg, welcomed):
+                    if self.verdict is not None:
+                        return 1
                     continue
                 log.error(msg)
                 self._broadcast(Op.PEER_DEAD, exclude=node.identity, msg=msg)
                 return 1
             if welcomed:
                 self._check_stalls(now)
+                self._check_vacancies(now)
                 if self.verdict is not None:
                     return 1
             if welcomed and all(n.finalized for n in self.nodes.values() if n.role == "worker"):
@@ -252,6 +277,76 @@ class Scheduler:
         """Whether ``node`` may leave the job rather than end it: a worker of an elastic
         job (``BPS_MIN_WORKERS``) that has not finished; a server or the scheduler never."""
         return self.env.elastic and node.role == "worker" and not node.finalized
+
+    def _lost(self, node: _Node, why: str, welcomed: bool) -> bool:
+        """``node`` died (``why`` says how): whether the job goes on without it (a spare
+        server; a server replaced, ``BPS_SPARE_SERVERS``; a worker leaving,
+        ``BPS_MIN_WORKERS``); the caller ends the job otherwise. A worker's leaving may
+        still fail the job (below the minimum: ``verdict``)."""
+        if node.role == "spare":
+            del self.nodes[node.identity]
+            self.servers.drop_spare(node.identity)
+            log.warning("%s; %d spare server(s) left", why, len(self.servers.waiting))
+            return True
+        if welcomed and node.role == "server" and self.servers.replaces:
+            self._server_died(node, why)
+            return True
+        if welcomed and self._may_leave(node):
+            self._leave(node, why)
+            return True
+        return False
+
+    def _server_died(self, node: _Node, why: str) -> None:
+        """A server of the running job died: a spare takes its slot now, or the slot
+        waits for a server to register (:meth:`_check_vacancies`)."""
+        del self.nodes[node.identity]
+        self.left[node.identity] = f"{node.label} was replaced"
+        spare = self.servers.vacate(node.rank, why, time.monotonic())
+        if spare is None:
+            log.warning("%s: its slot waits up to %g s (BPS_HEARTBEAT_TIMEOUT) for a "
+                        "server to take its place (no spare server waits)", why,
+                        self.env.heartbeat_timeout)
+            return
+        self._replace(node.rank, self.nodes[spare], why)
+
+    def _replace(self, slot: int, node: _Node, why: str) -> None:
+        """``node`` serves server slot ``slot`` from the next membership generation on:
+        it gets WELCOME, the other servers MEMBERSHIP (the step in flight is dropped
+        everywhere), the workers REPLACED."""
+        node.role, node.rank = "server", slot
+        self.generation += 1
+        present = [n.rank for n in self._workers()]
+        servers = sorted((n for n in self.nodes.values() if n.role == "server"),
+                         key=lambda n: n.rank)
+        msg = (f"{why}: server {slot} is now served from {node.addr} (membership "
+               f"generation {self.generation})")
+        log.warning(msg)
+        self._send(node.identity, Op.WELCOME, node_id=slot,
+                   servers=[n.addr for n in servers],
+                   endpoints=[n.endpoints or [n.addr] for n in servers],
+                   num_workers=self.env.num_workers, num_servers=self.env.num_servers,
+                   seed=self.seed, members=self.tokens, generation=self.generation,
+                   present=present)
+        for other in self.nodes.values():
+            if other.finalized or other is node:
+                continue
+            if other.role == "server":
+                self._send(other.identity, Op.MEMBERSHIP, generation=self.generation,
+                           members=present, msg=msg)
+            elif other.role == "worker":
+                self._send(other.identity, Op.REPLACED, server=slot, addr=node.addr,
+                           endpoints=node.endpoints or [node.addr],
+                           generation=self.generation, msg=msg)
+
+    def _check_vacancies(self, now: float) -> None:
+        """A server slot vacant for BPS_HEARTBEAT_TIMEOUT: the job fails, naming the
+        server that died."""
+        late = self.servers.overdue(now, self.env.heartbeat_timeout)
+        if late is not None:
+            slot, why, waited = late
+            self._fail(f"{why}; no server took its place within {waited:.1f} s "
+                       f"(BPS_SPARE_SERVERS={self.env.spare_servers} spare(s), all taken; "
+                       f"a server started again with the same environment takes it too)")
 
     def _workers(self) -> list[_Node]:
         """The worker nodes present, in node order."""
@@ -293,11 +388,11 @@ class Scheduler:
                 self._drop_joiner(joiner, "its connection to the scheduler closed")
                 continue
             node = next((n for n in self.nodes.values() if n.fd == fd), None)
-            if not welcomed or node is None or node.finalized:
+            if node is None or node.finalized or (not welcomed and node.role != "spare"):
                 continue
-            if not self._may_leave(node):
-                continue  # a server: its heartbeats decide, as without BPS_MIN_WORKERS
-            self._leave(node, f"{node.label} died: its connection to the scheduler closed")
+            # what the job cannot go on without: its heartbeats decide, as before
+            self._lost(node, f"{node.label} died: its connection to the scheduler closed",
+                       welcomed)
             if self.verdict is not None:
                 return
 
@@ -352,11 +447,13 @@ class Scheduler:
             if node.rank < 0:
                 node.rank = next(free)
         servers.sort(key=lambda n: n.rank)
+        self.servers.fill({n.rank: n.identity for n in servers})
         addresses = [n.addr for n in servers]
         endpoints = [n.endpoints or [n.addr] for n in servers]
-        tokens = [n.token for n in sorted((n for n in self.nodes.values() if n.role == "worker"),
-                                          key=lambda n: n.rank)]
+        tokens = self.tokens = [n.token for n in self._workers()]
         for node in self.nodes.values():
+            if node.role == "spare":
+                continue
             self._send(node.identity, Op.WELCOME, node_id=node.rank, servers=addresses,
                        endpoints=endpoints,
                        num_workers=self.env.num_workers, num_servers=self.env.num_servers,
@@ -386,7 +483,7 @@ class Scheduler:
         if op == Op.HELLO:
             self._hello(ident, peer, header, welcomed)
             node = self.nodes.get(ident) or self.joining.get(ident)
-            if node is not None and self.env.elastic:
+            if node is not None and self.watches_closes:
                 node.fd = _source_fd(frames[0])
         elif ident in self.joining:
             self._handle_joiner(self.joining[ident], op)
@@ -414,10 +511,9 @@ class Scheduler:
             self._finalize(node, header["step"])
         elif op == Op.FAILED:
             self._send(ident, Op.BYE)  # the node may exit now: its report arrived
-            if welcomed and self._may_leave(node):
-                self._leave(node, f"{node.label} failed: {header['msg']}")
-            else:
-                self._fail(f"{node.label} failed: {header['msg']}", exclude=node.identity)
+            why = f"{node.label} failed: {header['msg']}"
+            if not self._lost(node, why, welcomed):
+                self._fail(why, exclude=node.identity)
         else:
             self._refuse(ident, peer, f"unexpected op {op.name}")
 
@@ -485,8 +581,12 @@ class Scheduler:
         if welcomed and role == "worker" and self.env.elastic and ident not in self.nodes:
             self._hello_joiner(ident, peer, header)
             return
-        if welcomed or ident in self.nodes:
+        late_server = welcomed and role == "server" and self.servers.replaces
+        if (welcomed and not late_server) or ident in self.nodes or ident in self.left:
             error = "rendezvous already complete" if welcomed else "duplicate HELLO"
+        elif late_server:
+            self._late_server(ident, peer, header)
+            return
         elif settings := self._settings_error(header):
             error = settings
         elif role == "worker" and len(token) != TOKEN_BYTES:
@@ -503,39 +603,78 @@ class Scheduler:
         elif role == "server":
             rank = worker_id  # BPS_SERVER_ID or -1: a rank is given at WELCOME
             servers = [n for n in self.nodes.values() if n.role == "server"]
-            if len(servers) >= self.env.num_servers:
-                error = f"more servers than DMLC_NUM_SERVER={self.env.num_servers}"
-            elif rank >= self.env.num_servers:
+            full = len(servers) >= self.env.num_servers or rank >= self.env.num_servers or (
+                rank >= 0 and any(n.rank == rank for n in servers))
+            if rank >= self.env.num_servers + (self.env.spare_servers or 0):
                 error = f"BPS_SERVER_ID={rank} out of range for DMLC_NUM_SERVER"
+            elif full and self.servers.replaces:
+                role = "spare"  # it waits for a server to die (STANDBY)
+                try:
+                    self.servers.spare(ident)
+                except TableError as exc:
+                    error = str(exc)
+            elif len(servers) >= self.env.num_servers:
+                error = f"more servers than DMLC_NUM_SERVER={self.env.num_servers}"
             elif rank >= 0 and any(n.rank == rank for n in servers):
                 error = f"BPS_SERVER_ID={rank} registered twice"
             error = error or _endpoints_error(header.get("endpoints"))
+            if error and role == "spare":
+                self.servers.drop_spare(ident)
         else:
             error = f"unknown role {role!r}"
         if error:
-            self._refuse(ident, peer, f"HELLO as {role} {worker_id}: {error}",
+            self._refuse(ident, peer, f"HELLO as {header['role']} {worker_id}: {error}",
                          hello=not welcomed)
             return
-        self.nodes[ident] = _Node(ident, role, rank, addr, time.monotonic(),
-                                  token=token if role == "worker" else b"", peer=peer,
-                                  endpoints=header.get("endpoints") if role == "server" else None)
+        self.nodes[ident] = _Node(ident, role, rank if role != "spare" else -1, addr,
+                                  time.monotonic(), token=token if role == "worker" else b"",
+                                  peer=peer,
+                                  endpoints=header.get("endpoints") if role != "worker"
+                                  else None)
         log.info("registered %s (connection from %s)", self.nodes[ident].label, peer)
+        if role == "spare":
+            self._send(ident, Op.STANDBY)
+
+    def _late_server(self, ident: bytes, peer: str, header: dict) -> None:
+        """A server's HELLO once the job runs (``BPS_SPARE_SERVERS``): it takes a vacant
+        slot now (its own ``BPS_SERVER_ID``'s, else the oldest), or waits as a spare."""
+        error = self._settings_error(header) or _endpoints_error(header.get("endpoints"))
+        slot = None
+        if error is None:
+            try:
+                slot = self.servers.admit(ident, header["worker_id"])
+            except TableError as exc:
+                error = str(exc)
+        if error is not None:
+            self._refuse(ident, peer, f"HELLO as server {header['worker_id']}: {error}")
+            return
+        node = self.nodes[ident] = _Node(ident, "spare", -1, header["addr"], time.monotonic(),
+                                         peer=peer, endpoints=header.get("endpoints"))
+        log.info("registered %s (connection from %s)", node.label, peer)
+        if slot is None:
+            self._send(ident, Op.STANDBY)
+            return
+        self._replace(slot, node, self.servers.died[slot])
 
     def _settings_error(self, header: dict) -> str | None:
         """A job-wide setting the HELLO carries that differs from the scheduler's (None:
         all agree). A HELLO without them (an older client) is not checked."""
-        for name, variable, mine in (("num_workers", "DMLC_NUM_WORKER", self.env.num_workers),
-                                     ("num_servers", "DMLC_NUM_SERVER", self.env.num_servers),
-                                     ("min_workers", "BPS_MIN_WORKERS",
-                                      self.env.min_workers or 0)):
+        spares = self.env.spare_servers
+        for name, variable, mine, unset in (
+                ("num_workers", "DMLC_NUM_WORKER", self.env.num_workers, None),
+                ("num_servers", "DMLC_NUM_SERVER", self.env.num_servers, None),
+                ("min_workers", "BPS_MIN_WORKERS", self.env.min_workers or 0, 0),
+                ("spare_servers", "BPS_SPARE_SERVERS", -1 if spares is None else spares, -1)):
             theirs = header.get(name)
             if theirs is None:
                 continue
             if isinstance(theirs, bool) or not isinstance(theirs, int):
                 return f"field {name!r} has type {type(theirs).__name__}"
-            if theirs != mine:  # 0: BPS_MIN_WORKERS unset
-                return (f"its {variable}={theirs or 'unset'} differs from the scheduler's "
-                        f"{variable}={mine or 'unset'} (every node of a job needs the same)")
+            if theirs != mine:  # unset: 0 for BPS_MIN_WORKERS, -1 for BPS_SPARE_SERVERS
+                return (f"its {variable}={'unset' if theirs == unset else theirs} differs "
+                        f"from the scheduler's {variable}="
+                        f"{'unset' if mine == unset else mine} (every node of a job needs "
+                        f"the same)")
         return None
 
     def _barrier(self, node: _Node, seq: int) -> None:
@@ -622,6 +761,8 @@ class Scheduler:
         old = self._workers()
         del self.joining[node.identity]
         self.nodes[node.identity] = node
+        if node.rank < len(self.tokens):  # what a replacement server will be told
+            self.tokens[node.rank] = node.token
         self.generation += 1
         members = [n.rank for n in self._workers()]
         msg = (f"{node.label} joined: worker nodes {members} (membership generation "

@@ -53,7 +53,7 @@ from bps.common.protocol import (
     error_text,
     new_socket,
 )
-from bps.common.scheduler_client import SchedulerClient, failure_reason
+from bps.common.scheduler_client import SchedulerClient, StandbyOver, failure_reason
 from bps.common.striping import (
     bind_per_io_thread,
     core_shares,
@@ -63,6 +63,7 @@ from bps.common.striping import (
     io_thread_cpu_seconds,
     io_threads,
 )
+from bps.compressors.warm import load_soon
 
 from .aggregator import Aggregator
 from .requests import MAX_NUMEL, Requests, check_request, refusals, update_members
@@ -177,6 +178,10 @@ class ParameterServer:
         log.info("server at %s: %d ZeroMQ I/O thread(s), one endpoint each: ports %s", address,
                  len(endpoints), ", ".join(e.rsplit(":", 1)[1] for e in endpoints))
         engines: list[KeyEngine] = []
+        if self.env.replaces_servers:
+            # a spare may take a slot mid-job: numba's code generator (0.4 s and more, a
+            # stall of the first step it serves) starts now, while the job starts
+            load_soon(None, torch.float32)
         try:
             welcome = link.rendezvous()
             threads = self.env.server_threads or engine_threads(host_cores(),
@@ -187,9 +192,17 @@ class ParameterServer:
             engines += [KeyEngine(self, i) for i in range(threads)]
             log.info("server %d serving on %s, engine threads: %d", welcome["node_id"],
                      address, threads)
+            if welcome.get("generation"):  # a replacement: the job's membership now
+                self._membership({"generation": welcome["generation"],
+                                  "members": welcome["present"],
+                                  "msg": f"taking the place of server {welcome['node_id']}"},
+                                 engines)
             for engine in engines:
                 engine.start()
             return self._loop(router, replies, link, engines)
+        except StandbyOver as exc:
+            log.info("spare server at %s stopping: %s", address, exc)
+            return 0
         except ClusterError as exc:
             log.error("server at %s stopping: %s", address, exc)
             return 1

@@ -6,7 +6,10 @@ connection in one I/O thread), each key on one of them so its requests stay in o
 It sends control requests (declare, state, barrier) ahead of data, pushes as their
 server's send credit allows (:class:`~bps.worker.send_queues.SendQueues`), matches
 replies to requests, heartbeats the scheduler and fails every pending request with a
-:class:`bps.common.protocol.ClusterError` on a timeout, a dead peer or a lost scheduler::
+:class:`bps.common.protocol.ClusterError` on a timeout, a dead peer or a lost scheduler.
+Where the scheduler says a server slot is served by a replacement (``REPLACED``,
+``BPS_SPARE_SERVERS``), it connects that slot to the replacement, declares the slot's
+keys there again and sends again every request the dead server had not answered::
 
     loop = IOLoop(env, ctx, link, servers, node_id, keys, count, tracer, pool.decompress)
     future = loop.request(Op.REGISTER, server, fields, None, "declare of key 0", info)
@@ -73,6 +76,8 @@ from bps.worker.send_queues import (
 )
 
 log = logging.getLogger("bps.engine")
+# a DATA reply's fields that make it a skip (bps.common.protocol)
+SKIP_FIELDS = ("skip", "skip_node", "skip_what", "generation", "members")
 
 
 def _membership(header: dict) -> tuple[int, tuple[int, ...]]:
@@ -121,7 +126,7 @@ class IOLoop:
         # dropped for a membership change names a later one
         self.generation = 0
         self.members: tuple[int, ...] = tuple(range(env.num_workers))
-        self.announced = 0  # the latest generation the scheduler's MEMBERSHIP announced
+        self.announced = 0  # the latest generation the scheduler announced
         self.connections, self.io_threads = striping(env, servers)
         # its own context: I/O threads are fixed when a context's first socket is made
         self._data_ctx = zmq.Context(io_threads=self.io_threads)
@@ -130,10 +135,18 @@ class IOLoop:
         self._server_of: dict[Any, int] = {}
         self._where: dict[Any, str] = {}  # a connection as errors name it
         self._watch = HandshakeWatch(env, "worker")
+        self._key = key
+        # key -> (server, REGISTER fields) of every declared key: a replacement server
+        # gets them again
+        self._registered: dict[int, tuple[int, dict]] = {}
+        # key -> (step, skip fields or None, payload bytes) of the last answer to a push,
+        # kept where servers may be replaced (BPS_SPARE_SERVERS): a replacement gets it
+        self._last: dict[int, tuple[int, dict | None, bytes]] = {}
+        self._poller: Any = None  # the I/O thread's
         try:
             for server, address in enumerate(servers):
-                self._connect(server, endpoints[server] if endpoints else [address],
-                              link.token, key)
+                self._dealers.append(self._connect(
+                    server, endpoints[server] if endpoints else [address]))
         except BaseException:  # an endpoint libzmq refuses: nothing of ours stays open
             self._watch.close()
             for dealer in self._server_of:
@@ -157,17 +170,16 @@ class IOLoop:
         self._thread = threading.Thread(target=self._run, name="bps-engine-io", daemon=True)
         self._thread.start()
 
-    def _connect(self, server: int, ends: list[str], token: bytes,
-                 key: ClusterKey | None) -> None:
+    def _connect(self, server: int, ends: list[str]) -> list[Any]:
         """Open this node's connections to ``server`` (its endpoints ``ends``), each
         pinned to one of our I/O threads and dealt over the server's endpoints."""
-        self._dealers.append([])
+        dealers = []
         for stripe in range(self.connections):
             dealer = new_socket(self._data_ctx, zmq.DEALER)
             self._server_of[dealer] = server
             # the token prefix makes this connection this node's on the server
-            dealer.setsockopt(zmq.ROUTING_ID, token + b"engine%d" % stripe)
-            connect_as_client(dealer, key)
+            dealer.setsockopt(zmq.ROUTING_ID, self._link.token + b"engine%d" % stripe)
+            connect_as_client(dealer, self._key)
             end, thread = pinned_connection(self.node_id, server, stripe, self.connections,
                                             len(ends), self.io_threads)
             dealer.setsockopt(zmq.AFFINITY, affinity_mask(thread))
@@ -176,7 +188,61 @@ class IOLoop:
                 else ")")
             self._watch.add(dealer, self._where[dealer])
             dealer.connect(ends[end])
-            self._dealers[server].append(dealer)
+            dealers.append(dealer)
+        return dealers
+
+    def _replaced(self, header: dict) -> None:
+        """Server slot ``header["server"]`` is served by a replacement (the scheduler's
+        REPLACED): its connections go there, its keys are declared there again, and the
+        requests the dead server left unanswered are sent again, in their order, after
+        them. A push of the step in flight carries the generation before the change, so
+        the servers answer that step with a ``"membership"`` skip on every node."""
+        slot = header["server"]
+        if not 0 <= slot < len(self._dealers) or not header["endpoints"]:
+            log.warning("node %d: REPLACED names server %d of %d", self.node_id, slot,
+                        len(self._dealers))
+            return
+        for dealer in self._dealers[slot]:
+            for monitor in self._watch.forget(dealer):
+                self._poller.unregister(monitor)
+            self._poller.unregister(dealer)
+            del self._server_of[dealer]
+            dealer.close(linger=0)
+        watched = set(self._watch.sockets())
+        self._dealers[slot] = self._connect(slot, header["endpoints"])
+        for sock in [*self._dealers[slot], *(set(self._watch.sockets()) - watched)]:
+            self._poller.register(sock, zmq.POLLIN)
+        unanswered = sorted((r for r in self._pending.values() if r.server == slot),
+                            key=lambda r: r.rid)
+        declaring = {r.fields["key"] for r in unanswered if r.op == Op.REGISTER}
+        again = [(key, fields_) for key, (server, fields_) in self._registered.items()
+                 if server == slot and key not in declaring]
+        log.warning("node %d: %s; %d key(s) declared there again, %d request(s) sent again",
+                    self.node_id, header["msg"], len(again), len(unanswered))
+        for key, fields_ in again:  # no KeyInfo: settling these must not free the key
+            what = f"key {key} ({fields_['name']!r}) on the replacement of server {slot}"
+            future = new_future()
+            future.add_done_callback(self._redeclared)
+            self._send(Request((), -1, Op.REGISTER, slot, fields_, None, future,
+                               f"declare of {what}", None))
+            if key in self._last:  # the dead server's last answer: for a node that missed it
+                step, skip, body = self._last[key]
+                future = new_future()
+                future.add_done_callback(self._redeclared)
+                self._send(Request((), -1, Op.LAST, slot,
+                                   {"key": key, "step": step, "skip": skip,
+                                    "nbytes": len(body)}, body, future,
+                                   f"last answer of {what}", None))
+        for request in unanswered:
+            del self._pending[request.rid]
+            self._send(request)
+
+    def _redeclared(self, future: concurrent.futures.Future) -> None:
+        """A key declared again on a replacement server: an error there is logged (the
+        key's next push then fails, naming it)."""
+        error = future.exception()
+        if error is not None and self.error is None:
+            log.error("node %d: %s", self.node_id, error)
 
     # ------------------------------------------------------------------ callers' side
 
@@ -303,7 +369,7 @@ class IOLoop:
     # ------------------------------------------------------------------ I/O thread
 
     def _run(self) -> None:
-        poller = zmq.Poller()
+        poller = self._poller = zmq.Poller()
         poller.register(self._wake_r, zmq.POLLIN)
         poller.register(self._link.sock, zmq.POLLIN)
         for dealer in self._server_of:
@@ -432,6 +498,8 @@ class IOLoop:
             settle(info, future, error=RemoteError(f"{where}: {header['msg']}"))
             return
         if op == Op.OK:
+            if request.op == Op.REGISTER:  # a replacement server gets it again
+                self._registered[request.fields["key"]] = (request.server, request.fields)
             settle(info, future, None)
             return
         try:
@@ -446,6 +514,10 @@ class IOLoop:
             settle(info, future, join_frames(payloads).tobytes() if len(payloads) > 1
                    else payloads[0].bytes)
             return
+        if self.env.replaces_servers and request.op == Op.PUSH:  # a copy: decoded in place
+            skip = {f: header[f] for f in SKIP_FIELDS if f in header} or None
+            self._last[request.fields["key"]] = (
+                header["step"], skip, b"".join(frame.bytes for frame in payloads))
         if "skip" in header:  # the server did not sum this step
             self._count(pushes=1)
             skipped = Skipped(str(header["skip"]), int(header.get("skip_node", -1)),
@@ -480,6 +552,10 @@ class IOLoop:
         if op == Op.MEMBERSHIP:  # the servers answer the step in flight with its skip
             self.announced = max(self.announced, header["generation"])
             log.warning("node %d: %s", self.node_id, header["msg"])
+            return
+        if op == Op.REPLACED:
+            self.announced = max(self.announced, header["generation"])
+            self._replaced(header)
             return
         reply = (op, header["seq"]) if op == Op.RELEASE else \
             (op, header["offset"]) if op == Op.STATE else (op,)

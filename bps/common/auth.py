@@ -396,6 +396,14 @@ class HandshakeWatch:
             self._forget(monitor)
         return done
 
+    def forget(self, sock: Any) -> list[Any]:
+        """Stop watching ``sock`` (before closing it); returns its monitors (unregister
+        them)."""
+        monitors = [m for m, (watched, _) in self._watched.items() if watched is sock]
+        for monitor in monitors:
+            self._forget(monitor)
+        return monitors
+
     def _refused(self, peer: str) -> str:
         if self.env.insecure:
             why = ("this process runs with BPS_INSECURE=1 (plain TCP) and the peer does not; "

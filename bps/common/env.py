@@ -18,8 +18,14 @@ bps's own variables:
   while at least this many worker nodes are left, ``1 <= M <= DMLC_NUM_WORKER``; a worker
   node that dies leaves the membership instead of failing the job (docs/runtime.md,
   "Elastic membership"). Every role reads it; the scheduler decides.
+* ``BPS_SPARE_SERVERS`` (default unset: a dead server ends the job): a dead server's
+  keys move to a replacement, one of up to this many idle spare servers
+  (``0``-``64``; ``0``: no spares, a server started again with the same environment takes
+  the slot) (docs/runtime.md, "Server replacement"). Every role reads it.
 * ``DMLC_NODE_HOST`` (default 127.0.0.1): the address this process binds and advertises.
 * ``BPS_SERVER_ID`` (servers, optional): this server's rank; unset: registration order.
+  With ``BPS_SPARE_SERVERS=S``, ``DMLC_NUM_SERVER`` to ``DMLC_NUM_SERVER + S - 1`` name
+  spares.
 * ``BPS_JOB_SEED`` (scheduler only, optional): the job seed; random if unset.
 * ``BPS_SERVER_THREADS`` (servers, default: the cores this process may run on divided
   among the servers on its host, see ``bps.common.striping.engine_threads``): engine threads
@@ -80,6 +86,7 @@ ROLES = ("scheduler", "server", "worker")
 DEFAULT_PARTITION_BYTES = 4096000
 DEFAULT_MIN_COMPRESS_BYTES = 65536
 DEFAULT_FRAME_BYTES = 131072  # with CURVE; without it every payload is one frame
+MAX_SPARE_SERVERS = 64  # BPS_SPARE_SERVERS
 
 
 class EnvError(ValueError):
@@ -128,6 +135,17 @@ def _min_workers(environ: Mapping[str, str], num_workers: int) -> int | None:
         raise EnvError(f"BPS_MIN_WORKERS={value} out of range: at most "
                        f"DMLC_NUM_WORKER={num_workers} (the worker nodes the job starts with)")
     return value
+
+
+def _spare_servers(environ: Mapping[str, str]) -> int | None:
+    """``BPS_SPARE_SERVERS`` in [0, 64]; None where unset or empty.
+
+        >>> _spare_servers({"BPS_SPARE_SERVERS": "1"}), _spare_servers({})
+        (1, None)
+    """
+    if not environ.get("BPS_SPARE_SERVERS", "").strip():
+        return None
+    return _int(environ, "BPS_SPARE_SERVERS", None, 0, MAX_SPARE_SERVERS)
 
 
 def _seconds(environ: Mapping[str, str], name: str, default: float) -> float:
@@ -212,11 +230,18 @@ class ClusterEnv:
     io_threads: int | None = None  # None: follows the host (bps.common.striping)
     node_agent: bool = False  # local rank 0 runs the engine in a node agent process
     min_workers: int | None = None  # BPS_MIN_WORKERS: worker nodes may leave down to this
+    spare_servers: int | None = None  # BPS_SPARE_SERVERS: a dead server is replaced
 
     @property
     def elastic(self) -> bool:
         """Whether worker nodes may leave the job (``BPS_MIN_WORKERS`` is set)."""
         return self.min_workers is not None
+
+    @property
+    def replaces_servers(self) -> bool:
+        """Whether a dead server's keys move to a replacement (``BPS_SPARE_SERVERS`` is
+        set)."""
+        return self.spare_servers is not None
 
     @property
     def on_one_host(self) -> bool:
@@ -241,9 +266,10 @@ class ClusterEnv:
         if role == "worker":
             worker_id = _int(env, "DMLC_WORKER_ID", None, 0, num_workers - 1)
         server_id = -1
-        if role == "server" and env.get("BPS_SERVER_ID"):
+        if role == "server" and env.get("BPS_SERVER_ID"):  # spares: num_servers and on
             server_id = _int(env, "BPS_SERVER_ID", None, 0,
-                             _int(env, "DMLC_NUM_SERVER", None, 1) - 1)
+                             _int(env, "DMLC_NUM_SERVER", None, 1)
+                             + (_spare_servers(env) or 0) - 1)
         local_size = _int(env, "BYTEPS_LOCAL_SIZE", 1, 1)
         timeout = _seconds(env, "BPS_TIMEOUT", 60.0)
         interval = _seconds(env, "BPS_HEARTBEAT_INTERVAL", 1.0)
@@ -303,6 +329,7 @@ class ClusterEnv:
             io_threads=_optional_int(env, "BPS_IO_THREADS", 1, 64),
             node_agent=bool(_int(env, "BPS_NODE_AGENT", 0, 0, 1)),
             min_workers=_min_workers(env, num_workers),
+            spare_servers=_spare_servers(env),
         )
 
 

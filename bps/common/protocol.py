@@ -47,6 +47,10 @@ Worker <-> server ops (the reply echoes ``rid``):
   non-finite mark); the server chain returns to its state before that step.
 * ``GET_STATE`` key -> ``DATA`` (msgpack of the server chain's state) ; ``SET_STATE``
   key + payload -> ``OK``
+* ``LAST`` key step skip + payload -> ``OK``: to a server that replaced a dead one, the
+  last answer (``DATA``) of the key this worker got from the dead one, its step, and its
+  skip fields (a map, or nil) with no payload where it was a skip. A worker that missed
+  that answer and pushes that step again gets it.
 
 Node <-> scheduler ops: ``HELLO`` role worker_id addr token (a server's also
 ``endpoints``: its addresses, one per ZeroMQ I/O thread; optional ``num_workers``,
@@ -60,7 +64,13 @@ exception, a signal, an exit without ``bps.shutdown()``); scheduler -> servers
 process) and ``ERROR``; with ``BPS_MIN_WORKERS``, scheduler -> everyone ``MEMBERSHIP``
 generation members msg: worker nodes left (``msg`` names who and why), ``members`` the
 worker node ids present from generation ``generation`` on (0 is the job's first; each
-change adds one).
+change adds one). With ``BPS_SPARE_SERVERS``, scheduler -> a server that registers while
+every slot is held ``STANDBY`` (it waits, heartbeating, as a spare); a server that takes a
+dead server's slot gets ``WELCOME`` with ``generation`` and ``present`` (the worker node
+ids present), the other servers ``MEMBERSHIP`` (the same members, the next generation)
+and the workers ``REPLACED`` server addr endpoints generation msg: server slot ``server``
+is served from ``addr`` (``endpoints``: one per I/O thread) from membership
+``generation`` on.
 
 Joining (``BPS_MIN_WORKERS``; docs/runtime.md, "Elastic membership"): a worker whose
 HELLO comes after the rendezvous, for a node id not present, gets ``WELCOME`` with
@@ -127,6 +137,9 @@ class Op(IntEnum):
     JOIN = 31
     STATE = 32
     FETCH = 33
+    STANDBY = 40
+    REPLACED = 41
+    LAST = 42
 
 
 _INT = (int,)
@@ -164,6 +177,10 @@ FIELDS: dict[Op, dict[str, tuple[type, ...]]] = {
     Op.JOIN: {},
     Op.STATE: {"generation": _INT, "offset": _INT, "total": _INT, "data": _BYTES},
     Op.FETCH: {"generation": _INT, "offset": _INT},
+    Op.STANDBY: {},
+    Op.LAST: {"rid": _INT, "key": _INT, "step": _INT, "nbytes": _INT, "skip": _OPT_DICT},
+    Op.REPLACED: {"server": _INT, "addr": _STR, "endpoints": (list,), "generation": _INT,
+                  "msg": _STR},
 }
 
 STATE_CHUNK = 256 << 10  # bytes of a joining node's state per STATE message
@@ -263,6 +280,8 @@ def decode(frame: bytes | memoryview) -> dict[str, Any]:
                                and len(header["data"]) <= STATE_CHUNK):
         raise ProtocolError(f"STATE: field 'offset' {header['offset']} or 'data' "
                             f"({len(header['data'])} bytes) out of range")
+    if op == Op.REPLACED and not all(isinstance(e, str) for e in header["endpoints"]):
+        raise ProtocolError("REPLACED: field 'endpoints' must be a list of addresses")
     if op == Op.PUSH and "mark" in header:
         if header["mark"] not in MARKS or not isinstance(header.get("what", ""), str):
             raise ProtocolError(f"PUSH: field 'mark' is {header['mark']!r}, expected one of "

@@ -68,6 +68,10 @@ class LoopClock:
         return gap if gap > STALL_INTERVALS * self.interval else 0.0
 
 
+class StandbyOver(Exception):
+    """The job ended (``SHUTDOWN``) while this server waited as a spare."""
+
+
 class SchedulerClient:
     """A node's link to the scheduler; used only from its owner's I/O thread.
 
@@ -104,14 +108,17 @@ class SchedulerClient:
     def rendezvous(self) -> dict:
         """Say HELLO and wait for WELCOME; raises ClusterError on error or timeout. A
         scheduler that starts late is waited for up to ``BPS_TIMEOUT``; the heartbeat
-        rule applies once it has answered."""
+        rule applies once it has answered. A server the scheduler keeps as a spare
+        (``STANDBY``, ``BPS_SPARE_SERVERS``) waits without a deadline, until it takes a
+        dead server's slot (WELCOME) or the job ends (:class:`StandbyOver`)."""
         worker_id = self.env.worker_id if self.role == "worker" else self.env.server_id
         extra = {"endpoints": self.endpoints} if self.endpoints else {}
         # the job-wide settings the scheduler checks against its own
         self.send(Op.HELLO, role=self.role, worker_id=worker_id, addr=self.addr,
                   token=self.token, num_workers=self.env.num_workers,
                   num_servers=self.env.num_servers, min_workers=self.env.min_workers or 0,
-                  **extra)
+                  spare_servers=-1 if self.env.spare_servers is None
+                  else self.env.spare_servers, **extra)
         # the scheduler's own rendezvous timeout (which names who is missing) comes first
         deadline = time.monotonic() + self.env.timeout + self.env.heartbeat_timeout
         self.last_seen = time.monotonic()
@@ -128,6 +135,10 @@ class SchedulerClient:
                 if header["op"] == Op.WELCOME:
                     self._watch.close()
                     return header
+                if header["op"] == Op.STANDBY:  # a spare server: it waits for a slot
+                    deadline = float("inf")
+                elif header["op"] == Op.SHUTDOWN:  # the job ended while it waited
+                    raise StandbyOver("the job ended while this server waited as a spare")
         never = "" if self.heard else (" (it never answered: is it running, and does "
                                        "BPS_SECRET_FILE hold this cluster's key?)")
         raise ClusterError(f"rendezvous with scheduler at {self.env.scheduler_address} "

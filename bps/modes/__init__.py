@@ -22,10 +22,11 @@ def choose(core: FrontEndCore, runtime, tensors: list[GradTensor], *, staleness:
     """The mode of checked arguments (see ``validate_staleness``, ``validate_sync_every``,
     ``validate_streaming``); ``fragments``: ``plan_fragments``' plan where the syncs
     stream. Every mode but the streaming one runs on the core's pipeline of
-    ``tensors``, built here. Where worker nodes may leave (``BPS_MIN_WORKERS``), only
+    ``tensors``, built here. Where worker nodes may leave (``BPS_MIN_WORKERS``) or servers
+    be replaced (``BPS_SPARE_SERVERS``; both drop the step in flight), only
     synchronous steps, ``staleness=1`` and local SGD of a model without floating-point
     buffers are accepted: another mode raises ValueError naming it."""
-    if runtime.env.elastic:
+    if runtime.env.elastic or runtime.env.replaces_servers:
         buffers = core.model is not None and any(
             b.dtype.is_floating_point for _, b in core.model.named_buffers())
         refused = ("streaming averaging (sync_every with fragments or overlap)"
@@ -36,9 +37,13 @@ def choose(core: FrontEndCore, runtime, tensors: list[GradTensor], *, staleness:
                    "compressed Adam (freeze_step)" if core.params.get("freeze_step") is not None
                    else None)
         if refused is not None:
-            raise ValueError(f"BPS_MIN_WORKERS={runtime.env.min_workers} (bpslaunch "
-                             f"--min-workers): worker nodes may leave a job of synchronous "
-                             f"steps only, not one of {refused}")
+            if runtime.env.elastic:
+                raise ValueError(f"BPS_MIN_WORKERS={runtime.env.min_workers} (bpslaunch "
+                                 f"--min-workers): worker nodes may leave a job of "
+                                 f"synchronous steps only, not one of {refused}")
+            raise ValueError(f"BPS_SPARE_SERVERS={runtime.env.spare_servers} (bpslaunch "
+                             f"--spare-servers): servers may be replaced in a job of "
+                             f"synchronous steps only, not one of {refused}")
     if fragments is not None:
         core.attach(runtime)
         return StreamingAveraging(core, fragments, sync_every, outer, overlap)

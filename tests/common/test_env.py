@@ -50,8 +50,24 @@ def test_env_defaults() -> None:
     ({"BPS_MIN_WORKERS": "0"}, "BPS_MIN_WORKERS=0 out of range"),
     ({"BPS_MIN_WORKERS": "5"}, "BPS_MIN_WORKERS=5 out of range: at most DMLC_NUM_WORKER=4"),
     ({"BPS_MIN_WORKERS": "most"}, "BPS_MIN_WORKERS='most' is not an integer"),
+    ({"BPS_SPARE_SERVERS": "-1"}, "BPS_SPARE_SERVERS=-1 out of range"),
+    ({"BPS_SPARE_SERVERS": "65"}, "BPS_SPARE_SERVERS=65 out of range"),
+    ({"BPS_SPARE_SERVERS": "one"}, "BPS_SPARE_SERVERS='one' is not an integer"),
+    ({"DMLC_ROLE": "server", "BPS_SERVER_ID": "2"}, "BPS_SERVER_ID=2 out of range"),
+    ({"DMLC_ROLE": "server", "BPS_SERVER_ID": "3", "BPS_SPARE_SERVERS": "1"},
+     "BPS_SERVER_ID=3 out of range"),
 ])
 def test_env_errors_name_the_variable(change: dict, fragment: str) -> None:
     environ = {k: v for k, v in {**BASE, **change}.items() if v is not None}
     with pytest.raises(EnvError, match=re.escape(fragment)):
         ClusterEnv.from_environ(environ)
+
+
+def test_spare_servers_and_their_ids() -> None:
+    """Unset: servers are not replaced; a spare's id follows the servers'."""
+    assert not ClusterEnv.from_environ(BASE).replaces_servers
+    env = ClusterEnv.from_environ({**BASE, "BPS_SPARE_SERVERS": "0"})
+    assert env.replaces_servers and env.spare_servers == 0
+    spare = ClusterEnv.from_environ({**BASE, "DMLC_ROLE": "server", "BPS_SERVER_ID": "2",
+                                     "BPS_SPARE_SERVERS": "1"})
+    assert (spare.server_id, spare.spare_servers) == (2, 1)

@@ -59,7 +59,7 @@ def test_a_killed_worker_node_restarts_joins_and_matches_the_replay(tmp_path):
     members = [everyone] * KILLED_AT + [None] + [survivors] * (dropped - KILLED_AT - 1) + \
         [None] + [everyone] * (len(LRS) - dropped - 1)
     expected = replay(PARAMS, WORKERS, LRS, plain(SHAPES), members=members,
-                      fresh={VICTIM: start})
+                      fresh_workers={VICTIM: start})
     for rank in range(WORKERS):
         final = np.load(tmp_path / f"params{rank}.npz")
         for n in SHAPES:

@@ -117,6 +117,7 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
     engine = bps.core.runtime.get().engine
     for step in range(start, cfg["stop"]):
         leave(cfg, rank, step, out, "start")
+        kill_server(cfg, rank, step, out)
         for group in optimizer.param_groups:
             group["lr"] = cfg["lrs"][step]
         trainer.zero_grad()
@@ -231,6 +232,35 @@ def cut_link(seconds: float) -> None:
     subprocess.Popen(["sh", "-c", f"sleep {seconds}; ip -n {switch} link set {port} up"],
                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                      stderr=subprocess.DEVNULL, start_new_session=True)
+def kill_server(cfg: dict, rank: int, step: int, out: Path) -> None:
+    """``cfg["kill_server"]`` = [server id, step(, "restart")]: rank 0 kills that server
+    of its job (the process whose environment names it) with SIGKILL at the start of
+    that step, before pushing anything of it; with "restart" it then starts a server
+    with the dead one's environment (its output in ``restarted.log``, its pid in
+    ``restarted.pid``)."""
+    spec = cfg.get("kill_server")
+    if spec is None or rank != 0 or spec[1] != step:
+        return
+    port = os.environ["DMLC_PS_ROOT_PORT"]
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            raw = Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:
+            continue
+        env = dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0")
+                   if "=" in item)
+        if (env.get("DMLC_ROLE"), env.get("BPS_SERVER_ID"), env.get("DMLC_PS_ROOT_PORT")) \
+                == ("server", str(spec[0]), port):
+            os.kill(int(pid), signal.SIGKILL)
+            break
+    else:
+        raise AssertionError(f"server {spec[0]} of the job on port {port} not found")
+    if len(spec) > 2 and spec[2] == "restart":
+        with open(out / "restarted.log", "w") as log:
+            server = subprocess.Popen([sys.executable, "-m", "bps.launch.cli"], env=env,
+                                      stdout=log, stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL, start_new_session=True)
+        (out / "restarted.pid").write_text(str(server.pid))
 
 
 def resume_stopped(out: Path) -> None:
@@ -363,15 +393,18 @@ def simulate(params: dict, nodes: int, lrs: list[float], compressed_from: int | 
 
 def replay(params: dict, nodes: int, lrs: list[float], grads, compressed_from: int | None = 0,
            shapes: dict = SHAPES, members: list[list[int] | None] | None = None,
-           fresh: dict[int, int] | None = None) -> dict:
+           fresh_workers: dict[int, int] | None = None,
+           fresh_servers: dict[int, list[int]] | None = None) -> dict:
     """docs/architecture.md's pipeline in numpy (see ``simulate``), with node ``r``'s
     gradient at step ``s`` given by ``grads(s, r, w)`` (a dict of
     float32 arrays): ``big`` is compressed (from step ``compressed_from``; None: never),
     the rest travels raw and gets Nesterov momentum after the sum. ``members``: per
     step, the nodes present (each share divided by their number, summed in node order),
     or None for a step dropped everywhere (worker nodes left: nothing changes); default
-    all ``nodes`` every step. ``fresh``: node -> the step from which its worker chains
-    start anew (a node that joined again: its error feedback and momentum at zero)."""
+    all ``nodes`` every step. ``fresh_workers``: node -> the step from which its worker
+    chains start anew (a node that joined again: its error feedback and momentum at
+    zero). ``fresh_servers``: step -> the partitions of ``big`` whose server chains start
+    anew at that step (their server was replaced: its error feedback is lost)."""
     f32 = np.float32
     w = initial_params(0, shapes)  # rank 0's parameters, broadcast at construction
     numel = int(np.prod(shapes["big"]))
@@ -380,9 +413,11 @@ def replay(params: dict, nodes: int, lrs: list[float], grads, compressed_from: i
     applied = 0  # steps applied: warmup counts these
     for step, lr in enumerate(lrs):
         present = list(range(nodes)) if members is None else members[step]
-        for r, first in (fresh or {}).items():
+        for r, first in (fresh_workers or {}).items():
             if first == step:
                 workers[r] = big_chains(params, 1, MOMENTUM, shapes)[1][0]
+        for i in (fresh_servers or {}).get(step, []):
+            servers[i] = big_chains(params, nodes, MOMENTUM, shapes)[2][i]
         if present is None:
             continue
         shares = {r: {n: (g / f32(len(present))).astype(f32)

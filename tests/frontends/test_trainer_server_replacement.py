@@ -1,0 +1,155 @@
+"""Server replacement with the trainer (``bpslaunch local --spare-servers``): server 1
+killed with SIGKILL at the start of a step, its keys move to a spare (or to a server
+started again with its environment); the job finishes, both worker nodes bit-identical
+to each other and to the numpy replay: the step in flight dropped everywhere, the server
+error feedback of the moved keys restarting at zero. Without a replacement the job fails
+naming the dead server."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.harness.trainer_job import (
+    SHAPES,
+    SIM_CASES,
+    launch,
+    plain,
+    replay,
+)
+
+COMMON = {"ef": "vanilla", "momentum": "nesterov", "fp16": False, "min_compress_bytes": 1000}
+PARAMS = {**SIM_CASES["topk"], **COMMON}
+LRS = [0.5, 0.25, 0.25, 0.5, 0.125, 0.25]  # powers of two: lr * g is exact everywhere
+WORKERS = 2
+AT = 2  # server 1 dies at the start of this step
+# the keys on server 1: three partitions of "big" (compressed, the same payload bound)
+# and the fused raw key go largest first onto the least-loaded server (plan_key_servers):
+# partitions 0, 1, 2 to servers 0, 1, 0, the raw key (no server chain) to server 1
+MOVED = [1]
+
+
+def run(tmp_path, spares: int, restart: bool = False, env: dict | None = None):
+    cfg = {"runs": [{"params": PARAMS}], "lrs": LRS, "stop": len(LRS),
+           "kill_server": [1, AT, "restart"] if restart else [1, AT]}
+    return launch(cfg, tmp_path, workers=WORKERS, servers=2, env=env, timeout=150,
+                  options=("--spare-servers", str(spares)))
+
+
+def expected() -> dict:
+    """Steps before AT as usual; AT dropped everywhere; from AT + 1 on, the moved
+    partitions' server chains anew."""
+    members = [list(range(WORKERS))] * AT + [None] + \
+        [list(range(WORKERS))] * (len(LRS) - AT - 1)
+    return replay(PARAMS, WORKERS, LRS, plain(SHAPES), members=members,
+                  fresh_servers={AT + 1: MOVED})
+
+
+def check_workers(tmp_path) -> None:
+    want = expected()
+    # the replay tells the reset apart: without it the moved partition would differ
+    kept = replay(PARAMS, WORKERS, LRS, plain(SHAPES),
+                  members=[[0, 1]] * AT + [None] + [[0, 1]] * (len(LRS) - AT - 1))
+    assert not np.array_equal(kept["big"], want["big"])
+    for rank in range(WORKERS):
+        final = np.load(tmp_path / f"params{rank}.npz")
+        for n in SHAPES:
+            np.testing.assert_array_equal(final[n], want[n], err_msg=f"rank {rank}: {n}")
+
+
+def test_a_spare_takes_the_keys_of_a_killed_server(tmp_path):
+    """kill -9 of server 1 at the start of step 2 with one spare: the job exits 0, the
+    workers match the replay; the spare was told, the workers reconnected."""
+    result = run(tmp_path, spares=1)
+    out = result.stdout
+    assert result.returncode == 0, out[-4000:]
+    check_workers(tmp_path)
+    assert "server 1 at tcp://127.0.0.1" in out and "died: its connection to the " \
+        "scheduler closed: server 1 is now served from" in out, out[-4000:]
+    assert "membership generation 1" in out
+    for node in range(WORKERS):  # (requests in flight to the dead server: sent again)
+        assert re.search(rf"node {node}: .*server 1 is now served from .*; \d+ key\(s\) "
+                         r"declared there again, \d+ request\(s\) sent again", out), \
+            out[-4000:]
+    assert "PEER_DEAD" not in out and "ClusterError" not in out, out[-4000:]
+
+
+@pytest.mark.slow  # the engine is the same in the agent: the test above covers it
+def test_under_the_node_agent_a_spare_takes_the_keys_too(tmp_path):
+    """BPS_NODE_AGENT=1: the agents' engines reconnect; the same replay."""
+    result = run(tmp_path, spares=1, env={"BPS_NODE_AGENT": "1"})
+    assert result.returncode == 0, result.stdout[-4000:]
+    check_workers(tmp_path)
+
+
+def test_a_restarted_server_takes_the_slot_of_the_one_killed(tmp_path):
+    """No spare (``--spare-servers 0``): the server started again with the dead one's
+    environment registers after the job began and takes slot 1; the same replay."""
+    try:
+        result = run(tmp_path, spares=0, restart=True)
+        out = result.stdout
+        assert result.returncode == 0, out[-4000:]
+        check_workers(tmp_path)
+        assert "its slot waits up to" in out, out[-4000:]
+        assert "server 1 is now served from" in out, out[-4000:]
+        log = (tmp_path / "restarted.log").read_text()
+        assert "server 1 serving on" in log, log[-3000:]
+        pid = int((tmp_path / "restarted.pid").read_text())
+        deadline = time.monotonic() + 20  # it ends with the job (SHUTDOWN)
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(pid), log[-3000:]
+    finally:
+        _stop(tmp_path / "restarted.pid")
+
+
+def test_without_a_replacement_the_job_fails_naming_the_server(tmp_path):
+    """``--spare-servers 0`` and nothing started again: the slot waits
+    BPS_HEARTBEAT_TIMEOUT, then the job fails naming server 1."""
+    result = run(tmp_path, spares=0, env={"BPS_HEARTBEAT_TIMEOUT": "3"})
+    out = result.stdout
+    assert result.returncode != 0, out[-4000:]
+    assert "server 1 at tcp://127.0.0.1" in out and "no server took its place" in out, \
+        out[-4000:]
+
+
+@pytest.mark.parametrize(("flag", "env", "message"), [
+    (("--spare-servers", "-1"), {}, "--spare-servers=-1 out of range: expected 0 to 64"),
+    (("--spare-servers", "65"), {}, "--spare-servers=65 out of range: expected 0 to 64"),
+    ((), {"BPS_SPARE_SERVERS": "two"}, "BPS_SPARE_SERVERS='two' is not an integer"),
+])
+def test_a_bad_spare_count_is_refused_before_anything_starts(flag, env, message):
+    from tests.harness.ps_job import BPSLAUNCH
+
+    result = subprocess.run([*BPSLAUNCH, "local", *flag, "--", "true"], capture_output=True,
+                            text=True, timeout=60, env={**os.environ, **env})
+    assert result.returncode == 2
+    assert message in result.stderr, result.stderr
+    assert "[scheduler]" not in result.stdout  # nothing started
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is not alive
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def _stop(pid_file) -> None:
+    if pid_file.exists():
+        try:
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
