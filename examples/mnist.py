@@ -28,6 +28,7 @@ step is several times the MLP's).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -71,7 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--step-log", default=None,
                    help="a folder: each rank appends 'steps-so-far wall-clock-time pid skipped' "
                         "(steps of the job: a node that joined counts from where it joined) "
-                        "to rank<R>.log after every step (bench/chaos.py watches it)")
+                        "to rank<R>.log after every step (bench/chaos.py watches it), and "
+                        "the SHA-256 of its parameters to rank<R>.params at the end")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--accumulate", type=int, default=1,
                    help="micro-batches per step (backward_passes_per_step)")
@@ -262,6 +264,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"epoch {epoch + 1}/{args.epochs} test accuracy {acc:.2%}", flush=True)
 
     train_time = time.perf_counter() - train_start
+    if step_log is not None:  # every rank's parameters, to compare (bench/chaos_storm.py)
+        digest = hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes()
+                                         for p in model.parameters())).hexdigest()
+        with open(f"{args.step_log}/rank{rank}.params", "w") as f:
+            f.write(digest + "\n")
     totals = trainer.stats()["totals"]
     trainer.close()
     bps.shutdown()
