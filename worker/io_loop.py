@@ -9,7 +9,8 @@ replies to requests, heartbeats the scheduler and fails every pending request wi
 :class:`bps.common.protocol.ClusterError` on a timeout, a dead peer or a lost scheduler.
 Where the scheduler says a server slot is served by a replacement (``REPLACED``,
 ``BPS_SPARE_SERVERS``), it connects that slot to the replacement, declares the slot's
-keys there again and sends again every request the dead server had not answered::
+keys there again with the last answer it got of each (``LAST``) and sends again every
+request the dead server had not answered::
 
     loop = IOLoop(env, ctx, link, servers, node_id, keys, count, tracer, pool.decompress)
     future = loop.request(Op.REGISTER, server, fields, None, "declare of key 0", info)
@@ -193,8 +194,9 @@ class IOLoop:
 
     def _replaced(self, header: dict) -> None:
         """Server slot ``header["server"]`` is served by a replacement (the scheduler's
-        REPLACED): its connections go there, its keys are declared there again, and the
-        requests the dead server left unanswered are sent again, in their order, after
+        REPLACED): its connections go there, its keys are declared there again with
+        their last answers (for a node that missed one), and the requests the dead server
+        left unanswered are sent again, in their order, after
         them. A push of the step in flight carries the generation before the change, so
         the servers answer that step with a ``"membership"`` skip on every node."""
         slot = header["server"]

@@ -93,7 +93,8 @@ def test_a_restarted_server_takes_the_slot_of_the_one_killed(tmp_path):
     """No spare (``--spare-servers 0``): the server started again with the dead one's
     environment registers after the job began and takes slot 1; the same replay."""
     try:
-        result = run(tmp_path, spares=0, restart=True)
+        # the restart imports torch on a loaded host: its slot may wait 15 s for it
+        result = run(tmp_path, spares=0, restart=True, env={"BPS_HEARTBEAT_TIMEOUT": "15"})
         out = result.stdout
         assert result.returncode == 0, out[-4000:]
         check_workers(tmp_path)
