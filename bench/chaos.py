@@ -33,9 +33,12 @@ dropped).
 ``--kill server`` (with ``--spare-servers 1``, the default then) kills a server instead
 (server 0 or 1, drawn from the seed), once rank 0 has logged the drawn number of steps;
 both jobs run with ``bpslaunch local --spare-servers 1`` and no ``--min-workers``: the
-spare takes the dead server's keys, and every worker node is a survivor::
+spare takes the dead server's keys, and every worker node is a survivor. With
+``--max-restarts 1`` (and no spare) bpslaunch starts the killed server again instead, and
+it takes its slot back::
 
     .venv/bin/python bench/chaos.py --kill server --runs 3
+    .venv/bin/python bench/chaos.py --kill server --max-restarts 1 --runs 3
 
 Results go to ``bench/results/chaos_<seed>.json`` (``chaos_restart_<seed>.json``,
 ``chaos_server_<seed>.json``). ``--heartbeat`` stops the victim (SIGSTOP) instead of
@@ -85,12 +88,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--runs and --epochs must be >= 1")
     if args.max_restarts < 0 or (args.max_restarts and args.heartbeat):
         p.error("--max-restarts must be >= 0, and it restarts killed nodes (not --heartbeat)")
-    if args.max_restarts and args.kill == "server":
-        p.error("--max-restarts restarts a killed worker node (with --kill worker)")
-    if args.spare_servers is None and args.kill == "server":
+    if args.spare_servers is None and args.kill == "server" and not args.max_restarts:
         args.spare_servers = 1
-    if args.kill == "server" and args.spare_servers < 1:
-        p.error("--kill server needs --spare-servers >= 1 (else the job fails)")
+    if args.kill == "server" and not args.max_restarts and args.spare_servers < 1:
+        p.error("--kill server needs --spare-servers >= 1 or --max-restarts (else the job "
+                "fails)")
     return args
 
 
@@ -123,7 +125,8 @@ def run_job(workdir: Path, seed: int, epochs: int, timeout: float, env_extra: di
     logs = workdir / "steps"
     logs.mkdir(parents=True)
     metrics = workdir / "metrics.json"
-    options = ["--min-workers", str(MIN_WORKERS)] if kill == "worker" else []
+    # bpslaunch's --max-restarts needs --min-workers (a restarted worker node rejoins)
+    options = ["--min-workers", str(MIN_WORKERS)] if kill == "worker" or restarts else []
     if spare_servers is not None:
         options += ["--spare-servers", str(spare_servers)]
     argv = [sys.executable, "-m", "bps.launch.cli", "local", "--workers", str(WORKERS),
@@ -231,7 +234,8 @@ def measure(args: argparse.Namespace, seed: int, workdir: Path) -> dict:
     lost = [sum(s for _, _, s, _ in chaos["steps"][r]) for r in survivors]
     # the restarted node: its first step logged by another process than the one killed
     again = [(n, t) for n, t, _, pid in chaos["steps"][victim] if t > killed_at
-             and pid != chaos["steps"][victim][kill_after - 1][3]]
+             and pid != chaos["steps"][victim][kill_after - 1][3]] \
+        if args.kill == "worker" else []
     acc_base = base["metrics"]["test_accuracy"]
     acc_chaos = chaos["metrics"]["test_accuracy"]
     return {
@@ -270,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
               f"({result['accuracy_delta_points']:+.2f} points); wall "
               f"{result['wall_with_kill_s']:.1f} s vs {result['wall_failure_free_s']:.1f} s",
               flush=True)
-        if args.max_restarts:
+        if args.max_restarts and args.kill == "worker":
             rejoined = result["rejoined_s"]
             print(f"  restarted: worker {result['victim']} finished its first step again "
                   + (f"{rejoined:.2f} s after the kill, having missed "
