@@ -52,7 +52,6 @@ from __future__ import annotations
 import concurrent.futures
 import copy
 import functools
-import itertools
 import threading
 from dataclasses import dataclass, fields
 from typing import Any
@@ -137,7 +136,7 @@ class WorkerEngine:
         self._keys: dict[int, KeyInfo] = {}
         # multi-round keys: for each round the raw keys of its pieces
         self._rounds: dict[int, list[list[KeyInfo]]] = {}
-        self._barrier_seq = itertools.count()
+        self.barriers = 0  # barriers entered: the next one's sequence number
         self._host_chain_logged: set[str] = set()
         self._cuda_graphs = enabled_by_env()  # device chains replay CUDA graphs
         self._stats_lock = threading.Lock()
@@ -501,7 +500,8 @@ class WorkerEngine:
 
     def barrier(self) -> None:
         """Block until every worker node called barrier (up to ``BPS_TIMEOUT``)."""
-        seq = next(self._barrier_seq)
+        seq = self.barriers
+        self.barriers += 1
         self._wait(self._io.scheduler_request(Op.BARRIER, (Op.RELEASE, seq), seq=seq,
                                               step=self._last_step),
                    f"barrier {seq} (waiting for all {self.num_workers} worker nodes)")

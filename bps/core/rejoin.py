@@ -66,6 +66,7 @@ def join_job(rt) -> dict:
     rt.set_membership(state["generation"], state["members"])
     if rt.engine is not None:
         rt.engine.set_membership(state["generation"], state["members"])
+        rt.engine.barriers = max(rt.engine.barriers, state["barriers"])  # the same numbers
     return state
 
 
@@ -78,7 +79,8 @@ def publish_if_joined(rt, before: Sequence[int], state: Callable[[], dict]) -> N
             rt.node_id != min(stayed):
         return
     buffer = io.BytesIO()
-    torch.save({**state(), "generation": rt.generation, "members": sorted(now)}, buffer)
+    torch.save({**state(), "generation": rt.generation, "members": sorted(now),
+                "barriers": rt.engine.barriers}, buffer)
     blob = buffer.getvalue()
     rt.engine.publish_state(rt.generation, blob)
     log.warning("bps: worker node %d sent the training state (%d bytes) to worker node(s) "

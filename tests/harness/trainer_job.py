@@ -171,6 +171,10 @@ def rejoin_train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> di
         np.savez(out / f"admitted{rank}.npz", **params())
     goal = {n: torch.from_numpy(t) for n, t in targets(rank, shapes).items()}
     engine = bps.core.runtime.get().engine
+    if not start and engine is not None:
+        # a barrier before training, as loading a checkpoint has: a joiner counts it too,
+        # or the barrier of bps.shutdown() would not meet
+        engine.barrier()
     history, skipped = {}, []
     for step in range(start, cfg["stop"]):
         marker = out / f"killed{rank}"

@@ -64,25 +64,36 @@ def test_max_restarts_starts_a_failed_worker_node_again_with_all_its_processes(
         tmp_path: Path) -> None:
     """--max-restarts 1: local rank 0 of node 1 fails on its first run; both processes of
     node 1 are started again (rank 1 stopped first), with the same environment, and the
-    job ends 0. A second failure, with no restart left, is a node leaving as before."""
+    job ends 0. A second failure (node 2, once node 1 ran again), with no restart left,
+    is a node leaving as before."""
     script = ("import os, sys, time, pathlib\n"
+              "folder = pathlib.Path(sys.argv[1])\n"
               "node, rank = os.environ['DMLC_WORKER_ID'], os.environ['BYTEPS_LOCAL_RANK']\n"
-              "runs = pathlib.Path(sys.argv[1]) / f'runs{node}.{rank}'\n"
-              "n = len(runs.read_text()) if runs.exists() else 0\n"
-              "runs.write_text('x' * (n + 1))\n"
-              "if node == '1' and n == 0:\n"
-              "    if rank == '0': sys.exit(3)\n"
-              "    time.sleep(600)\n"
-              "if node == '2': sys.exit(4)\n")
+              "failed = folder / 'failed1'\n"
+              "with open(folder / f'runs{node}.{rank}', 'a') as runs:\n"
+              "    runs.write('after ' if failed.exists() else 'before ')\n"
+              "if node == '1' and not failed.exists():\n"
+              "    if rank == '0':\n"
+              "        failed.write_text('')\n"
+              "        sys.exit(3)\n"
+              "    time.sleep(600)  # stopped to restart its node\n"
+              "if node == '2':\n"
+              "    again = folder / 'runs1.0'\n"
+              "    deadline = time.monotonic() + 50\n"
+              "    while 'after' not in (again.read_text() if again.exists() else ''):\n"
+              "        assert time.monotonic() < deadline\n"
+              "        time.sleep(0.05)\n"
+              "    sys.exit(4)\n")
     code, output = run_command(BPSLAUNCH + ["local", "--workers", "3", "--servers", "1",
                                             "--local-size", "2", "--min-workers", "1",
                                             "--max-restarts", "1", "--", PY, "-c", script,
-                                            str(tmp_path)], TEST_ENV, timeout=60)
+                                            str(tmp_path)], TEST_ENV, timeout=90)
     assert "worker1.0 exited with code 3; restarting worker node 1 (0 restart(s) left)" \
         in output, output
-    runs = {p.name: p.read_text() for p in tmp_path.iterdir()}
-    assert runs == {"runs0.0": "x", "runs0.1": "x", "runs1.0": "xx", "runs1.1": "xx",
-                    "runs2.0": "x", "runs2.1": "x"}, (runs, output)
+    runs = {p.name: p.read_text().split() for p in tmp_path.iterdir() if "runs" in p.name}
+    assert runs["runs1.0"] == ["before", "after"], (runs, output)
+    assert runs["runs1.1"][-1] == "after", (runs, output)  # its second start
+    assert all(len(runs[f"runs{n}.{r}"]) == 1 for n in (0, 2) for r in (0, 1)), runs
     assert "exited with code 4; worker node 2 leaves the job" in output, output
     assert code == 0, output
 
