@@ -109,6 +109,7 @@ class _NodePipe:
         self.error: BaseException | None = None
         self.ranks: dict[int, tuple[PipelineAgent, list[torch.Tensor]]] = {}
         self.cond = threading.Condition()
+        self.pushing = threading.Lock()  # one push into the pipeline at a time
         self.lrs: dict[int, float] = {}
         self.scale = 1.0
         self.arrived: dict[int, list[int]] = {}  # index -> local ranks that announced it
@@ -184,7 +185,10 @@ class _NodePipe:
             if len(ranks) < self.size:
                 return
             del self.arrived[index]
-            view = self.ranks[0][1][index]
+        view = self.ranks[0][1][index]
+        # the pipeline compresses inline: under a lock of its own, not ``cond``, which
+        # the I/O thread takes to answer a parameter that is done
+        with self.pushing:
             try:
                 self.pipe.push(index, view, view, joined=bool(flags & wire.JOINED),
                                done=self.done)
@@ -267,7 +271,8 @@ class PipelineAgent(agent_base.Agent):
             rt = _AgentRuntime(self.env, self.engine, self.tracer, first_key, node)
             pipe = GradPipeline(rt, params, grads, lambda group: node.lrs[group],
                                 lambda: node.scale, on_step_done=node.step_done,
-                                on_error=node.failed, partition_bytes=partition_bytes)
+                                on_error=node.failed, partition_bytes=partition_bytes,
+                                inline=True)
             node.key_count, node.world = rt.next_key - rt.first_key, rt.size
             for index, slot in enumerate(pipe.slots):  # the node's shares (several ranks)
                 if slot.send is not None:
