@@ -174,6 +174,13 @@ class _NodePipe:
 
     def arrive(self, rank: int, index: int, flags: int, lr: float, scale: float) -> None:
         """Local rank ``rank`` announced parameter ``index``: the last one pushes it."""
+        if self.size == 1:  # a node of one local rank: nothing to count or wait for
+            if flags & wire.NOTIFY:
+                self.notify.setdefault(index, set()).add(rank)
+            self.lrs[self.pipe.slots[index].group] = lr
+            self.scale = scale
+            self._push(index, flags)
+            return
         with self.cond:
             ranks = self.arrived.setdefault(index, [])
             ranks.append(rank)
@@ -185,6 +192,9 @@ class _NodePipe:
             if len(ranks) < self.size:
                 return
             del self.arrived[index]
+        self._push(index, flags)
+
+    def _push(self, index: int, flags: int) -> None:
         view = self.ranks[0][1][index]
         # the pipeline compresses inline: under a lock of its own, not ``cond``, which
         # the I/O thread takes to answer a parameter that is done
