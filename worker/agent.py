@@ -139,6 +139,7 @@ class Agent:
             try:
                 for frame in frames or ():
                     self._frame(*frame)
+                    self.engine.flush()  # this push leaves before the next is compressed
             except BaseException as exc:  # noqa: BLE001 - raised again by serve()
                 error.append(exc)
                 frames = None

@@ -450,6 +450,10 @@ class WorkerEngine:
         process's frames so, :mod:`bps.worker.agent`)."""
         self._io.add_reader(fd, callback)
 
+    def flush(self) -> None:
+        """From a reader's callback: send the pushes it queued so far, before it goes on."""
+        self._io.flush()
+
     def remove_reader(self, fd: int) -> None:
         """Stop the reader of ``fd`` (from its callback)."""
         self._io.remove_reader(fd)

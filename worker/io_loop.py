@@ -258,6 +258,12 @@ class IOLoop:
         """Stop calling the reader of ``fd`` (on the I/O thread, from its callback)."""
         self._new_readers.append((fd, None))
 
+    def flush(self) -> None:
+        """Send the pushes queued so far, now (on the I/O thread only, from a reader's
+        callback: its first push leaves before it makes the next)."""
+        if threading.get_ident() == self._thread.ident:
+            self._send_queued()
+
     @property
     def running(self) -> bool:
         """Whether the I/O thread is still serving (not stopped, not failed)."""
