@@ -13,6 +13,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q $(TORCH)
 	$(PY) -m pip install -q -e '.[test,demo]'
 	$(PY) -m bps.compressors.warm  # numba's cache, so a job's processes do not compile
+	$(PY) -m bps.worker.local_sum  # and the node agent's sums of several local ranks
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -18,6 +18,7 @@ Usage (root: it builds namespaces)::
     .venv/bin/python bench/slow_network.py --quick              # a couple of minutes
     .venv/bin/python bench/slow_network.py --methods fp32,onebit,ddp-powersgd
     .venv/bin/python bench/slow_network.py --model cnn          # the CNN, whose compute counts
+    .venv/bin/python bench/slow_network.py --rate none --quick --node-agent   # bps in node agents
 
 ``--model cnn`` trains examples/mnist_job.py's CNN (317,066 parameters, several times the
 MLP's compute per step) instead of the MLP; its results' names start slow_network_cnn_.
@@ -407,6 +408,8 @@ def run_one(method: Method, args: argparse.Namespace, workdir: Path) -> Run:
         # the job seed (randomk's and dithering's generators) from --seed: with the
         # servers' node-order sums, a bps run's losses and accuracies are then reproducible
         env.setdefault("BPS_JOB_SEED", str(args.seed + 1))
+        if args.node_agent:  # each worker node's engine and pipeline in a node agent
+            env["BPS_NODE_AGENT"] = "1"
         process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                    text=True, cwd=REPO, env=env)
         try:
@@ -578,11 +581,12 @@ def write_results(args: argparse.Namespace, runs: list[Run], target: float, rows
 
 
 def results_stem(args: argparse.Namespace) -> Path:
-    """``--out``/slow_network_[cnn_]<rate>[_<schedule>][_quick]: the MLP's names as before."""
+    """``--out``/slow_network_[cnn_]<rate>[_<schedule>][_quick][_agent]: the MLP's names as
+    before."""
     model = "" if args.model == "mlp" else f"{args.model}_"
     schedule = "" if args.lr_schedule == DEFAULT_SCHEDULE else f"_{args.lr_schedule}"
     return Path(args.out) / f"slow_network_{model}{args.rate}{schedule}" \
-                            f"{'_quick' if args.quick else ''}"
+                            f"{'_quick' if args.quick else ''}{'_agent' if args.node_agent else ''}"
 
 
 def job_title(args: argparse.Namespace) -> str:
@@ -691,6 +695,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=None, help="mlp: default 1100 (quick: 128)")
     p.add_argument("--layers", type=int, default=2, help="mlp: hidden layers")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--node-agent", action="store_true",
+                   help="BPS_NODE_AGENT=1 for every job: bps's engine and gradient pipeline in "
+                        "a node agent process per worker node (docs/runtime.md)")
     p.add_argument("--out", default=str(REPO / "bench" / "results"),
                    help="where results go (default bench/results, gitignored)")
     p.add_argument("--partition-bytes", type=int, default=1024000,

@@ -79,6 +79,7 @@ class Agent:
         self.keys: dict[int, _Key] = {}
         self.calls: queue.Queue = queue.Queue()
         self.closed = threading.Event()
+        self._ended = threading.Event()  # the I/O thread reads no more frames
         self._caller = threading.Thread(target=self._call_loop, name="bps-agent-calls",
                                         daemon=True)
         self._watch = threading.Thread(target=self._watch_parent, name="bps-agent-watch",
@@ -87,9 +88,16 @@ class Agent:
     # -- serving ---------------------------------------------------------------------
 
     def serve(self) -> str | None:
-        """Serve until ``close`` (None) or until the training process is gone (why)."""
+        """Serve until ``close`` (None) or until the training process is gone (why).
+
+        The engine's I/O thread reads the frames and makes their pushes, in the same
+        turn as it sends them and decodes the replies: the agent's Python then runs on
+        one thread, which never waits for another to let go of the GIL. Once the engine
+        stops (closed, failed), this thread reads the frames that remain."""
         self._caller.start()
         self._watch.start()
+        if self._serve_on_io_thread():
+            return None
         while True:
             try:
                 message = self.link.recv()
@@ -97,19 +105,56 @@ class Agent:
                 message = None
             if message is None:
                 break
-            kind, body = message
-            if kind == wire.PUSH:
-                self._push(*wire.unpack_push(body))
-            elif kind == wire.CALL:
-                self.calls.put(wire.unpack_call(body))
-            else:
-                self.on_frame(kind, body)
+            self._frame(*message)
             if self.closed.is_set():
                 return None
         self.calls.put(None)
         if self.closed.wait(1.0):  # a close was read just before the end
             return None
         return f"its training process (pid {self.parent}) ended without closing bps"
+
+    def _frame(self, kind: int, body: bytes) -> None:
+        if kind == wire.PUSH:
+            self._push(*wire.unpack_push(body))
+        elif kind == wire.CALL:
+            self.calls.put(wire.unpack_call(body))
+        else:
+            self.on_frame(kind, body)
+
+    def _serve_on_io_thread(self) -> bool:
+        """Have the engine's I/O thread read and serve the frames until ``close`` (True),
+        the end of the stream, or the engine's end (False: :meth:`serve` reads on). An
+        error serving a frame is raised here, as :meth:`serve` raises it."""
+        fd = self.link.sock.fileno()
+        error: list[BaseException] = []
+
+        def readable() -> None:
+            if self._ended.is_set():  # closed, or left: the stream is not ours to read
+                self.engine.remove_reader(fd)
+                return
+            try:
+                frames = self.link.recv_available()
+            except OSError:  # reset: the training process was killed with frames unread
+                frames = None
+            try:
+                for frame in frames or ():
+                    self._frame(*frame)
+                    self.engine.flush()  # this push leaves before the next is compressed
+            except BaseException as exc:  # noqa: BLE001 - raised again by serve()
+                error.append(exc)
+                frames = None
+            if frames is None:  # the end of the stream (read on by serve()), or an error
+                self.engine.remove_reader(fd)
+                self._ended.set()
+
+        self.engine.add_reader(fd, readable)
+        while not self._ended.wait(0.5):
+            if not self.engine.io_running:  # closed or failed: the frames are read here
+                break
+        self._ended.set()  # the I/O thread, if it still runs, reads no more
+        if error:
+            raise error[0]
+        return self.closed.is_set()
 
     def on_frame(self, kind: int, body: bytes) -> None:
         """A frame of another kind: a collective of the local ranks, or a subclass's
@@ -178,6 +223,7 @@ class Agent:
             self._send(frame)
             if method in ("close", "leave"):
                 self.closed.set()
+                self._ended.set()
                 try:  # wakes serve(): the proxy closes its end once it has the reply
                     self.link.sock.shutdown(socket.SHUT_WR)
                 except OSError:
@@ -316,7 +362,9 @@ def main(argv: list[str], agent_type: type[Agent] = Agent) -> int:
         env = ClusterEnv.from_environ()
         label = f"worker{env.worker_id}.agent"
         tracer = trace.from_env(env, label)
-        engine = WorkerEngine.connect(env, tracer=tracer)
+        # the chains on the thread that pushes and on the I/O thread: in a process of
+        # its own, codec threads would only hand every key from one thread to the next
+        engine = WorkerEngine.connect(env, tracer=tracer, codec_threads=0)
         hello = wire.pack(wire.HELLO, pickle.dumps({
             "node_id": engine.node_id, "num_workers": engine.num_workers,
             "num_servers": engine.num_servers, "job_seed": engine.job_seed,

@@ -112,12 +112,22 @@ def pack(kind: int, payload: bytes) -> bytes:
 
 
 class Link:
-    """One end of the socket: whole frames out (any thread), whole frames in (one thread)."""
+    """One end of the socket: whole frames out (any thread), whole frames in (one thread
+    at a time: :meth:`recv` blocks, :meth:`recv_available` does not).
+
+        >>> a, b = (Link(s) for s in socket.socketpair())
+        >>> a.send(pack(HELLO, b"hi")); a.send(pack(FATAL, b"")); a.close()
+        >>> b.recv_available()
+        [(0, b'hi'), (5, b'')]
+        >>> b.recv_available() is None       # the end of the stream
+        True
+    """
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        self._file = sock.makefile("rb", buffering=1 << 16)
         self._lock = threading.Lock()
+        self._buffer = bytearray()  # bytes read: whole frames taken up to _start
+        self._start = 0
 
     def send(self, frame: bytes) -> None:
         with self._lock:
@@ -125,19 +135,49 @@ class Link:
 
     def recv(self) -> tuple[int, bytes] | None:
         """``(kind, body after the kind)``, or None at the end of the stream."""
-        head = self._file.read(4)
-        if len(head) < 4:
+        while True:
+            frames = self._whole(1)
+            if frames:
+                return frames[0]
+            data = self.sock.recv(1 << 16)
+            if not data:
+                return None
+            self._buffer += data
+
+    def recv_available(self) -> list[tuple[int, bytes]] | None:
+        """The whole frames that arrived (perhaps none), without waiting; None at the
+        end of the stream (OSError where the peer reset it)."""
+        try:
+            data = self.sock.recv(1 << 16, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return []
+        if not data:
             return None
-        (length,) = _LEN.unpack(head)
-        body = self._file.read(length)
-        if len(body) < length:
-            return None
-        return body[0], body[1:]
+        self._buffer += data
+        return self._whole()
+
+    def _whole(self, most: int = -1) -> list[tuple[int, bytes]]:
+        """Up to ``most`` (-1: every) whole frames off the front of the buffer."""
+        frames, buffer, start = [], self._buffer, self._start
+        while len(frames) != most and len(buffer) - start >= 4:
+            (length,) = _LEN.unpack_from(buffer, start)
+            if len(buffer) - start - 4 < length:
+                break
+            body = bytes(buffer[start + 4:start + 4 + length])
+            frames.append((body[0], body[1:]))
+            start += 4 + length
+        if start == len(buffer):
+            buffer.clear()
+            start = 0
+        elif start > 1 << 15:
+            del buffer[:start]
+            start = 0
+        self._start = start
+        return frames
 
     def close(self) -> None:
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
-        self._file.close()
         self.sock.close()

@@ -6,6 +6,12 @@ numba kernels release the GIL, so a few threads compress different partitions at
     pool.compress(info, tensor, step, lr, future, then=lambda payload: enqueue(payload))
     pool.decompress(request, frame)     # settles request.future with the aggregate
     pool.shutdown()
+
+``threads=0`` runs every chain on the calling thread instead (the node agent: a
+process of its own whose threads would only hand each key from one to the next)::
+
+    pool = CodecPool(count=engine_counters.add, threads=0)   # compress on the pusher's
+    pool.decompress(request, frame)     # thread, decode on the I/O thread
 """
 
 from __future__ import annotations
@@ -35,7 +41,9 @@ class CodecPool:
                  threads: int = CODEC_THREADS) -> None:
         self._count = count
         self._tracer = tracer
-        self._pool = concurrent.futures.ThreadPoolExecutor(threads, "bps-codec")
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads, "bps-codec") \
+            if threads > 0 else None
+        self._closed = False
 
     def compress(self, info: KeyInfo, tensor: torch.Tensor, step: int, lr: float,
                  future: concurrent.futures.Future,
@@ -78,7 +86,14 @@ class CodecPool:
                 work: Callable[..., None], *args: object) -> None:
         """Run ``work(*args)`` on a codec thread; once the pool or the interpreter is
         shutting down (a reply that arrives as the process exits), fail ``future``
-        instead of the caller's thread."""
+        instead of the caller's thread. Without threads: ``work(*args)`` here."""
+        if self._pool is None:
+            if self._closed:
+                settle(info, future, error=ClusterError("engine closed: cannot schedule "
+                                                        "new futures after shutdown"))
+                return
+            work(*args)
+            return
         try:
             self._pool.submit(work, *args)
         except RuntimeError as exc:  # cannot schedule new futures after (interpreter) shutdown
@@ -128,7 +143,9 @@ class CodecPool:
         return result
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._closed = True
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
 
     def _compress(self, info: KeyInfo, tensor: torch.Tensor, step: int, lr: float,
                   future: concurrent.futures.Future,

@@ -53,6 +53,7 @@ import concurrent.futures
 import copy
 import functools
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -68,7 +69,7 @@ from bps.common.scheduler_client import SchedulerClient
 from bps.common.striping import server_endpoints
 from bps.common.trace import Tracer
 from bps.compressors.base import MultiRound
-from bps.worker.codec_pool import CodecPool
+from bps.worker.codec_pool import CODEC_THREADS, CodecPool
 from bps.worker.device_graphs import enabled_by_env
 from bps.worker.device_path import KeyStaging, decode_into, on_side_stream, wait_side_stream
 from bps.worker.io_loop import IOLoop, log
@@ -117,7 +118,8 @@ class WorkerEngine:
     """Push/pull engine of one worker node; create it with :meth:`connect`."""
 
     def __init__(self, env: ClusterEnv, ctx: Any, link: SchedulerClient, welcome: dict,
-                 tracer: Tracer | None = None, key: ClusterKey | None = None) -> None:
+                 tracer: Tracer | None = None, key: ClusterKey | None = None,
+                 codec_threads: int = CODEC_THREADS) -> None:
         self.env = env
         self.tracer = tracer
         self.key = key  # the cluster key (None: BPS_INSECURE=1)
@@ -141,16 +143,18 @@ class WorkerEngine:
         self._cuda_graphs = enabled_by_env()  # device chains replay CUDA graphs
         self._stats_lock = threading.Lock()
         self._stats = {f.name: f.default for f in fields(EngineStats)}
-        self._codec = CodecPool(self._add_stats, tracer)
+        self._codec = CodecPool(self._add_stats, tracer, codec_threads)
         self._io = IOLoop(env, ctx, link, self.servers, self.node_id, self._keys,
                           self._add_stats, tracer, self._codec.decompress, key,
                           endpoints=self.endpoints)
 
     @classmethod
-    def connect(cls, env: ClusterEnv, ctx: Any = None, tracer: Tracer | None = None
-                ) -> WorkerEngine:
+    def connect(cls, env: ClusterEnv, ctx: Any = None, tracer: Tracer | None = None,
+                codec_threads: int = CODEC_THREADS) -> WorkerEngine:
         """Rendezvous with the scheduler (blocks up to ``BPS_TIMEOUT``) and start the engine.
-        ``tracer``: records each partition's stages (:mod:`bps.common.trace`)."""
+        ``tracer``: records each partition's stages (:mod:`bps.common.trace`);
+        ``codec_threads``: 0 runs each chain on the thread that pushes (compress) and on
+        the I/O thread (decode), as the node agent does (:mod:`bps.worker.codec_pool`)."""
         if env.role != "worker":
             raise ValueError(f"WorkerEngine needs DMLC_ROLE=worker, got {env.role!r}")
         key = load_key(env)
@@ -159,7 +163,7 @@ class WorkerEngine:
         link = SchedulerClient(ctx, env, "worker", env.node_host, key=key)
         try:
             welcome = link.rendezvous()
-            return cls(env, ctx, link, welcome, tracer, key)
+            return cls(env, ctx, link, welcome, tracer, key, codec_threads)
         except BaseException:
             link.close()
             raise
@@ -439,6 +443,26 @@ class WorkerEngine:
                    for info in compressed]
         for info, future in zip(compressed, futures, strict=True):
             self._wait(future, f"ABORT of {info_label(info)} step {step}")
+
+    def add_reader(self, fd: int, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` on the I/O thread whenever ``fd`` is readable, until
+        :meth:`remove_reader`; it must neither block nor raise, and the pushes it makes
+        leave in the same turn of the thread (the node agent reads its training
+        process's frames so, :mod:`bps.worker.agent`)."""
+        self._io.add_reader(fd, callback)
+
+    def flush(self) -> None:
+        """From a reader's callback: send the pushes it queued so far, before it goes on."""
+        self._io.flush()
+
+    def remove_reader(self, fd: int) -> None:
+        """Stop the reader of ``fd`` (from its callback)."""
+        self._io.remove_reader(fd)
+
+    @property
+    def io_running(self) -> bool:
+        """Whether the I/O thread serves (False once the engine closed or failed)."""
+        return self._io.running
 
     @property
     def generation(self) -> int:

@@ -15,6 +15,7 @@ request the dead server had not answered::
     loop = IOLoop(env, ctx, link, servers, node_id, keys, count, tracer, pool.decompress)
     future = loop.request(Op.REGISTER, server, fields, None, "declare of key 0", info)
     loop.enqueue(info, payload, step, lr, order, future)      # a push
+    loop.add_reader(sock.fileno(), on_readable)   # called on the I/O thread
     loop.stop(); loop.close()
 """
 
@@ -164,8 +165,11 @@ class IOLoop:
         self._scheduler_waiters: dict[tuple, concurrent.futures.Future] = {}
         self._busy_since = 0.0
         self._pushes_pending = 0
+        self._readers: dict[int, Callable[[], None]] = {}  # fd -> called when readable
+        self._new_readers: collections.deque = collections.deque()
         self._wake_r, self._wake_w = os.pipe()
         self._woken = False  # a wake is written and the I/O thread has not taken it yet
+        self._again = False  # the I/O thread queued work for itself: poll without waiting
         for fd in (self._wake_r, self._wake_w):
             fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_NONBLOCK)
         self._thread = threading.Thread(target=self._run, name="bps-engine-io", daemon=True)
@@ -311,6 +315,29 @@ class IOLoop:
             self._queues.put(info.server, request)
         self._wake()
 
+    def add_reader(self, fd: int, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` on the I/O thread whenever ``fd`` is readable, before the
+        pushes it queued are sent (the node agent reads its training process's frames
+        so: no thread hands each key to the next). ``callback`` must not block, nor
+        raise; :meth:`remove_reader` (on the I/O thread) stops it."""
+        self._new_readers.append((fd, callback))
+        self._wake()
+
+    def remove_reader(self, fd: int) -> None:
+        """Stop calling the reader of ``fd`` (on the I/O thread, from its callback)."""
+        self._new_readers.append((fd, None))
+
+    def flush(self) -> None:
+        """Send the pushes queued so far, now (on the I/O thread only, from a reader's
+        callback: its first push leaves before it makes the next)."""
+        if threading.get_ident() == self._thread.ident:
+            self._send_queued()
+
+    @property
+    def running(self) -> bool:
+        """Whether the I/O thread is still serving (not stopped, not failed)."""
+        return self._thread.is_alive()
+
     def stop(self) -> None:
         """Stop the thread and fail whatever is still pending with "engine closed"."""
         self.closed = True
@@ -352,8 +379,12 @@ class IOLoop:
             info.busy = False
 
     def _wake(self) -> None:
-        """Wake the I/O thread, unless a wake it has not taken yet is on its way: a write
-        lets go of the GIL, which beside a busy thread can cost milliseconds."""
+        """Wake the I/O thread, unless a wake it has not taken yet is on its way (a write
+        lets go of the GIL, which beside a busy thread can cost milliseconds), or this is
+        the I/O thread, which sends what was queued before it polls again."""
+        if threading.get_ident() == self._thread.ident:
+            self._again = True  # the next poll does not wait
+            return
         if self._woken:
             return
         self._woken = True
@@ -382,7 +413,8 @@ class IOLoop:
         next_check = 0.0
         try:
             while not self._stopping:
-                ready = dict(poller.poll(timeout_ms))
+                ready = dict(poller.poll(0 if self._again else timeout_ms))
+                self._again = False
                 if self._wake_r in ready:
                     try:  # one read takes the few bytes there (a failed read costs the GIL)
                         os.read(self._wake_r, 4096)
@@ -399,6 +431,18 @@ class IOLoop:
                     server = self._server_of.get(dealer)
                     if server is not None:
                         self._receive_replies(server, dealer)
+                while self._new_readers:
+                    fd, callback = self._new_readers.popleft()
+                    if callback is None:
+                        if self._readers.pop(fd, None) is not None:
+                            poller.unregister(fd)
+                        continue
+                    if fd not in self._readers:
+                        poller.register(fd, zmq.POLLIN)
+                    self._readers[fd] = callback
+                for fd, callback in list(self._readers.items()):
+                    if fd in ready:
+                        callback()
                 self._send_queued()
                 if self._link.sock in ready:
                     while self._link.sock.poll(0):

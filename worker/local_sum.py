@@ -11,6 +11,12 @@ and torch's bfloat16 arithmetic give, and as gloo's reduction of two ranks did).
     >>> out = torch.empty_like(a)
     >>> sum_in_rank_order(out, [a, a, a]).tolist()
     [3.0, 6.0]
+
+``make setup`` compiles the kernels into numba's cache (``python -m
+bps.worker.local_sum``), so that the first node agent of several local ranks loads them:
+
+    >>> warm_kernels()
+    4
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import numba
 import numpy as np
 import torch
 
-__all__ = ["SUMMABLE", "sum_in_rank_order"]
+__all__ = ["SUMMABLE", "sum_in_rank_order", "warm_kernels"]
 
 SUMMABLE = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
@@ -134,3 +140,22 @@ def sum_in_rank_order(out: torch.Tensor, parts: list[torch.Tensor]) -> torch.Ten
     for part in parts[1:]:
         add(acc, _array(part))
     return out
+
+
+def warm_kernels() -> int:
+    """Compile (or load from numba's cache) the kernels of every dtype in ``SUMMABLE``;
+    returns how many dtypes ran."""
+    for dtype in SUMMABLE:
+        parts = [torch.linspace(-1.0, 1.0, 64).to(dtype) for _ in range(2)]
+        sum_in_rank_order(torch.empty(64, dtype=dtype), parts)
+    return len(SUMMABLE)
+
+
+if __name__ == "__main__":
+    import sys
+    import time
+
+    started = time.monotonic()
+    count = warm_kernels()
+    print(f"bps: the node agent's sums of local ranks ({count} dtypes) compiled or loaded "
+          f"from numba's cache in {time.monotonic() - started:.1f} s", file=sys.stderr)

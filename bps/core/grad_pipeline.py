@@ -87,6 +87,9 @@ class _BucketSlice:
             return result
         return result[self.offset:self.offset + self.length]
 
+    def add_done_callback(self, fn: Callable[[_BucketSlice], None]) -> None:
+        self.future.add_done_callback(lambda _: fn(self))
+
 
 def _flat(grad: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
     """A contiguous ``grad`` flat and outside autograd: ``dest`` itself where it is
@@ -199,6 +202,10 @@ class GradPipeline(SlotQueries):
         on_error: called with the exception where a background thread fails (after it
             is recorded; :meth:`wait` then raises it).
         partition_bytes: the largest partition (default ``BYTEPS_PARTITION_BYTES``).
+        inline: no reduce and broadcast threads (host chains only): :meth:`push` reduces
+            and hands the parameter to the engine itself, and the thread that settles
+            its last future writes the destination and calls ``done`` (the node agent,
+            whose engine runs its chains inline too: one handoff per key, not five).
 
     Counters: ``step`` counts applied steps (warmup, local momentum), ``wire_step`` every
     step (the step number the pushes carry); :meth:`end_step` advances them.
@@ -211,7 +218,7 @@ class GradPipeline(SlotQueries):
                  on_step_start: Callable[[], None] | None = None,
                  on_step_done: Callable[[], None] | None = None,
                  on_error: Callable[[BaseException], None] | None = None,
-                 partition_bytes: int | None = None) -> None:
+                 partition_bytes: int | None = None, inline: bool = False) -> None:
         self._rt = rt
         self.partition_bytes = partition_bytes or rt.env.partition_bytes
         self.params = params
@@ -247,7 +254,8 @@ class GradPipeline(SlotQueries):
             if self.on_device and rt.local_size > 1 else None
         self._reduce_q: queue.Queue = queue.Queue()
         self._bcast_q: queue.Queue = queue.Queue()
-        self._threads = [
+        self.inline = inline and not self.on_device
+        self._threads = [] if self.inline else [
             threading.Thread(target=self._guarded, args=(self._reduce_loop,), daemon=True,
                              name="bps-reduce"),
             threading.Thread(target=self._guarded, args=(self._broadcast_loop,), daemon=True,
@@ -383,7 +391,13 @@ class GradPipeline(SlotQueries):
                     slot.nonfinite = not divide_checked(slot.send.numpy(), size,
                                                         self._limit(slot))
                 slot.share = slot.send
-        self._reduce_q.put(index)
+        if not self.inline:
+            self._reduce_q.put(index)
+        elif self._error is None:
+            try:
+                self._reduce_and_push(index)
+            except BaseException as exc:  # noqa: BLE001 - reported by wait()
+                self._failed(exc)
 
     def _divide_on_device(self, slot: _Slot, grad: torch.Tensor | None,
                           size: int) -> torch.Tensor:
@@ -438,6 +452,16 @@ class GradPipeline(SlotQueries):
                 self._cond.notify_all()
             if self.on_error is not None:
                 self.on_error(exc)
+
+    def _failed(self, exc: BaseException) -> None:
+        """Record the first failure of an inline pipeline and report it (``on_error``)."""
+        with self._cond:
+            if self._error is not None:
+                return
+            self._error = exc
+            self._cond.notify_all()
+        if self.on_error is not None:
+            self.on_error(exc)
 
     def _reduce_loop(self) -> None:
         # With several local ranks the collectives must be issued in the same order on
@@ -504,7 +528,10 @@ class GradPipeline(SlotQueries):
                 slot.futures.append(engine.push_pull(
                     key, tensor, self.wire_step, lr, priority=-index, out=out,
                     momentum_scale=self._rescale() if compressed else 1.0))
-        self._bcast_q.put(index)
+        if self.inline:
+            self._land_when_settled(index, slot)
+        else:
+            self._bcast_q.put(index)
 
     def _reduce_and_push_on_device(self, index: int, slot: _Slot) -> None:
         """The device path of :meth:`_reduce_and_push`: the node's sum stays on the device
@@ -603,43 +630,69 @@ class GradPipeline(SlotQueries):
             part.converted = torch.empty(part.length, dtype=dtype, device=piece.device)
         return part.converted.copy_(piece)
 
+    def _land_when_settled(self, index: int, slot: _Slot) -> None:
+        """Inline: :meth:`_land` the parameter on the thread that settles the last of its
+        futures (this one, where they all are already)."""
+        futures = list(slot.futures)
+        left = [len(futures) + 1]
+        lock = threading.Lock()
+
+        def settled(_: object = None) -> None:
+            with lock:
+                left[0] -= 1
+                if left[0]:
+                    return
+            try:
+                self._land(index)
+            except BaseException as exc:  # noqa: BLE001 - reported by wait()
+                self._failed(exc)
+
+        for future in futures:
+            future.add_done_callback(settled)
+        settled()
+
     def _broadcast_loop(self) -> None:
-        timeout = self._rt.env.timeout * 2
         while True:
             index = self._bcast_q.get()
             if index is _STOP:
                 return
-            slot = self.slots[index]
-            slot.skipped = None
-            # A lone local rank writes the aggregates straight into dest (one copy less).
-            dest = slot.dest if self._rt.local_size == 1 else slot.recv
-            if self._rt.engine is not None:
-                for part, fut in zip(self._travelling(slot), slot.futures, strict=True):
-                    try:
-                        result = fut.result(timeout=timeout)
-                    except TimeoutError:
-                        raise TimeoutError(f"no aggregate for {slot.name!r} (offset "
-                                           f"{part.offset}) within {timeout:g}s") from None
-                    if isinstance(result, Skipped):  # this step is applied nowhere
-                        slot.skipped = slot.skipped or result
-                        continue
-                    target = dest[part.offset:part.offset + part.length]
-                    if result.data_ptr() != target.data_ptr():
-                        target.copy_(result)
-                slot.futures = []
-            if dest is slot.recv:
-                self._bcast_ch.broadcast(slot.recv)
-                dest = slot.dest
-                dest.copy_(slot.recv)
-            self._apply_local_momentum(slot, dest)
-            if slot.done is not None:
-                slot.done(index)
-            with self._cond:
-                self._done += 1
-                last = self._done == len(self.slots)
-                self._cond.notify_all()
-            if last and self.on_step_done is not None:
-                self.on_step_done()
+            self._land(index)
+
+    def _land(self, index: int) -> None:
+        """Parameter ``index``'s aggregates into its destination (after the node's
+        broadcast), its local momentum, ``done``; ``on_step_done`` after the step's last."""
+        timeout = self._rt.env.timeout * 2
+        slot = self.slots[index]
+        slot.skipped = None
+        # A lone local rank writes the aggregates straight into dest (one copy less).
+        dest = slot.dest if self._rt.local_size == 1 else slot.recv
+        if self._rt.engine is not None:
+            for part, fut in zip(self._travelling(slot), slot.futures, strict=True):
+                try:
+                    result = fut.result(timeout=timeout)
+                except TimeoutError:
+                    raise TimeoutError(f"no aggregate for {slot.name!r} (offset "
+                                       f"{part.offset}) within {timeout:g}s") from None
+                if isinstance(result, Skipped):  # this step is applied nowhere
+                    slot.skipped = slot.skipped or result
+                    continue
+                target = dest[part.offset:part.offset + part.length]
+                if result.data_ptr() != target.data_ptr():
+                    target.copy_(result)
+            slot.futures = []
+        if dest is slot.recv:
+            self._bcast_ch.broadcast(slot.recv)
+            dest = slot.dest
+            dest.copy_(slot.recv)
+        self._apply_local_momentum(slot, dest)
+        if slot.done is not None:
+            slot.done(index)
+        with self._cond:
+            self._done += 1
+            last = self._done == len(self.slots)
+            self._cond.notify_all()
+        if last and self.on_step_done is not None:
+            self.on_step_done()
 
     def _travelling(self, slot: _Slot) -> list[Part]:
         """The parts that carry the slot this step (a PowerSGD matrix: raw partitions
@@ -777,7 +830,7 @@ class GradPipeline(SlotQueries):
                 if part.compressed_key is not None]
 
     def close(self) -> None:
-        """Stop the background threads."""
+        """Stop the background threads (an inline pipeline has none)."""
         self._reduce_q.put(_STOP)
         self._bcast_q.put(_STOP)
         for bucket in self.buckets:  # a step left unfinished: members wait on no push
@@ -785,6 +838,6 @@ class GradPipeline(SlotQueries):
                 bucket.future.cancel()
         for thread in self._threads:
             thread.join(timeout=5)
-        if not self._threads[0].is_alive():
+        if not self._threads or not self._threads[0].is_alive():
             release_stream(self._reduce_stream)
             self._reduce_stream = None

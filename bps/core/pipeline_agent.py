@@ -109,6 +109,7 @@ class _NodePipe:
         self.error: BaseException | None = None
         self.ranks: dict[int, tuple[PipelineAgent, list[torch.Tensor]]] = {}
         self.cond = threading.Condition()
+        self.pushing = threading.Lock()  # one push into the pipeline at a time
         self.lrs: dict[int, float] = {}
         self.scale = 1.0
         self.arrived: dict[int, list[int]] = {}  # index -> local ranks that announced it
@@ -173,6 +174,13 @@ class _NodePipe:
 
     def arrive(self, rank: int, index: int, flags: int, lr: float, scale: float) -> None:
         """Local rank ``rank`` announced parameter ``index``: the last one pushes it."""
+        if self.size == 1:  # a node of one local rank: nothing to count or wait for
+            if flags & wire.NOTIFY:
+                self.notify.setdefault(index, set()).add(rank)
+            self.lrs[self.pipe.slots[index].group] = lr
+            self.scale = scale
+            self._push(index, flags)
+            return
         with self.cond:
             ranks = self.arrived.setdefault(index, [])
             ranks.append(rank)
@@ -184,7 +192,13 @@ class _NodePipe:
             if len(ranks) < self.size:
                 return
             del self.arrived[index]
-            view = self.ranks[0][1][index]
+        self._push(index, flags)
+
+    def _push(self, index: int, flags: int) -> None:
+        view = self.ranks[0][1][index]
+        # the pipeline compresses inline: under a lock of its own, not ``cond``, which
+        # the I/O thread takes to answer a parameter that is done
+        with self.pushing:
             try:
                 self.pipe.push(index, view, view, joined=bool(flags & wire.JOINED),
                                done=self.done)
@@ -267,7 +281,8 @@ class PipelineAgent(agent_base.Agent):
             rt = _AgentRuntime(self.env, self.engine, self.tracer, first_key, node)
             pipe = GradPipeline(rt, params, grads, lambda group: node.lrs[group],
                                 lambda: node.scale, on_step_done=node.step_done,
-                                on_error=node.failed, partition_bytes=partition_bytes)
+                                on_error=node.failed, partition_bytes=partition_bytes,
+                                inline=True)
             node.key_count, node.world = rt.next_key - rt.first_key, rt.size
             for index, slot in enumerate(pipe.slots):  # the node's shares (several ranks)
                 if slot.send is not None:

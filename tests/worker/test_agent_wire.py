@@ -37,3 +37,31 @@ def test_frames_round_trip_over_a_socket_pair():
     sender.close()
     assert receiver.recv() is None  # the end of the stream
     receiver.close()
+
+
+def test_frames_cut_anywhere_come_out_whole_without_waiting():
+    """recv_available returns only whole frames, whatever bytes have arrived (a frame
+    cut in its length, its kind or its body waits for the rest), never blocks, and then
+    recv goes on from the same buffer."""
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    receiver = wire.Link(theirs)
+    frames = [wire.pack_grad(1, i, wire.NOTIFY, 0.5, 1.0) for i in range(3)]
+    frames.append(wire.pack(wire.FATAL, b"x" * 100_000))  # larger than one read
+    stream = b"".join(frames)
+    got = []
+    cuts = [2, 4, 5, len(frames[0]) + 7, len(stream) - 1, len(stream)]
+    for start, end in zip([0, *cuts[:-1]], cuts, strict=True):
+        mine.sendall(stream[start:end])
+        for _ in range(8):  # what arrived, read 64 KiB at a time
+            got += receiver.recv_available()
+        if end < len(stream):
+            assert len(got) < len(frames)  # the frame cut at ``end`` is not out yet
+    assert receiver.recv_available() == []  # nothing waiting: no block, no frame
+    assert [kind for kind, _ in got] == [wire.GRAD] * 3 + [wire.FATAL]
+    assert [wire.unpack_grad(body)[1] for _, body in got[:3]] == [0, 1, 2]
+    assert got[3][1] == b"x" * 100_000
+    mine.sendall(wire.pack(wire.HELLO, b"then"))
+    assert receiver.recv() == (wire.HELLO, b"then")
+    mine.close()
+    assert receiver.recv_available() is None  # the end of the stream
+    receiver.close()

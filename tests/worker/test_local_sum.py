@@ -57,3 +57,49 @@ def test_wide_floats_in_rank_order(dtype):
 def test_other_dtypes_are_refused():
     with pytest.raises(TypeError, match="int64"):
         sum_in_rank_order(torch.zeros(2, dtype=torch.int64), [torch.zeros(2, dtype=torch.int64)])
+
+
+def test_the_module_examples_run():
+    import doctest
+
+    import bps.worker.local_sum as module
+
+    assert doctest.testmod(module).attempted > 0 and doctest.testmod(module).failed == 0
+
+
+ONE_SUM = """
+import sys, torch
+from bps.worker.local_sum import sum_in_rank_order, warm_kernels
+if sys.argv[1] == "warm":
+    warm_kernels()
+else:  # a node agent's first sum of two local ranks' shares, in each dtype
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        parts = [torch.ones(1000, dtype=dtype), torch.full((1000,), 0.5, dtype=dtype)]
+        assert sum_in_rank_order(torch.empty(1000, dtype=dtype), parts)[0].item() == 1.5
+"""
+
+
+def test_a_node_agent_after_make_setup_compiles_no_sum(tmp_path) -> None:
+    """After ``python -m bps.worker.local_sum`` (which ``make setup`` runs) a node agent's
+    first sums load every kernel from numba's cache and compile none; without it, the
+    same sums compile (the check can fail)."""
+    import os
+    import subprocess
+    import sys
+
+    def run(*argv: str) -> str:
+        env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path), "NUMBA_DEBUG_CACHE": "1"}
+        result = subprocess.run([sys.executable, *argv], env=env, capture_output=True,
+                                text=True, timeout=300)
+        assert result.returncode == 0, result.stderr
+        return result.stdout + result.stderr
+
+    assert "data saved" in run("-m", "bps.worker.local_sum")  # into this test's empty cache
+    job = run("-c", ONE_SUM, "job")
+    assert "data loaded" in job and "data saved" not in job, job[-2000:]
+    cold = tmp_path / "cold"
+    cold.mkdir()
+    env_cold = {**os.environ, "NUMBA_CACHE_DIR": str(cold), "NUMBA_DEBUG_CACHE": "1"}
+    fresh = subprocess.run([sys.executable, "-c", ONE_SUM, "job"], env=env_cold,
+                           capture_output=True, text=True, timeout=300)
+    assert fresh.returncode == 0 and "data saved" in fresh.stdout + fresh.stderr
