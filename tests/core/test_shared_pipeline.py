@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from tests.harness.trainer_job import (
     MOMENTUM,
@@ -158,6 +159,7 @@ def test_every_way_of_training_ends_where_the_pipeline_in_process_does(tmp_path)
                                               expected[name], err_msg=f"{tag} {name}")
 
 
+@pytest.mark.slow  # tests/worker/test_agent.py's two local ranks cover fp16 and bf16
 def test_two_local_ranks_end_where_the_pipeline_in_process_does(tmp_path):
     # 2 nodes x 2 local ranks: one pipeline in each node's agent for both ranks, the
     # node's sum in float16, bfloat16 and float32 (gloo's, in process)

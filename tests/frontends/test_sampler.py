@@ -83,7 +83,8 @@ bps.shutdown()
 """
 
 
-@pytest.mark.parametrize("agent", ["0", "1"])
+# under the node agent: tests/frontends/test_trainer_elastic.py has the same kill, exactly
+@pytest.mark.parametrize("agent", ["0", pytest.param("1", marks=pytest.mark.slow)])
 def test_after_a_node_leaves_every_local_rank_deals_over_the_survivors(agent) -> None:
     """3 worker nodes of 2 local ranks, node 1 killed at step 2 (--min-workers 2), with
     and without the node agent: every survivor, local rank 1 too, learns the members
