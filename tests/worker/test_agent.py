@@ -346,6 +346,7 @@ def kill_and_wait_for_the_other(tmp_path, victim: str, other: str, limit: float
     return pids, job, output
 
 
+@pytest.mark.slow  # test_a_killed_agent_fails_every_local_rank: the same, two ranks
 def test_a_killed_agent_fails_its_training_process_naming_the_node(tmp_path):
     # 30 s: the failure, then the exit of a torch process
     pids, job, output = kill_and_wait_for_the_other(tmp_path, "agent", "trainer", 30)
