@@ -156,6 +156,20 @@ class SlotQueries:
     whether it runs in this process or in the node agent."""
 
     slots: list
+    _cond: threading.Condition
+    _error: BaseException | None
+    on_error: Callable[[BaseException], None] | None
+
+    def _fail(self, exc: BaseException) -> None:
+        """Record the pipeline's first failure, wake its waiters and report it
+        (``on_error``); later failures change nothing."""
+        with self._cond:
+            if self._error is not None:
+                return
+            self._error = exc
+            self._cond.notify_all()
+        if self.on_error is not None:
+            self.on_error(exc)
 
     @property
     def raw_bytes(self) -> int:
@@ -397,7 +411,7 @@ class GradPipeline(SlotQueries):
             try:
                 self._reduce_and_push(index)
             except BaseException as exc:  # noqa: BLE001 - reported by wait()
-                self._failed(exc)
+                self._fail(exc)
 
     def _divide_on_device(self, slot: _Slot, grad: torch.Tensor | None,
                           size: int) -> torch.Tensor:
@@ -452,16 +466,6 @@ class GradPipeline(SlotQueries):
                 self._cond.notify_all()
             if self.on_error is not None:
                 self.on_error(exc)
-
-    def _failed(self, exc: BaseException) -> None:
-        """Record the first failure of an inline pipeline and report it (``on_error``)."""
-        with self._cond:
-            if self._error is not None:
-                return
-            self._error = exc
-            self._cond.notify_all()
-        if self.on_error is not None:
-            self.on_error(exc)
 
     def _reduce_loop(self) -> None:
         # With several local ranks the collectives must be issued in the same order on
@@ -645,7 +649,7 @@ class GradPipeline(SlotQueries):
             try:
                 self._land(index)
             except BaseException as exc:  # noqa: BLE001 - reported by wait()
-                self._failed(exc)
+                self._fail(exc)
 
         for future in futures:
             future.add_done_callback(settled)

@@ -285,15 +285,6 @@ class SharedPipeline(SlotQueries):
     def agent_died(self, error: BaseException) -> None:
         self._fail(error)
 
-    def _fail(self, exc: BaseException) -> None:
-        with self._cond:
-            if self._error is not None:
-                return
-            self._error = exc
-            self._cond.notify_all()
-        if self.on_error is not None:
-            self.on_error(exc)
-
     # -- settling a step -----------------------------------------------------------------
 
     def raise_pending_error(self) -> None:
