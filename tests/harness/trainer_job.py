@@ -349,6 +349,43 @@ def nesterov(mu: np.float32, g: np.ndarray, m: np.ndarray) -> tuple[np.ndarray, 
     return (g + mu * m).astype(np.float32), m
 
 
+def sgd_momentum(w: np.ndarray, g: np.ndarray, buf: np.ndarray | None, lr: float
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """torch.optim.SGD with momentum 0.9 (no dampening, no Nesterov): w, buf."""
+    f32 = np.float32
+    buf = g.copy() if buf is None else (f32(MOMENTUM) * buf + g).astype(f32)
+    return (w - f32(lr) * buf).astype(f32), buf
+
+
+def outer_average(anchor: dict, ws: dict, present: list[int], parts, workers, servers,
+                  shapes: dict = SHAPES) -> None:
+    """One outer round of local SGD (outer "average") in numpy: each present node's delta
+    ``anchor - w`` divided by their number; ``big``'s through the node's and then the
+    server's chains of each partition (lr 1), the rest raw, summed in node order; the
+    anchor (updated in place) moves by the sum."""
+    f32 = np.float32
+    shares = {r: {n: ((anchor[n] - ws[r][n]).astype(f32) / f32(len(present))).astype(f32)
+                  for n in shapes} for r in present}
+    for n in shapes:
+        if n == "big":
+            continue
+        summed = np.zeros(shapes[n], f32)
+        for r in present:
+            summed = (summed + shares[r][n]).astype(f32)
+        anchor[n] = (anchor[n] - summed).astype(f32)
+    big = np.zeros(int(np.prod(shapes["big"])), f32)
+    for i, (offset, n) in enumerate(parts):
+        summed = np.zeros(n, f32)
+        for r in present:
+            workers[r][i].set_lr(1.0)
+            share = shares[r]["big"].reshape(-1)[offset:offset + n]
+            summed = (summed + workers[r][i].decode(
+                workers[r][i].compress(share)).astype(f32)).astype(f32)
+        servers[i].set_lr(1.0)
+        big[offset:offset + n] = servers[i].decode(servers[i].compress(summed))
+    anchor["big"] = (anchor["big"] - big.reshape(shapes["big"])).astype(f32)
+
+
 SIM_LRS = [0.5, 0.25, 0.25, 0.5, 0.125]  # powers of two: lr * g is exact everywhere
 SIM_SEED = 4242  # BPS_JOB_SEED: the trainer fills compression_params["seed"] with it
 PARTITION = 100  # elements per partition: BYTEPS_PARTITION_BYTES=400, float32

@@ -28,6 +28,7 @@ from tests.harness.trainer_job import (
     make_model,
     nesterov,
     reference_codec,
+    sgd_momentum,
     targets,
     worker_main,
 )
@@ -161,14 +162,6 @@ class RefPipeline:
                                                           self.local_momentum[n])
             out[n] = summed
         return out
-
-
-def sgd_momentum(w: np.ndarray, g: np.ndarray, buf: np.ndarray | None, lr: float
-                 ) -> tuple[np.ndarray, np.ndarray]:
-    """torch.optim.SGD with momentum 0.9 (no dampening, no Nesterov): w, buf."""
-    f32 = np.float32
-    buf = g.copy() if buf is None else (f32(MOMENTUM) * buf + g).astype(f32)
-    return (w - f32(lr) * buf).astype(f32), buf
 
 
 def simulate_periodic(params: dict, every: int, outer: dict | None, shapes: dict = SHAPES

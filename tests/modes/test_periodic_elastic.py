@@ -9,25 +9,19 @@ from __future__ import annotations
 import numpy as np
 
 from tests.harness.trainer_job import (
-    MOMENTUM,
     SHAPES,
     SIM_CASES,
     big_chains,
     initial_params,
     launch,
+    outer_average,
+    sgd_momentum,
     targets,
 )
 
 PARAMS = {**SIM_CASES["topk"], "ef": "vanilla", "fp16": False, "min_compress_bytes": 1000}
 LRS = [0.5, 0.25, 0.25, 0.5, 0.125, 0.25, 0.125, 0.0625, 0.25]
 EVERY, WORKERS, VICTIM, AT = 3, 3, 1, 4  # killed in the second round's local steps
-
-
-def sgd_momentum(w: np.ndarray, g: np.ndarray, buf: np.ndarray | None, lr: float):
-    """torch.optim.SGD with momentum (no dampening, no Nesterov): (w, buf)."""
-    f32 = np.float32
-    buf = g.copy() if buf is None else (f32(MOMENTUM) * buf + g).astype(f32)
-    return (w - f32(lr) * buf).astype(f32), buf
 
 
 def simulate(dropped_round: int) -> dict:
@@ -41,7 +35,6 @@ def simulate(dropped_round: int) -> dict:
     survivors = [r for r in range(WORKERS) if r != VICTIM]
     ws = {r: dict(anchor) for r in range(WORKERS)}
     bufs = {r: {n: None for n in SHAPES} for r in range(WORKERS)}
-    numel = int(np.prod(SHAPES["big"]))
     parts, workers, servers = big_chains(PARAMS, WORKERS, None)
     rounds = 0
     for step, lr in enumerate(LRS):
@@ -54,24 +47,7 @@ def simulate(dropped_round: int) -> dict:
             continue
         present = list(range(WORKERS)) if rounds < dropped_round else survivors
         if rounds != dropped_round:
-            shares = {r: {n: ((anchor[n] - ws[r][n]).astype(f32) / f32(len(present)))
-                          .astype(f32) for n in SHAPES} for r in present}
-            for n in ("small", "bias"):
-                summed = np.zeros(SHAPES[n], f32)
-                for r in present:
-                    summed = (summed + shares[r][n]).astype(f32)
-                anchor[n] = (anchor[n] - summed).astype(f32)
-            big = np.zeros(numel, f32)
-            for i, (offset, n) in enumerate(parts):
-                summed = np.zeros(n, f32)
-                for r in present:
-                    workers[r][i].set_lr(1.0)
-                    share = shares[r]["big"].reshape(-1)[offset:offset + n]
-                    summed = (summed + workers[r][i].decode(
-                        workers[r][i].compress(share)).astype(f32)).astype(f32)
-                servers[i].set_lr(1.0)
-                big[offset:offset + n] = servers[i].decode(servers[i].compress(summed))
-            anchor["big"] = (anchor["big"] - big.reshape(SHAPES["big"])).astype(f32)
+            outer_average(anchor, ws, present, parts, workers, servers)
         rounds += 1
         ws = {r: dict(anchor) for r in (present if rounds > dropped_round else ws)}
     return ws[survivors[0]]

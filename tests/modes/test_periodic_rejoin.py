@@ -13,13 +13,14 @@ import sys
 import numpy as np
 
 from tests.harness.trainer_job import (
-    MOMENTUM,
     SHAPES,
     SIM_CASES,
     big_chains,
     initial_params,
     launch,
+    outer_average,
     rejoin_train,
+    sgd_momentum,
     targets,
     worker_main,
 )
@@ -29,13 +30,6 @@ LRS = [0.5, 0.25, 0.25, 0.5, 0.125, 0.25, 0.125, 0.0625, 0.25, 0.5, 0.25, 0.125,
        0.25, 0.5, 0.125, 0.25, 0.0625, 0.125]
 EVERY, WORKERS, VICTIM = 3, 3, 2
 KILLED_AT, WAIT_AT = 4, 9  # a local step of round 1; the others wait before round 3
-
-
-def sgd_momentum(w: np.ndarray, g: np.ndarray, buf: np.ndarray | None, lr: float):
-    """torch.optim.SGD with momentum (no dampening, no Nesterov): (w, buf)."""
-    f32 = np.float32
-    buf = g.copy() if buf is None else (f32(MOMENTUM) * buf + g).astype(f32)
-    return (w - f32(lr) * buf).astype(f32), buf
 
 
 def simulate(joined_round: int) -> dict:
@@ -49,7 +43,6 @@ def simulate(joined_round: int) -> dict:
     anchor = initial_params(0, SHAPES)
     ws = {r: dict(anchor) for r in range(WORKERS)}
     bufs = {r: {n: None for n in SHAPES} for r in range(WORKERS)}
-    numel = int(np.prod(SHAPES["big"]))
     parts, workers, servers = big_chains(PARAMS, WORKERS, None)
     present = list(range(WORKERS))
     for step, lr in enumerate(LRS):
@@ -68,24 +61,7 @@ def simulate(joined_round: int) -> dict:
             workers[VICTIM] = big_chains(PARAMS, 1, None)[1][0]
             present = list(range(WORKERS))
         else:
-            shares = {r: {n: ((anchor[n] - ws[r][n]).astype(f32) / f32(len(present)))
-                          .astype(f32) for n in SHAPES} for r in present}
-            for n in ("small", "bias"):
-                summed = np.zeros(SHAPES[n], f32)
-                for r in present:
-                    summed = (summed + shares[r][n]).astype(f32)
-                anchor[n] = (anchor[n] - summed).astype(f32)
-            big = np.zeros(numel, f32)
-            for i, (offset, n) in enumerate(parts):
-                summed = np.zeros(n, f32)
-                for r in present:
-                    workers[r][i].set_lr(1.0)
-                    share = shares[r]["big"].reshape(-1)[offset:offset + n]
-                    summed = (summed + workers[r][i].decode(
-                        workers[r][i].compress(share)).astype(f32)).astype(f32)
-                servers[i].set_lr(1.0)
-                big[offset:offset + n] = servers[i].decode(servers[i].compress(summed))
-            anchor["big"] = (anchor["big"] - big.reshape(SHAPES["big"])).astype(f32)
+            outer_average(anchor, ws, present, parts, workers, servers)
         ws = {r: dict(anchor) for r in present}
     return ws[0]
 
