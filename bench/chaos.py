@@ -101,18 +101,30 @@ def steps_per_rank(epochs: int) -> int:
     return epochs * (4000 // WORKERS // 32)
 
 
-def server_pid(job: str, server: int) -> int:
-    """The pid of server ``server`` of the job whose processes carry ``BPS_CHAOS_JOB=job``
-    (read from /proc: the launcher passes the variable on)."""
-    want = {b"DMLC_ROLE=server", b"BPS_SERVER_ID=%d" % server, b"BPS_CHAOS_JOB=" + job.encode()}
+def job_pids(job: str, role: str, *variables: str) -> list[int]:
+    """The pids of the live processes of the job whose environment carries
+    ``BPS_CHAOS_JOB=job``, ``DMLC_ROLE=role`` and each of ``variables`` (``NAME=value``;
+    read from /proc: the launcher passes them on)."""
+    want = {f"DMLC_ROLE={role}".encode(), b"BPS_CHAOS_JOB=" + job.encode(),
+            *(v.encode() for v in variables)}
+    found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             environ = set(Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"))
+            state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
         except OSError:
             continue
-        if want <= environ:
-            return int(pid)
-    raise RuntimeError(f"server {server} of the job not found")
+        if want <= environ and state != "Z":
+            found.append(int(pid))
+    return found
+
+
+def server_pid(job: str, server: int) -> int:
+    """The pid of server ``server`` of the job (see :func:`job_pids`)."""
+    pids = job_pids(job, "server", f"BPS_SERVER_ID={server}")
+    if not pids:
+        raise RuntimeError(f"server {server} of the job not found")
+    return pids[0]
 
 
 def run_job(workdir: Path, seed: int, epochs: int, timeout: float, env_extra: dict,

@@ -36,7 +36,7 @@ import threading
 import time
 from pathlib import Path
 
-from chaos import JOB, REPO, SERVERS, WORKERS, steps_per_rank
+from chaos import JOB, REPO, SERVERS, WORKERS, job_pids, steps_per_rank
 
 MIN_WORKERS, SPARES = 3, 1
 # a restarted server has this long to register before its slot fails the job
@@ -58,22 +58,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.kills < 1 or args.epochs < 1 or args.gap < 1:
         p.error("--kills, --epochs and --gap must be >= 1")
     return args
-
-
-def job_pids(job: str, role: str) -> list[int]:
-    """The pids of the job's processes of ``role`` (those whose environment carries
-    ``BPS_CHAOS_JOB=job`` and ``DMLC_ROLE=role``; the launcher passes both on)."""
-    want = {b"DMLC_ROLE=" + role.encode(), b"BPS_CHAOS_JOB=" + job.encode()}
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            environ = set(Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"))
-            state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
-        except OSError:
-            continue
-        if want <= environ and state != "Z":
-            found.append(int(pid))
-    return found
 
 
 def read_log(logs: Path, rank: int) -> list[tuple[int, float, int, int]]:
