@@ -44,7 +44,7 @@ of a step that the server did not sum gives a :class:`Skipped` instead of a tens
 (node 0, or the lowest-numbered node present) every server chain, to its state before it.
 A step that the servers dropped because worker nodes left (``BPS_MIN_WORKERS``) gives a
 :class:`Skipped` of reason ``"membership"`` with the new ``generation`` and ``members``;
-from then on this node's pushes carry that generation (``engine.generation``).
+the pushes of the steps after that one carry that generation (``engine.generation``).
 """
 
 from __future__ import annotations
@@ -484,7 +484,7 @@ class WorkerEngine:
         """Push with membership ``generation`` of worker nodes ``members`` from now on (a
         joiner's, from its JOIN or the state it loaded); an older one changes nothing."""
         if generation > self._io.generation:
-            self._io.generation, self._io.members = generation, tuple(sorted(members))
+            self._io.set_generation(generation, tuple(sorted(members)))
 
     def join(self) -> tuple[int, list[int], int]:
         """A joining node becomes a member: (generation, members, source), ``source`` the

@@ -127,6 +127,9 @@ class IOLoop:
         # the membership the pushes carry: the job's first (0), until a skip of a step
         # dropped for a membership change names a later one
         self.generation = 0
+        # (step, generation): the later pushes of the step whose skip named a new
+        # generation, and of earlier steps, still carry the one before (below)
+        self._until: tuple[int, int] | None = None
         self.members: tuple[int, ...] = tuple(range(env.num_workers))
         self.announced = 0  # the latest generation the scheduler announced
         self.connections, self.io_threads = striping(env, servers)
@@ -294,6 +297,24 @@ class IOLoop:
         self._control.append((op, reply, fields, future))
         return self._wake_or_fail(future)
 
+    def _push_generation(self, step: int) -> int:
+        """The membership generation a push of ``step`` carries: the one its step began
+        with. A skip that names a new generation may come back while keys of the same
+        step are still to be pushed; were those to carry the new one, a server would
+        count a joined node in a step the joiner never pushes, and wait for it."""
+        until = self._until  # under self.lock
+        if until is None:
+            return self.generation
+        if step <= until[0]:
+            return until[1]
+        self._until = None  # a later step began: every push carries the new one
+        return self.generation
+
+    def set_generation(self, generation: int, members: tuple[int, ...]) -> None:
+        """Push with membership ``generation`` from now on, in every step (a joiner's)."""
+        with self.lock:
+            self.generation, self.members, self._until = generation, members, None
+
     def enqueue(self, info: KeyInfo, payload: torch.Tensor, step: int, lr: float,
                 order: tuple, future: concurrent.futures.Future, extra: dict | None = None
                 ) -> None:
@@ -303,8 +324,6 @@ class IOLoop:
         fields_ = {"key": info.key, "step": step, "node": self.node_id,
                    "dtype": dtype_name(info.dtype), "numel": info.numel, "nbytes": body.nbytes,
                    "lr": float(lr), **(extra or {})}
-        if self.generation:  # the membership this push was divided for
-            fields_["gen"] = self.generation
         request = Request(order, -1, Op.PUSH, info.server, fields_, body, future,
                           f"push_pull of {info_label(info)} step {step}", info,
                           queued_ns=time.monotonic_ns())
@@ -312,6 +331,9 @@ class IOLoop:
             if self.error is not None:
                 settle(info, future, error=self.error)
                 return
+            generation = self._push_generation(step)
+            if generation:  # the membership this push was divided for
+                fields_["gen"] = generation
             self._queues.put(info.server, request)
         self._wake()
 
@@ -570,7 +592,12 @@ class IOLoop:
                               str(header.get("skip_what", "")), info_label(info),
                               *_membership(header))
             if skipped.generation > self.generation:  # later pushes divide by the members
-                self.generation, self.members = skipped.generation, skipped.members
+                with self.lock:
+                    step, before = header["step"], self.generation
+                    if self._until is not None:  # two changes in one step: the first counts
+                        step, before = max(step, self._until[0]), self._until[1]
+                    self._until = (step, before)
+                    self.generation, self.members = skipped.generation, skipped.members
                 log.warning("node %d: membership generation %d, worker nodes %s",
                             self.node_id, self.generation, list(self.members))
                 for other in list(self._keys.values()):  # powersgd: e = M - P Q^T / W
