@@ -34,11 +34,13 @@ dropped).
 (server 0 or 1, drawn from the seed), once rank 0 has logged the drawn number of steps;
 both jobs run with ``bpslaunch local --spare-servers 1`` and no ``--min-workers``: the
 spare takes the dead server's keys, and every worker node is a survivor. With
-``--max-restarts 1`` (and no spare) bpslaunch starts the killed server again instead, and
-it takes its slot back::
+``--max-restarts 1`` bpslaunch also starts the killed server again: it waits as the next
+spare (bpslaunch's one spare by default), or, with ``--spare-servers 0``, takes its slot
+back itself, seconds later::
 
     .venv/bin/python bench/chaos.py --kill server --runs 3
     .venv/bin/python bench/chaos.py --kill server --max-restarts 1 --runs 3
+    .venv/bin/python bench/chaos.py --kill server --max-restarts 1 --spare-servers 0
 
 Results go to ``bench/results/chaos_<seed>.json`` (``chaos_restart_<seed>.json``,
 ``chaos_server_<seed>.json``). ``--heartbeat`` stops the victim (SIGSTOP) instead of

@@ -16,8 +16,9 @@ them (docs/runtime.md, "Elastic membership"); ``--spare-servers S``
 (``BPS_SPARE_SERVERS``) starts S spare servers more, idle until a server dies: one then
 takes its keys and the job goes on (docs/runtime.md, "Server replacement");
 ``--max-restarts N`` starts a failed worker node (same command, environment and worker
-id; it joins the job again) or server (it takes its own slot back) again, up to N times
-in all; Ctrl-C tears everything down. Every process gets
+id; it joins the job again) or server again, up to N times in all, and starts one spare
+server unless ``--spare-servers`` says otherwise (it takes a dead server's slot at once;
+the restarted server waits as the next spare); Ctrl-C tears everything down. Every process gets
 a fresh cluster key (``BPS_SECRET_FILE``) in a private temporary directory, removed
 when the job ends (none with ``BPS_INSECURE=1``). Where ``OMP_NUM_THREADS`` is unset,
 the worker processes get the cores divided among the job's workers and servers
@@ -41,7 +42,9 @@ from bps.launch.role import free_ports, local_rank_envs, share_cores
 from bps.launch.supervisor import (
     JOINED_DIR_VARIABLE,
     Supervisor,
+    add_max_restarts_option,
     add_min_workers_option,
+    check_max_restarts,
     command_problem,
     min_workers,
 )
@@ -59,11 +62,7 @@ def parse_args(args: Sequence[str]) -> argparse.Namespace:
                         help="spare servers started besides --servers, idle until a server "
                         "dies: one then takes its keys and the job goes on (default: none, "
                         "a dead server ends the job; BPS_SPARE_SERVERS)")
-    parser.add_argument("--max-restarts", type=int, default=0,
-                        help="start a failed worker node or server again, with the same "
-                        "command, environment and id, up to this many times in all for "
-                        "the job (default 0); needs --min-workers below --workers: the "
-                        "job goes on without the node until it joins again")
+    add_max_restarts_option(parser)
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD...")
     ns = parser.parse_args(list(args))
     if ns.command and ns.command[0] == "--":
@@ -81,14 +80,11 @@ def parse_args(args: Sequence[str]) -> argparse.Namespace:
     if ns.spare_servers is not None and not 0 <= ns.spare_servers <= MAX_SPARE_SERVERS:
         parser.error(f"{spare_flag}={ns.spare_servers} out of range: expected 0 to "
                      f"{MAX_SPARE_SERVERS}")
-    if ns.max_restarts < 0:
-        parser.error(f"--max-restarts={ns.max_restarts} must be >= 0")
-    if ns.max_restarts and (ns.min_workers is None or ns.min_workers >= ns.workers):
-        parser.error(f"--max-restarts={ns.max_restarts} needs --min-workers (or "
-                     f"BPS_MIN_WORKERS) below --workers ({ns.workers}): a restarted worker "
-                     "node joins a job that went on without it")
+    check_max_restarts(parser, ns.max_restarts, ns.min_workers, ns.workers, "--workers")
     if ns.max_restarts and ns.spare_servers is None:
-        ns.spare_servers = 0  # a restarted server takes its own slot back
+        # a warm spare takes a dead server's slot in a fraction of a second; the dead
+        # one, started again (seconds: python, torch), waits as the next spare
+        ns.spare_servers = 1
     if not ns.command:
         parser.error("missing the command to run: bpslaunch local [options] -- CMD...")
     problem = command_problem(ns.command)

@@ -12,12 +12,14 @@ Usage::
     bpslaunch netem --nodes 4 --rate 100mbit --torchrun -- python examples/ddp_mnist.py ...
 
 ``--min-workers M`` lets worker hosts leave the job as ``bpslaunch local``'s does
-(docs/runtime.md, "Elastic membership"). ``--torchrun`` runs CMD with torchrun's
-variables (MASTER_ADDR = node 0, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE) and no
-bps servers: for DDP baselines on the same emulated network. ``--stats-json PATH``
-writes the bytes every host sent and received. Everything is torn down on exit, on
-failure, on Ctrl-C and on SIGTERM; namespaces left by a run that was killed outright are
-removed by the next run.
+(docs/runtime.md, "Elastic membership"), and ``--max-restarts N`` starts a failed
+worker host's process (it joins the job again) or server again, up to N times in all
+(no spare hosts: a restarted server takes its own slot back). ``--torchrun`` runs CMD
+with torchrun's variables (MASTER_ADDR = node 0, RANK, WORLD_SIZE, LOCAL_RANK,
+LOCAL_WORLD_SIZE) and no bps servers: for DDP baselines on the same emulated network.
+``--stats-json PATH`` writes the bytes every host sent and received. Everything is torn
+down on exit, on failure, on Ctrl-C and on SIGTERM; namespaces left by a run that was
+killed outright are removed by the next run.
 """
 
 from __future__ import annotations
@@ -35,7 +37,9 @@ from bps.launch.netns import EmulatedCluster, clean_stale, require_privileges
 from bps.launch.role import share_cores
 from bps.launch.supervisor import (
     Supervisor,
+    add_max_restarts_option,
     add_min_workers_option,
+    check_max_restarts,
     command_problem,
     min_workers,
 )
@@ -74,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--stats-json", metavar="PATH",
                         help="write the bytes each host sent and received to PATH")
     add_min_workers_option(parser)
+    add_max_restarts_option(parser)
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD...")
     return parser
 
@@ -100,8 +105,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error(f"--servers must be >= 1, got {args.servers}")
     if args.torchrun and args.min_workers is not None:
         parser.error("--torchrun runs no bps scheduler: --min-workers needs bps mode")
+    if args.torchrun and args.max_restarts:
+        parser.error("--torchrun runs no bps scheduler: --max-restarts needs bps mode")
     args.min_workers = None if args.torchrun else \
         min_workers(parser, args.min_workers, args.nodes, "--nodes")
+    check_max_restarts(parser, args.max_restarts, args.min_workers, args.nodes, "--nodes")
     try:
         args.shape = LinkShape.parse(args.rate, args.delay, args.loss)
     except NetnsError as exc:
@@ -123,7 +131,7 @@ def _base_env(ifname: str) -> dict[str, str]:
 
 
 def bps_processes(args: argparse.Namespace, cluster: EmulatedCluster):
-    """(name, argv, env, is_service) of the scheduler, servers and worker nodes for bps mode."""
+    """(name, argv, env, role) of the scheduler, servers and worker nodes for bps mode."""
     sched = cluster.hosts["sched"]
     common = {
         "DMLC_NUM_WORKER": str(args.nodes),
@@ -137,6 +145,8 @@ def bps_processes(args: argparse.Namespace, cluster: EmulatedCluster):
     }
     if args.min_workers is not None:
         common["BPS_MIN_WORKERS"] = str(args.min_workers)
+    if args.max_restarts:  # no spare hosts: a restarted server takes its own slot back
+        common["BPS_SPARE_SERVERS"] = os.environ.get("BPS_SPARE_SERVERS", "0")
     launcher = [sys.executable, "-m", "bps.launch.cli"]
     roles = [("sched", "scheduler", {})]
     roles += [(f"s{j}", "server", {"BPS_SERVER_ID": str(j)}) for j in range(args.servers)]
@@ -146,11 +156,11 @@ def bps_processes(args: argparse.Namespace, cluster: EmulatedCluster):
         env = _base_env(host.ifname)
         env.update(common)
         env.update(extra, DMLC_ROLE=role, DMLC_NODE_HOST=host.ip)
-        yield name, host.exec_argv(launcher + list(args.command)), env, role != "worker"
+        yield name, host.exec_argv(launcher + list(args.command)), env, role
 
 
 def torchrun_processes(args: argparse.Namespace, cluster: EmulatedCluster):
-    """(name, argv, env, is_service) of every process of every node, torchrun's variables."""
+    """(name, argv, env, role) of every process of every node, torchrun's variables."""
     master = cluster.hosts["w0"]
     world = args.nodes * args.local_size
     for i in range(args.nodes):
@@ -162,7 +172,7 @@ def torchrun_processes(args: argparse.Namespace, cluster: EmulatedCluster):
                        LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(args.local_size),
                        GROUP_RANK=str(i), NODE_RANK=str(i))
             name = f"w{i}" if args.local_size == 1 else f"w{i}.{local_rank}"
-            yield name, host.exec_argv(list(args.command)), env, False
+            yield name, host.exec_argv(list(args.command)), env, "worker"
 
 
 def write_stats(path: str, args: argparse.Namespace, cluster: EmulatedCluster,
@@ -221,9 +231,9 @@ def main(argv: list[str]) -> int:
         with job_credentials(os.environ) as credentials:
             spare = 0 if args.min_workers is None else args.nodes - args.min_workers
             exit_code = run_processes([
-                (name, argv, {**env, **credentials, **(threads if not service else {})},
-                 service) for name, argv, env, service in processes(args, cluster)],
-                spare_nodes=spare)
+                (name, argv, {**env, **credentials, **(threads if role == "worker" else {})},
+                 role) for name, argv, env, role in processes(args, cluster)],
+                spare_nodes=spare, max_restarts=args.max_restarts)
         if args.stats_json:
             write_stats(args.stats_json, args, cluster, time.monotonic() - start, exit_code)
     except NetnsError as exc:
@@ -245,16 +255,20 @@ def main(argv: list[str]) -> int:
     return exit_code
 
 
-def run_processes(processes: list[tuple[str, list[str], dict, bool]],
-                  spare_nodes: int = 0) -> int:
-    """Start every process under one supervisor; the workers' exit codes decide.
+def run_processes(processes: list[tuple[str, list[str], dict, str]],
+                  spare_nodes: int = 0, max_restarts: int = 0) -> int:
+    """Start every process (name, argv, env, role) under one supervisor; the workers'
+    exit codes decide.
 
     Scheduler and servers are services: once every worker exited 0 they get the
     supervisor's grace period to finish on their own. ``spare_nodes`` worker hosts may
-    fail with the job going on (``--min-workers``).
+    fail with the job going on (``--min-workers``); ``max_restarts`` failed worker hosts
+    and servers are started again (``--max-restarts``).
     """
-    with Supervisor(spare_nodes=spare_nodes) as supervisor:
-        for name, argv, env, service in processes:
+    with Supervisor(spare_nodes=spare_nodes, max_restarts=max_restarts,
+                    replace_servers=bool(max_restarts)) as supervisor:
+        for name, argv, env, role in processes:
+            service = role != "worker"
             supervisor.spawn(argv, env, name, service=service,
-                             node=None if service else name)
+                             node=None if service else name, server=role == "server")
         return supervisor.wait()

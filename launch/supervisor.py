@@ -96,6 +96,28 @@ def min_workers(parser: argparse.ArgumentParser, given: int | None, workers: int
     return given
 
 
+def add_max_restarts_option(parser: argparse.ArgumentParser) -> None:
+    """``--max-restarts N``, checked by :func:`check_max_restarts` (``bpslaunch local``
+    and ``netem``)."""
+    parser.add_argument("--max-restarts", type=int, default=0,
+                        help="start a failed worker node or server again, with the same "
+                        "command, environment and id, up to this many times in all for "
+                        "the job (default 0); needs --min-workers below the worker nodes: "
+                        "the job goes on without the node until it joins again")
+
+
+def check_max_restarts(parser: argparse.ArgumentParser, restarts: int,
+                       min_workers_: int | None, workers: int, workers_flag: str) -> None:
+    """A usage error where ``--max-restarts`` is negative, or set without a
+    ``--min-workers`` below ``workers`` (a restarted node joins a job that went on)."""
+    if restarts < 0:
+        parser.error(f"--max-restarts={restarts} must be >= 0")
+    if restarts and (min_workers_ is None or min_workers_ >= workers):
+        parser.error(f"--max-restarts={restarts} needs --min-workers (or BPS_MIN_WORKERS) "
+                     f"below {workers_flag} ({workers}): a restarted worker node joins a "
+                     "job that went on without it")
+
+
 def command_problem(argv: Sequence[str], path: str | None = None) -> str | None:
     """Why ``argv`` cannot be started (``None``: it can), said before anything starts.
 

@@ -65,19 +65,16 @@ class ServerTable:
 
     def admit(self, identity: bytes, rank: int) -> int | None:
         """A server that registers once the job runs: the slot it takes now (``rank``,
-        its ``BPS_SERVER_ID``, where that slot is vacant; else the oldest vacancy), or
-        None where it waits as a spare (a spare's id, ``DMLC_NUM_SERVER`` and on, always
-        does); TableError where it cannot."""
+        its ``BPS_SERVER_ID``, where that slot is vacant; else the oldest vacancy, a
+        spare's id too), or None where it waits as a spare (no slot is vacant);
+        TableError where it cannot."""
         if not self.replaces:
             raise TableError("rendezvous already complete")
         if rank >= self.servers + self.spares:
             raise TableError(f"BPS_SERVER_ID={rank} out of range for DMLC_NUM_SERVER + "
                              f"BPS_SPARE_SERVERS")
-        if rank >= self.servers:  # a spare's id: it waits
-            slot = None
-        else:
-            slot = rank if rank in self.vacant else min(
-                self.vacant, key=lambda s: self.vacant[s][1], default=None)
+        slot = rank if rank in self.vacant else min(
+            self.vacant, key=lambda s: self.vacant[s][1], default=None)
         if slot is None:
             self.spare(identity)
             return None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -335,6 +336,40 @@ def launch(cfg: dict, tmp: Path, workers: int = 2, servers: int = 1, local_size:
     return subprocess.CompletedProcess(cmd, proc.returncode, output, None)
 
 
+def check_rejoin(tmp: Path, params: dict, workers: int, lrs: list[float], victim: int,
+                 killed_at: int, wait_at: int, out: str) -> None:
+    """The outcome of a :func:`rejoin_train` job (``out``: its output, for messages): node
+    ``victim`` restarted and joined (generation 2), the others skipped the step of the
+    death and the one the join dropped, the joiner started from node 0's parameters at
+    its first step, and every node ends bit-identical to the numpy replay of that
+    membership, the joiner's error feedback and momentum starting at zero."""
+    assert re.search(rf"restarting worker node w?{victim} ", out), out[-6000:]  # netem: w2
+    assert f"worker {victim} at " in out and \
+        f"joined: worker nodes {list(range(workers))} (membership generation 2)" in out, \
+        out[-6000:]
+    reports = [json.loads((tmp / f"report{r}.json").read_text())[""] for r in range(workers)]
+    start = reports[victim]["start"]
+    dropped = start - 1  # the step the join dropped, on the nodes present
+    assert wait_at <= dropped < len(lrs) - 1, reports
+    survivors = [r for r in range(workers) if r != victim]
+    for rank in survivors:
+        assert reports[rank] == {"start": 0, "skipped": [killed_at, dropped]}, reports
+    assert reports[victim]["skipped"] == [], reports
+    admitted = np.load(tmp / f"admitted{victim}.npz")
+    history = np.load(tmp / "history0.npz")
+    for n in SHAPES:
+        np.testing.assert_array_equal(admitted[n], history[f"{n}@{start}"], err_msg=n)
+    everyone = list(range(workers))
+    members = [everyone] * killed_at + [None] + [survivors] * (dropped - killed_at - 1) + \
+        [None] + [everyone] * (len(lrs) - dropped - 1)
+    expected = replay(params, workers, lrs, plain(SHAPES), members=members,
+                      fresh_workers={victim: start})
+    for rank in range(workers):
+        final = np.load(tmp / f"params{rank}.npz")
+        for n in SHAPES:
+            np.testing.assert_array_equal(final[n], expected[n], err_msg=f"rank {rank}: {n}")
+
+
 def load_params(tmp: Path, ranks: int, tag: str = "") -> list[dict]:
     return [dict(np.load(tmp / f"params{tag}{r}.npz")) for r in range(ranks)]
 
@@ -532,4 +567,5 @@ if __name__ == "__main__":
     # per process after torch (every test's cluster is on the same two cores)
     from bps.server.role import end_process
 
-    end_process(worker_main(json.loads(sys.argv[1])))
+    config = json.loads(sys.argv[1])
+    end_process(worker_main(config, rejoin_train if "kill" in config else train))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from bps.launch.netns import support_problem
-from tests.harness.trainer_job import SHAPES, SIM_CASES, launch, plain, replay
+from tests.harness.trainer_job import SHAPES, SIM_CASES, check_rejoin, launch, plain, replay
 
 PARAMS = {**SIM_CASES["topk"], "ef": "vanilla", "momentum": "nesterov", "fp16": False,
           "min_compress_bytes": 1000}
@@ -74,3 +74,16 @@ def test_a_cut_shorter_than_the_heartbeat_timeout_is_waited_for(tmp_path):
         final = final_params(tmp_path, rank)
         for n in SHAPES:
             np.testing.assert_array_equal(final[n], expected[n], err_msg=f"rank {rank}: {n}")
+
+
+def test_a_killed_worker_host_is_restarted_and_joins_again(tmp_path):
+    """``--max-restarts 1``: node 2's process kills itself (SIGKILL) at the start of step
+    2; bpslaunch netem starts it again on its host, it joins, and every node ends as the
+    replay of that membership (as ``bpslaunch local``'s, tests/frontends/test_trainer_rejoin.py)."""
+    lrs = LRS + [0.5, 0.25]
+    cfg = {"runs": [{"params": PARAMS}], "lrs": lrs, "stop": len(lrs),
+           "kill": [CUT, AT], "wait_at": 4}
+    result = launch(cfg, tmp_path, workers=WORKERS, servers=2, timeout=240, netem=True,
+                    options=("--min-workers", "2", "--max-restarts", "1"))
+    assert result.returncode == 0, result.stdout[-6000:]
+    check_rejoin(tmp_path, PARAMS, WORKERS, lrs, CUT, AT, 4, result.stdout)

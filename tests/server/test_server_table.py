@@ -1,7 +1,7 @@
 """The scheduler's book of server slots (``bps.server.server_table``), without sockets:
 who takes a vacant slot (the oldest spare; else a server registering with the slot's id,
-else with none; a spare's id always waits), how many spares may wait, and which vacancy
-is overdue."""
+else any other one, a spare's id too), how many spares may wait, and which vacancy is
+overdue."""
 
 from __future__ import annotations
 
@@ -47,7 +47,15 @@ def test_spares_beyond_the_count_and_out_of_range_ids_are_refused() -> None:
     with pytest.raises(TableError, match="BPS_SERVER_ID=4 out of range"):
         table.admit(b"s3", rank=4)
     assert table.drop_spare(b"s1") and not table.drop_spare(b"s1")
-    assert table.admit(b"s2", rank=3) is None  # a spare's id waits even with a slot free
+    assert table.admit(b"s2", rank=3) is None  # no slot is vacant: it waits
+
+
+def test_a_spare_registering_late_takes_the_oldest_vacancy() -> None:
+    table = running(spares=1)
+    table.vacate(1, "server 1 died", now=1.0)
+    table.vacate(0, "server 0 died", now=2.0)
+    assert table.admit(b"s", rank=3) == 1  # a restarted spare: the slot vacant longest
+    assert table.holders == {1: b"s", 2: b"c"} and list(table.vacant) == [0]
 
 
 def test_without_spare_servers_nothing_is_replaced() -> None:
