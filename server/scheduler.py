@@ -312,7 +312,8 @@ class Scheduler:
     def _replace(self, slot: int, node: _Node, why: str) -> None:
         """``node`` serves server slot ``slot`` from the next membership generation on:
         it gets WELCOME, the other servers MEMBERSHIP (the step in flight is dropped
-        everywhere), the workers REPLACED."""
+        everywhere), the workers REPLACED, the joining ones too (their WELCOME named
+        the dead server)."""
         node.role, node.rank = "server", slot
         self.generation += 1
         present = [n.rank for n in self._workers()]
@@ -327,7 +328,7 @@ class Scheduler:
                    num_workers=self.env.num_workers, num_servers=self.env.num_servers,
                    seed=self.seed, members=self.tokens, generation=self.generation,
                    present=present)
-        for other in self.nodes.values():
+        for other in (*self.nodes.values(), *self.joining.values()):
             if other.finalized or other is node:
                 continue
             if other.role == "server":

@@ -113,8 +113,9 @@ def test_a_restarted_server_takes_the_slot_of_the_one_killed(tmp_path):
 
 def test_without_a_replacement_the_job_fails_naming_the_server(tmp_path):
     """``--spare-servers 0`` and nothing started again: the slot waits
-    BPS_HEARTBEAT_TIMEOUT, then the job fails naming server 1."""
-    result = run(tmp_path, spares=0, env={"BPS_HEARTBEAT_TIMEOUT": "3"})
+    BPS_HEARTBEAT_TIMEOUT, then the job fails naming server 1 (6 s: long enough that no
+    starved process of a loaded host misses it first)."""
+    result = run(tmp_path, spares=0, env={"BPS_HEARTBEAT_TIMEOUT": "6"})
     out = result.stdout
     assert result.returncode != 0, out[-4000:]
     assert "server 1 at tcp://127.0.0.1" in out and "no server took its place" in out, \

@@ -149,6 +149,27 @@ def test_a_spare_takes_the_slot_of_a_server_whose_connection_closed(job) -> None
     assert j.codes == [0]
 
 
+def test_a_worker_node_joining_is_told_of_a_replacement_too(job) -> None:
+    """``BPS_MIN_WORKERS=1``: worker 1 dies and starts again; while it is welcomed but
+    not yet a member, server 1 dies: the joiner gets REPLACED as the members do (its
+    WELCOME named the dead server), and its JOIN then takes the generation after."""
+    j = job(spares=1, BPS_MIN_WORKERS="1")
+    j.kill(j.workers[1])
+    for client in (j.workers[0], *j.servers, j.spares[0]):  # the spare follows too
+        msg = j.next(client)
+        assert (msg["op"], msg["generation"]) == (Op.MEMBERSHIP, 1), msg
+    again = j.client("worker")
+    j.hello(again, 1)
+    welcome = j.next(again)
+    assert (welcome["op"], welcome["joining"]) == (Op.WELCOME, True), welcome
+    j.kill(j.servers[1])
+    assert j.next(j.spares[0])["op"] == Op.WELCOME
+    for worker in (j.workers[0], again):
+        msg = j.next(worker)
+        assert (msg["op"], msg["server"], msg["addr"], msg["generation"]) == \
+            (Op.REPLACED, 1, j.spares[0].addr, 2), msg
+
+
 def test_a_server_that_registers_later_takes_the_slot_of_one_that_failed(job) -> None:
     """No spare: the slot waits; a server registering with BPS_SERVER_ID=1 takes it."""
     j = job(spares=0)
