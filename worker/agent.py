@@ -169,7 +169,7 @@ class Agent:
         self._send(frame)
 
     def _push(self, key: int, step: int, lr: float, priority: int, scale: float,
-              mark: str | None, what: str) -> None:
+              mark: str | None, what: str, generation: int | None) -> None:
         slot = self.keys.get(key)
         try:
             if slot is None:
@@ -177,7 +177,7 @@ class Agent:
             out = slot.out if slot.compressed or slot.staged else None
             future = self.engine.push_pull(key, None if mark else slot.inp, step, lr,
                                            priority=priority, out=out, mark=mark, what=what,
-                                           momentum_scale=scale)
+                                           momentum_scale=scale, generation=generation)
         except BaseException as exc:  # noqa: BLE001 - the caller's future gets it
             self._send_failure(key, exc)
             return

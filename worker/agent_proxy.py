@@ -209,8 +209,8 @@ class AgentProxy:
     def push_pull(self, key: int, tensor: torch.Tensor | None, step: int, lr: float,
                   priority: int = 0, out: torch.Tensor | None = None,
                   mark: str | None = None, what: str = "",
-                  momentum_scale: float = 1.0, ready: Any = None
-                  ) -> concurrent.futures.Future:
+                  momentum_scale: float = 1.0, ready: Any = None,
+                  generation: int | None = None) -> concurrent.futures.Future:
         """:meth:`bps.worker.engine.WorkerEngine.push_pull`: ``tensor`` is copied into the
         key's input buffer before this returns, so the caller may reuse it at once."""
         slot = self._keys.get(key)
@@ -242,7 +242,7 @@ class AgentProxy:
         if mark is None:
             slot.inp.copy_(flat)
         self._send(wire.pack_push(key, step, float(lr), int(priority), float(momentum_scale),
-                                  mark, what))
+                                  mark, what, generation))
         return future
 
     def rollback(self, step: int, keys: list[int]) -> None:

@@ -33,7 +33,8 @@ MARKS = {code: mark for mark, code in MARK_CODES.items()}
 
 _LEN = struct.Struct("<I")
 # after the kind byte:
-_PUSH = struct.Struct("<QqdqdB")  # key step lr priority momentum_scale mark
+# key step lr priority momentum_scale mark generation (-1: the engine's own)
+_PUSH = struct.Struct("<QqdqdBq")
 _DONE = struct.Struct("<QB")  # key status
 _CALL = struct.Struct("<Q")  # call id (CALL and REPLY)
 _GRAD = struct.Struct("<IIBdd")  # pipeline index flags lr momentum_scale
@@ -41,19 +42,23 @@ _PIPE = struct.Struct("<II")  # pipeline, index (or applied: END_STEP)
 
 
 def pack_push(key: int, step: int, lr: float, priority: int, momentum_scale: float,
-              mark: str | None, what: str) -> bytes:
+              mark: str | None, what: str, generation: int | None = None) -> bytes:
     """The frame announcing a push whose values lie in the key's input buffer."""
     body = bytes((PUSH,)) + _PUSH.pack(key, step, lr, priority, momentum_scale,
-                                       MARK_CODES[mark])
+                                       MARK_CODES[mark], -1 if generation is None
+                                       else generation)
     if what:  # the tensor it is part of, for the error that names it
         body += what.encode()
     return _LEN.pack(len(body)) + body
 
 
-def unpack_push(body: bytes) -> tuple[int, int, float, int, float, str | None, str]:
-    """``(key, step, lr, priority, momentum_scale, mark, what)`` (``body``: after the kind)."""
-    key, step, lr, priority, scale, mark = _PUSH.unpack_from(body)
-    return key, step, lr, priority, scale, MARKS[mark], body[_PUSH.size:].decode()
+def unpack_push(body: bytes
+                ) -> tuple[int, int, float, int, float, str | None, str, int | None]:
+    """``(key, step, lr, priority, momentum_scale, mark, what, generation)`` (``body``:
+    after the kind)."""
+    key, step, lr, priority, scale, mark, generation = _PUSH.unpack_from(body)
+    return (key, step, lr, priority, scale, MARKS[mark], body[_PUSH.size:].decode(),
+            None if generation < 0 else generation)
 
 
 def pack_done(key: int, status: int, extra: bytes = b"") -> bytes:

@@ -314,6 +314,8 @@ class WorkerEngine:
         """Push round ``round_`` of a multi-round key; its sum feeds the next round (on a
         codec thread), the last one is decoded into ``future``. ``extra``: a round-0
         non-finite mark; a skipped round settles ``future`` with its :class:`Skipped`."""
+        for piece in self._rounds[info.key][round_]:
+            piece.generation = info.generation
         inner = self._push_pieces(self._rounds[info.key][round_], payload, step, lr, order,
                                   extra)
 
@@ -344,8 +346,8 @@ class WorkerEngine:
     def push_pull(self, key: int, tensor: torch.Tensor | None, step: int, lr: float,
                   priority: int = 0, out: torch.Tensor | None = None,
                   mark: str | None = None, what: str = "",
-                  momentum_scale: float = 1.0, ready: torch.cuda.Event | None = None
-                  ) -> concurrent.futures.Future:
+                  momentum_scale: float = 1.0, ready: torch.cuda.Event | None = None,
+                  generation: int | None = None) -> concurrent.futures.Future:
         """Push this node's (already averaged) partition; the future gives the aggregate,
         or a :class:`Skipped` where the server did not sum the step.
 
@@ -360,6 +362,10 @@ class WorkerEngine:
         too) is any float tensor of the declared numel on that device, cast into;
         ``ready``: a CUDA event after which ``tensor`` holds its values (the work is done
         on a side stream of a codec thread, never on the caller's).
+
+        ``generation``: the membership generation whose members ``tensor`` was divided by
+        (``BPS_MIN_WORKERS``; a pipeline's, which learns a new one when a step of it is
+        skipped); None: the one this step number began with on this node's pushes.
         """
         info = self._keys.get(key)
         if info is None:
@@ -393,6 +399,8 @@ class WorkerEngine:
                 raise RuntimeError(f"{info_label(info)}: a push_pull is already in flight")
             info.busy = True
             info.out = None if out is None else out.reshape(-1)
+            info.generation = self._io.push_generation(step) if generation is None \
+                else generation
         future = new_future()
         order = send_order(step, priority, self._io.next_rid())
         if mark is not None and key in self._rounds:  # the marker travels as round 0

@@ -297,12 +297,13 @@ class IOLoop:
         self._control.append((op, reply, fields, future))
         return self._wake_or_fail(future)
 
-    def _push_generation(self, step: int) -> int:
-        """The membership generation a push of ``step`` carries: the one its step began
-        with. A skip that names a new generation may come back while keys of the same
-        step are still to be pushed; were those to carry the new one, a server would
-        count a joined node in a step the joiner never pushes, and wait for it."""
-        until = self._until  # under self.lock
+    def push_generation(self, step: int) -> int:
+        """The membership generation a push of ``step`` carries where its caller names
+        none: the one its step began with. A skip that names a new generation may come
+        back while keys of the same step are still to be pushed; were those to carry the
+        new one, a server would count a joined node in a step the joiner never pushes,
+        and wait for it. Call with ``lock`` held."""
+        until = self._until
         if until is None:
             return self.generation
         if step <= until[0]:
@@ -331,9 +332,8 @@ class IOLoop:
             if self.error is not None:
                 settle(info, future, error=self.error)
                 return
-            generation = self._push_generation(step)
-            if generation:  # the membership this push was divided for
-                fields_["gen"] = generation
+            if info.generation:  # the membership this push was divided for
+                fields_["gen"] = info.generation
             self._queues.put(info.server, request)
         self._wake()
 

@@ -36,6 +36,7 @@ class KeyInfo:
     out: torch.Tensor | None = None  # where the in-flight push_pull decodes its aggregate
     compressed_step: int = -1  # the last step the chain compressed (rollback undoes it)
     staging: Any = None  # the device path: a worker.device_path.KeyStaging
+    generation: int = 0  # the membership generation the push in flight carries
 
 
 @dataclass(frozen=True)

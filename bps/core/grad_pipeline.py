@@ -251,7 +251,8 @@ class GradPipeline(SlotQueries):
         self._tracer = rt.tracer
         self.buckets: list[Bucket] = []
         self.device = self._device_of(tensors)
-        self._divisor: torch.Tensor | None = None  # the device path's number of workers
+        # the device path's number of workers: (as a number, as a tensor on the device)
+        self._divisor: tuple[int, torch.Tensor] | None = None
         # CUDA gradients (or any, with BPS_DEVICE_KERNELS=1): the chains run on the
         # device and only payloads cross PCIe (bps.worker.device_path)
         self.on_device = self.device.type == "cuda" or forced_by_env()
@@ -422,9 +423,9 @@ class GradPipeline(SlotQueries):
         node_dtype = self._node_dtype(slot)
         # a tensor, not a Python number: CUDA multiplies by the reciprocal of a scalar
         # divisor, 1 ulp off a true division (which the host path and servers do)
-        if self._divisor is None:
-            self._divisor = torch.tensor(float(size), device=slot.param.device)
-        divisor = self._divisor
+        if self._divisor is None or self._divisor[0] != size:  # worker nodes left
+            self._divisor = (size, torch.tensor(float(size), device=slot.param.device))
+        divisor = self._divisor[1]
         if grad is not None and self._rt.local_size == 1 and grad.is_contiguous() \
                 and grad.dtype == torch.float32:
             share = _flat(grad, slot.dest).div_(divisor)  # consumed in place, as on the host
@@ -516,7 +517,7 @@ class GradPipeline(SlotQueries):
                 compressed = part.compressed_key is not None and not warm
                 key = part.compressed_key if compressed else part.raw_key
                 if mark:
-                    slot.futures.append(engine.push_pull(key, None, self.wire_step, lr,
+                    slot.futures.append(self._push_pull(key, None, lr,
                                                          priority=-index, mark=mark,
                                                          what=slot.name))
                     continue
@@ -529,8 +530,8 @@ class GradPipeline(SlotQueries):
                         out = tensor
                 else:
                     tensor = self._converted(part, piece, slot.wire)
-                slot.futures.append(engine.push_pull(
-                    key, tensor, self.wire_step, lr, priority=-index, out=out,
+                slot.futures.append(self._push_pull(
+                    key, tensor, lr, priority=-index, out=out,
                     momentum_scale=self._rescale() if compressed else 1.0))
         if self.inline:
             self._land_when_settled(index, slot)
@@ -574,7 +575,7 @@ class GradPipeline(SlotQueries):
                 compressed = part.compressed_key is not None and not warm
                 key = part.compressed_key if compressed else part.raw_key
                 if piece is None:
-                    slot.futures.append(engine.push_pull(key, None, self.wire_step, lr,
+                    slot.futures.append(self._push_pull(key, None, lr,
                                                          priority=-index, mark="zero",
                                                          what=slot.name))
                     continue
@@ -584,10 +585,19 @@ class GradPipeline(SlotQueries):
                 pushes.append((key, tensor, out, compressed))
             ready = record_ready(self.device)  # after the node's sum and the casts
             for key, tensor, out, compressed in pushes:
-                slot.futures.append(engine.push_pull(
-                    key, tensor, self.wire_step, lr, priority=-index, out=out, ready=ready,
+                slot.futures.append(self._push_pull(
+                    key, tensor, lr, priority=-index, out=out, ready=ready,
                     what=slot.name, momentum_scale=self._rescale() if compressed else 1.0))
         self._bcast_q.put(index)
+
+    def _push_pull(self, key: int, tensor: torch.Tensor | None, lr: float,
+                   **options: object) -> concurrent.futures.Future:
+        """The engine's push_pull of ``key`` in this step, with the membership generation
+        whose members the shares were divided by (the runtime's: it changes only when a
+        step is settled, so every push of a step carries the same, and another pipeline's
+        steps do not change it for this one's)."""
+        return self._rt.engine.push_pull(key, tensor, self.wire_step, lr,
+                                         generation=self._rt.generation, **options)
 
     def _fuse(self, part: Part, piece: torch.Tensor | None, lr: float, priority: int,
               mark: str | None, name: str) -> _BucketSlice:
@@ -607,17 +617,16 @@ class GradPipeline(SlotQueries):
         share = _BucketSlice(bucket.future, part.bucket_offset, part.length)
         if bucket.arrived == bucket.members:
             bucket.arrived = 0
-            engine = self._rt.engine
             if bucket.mark is not None:
-                future = engine.push_pull(bucket.key, None, self.wire_step, lr,
+                future = self._push_pull(bucket.key, None, lr,
                                           priority=priority, mark=bucket.mark[0],
                                           what=bucket.mark[1])
             elif self.on_device:  # the aggregate comes back into the bucket
-                future = engine.push_pull(bucket.key, bucket.buffer, self.wire_step, lr,
+                future = self._push_pull(bucket.key, bucket.buffer, lr,
                                           priority=priority, out=bucket.buffer,
                                           ready=record_ready(self.device))
             else:
-                future = engine.push_pull(bucket.key, bucket.buffer, self.wire_step, lr,
+                future = self._push_pull(bucket.key, bucket.buffer, lr,
                                           priority=priority)
             _forward(future, bucket.future)
         return share
@@ -759,7 +768,6 @@ class GradPipeline(SlotQueries):
             skip, moved = self._share_skip(skip, moved)
         if moved is not None:  # worker nodes left: the next steps divide by those present
             self._rt.set_membership(moved.generation, list(moved.members))
-            self._divisor = None
         if skip is None:
             for slot in self.slots:  # the local momentum of this step becomes current
                 if slot.local_momentum is not None:

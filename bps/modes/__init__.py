@@ -25,19 +25,20 @@ def choose(core: FrontEndCore, runtime, tensors: list[GradTensor], *, staleness:
     ``tensors``, built here. Where worker nodes may leave (``BPS_MIN_WORKERS``) or servers
     be replaced (``BPS_SPARE_SERVERS``; both drop the step in flight), only
     synchronous steps, ``staleness=1`` and local SGD of a model without floating-point
-    buffers are accepted: another mode raises ValueError naming it."""
+    buffers (streaming too, where worker nodes may leave) are accepted: another mode
+    raises ValueError naming it."""
     if runtime.env.elastic or runtime.env.replaces_servers:
         buffers = core.model is not None and any(
             b.dtype.is_floating_point for _, b in core.model.named_buffers())
-        refused = ("streaming averaging (sync_every with fragments or overlap)"
-                   if fragments is not None else
-                   "local SGD (sync_every > 1) of a model with floating-point buffers "
-                   "(they are averaged after each outer round)"
-                   if outer is not None and buffers else
+        syncs = "local SGD (sync_every > 1)" if fragments is None else \
+            "streaming averaging (sync_every with fragments or overlap)"
+        refused = (f"{syncs} of a model with floating-point buffers (they are averaged "
+                   "after each outer round)" if outer is not None and buffers else
+                   syncs if fragments is not None and runtime.env.replaces_servers else
                    "compressed Adam (freeze_step)" if core.params.get("freeze_step") is not None
                    else None)
         if refused is not None:
-            if runtime.env.elastic:
+            if runtime.env.elastic and not refused.startswith("streaming"):
                 raise ValueError(f"BPS_MIN_WORKERS={runtime.env.min_workers} (bpslaunch "
                                  f"--min-workers): worker nodes may leave a job of "
                                  f"synchronous steps only, not one of {refused}")

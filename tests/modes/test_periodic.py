@@ -25,6 +25,7 @@ from tests.harness.trainer_job import (
     SHAPES,
     SIM_CASES,
     initial_params,
+    leave,
     make_model,
     nesterov,
     reference_codec,
@@ -53,10 +54,12 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
 
     import bps
 
-    tag = run["tag"]
+    tag, lrs = run["tag"], cfg.get("lrs", LRS)
     model = make_model(rank, shapes)
-    model.register_buffer("running", torch.full((3,), float(rank + 1)))  # rank 0's at start
-    optimizer = torch.optim.SGD(model.parameters(), lr=LRS[0], momentum=MOMENTUM)
+    buffered = run.get("buffer", True)  # a float buffer (not with --min-workers)
+    if buffered:
+        model.register_buffer("running", torch.full((3,), float(rank + 1)))  # rank 0's
+    optimizer = torch.optim.SGD(model.parameters(), lr=lrs[0], momentum=MOMENTUM)
     trainer = bps.DistributedTrainer(model, optimizer, run["params"], **run["mode"])
     start = run.get("start", 0)
     if start:
@@ -75,13 +78,15 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
                 pass
         except NotImplementedError as exc:
             report["refused"].append(str(exc))
-    for step in range(start, run.get("stop", len(LRS))):
+    for step in range(start, run.get("stop", len(lrs))):
+        leave(cfg, rank, step, out)
         for group in optimizer.param_groups:
-            group["lr"] = LRS[step]
+            group["lr"] = lrs[step]
         trainer.zero_grad()
         sum(0.5 * ((getattr(model, n) - goal[n]) ** 2).sum() for n in shapes).backward()
         with torch.no_grad():
-            model.running.mul_(0.5).add_(float(buffer_update(rank, step)))
+            if buffered:
+                model.running.mul_(0.5).add_(float(buffer_update(rank, step)))
             if run.get("nan_at") == step and rank == 1:  # a delta with a NaN: skipped
                 model.small[0] = float("nan")
         report["applied"].append(trainer.step())
@@ -89,7 +94,8 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
         if run.get("save_at") == step + 1:
             torch.save({"model": model.state_dict(), "trainer": trainer.state_dict()},
                        out / f"ckpt{tag}{rank}.pt")
-    np.savez(out / f"params{tag}{rank}.npz", running=model.running.numpy(),
+    np.savez(out / f"params{tag}{rank}.npz",
+             **({"running": model.running.numpy()} if buffered else {}),
              **{n: getattr(model, n).detach().numpy() for n in shapes})
     trainer.close()
     return report
@@ -135,15 +141,19 @@ class RefPipeline:
                                            None) for _, n in parts]
         self.local_momentum = {n: np.zeros(s, np.float32) for n, s in shapes.items()}
 
-    def aggregate(self, shares: list[dict], lr: float) -> dict:
+    def aggregate(self, shares: list[dict], lr: float, present: list[int] | None = None
+                  ) -> dict:
+        """The step's aggregate of ``shares`` (one per node, by node id) of the nodes
+        ``present`` (default: all)."""
         f32 = np.float32
+        present = list(range(self.nodes)) if present is None else present
         out = {}
         for n, shape in self.shapes.items():
             if n in self.compressed:
                 big = np.zeros(int(np.prod(shape)), f32)
                 for i, (offset, length) in enumerate(self.parts[n]):
                     summed = np.zeros(length, f32)
-                    for r in range(self.nodes):
+                    for r in present:
                         chain = self.workers[n][r][i]
                         chain.set_lr(lr)
                         piece = shares[r][n].reshape(-1)[offset:offset + length]
@@ -155,7 +165,7 @@ class RefPipeline:
                 out[n] = big.reshape(shape)
                 continue
             summed = np.zeros(shape, f32)
-            for r in range(self.nodes):
+            for r in present:
                 summed = (summed + shares[r][n]).astype(f32)
             if self.mu is not None:
                 summed, self.local_momentum[n] = nesterov(f32(self.mu), summed,
@@ -236,16 +246,20 @@ def outer_step(anchor: np.ndarray, avg: np.ndarray, momentum: np.ndarray | None,
 
 
 def simulate_streaming(params: dict, every: int, fragments: int, overlap: int,
-                       outer: dict | None, nan_at: int | None = None, shapes: dict = SHAPES
-                       ) -> list[dict]:
+                       outer: dict | None, nan_at: int | None = None, shapes: dict = SHAPES,
+                       nodes: int = NODES, lrs: list[float] = LRS, buffers: bool = True,
+                       death: tuple[int, int] | None = None) -> list[dict]:
     """Local SGD with momentum on each node; after local step s with s % (every /
     fragments) == 0 the next fragment's deltas go through that fragment's own pipeline
     and its outer update lands after step s + overlap, each node keeping its local
-    change since the push (w = anchor + w - w_at_push); the float buffer travels with
-    the last fragment and merges the same way. Rounds still in flight at the end never
-    land. ``nan_at``: node 1's small[0] becomes NaN before that step's optimizer step;
-    the round that carries it is skipped: the chains as before it, the fragment back to
-    its anchor on every node, the buffers as they are."""
+    change since the push (w = anchor + w - w_at_push); the float buffer (``buffers``)
+    travels with the last fragment and merges the same way. Rounds still in flight at
+    the end never land. ``nan_at``: node 1's small[0] becomes NaN before that step's
+    optimizer step; the round that carries it is skipped: the chains as before it, the
+    fragment back to its anchor on every node, the buffers as they are. ``death``:
+    (node, step): that node is gone from the start of that step (no round in flight
+    then); the first round pushed after it is dropped as a skipped one, the later ones
+    average the nodes present."""
     f32 = np.float32
     outer = outer or {"optimizer": "average"}
     defaults = {"average": (1.0, 0.0), "sgd": (1.0, 0.0), "nesterov": (0.7, 0.9)}
@@ -259,11 +273,12 @@ def simulate_streaming(params: dict, every: int, fragments: int, overlap: int,
     def view(tensors: dict, name: str, rows: tuple | None) -> np.ndarray:
         return tensors[name] if rows is None else tensors[name][rows[0]:rows[1]]
 
-    ws = [initial_params(0, shapes) for _ in range(NODES)]
+    present = list(range(nodes))
+    ws = [initial_params(0, shapes) for _ in range(nodes)]
     anchor = initial_params(0, shapes)
     outer_momentum = {n: np.zeros(s, f32) for n, s in shapes.items()}
-    bufs = [{n: None for n in shapes} for _ in range(NODES)]
-    running = [np.full(3, 1.0, f32) for _ in range(NODES)]
+    bufs = [{n: None for n in shapes} for _ in range(nodes)]
+    running = [np.full(3, 1.0, f32) for _ in range(nodes)]
     pipes = []
     for pieces in plan:
         piece_shapes = {piece_name(n, rows): view(anchor, n, rows).shape for n, rows in pieces}
@@ -272,15 +287,16 @@ def simulate_streaming(params: dict, every: int, fragments: int, overlap: int,
                         "min_compress_bytes", 65536))
         # partitions spread a fragment over both servers
         floats = sum(int(np.prod(shape)) for shape in piece_shapes.values())
-        pipes.append(RefPipeline(params, NODES, piece_shapes, compressed=big,
+        pipes.append(RefPipeline(params, nodes, piece_shapes, compressed=big,
                                  partition=min(PARTITION, -(-floats // 2))))
     rounds = []  # (fragment, lands at, avg by piece, start [node][piece], buffer round)
+    dropping = False  # the first round after a death is dropped
 
     def land(due: tuple) -> None:
-        fragment, lands, pushed, avg, start, buffers = due
+        fragment, lands, pushed, avg, start, pending = due
         if avg is None:  # skipped
             for n, rows in plan[fragment]:
-                for r in range(NODES):
+                for r in present:
                     view(ws[r], n, rows)[...] = view(anchor, n, rows)
             return
         for n, rows in plan[fragment]:
@@ -290,20 +306,24 @@ def simulate_streaming(params: dict, every: int, fragments: int, overlap: int,
             view(anchor, n, rows)[...] = a
             if m is not None:
                 view(outer_momentum, n, rows)[...] = m
-            for r in range(NODES):
+            for r in present:
                 w = view(ws[r], n, rows)
                 w[...] = (a + (w - start[r][name]).astype(f32)).astype(f32) \
                     if lands != pushed else a
-        if buffers is not None:
-            mean, before = buffers
-            for r in range(NODES):
+        if pending is not None:
+            mean, before = pending
+            for r in present:
                 running[r] = (mean + (running[r] - before[r]).astype(f32)).astype(f32) \
                     if lands != pushed else mean.copy()
 
     period = every // fragments
-    for step, lr in enumerate(LRS):
+    for step, lr in enumerate(lrs):
         s = step + 1
-        for r in range(NODES):
+        if death is not None and step == death[1]:
+            assert not rounds, "a death with a round in flight: not simulated"
+            present.remove(death[0])
+            dropping = True
+        for r in present:
             goal = targets(r, shapes)
             grads = {n: (ws[r][n] - goal[n]).astype(f32) for n in shapes}  # before the NaN
             if step == nan_at and r == 1:
@@ -317,27 +337,29 @@ def simulate_streaming(params: dict, every: int, fragments: int, overlap: int,
         if s % period:
             continue
         fragment = (s // period - 1) % fragments
-        shares, start = [], []
-        for r in range(NODES):
-            shares.append({piece_name(n, rows): (((view(anchor, n, rows) - view(ws[r], n, rows))
-                                                 .astype(f32) / f32(NODES)).astype(f32))
-                           for n, rows in plan[fragment]})
-            start.append({piece_name(n, rows): view(ws[r], n, rows).copy()
-                          for n, rows in plan[fragment]})
-        finite = all(np.isfinite(v).all() for share in shares for v in share.values())
-        avg = pipes[fragment].aggregate(shares, float(lr_out)) if finite else None
-        buffers = None
-        if fragment == fragments - 1:
+        shares, start = {}, {}
+        for r in present:
+            shares[r] = {piece_name(n, rows): (((view(anchor, n, rows) - view(ws[r], n, rows))
+                                                .astype(f32) / f32(len(present))).astype(f32))
+                         for n, rows in plan[fragment]}
+            start[r] = {piece_name(n, rows): view(ws[r], n, rows).copy()
+                        for n, rows in plan[fragment]}
+        finite = all(np.isfinite(v).all() for share in shares.values() for v in share.values())
+        avg = pipes[fragment].aggregate(shares, float(lr_out), present) \
+            if finite and not dropping else None
+        dropping = False
+        pending = None
+        if buffers and fragment == fragments - 1:
             mean = np.zeros(3, f32)
-            for r in range(NODES):
-                mean = (mean + (running[r] / f32(NODES)).astype(f32)).astype(f32)
-            buffers = (mean, [b.copy() for b in running])
-        due = (fragment, s + overlap, s, avg, start, buffers)
+            for r in present:
+                mean = (mean + (running[r] / f32(len(present))).astype(f32)).astype(f32)
+            pending = (mean, [b.copy() for b in running])
+        due = (fragment, s + overlap, s, avg, start, pending)
         if overlap:
             rounds.append(due)
         else:
             land(due)
-    return [{**ws[r], "running": running[r]} for r in range(NODES)]
+    return [{**ws[r], **({"running": running[r]} if buffers else {})} for r in range(nodes)]
 
 
 STREAM_EF = {**EF, "min_compress_bytes": 256}  # big's row pieces travel compressed
@@ -486,6 +508,35 @@ def test_overlap_modes_match_simulation_and_resume_exactly(tmp_path):
         checkpointed = load_params(whole, f"{PLAIN['tag']}-resume", r)
         for n, value in load_params(whole, PLAIN["tag"], r).items():
             np.testing.assert_array_equal(checkpointed[n], value, err_msg=n)
+
+
+def test_streaming_syncs_go_on_over_the_nodes_left(tmp_path):
+    """``--min-workers 2`` of 3 nodes, streaming onebit syncs (H = 4, two fragments, an
+    overlap of one step; a model without float buffers): node 2 is killed (SIGKILL) at
+    the start of step 5, with no round in flight. The round pushed after step 5
+    (fragment 0) is dropped on both survivors and puts that fragment back to its anchor;
+    the rounds after it average the two survivors' deltas, each fragment's pipeline
+    dividing by two. The survivors end bit-identical to the simulation."""
+    params, every, fragments, overlap, outer = STREAMING["onebit"]
+    lrs = LRS + [0.25, 0.5]
+    run = {"tag": "elastic", "params": params, "buffer": False,
+           "mode": {"sync_every": every, "fragments": fragments, "overlap": overlap}}
+    result = trainer_launch({"runs": [run], "lrs": lrs, "leave": [2, 5, "SIGKILL"]},
+                            tmp_path, 3, 2, env={"BPS_TIMEOUT": "60"}, timeout=180,
+                            module=__name__, options=("--min-workers", "2"))
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "worker nodes [0, 1] go on (membership generation 1)" in result.stdout
+    reports = [json.loads((tmp_path / f"report{r}.json").read_text())["elastic"]
+               for r in (0, 1)]
+    # the round pushed after step 5 lands after step 6: applied nowhere
+    assert reports[0]["applied"] == reports[1]["applied"] == [s != 6 for s in range(10)]
+    expected = simulate_streaming(params, every, fragments, overlap, outer, nodes=3,
+                                  lrs=lrs, buffers=False, death=(2, 5))
+    for r in (0, 1):
+        final = load_params(tmp_path, "elastic", r)
+        assert set(final) == set(SHAPES), final.keys()
+        for n in SHAPES:
+            np.testing.assert_array_equal(final[n], expected[r][n], err_msg=f"rank {r}: {n}")
 
 
 def test_bad_overlap_arguments_fail_in_the_constructor_naming_them():

@@ -19,7 +19,7 @@ def test_frames_round_trip_over_a_socket_pair():
     sender, receiver = wire.Link(mine), wire.Link(theirs)
     big = bytes(range(256)) * 8192  # 2 MiB: more than a socket buffer holds
     frames = [wire.pack_push(2**63 - 1, 12, 0.125, -7, 0.5, "nonfinite", "fc.weight"),
-              wire.pack_push(3, 0, 1e-3, 0, 1.0, None, "fc.bias"),
+              wire.pack_push(3, 0, 1e-3, 0, 1.0, None, "fc.bias", generation=2),
               wire.pack_done(9, wire.SKIPPED, b"why"),
               wire.pack_call(wire.CALL, 41, big),
               wire.pack(wire.FATAL, b"ValueError: boom")]
@@ -29,8 +29,8 @@ def test_frames_round_trip_over_a_socket_pair():
     thread.join(timeout=10)
     assert got[0][0] == wire.PUSH
     assert wire.unpack_push(got[0][1]) == (2**63 - 1, 12, 0.125, -7, 0.5, "nonfinite",
-                                           "fc.weight")
-    assert wire.unpack_push(got[1][1]) == (3, 0, 1e-3, 0, 1.0, None, "fc.bias")
+                                           "fc.weight", None)
+    assert wire.unpack_push(got[1][1]) == (3, 0, 1e-3, 0, 1.0, None, "fc.bias", 2)
     assert got[2][0] == wire.DONE and wire.unpack_done(got[2][1]) == (9, wire.SKIPPED, b"why")
     assert got[3][0] == wire.CALL and wire.unpack_call(got[3][1]) == (41, big)
     assert got[4] == (wire.FATAL, b"ValueError: boom")
