@@ -4,7 +4,8 @@ start of step 2, the launcher starts it again with the same worker id, and it jo
 a step boundary with the state of node 0. Every node ends bit-identical, the joiner
 starts from node 0's parameters at that step, and all match the numpy replay of the
 membership: step 2 dropped, two nodes until the join, the step the join dropped, then
-three nodes again, node 2's error feedback and momentum starting at zero."""
+three nodes again, node 2's error feedback and momentum starting at zero. The same
+with two local ranks a node: bpslaunch restarts both, and both get the state."""
 
 from __future__ import annotations
 

@@ -117,8 +117,8 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
     goal = {name: torch.from_numpy(t).to(device) for name, t in targets(rank, shapes).items()}
     engine = bps.core.runtime.get().engine
     for step in range(start, cfg["stop"]):
+        kill_server(cfg, rank, step, out, engine)
         leave(cfg, rank, step, out, "start")
-        kill_server(cfg, rank, step, out)
         for group in optimizer.param_groups:
             group["lr"] = cfg["lrs"][step]
         trainer.zero_grad()
@@ -241,15 +241,21 @@ def cut_link(seconds: float) -> None:
     subprocess.Popen(["sh", "-c", f"sleep {seconds}; ip -n {switch} link set {port} up"],
                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                      stderr=subprocess.DEVNULL, start_new_session=True)
-def kill_server(cfg: dict, rank: int, step: int, out: Path) -> None:
+def kill_server(cfg: dict, rank: int, step: int, out: Path, engine=None) -> None:
     """``cfg["kill_server"]`` = [server id, step(, "restart")]: rank 0 kills that server
     of its job (the process whose environment names it) with SIGKILL at the start of
     that step, before pushing anything of it; with "restart" it then starts a server
     with the dead one's environment (its output in ``restarted.log``, its pid in
-    ``restarted.pid``)."""
+    ``restarted.pid``). ``cfg["kill_server_after"]`` = a generation: first it waits (up
+    to 60 s) until the scheduler announced that membership generation to ``engine``
+    (a worker node's departure)."""
     spec = cfg.get("kill_server")
-    if spec is None or rank != 0 or spec[1] != step:
+    if spec is None or rank != cfg.get("kill_server_by", 0) or spec[1] != step:
         return
+    after, deadline = cfg.get("kill_server_after", 0), time.monotonic() + 60
+    while after and engine.announced_generation < after:
+        assert time.monotonic() < deadline, f"membership generation {after} never announced"
+        time.sleep(0.01)
     port = os.environ["DMLC_PS_ROOT_PORT"]
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
