@@ -242,9 +242,10 @@ def cut_link(seconds: float) -> None:
                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                      stderr=subprocess.DEVNULL, start_new_session=True)
 def kill_server(cfg: dict, rank: int, step: int, out: Path, engine=None) -> None:
-    """``cfg["kill_server"]`` = [server id, step(, "restart")]: rank 0 kills that server
-    of its job (the process whose environment names it) with SIGKILL at the start of
-    that step, before pushing anything of it; with "restart" it then starts a server
+    """``cfg["kill_server"]`` = [server id, step(, "restart")]: rank 0 (or rank
+    ``cfg["kill_server_by"]``) kills that server of its job (the process whose
+    environment names it) with SIGKILL at the start of that step, before pushing
+    anything of it (and before :func:`leave`); with "restart" it then starts a server
     with the dead one's environment (its output in ``restarted.log``, its pid in
     ``restarted.pid``). ``cfg["kill_server_after"]`` = a generation: first it waits (up
     to 60 s) until the scheduler announced that membership generation to ``engine``
