@@ -4,7 +4,8 @@ start of step 2, the launcher starts it again with the same worker id, and it jo
 a step boundary with the state of node 0. Every node ends bit-identical, the joiner
 starts from node 0's parameters at that step, and all match the numpy replay of the
 membership: step 2 dropped, two nodes until the join, the step the join dropped, then
-three nodes again, node 2's error feedback and momentum starting at zero."""
+three nodes again, node 2's error feedback and momentum starting at zero. The same
+with two local ranks a node: bpslaunch restarts both, and both get the state."""
 
 from __future__ import annotations
 
@@ -25,3 +26,17 @@ def test_a_killed_worker_node_restarts_joins_and_matches_the_replay(tmp_path):
                     options=("--min-workers", "2", "--max-restarts", "1"))
     assert result.returncode == 0, result.stdout[-6000:]
     check_rejoin(tmp_path, PARAMS, WORKERS, LRS, VICTIM, KILLED_AT, WAIT_AT, result.stdout)
+
+
+def test_a_node_of_two_local_ranks_restarts_joins_and_matches_the_replay(tmp_path):
+    """Two local ranks a node: node 2's local rank 0 (rank 4) kills itself at the start
+    of step 2, bpslaunch stops rank 5 and starts both again, and the state reaches both
+    (over the node's setup channel): all 6 ranks end bit-identical and equal the replay,
+    each node's share the float32 sum of its two ranks'."""
+    cfg = {"runs": [{"params": PARAMS}], "lrs": LRS, "stop": len(LRS),
+           "kill": [VICTIM * 2, KILLED_AT], "wait_at": WAIT_AT}
+    result = launch(cfg, tmp_path, workers=WORKERS, servers=2, local_size=2, timeout=240,
+                    options=("--min-workers", "2", "--max-restarts", "1"))
+    assert result.returncode == 0, result.stdout[-6000:]
+    check_rejoin(tmp_path, PARAMS, WORKERS, LRS, VICTIM, KILLED_AT, WAIT_AT, result.stdout,
+                 local_size=2)

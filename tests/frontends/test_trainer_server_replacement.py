@@ -2,8 +2,9 @@
 killed with SIGKILL at the start of a step, its keys move to a spare (or to a server
 started again with its environment); the job finishes, both worker nodes bit-identical
 to each other and to the numpy replay: the step in flight dropped everywhere, the server
-error feedback of the moved keys restarting at zero. Without a replacement the job fails
-naming the dead server."""
+error feedback of the moved keys restarting at zero; the same with a worker node of
+three dead in that step too, the survivors' divisions following. Without a replacement
+the job fails naming the dead server."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from tests.harness.trainer_job import (
     SHAPES,
     SIM_CASES,
     launch,
+    load_reports,
     plain,
     replay,
 )
@@ -36,29 +38,27 @@ AT = 2  # server 1 dies at the start of this step
 MOVED = [1]
 
 
-def run(tmp_path, spares: int, restart: bool = False, env: dict | None = None):
+def run(tmp_path, spares: int, restart: bool = False, env: dict | None = None,
+        workers: int = WORKERS, options: tuple[str, ...] = (), **more):
+    """Server 1 killed at the start of step AT (``more``: more of the job's config)."""
     cfg = {"runs": [{"params": PARAMS}], "lrs": LRS, "stop": len(LRS),
-           "kill_server": [1, AT, "restart"] if restart else [1, AT]}
-    return launch(cfg, tmp_path, workers=WORKERS, servers=2, env=env, timeout=150,
-                  options=("--spare-servers", str(spares)))
+           "kill_server": [1, AT, "restart"] if restart else [1, AT], **more}
+    return launch(cfg, tmp_path, workers=workers, servers=2, env=env, timeout=150,
+                  options=("--spare-servers", str(spares), *options))
 
 
-def expected() -> dict:
-    """Steps before AT as usual; AT dropped everywhere; from AT + 1 on, the moved
+def check_workers(tmp_path, workers: int = WORKERS, survivors: int = WORKERS) -> None:
+    """Nodes ``0 .. survivors - 1`` of ``workers`` end as the replay: steps before AT
+    with every node; AT dropped everywhere; from AT + 1 on the survivors, the moved
     partitions' server chains anew."""
-    members = [list(range(WORKERS))] * AT + [None] + \
-        [list(range(WORKERS))] * (len(LRS) - AT - 1)
-    return replay(PARAMS, WORKERS, LRS, plain(SHAPES), members=members,
+    members = [list(range(workers))] * AT + [None] + \
+        [list(range(survivors))] * (len(LRS) - AT - 1)
+    want = replay(PARAMS, workers, LRS, plain(SHAPES), members=members,
                   fresh_servers={AT + 1: MOVED})
-
-
-def check_workers(tmp_path) -> None:
-    want = expected()
     # the replay tells the reset apart: without it the moved partition would differ
-    kept = replay(PARAMS, WORKERS, LRS, plain(SHAPES),
-                  members=[[0, 1]] * AT + [None] + [[0, 1]] * (len(LRS) - AT - 1))
+    kept = replay(PARAMS, workers, LRS, plain(SHAPES), members=members)
     assert not np.array_equal(kept["big"], want["big"])
-    for rank in range(WORKERS):
+    for rank in range(survivors):
         final = np.load(tmp_path / f"params{rank}.npz")
         for n in SHAPES:
             np.testing.assert_array_equal(final[n], want[n], err_msg=f"rank {rank}: {n}")
@@ -79,6 +79,36 @@ def test_a_spare_takes_the_keys_of_a_killed_server(tmp_path):
                          r"declared there again, \d+ request\(s\) sent again", out), \
             out[-4000:]
     assert "PEER_DEAD" not in out and "ClusterError" not in out, out[-4000:]
+
+
+@pytest.mark.parametrize("spares", [1, 0])
+def test_a_worker_node_and_a_server_that_die_together_cost_one_step(tmp_path, spares):
+    """Three nodes, ``--min-workers 2``, node 2 and server 1 dead at the start of step
+    2. One spare: node 2 kills itself and, once its departure is announced (membership
+    generation 1), rank 0 kills server 1 before pushing anything of step 2; the spare
+    takes the slot at once. No spare: node 2 kills server 1, starts it again (which
+    imports torch: seconds) and kills itself: it leaves before the restart takes the slot.
+    Either way the replacement comes at generation 2, the job exits 0, step 2 is the
+    only one skipped, and nodes 0 and 1 match the replay: node 2 gone from step 2 on,
+    server 1's keys' chains anew."""
+    more = {"kill_server_after": 1} if spares else {"kill_server_by": 2}
+    try:
+        result = run(tmp_path, spares, restart=not spares, env={"BPS_HEARTBEAT_TIMEOUT": "15"},
+                     workers=3, options=("--min-workers", "2"),
+                     leave=[2, AT, "SIGKILL"], **more)
+        out = result.stdout
+        assert result.returncode == 0, out[-6000:]
+        departure = "worker nodes [0, 1] go on (membership generation 1)"
+        assert departure in out, out[-6000:]
+        left = out.index(departure)  # then the replacement
+        assert re.search(r"server 1 is now served from \S+ \(membership generation 2\)",
+                         out[left:]), out[-6000:]
+        for rank, report in enumerate(load_reports(tmp_path, 2)):
+            skipped = [step["skipped"] for step in report[""]["steps"]]
+            assert skipped == [step == AT for step in range(len(LRS))], (rank, skipped)
+        check_workers(tmp_path, workers=3, survivors=2)
+    finally:
+        _stop(tmp_path / "restarted.pid")
 
 
 @pytest.mark.slow  # the engine is the same in the agent: the test above covers it

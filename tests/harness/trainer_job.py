@@ -117,8 +117,8 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
     goal = {name: torch.from_numpy(t).to(device) for name, t in targets(rank, shapes).items()}
     engine = bps.core.runtime.get().engine
     for step in range(start, cfg["stop"]):
+        kill_server(cfg, rank, step, out, engine)
         leave(cfg, rank, step, out, "start")
-        kill_server(cfg, rank, step, out)
         for group in optimizer.param_groups:
             group["lr"] = cfg["lrs"][step]
         trainer.zero_grad()
@@ -154,15 +154,19 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
 def rejoin_train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
     """The ``train`` of a worker node that dies and joins again: ``cfg["kill"]`` = [rank,
     step]: that rank kills itself (SIGKILL) at the start of that step, once (a file
-    marks it: the restarted process goes on); the others wait at the start of step
-    ``cfg["wait_at"]`` until the scheduler announced the join (generation 2). A node
-    that joined saves the parameters it started from (``admitted<rank>.npz``); every
-    node its parameters at the start of each step (``history<rank>.npz``, ``name@step``)
-    and at the end; the report: the step it started at, the steps it skipped."""
+    marks it: the restarted process goes on), and bpslaunch stops its node's other
+    local ranks; the other nodes' local ranks 0 wait at the start of step
+    ``cfg["wait_at"]`` until the scheduler announced the join (generation 2; their
+    other local ranks wait for them in the node's sum). A rank that joined saves the
+    parameters it started from (``admitted<rank>.npz``); every rank its parameters at
+    the start of each step (``history<rank>.npz``, ``name@step``) and at the end; the
+    report: the step it started at, the steps it skipped."""
     import torch
 
     import bps
 
+    rt = bps.core.runtime.get()
+    victim_node = cfg["kill"][0] // rt.local_size
     model = make_model(rank, shapes)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg["lrs"][0], momentum=MOMENTUM)
     trainer = bps.DistributedTrainer(model, optimizer, run["params"], **run.get("mode", {}))
@@ -171,7 +175,7 @@ def rejoin_train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> di
     if start:
         np.savez(out / f"admitted{rank}.npz", **params())
     goal = {n: torch.from_numpy(t) for n, t in targets(rank, shapes).items()}
-    engine = bps.core.runtime.get().engine
+    engine = rt.engine
     if not start and engine is not None:
         # a barrier before training, as loading a checkpoint has: a joiner counts it too,
         # or the barrier of bps.shutdown() would not meet
@@ -182,7 +186,7 @@ def rejoin_train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> di
         if (rank, step) == tuple(cfg["kill"]) and not marker.exists():
             marker.write_text("")
             os.kill(os.getpid(), signal.SIGKILL)
-        if step == cfg["wait_at"] and rank != cfg["kill"][0]:
+        if step == cfg["wait_at"] and rt.node_id != victim_node and engine is not None:
             deadline = time.monotonic() + 90  # the victim starts again: seconds
             while engine.announced_generation < 2:
                 assert time.monotonic() < deadline, "the restarted node never joined"
@@ -237,15 +241,22 @@ def cut_link(seconds: float) -> None:
     subprocess.Popen(["sh", "-c", f"sleep {seconds}; ip -n {switch} link set {port} up"],
                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                      stderr=subprocess.DEVNULL, start_new_session=True)
-def kill_server(cfg: dict, rank: int, step: int, out: Path) -> None:
-    """``cfg["kill_server"]`` = [server id, step(, "restart")]: rank 0 kills that server
-    of its job (the process whose environment names it) with SIGKILL at the start of
-    that step, before pushing anything of it; with "restart" it then starts a server
+def kill_server(cfg: dict, rank: int, step: int, out: Path, engine=None) -> None:
+    """``cfg["kill_server"]`` = [server id, step(, "restart")]: rank 0 (or rank
+    ``cfg["kill_server_by"]``) kills that server of its job (the process whose
+    environment names it) with SIGKILL at the start of that step, before pushing
+    anything of it (and before :func:`leave`); with "restart" it then starts a server
     with the dead one's environment (its output in ``restarted.log``, its pid in
-    ``restarted.pid``)."""
+    ``restarted.pid``). ``cfg["kill_server_after"]`` = a generation: first it waits (up
+    to 60 s) until the scheduler announced that membership generation to ``engine``
+    (a worker node's departure)."""
     spec = cfg.get("kill_server")
-    if spec is None or rank != 0 or spec[1] != step:
+    if spec is None or rank != cfg.get("kill_server_by", 0) or spec[1] != step:
         return
+    after, deadline = cfg.get("kill_server_after", 0), time.monotonic() + 60
+    while after and engine.announced_generation < after:
+        assert time.monotonic() < deadline, f"membership generation {after} never announced"
+        time.sleep(0.01)
     port = os.environ["DMLC_PS_ROOT_PORT"]
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -337,34 +348,40 @@ def launch(cfg: dict, tmp: Path, workers: int = 2, servers: int = 1, local_size:
 
 
 def check_rejoin(tmp: Path, params: dict, workers: int, lrs: list[float], victim: int,
-                 killed_at: int, wait_at: int, out: str) -> None:
+                 killed_at: int, wait_at: int, out: str, local_size: int = 1) -> None:
     """The outcome of a :func:`rejoin_train` job (``out``: its output, for messages): node
-    ``victim`` restarted and joined (generation 2), the others skipped the step of the
-    death and the one the join dropped, the joiner started from node 0's parameters at
-    its first step, and every node ends bit-identical to the numpy replay of that
-    membership, the joiner's error feedback and momentum starting at zero."""
+    ``victim`` (its ``local_size`` ranks) restarted and joined (generation 2), the other
+    nodes' ranks skipped the step of the death and the one the join dropped, each of
+    the joiner's ranks started from rank 0's parameters at its first step, and every
+    rank ends bit-identical to the numpy replay of that membership, the joiner's error
+    feedback and momentum starting at zero."""
     assert re.search(rf"restarting worker node w?{victim} ", out), out[-6000:]  # netem: w2
     assert f"worker {victim} at " in out and \
         f"joined: worker nodes {list(range(workers))} (membership generation 2)" in out, \
         out[-6000:]
-    reports = [json.loads((tmp / f"report{r}.json").read_text())[""] for r in range(workers)]
-    start = reports[victim]["start"]
+    ranks = range(workers * local_size)
+    reports = [json.loads((tmp / f"report{r}.json").read_text())[""] for r in ranks]
+    joiners = [r for r in ranks if r // local_size == victim]
+    start = reports[joiners[0]]["start"]
     dropped = start - 1  # the step the join dropped, on the nodes present
     assert wait_at <= dropped < len(lrs) - 1, reports
-    survivors = [r for r in range(workers) if r != victim]
-    for rank in survivors:
-        assert reports[rank] == {"start": 0, "skipped": [killed_at, dropped]}, reports
-    assert reports[victim]["skipped"] == [], reports
-    admitted = np.load(tmp / f"admitted{victim}.npz")
     history = np.load(tmp / "history0.npz")
-    for n in SHAPES:
-        np.testing.assert_array_equal(admitted[n], history[f"{n}@{start}"], err_msg=n)
+    for rank in ranks:
+        if rank in joiners:
+            assert reports[rank] == {"start": start, "skipped": []}, reports
+            admitted = np.load(tmp / f"admitted{rank}.npz")
+            for n in SHAPES:
+                np.testing.assert_array_equal(admitted[n], history[f"{n}@{start}"],
+                                              err_msg=f"rank {rank}: {n}")
+        else:
+            assert reports[rank] == {"start": 0, "skipped": [killed_at, dropped]}, reports
     everyone = list(range(workers))
+    survivors = [node for node in everyone if node != victim]
     members = [everyone] * killed_at + [None] + [survivors] * (dropped - killed_at - 1) + \
         [None] + [everyone] * (len(lrs) - dropped - 1)
     expected = replay(params, workers, lrs, plain(SHAPES), members=members,
-                      fresh_workers={victim: start})
-    for rank in range(workers):
+                      fresh_workers={victim: start}, local_size=local_size)
+    for rank in ranks:
         final = np.load(tmp / f"params{rank}.npz")
         for n in SHAPES:
             np.testing.assert_array_equal(final[n], expected[n], err_msg=f"rank {rank}: {n}")
@@ -470,7 +487,7 @@ def simulate(params: dict, nodes: int, lrs: list[float], compressed_from: int | 
 def replay(params: dict, nodes: int, lrs: list[float], grads, compressed_from: int | None = 0,
            shapes: dict = SHAPES, members: list[list[int] | None] | None = None,
            fresh_workers: dict[int, int] | None = None,
-           fresh_servers: dict[int, list[int]] | None = None) -> dict:
+           fresh_servers: dict[int, list[int]] | None = None, local_size: int = 1) -> dict:
     """docs/architecture.md's pipeline in numpy (see ``simulate``), with node ``r``'s
     gradient at step ``s`` given by ``grads(s, r, w)`` (a dict of
     float32 arrays): ``big`` is compressed (from step ``compressed_from``; None: never),
@@ -480,7 +497,10 @@ def replay(params: dict, nodes: int, lrs: list[float], grads, compressed_from: i
     all ``nodes`` every step. ``fresh_workers``: node -> the step from which its worker
     chains start anew (a node that joined again: its error feedback and momentum at
     zero). ``fresh_servers``: step -> the partitions of ``big`` whose server chains start
-    anew at that step (their server was replaced: its error feedback is lost)."""
+    anew at that step (their server was replaced: its error feedback is lost).
+    ``local_size``: ranks per node; node ``r``'s share is then the float32 sum, in local
+    rank order, of ``grads(s, rank, w)`` divided by the ranks present, over its ranks
+    ``r * local_size ...``."""
     f32 = np.float32
     w = initial_params(0, shapes)  # rank 0's parameters, broadcast at construction
     numel = int(np.prod(shapes["big"]))
@@ -496,8 +516,8 @@ def replay(params: dict, nodes: int, lrs: list[float], grads, compressed_from: i
             servers[i] = big_chains(params, nodes, MOMENTUM, shapes)[2][i]
         if present is None:
             continue
-        shares = {r: {n: (g / f32(len(present))).astype(f32)
-                      for n, g in grads(step, r, w).items()} for r in present}
+        shares = {r: node_share(grads, step, w, r, local_size, len(present) * local_size)
+                  for r in present}
         out = {}
         for n in shapes:
             if n == "big" and compressed_from is not None and applied >= compressed_from:
@@ -522,6 +542,18 @@ def replay(params: dict, nodes: int, lrs: list[float], grads, compressed_from: i
             w[n] = (w[n] - f32(lr) * out[n]).astype(f32)
         applied += 1
     return w
+
+
+def node_share(grads, step: int, w: dict, node: int, local_size: int, ranks: int) -> dict:
+    """Node ``node``'s share of step ``step``: each of its ranks' gradient divided by the
+    ``ranks`` present, summed in float32 within the node, in local rank order."""
+    f32 = np.float32
+    share: dict = {}
+    for rank in range(node * local_size, (node + 1) * local_size):
+        for n, g in grads(step, rank, w).items():
+            part = (g / f32(ranks)).astype(f32)
+            share[n] = part if n not in share else (share[n] + part).astype(f32)
+    return share
 
 
 def plain(shapes: dict):
