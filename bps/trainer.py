@@ -114,8 +114,7 @@ class DistributedTrainer:
         rt = bps_runtime.get()
         joined = None
         if rt.joining:  # a node started after the job began: the state of one present
-            refusal = join_refusal(rt, "staleness=1" if staleness else
-                                   "streaming averaging (fragments, overlap)" if streaming
+            refusal = join_refusal(rt, "streaming averaging (fragments, overlap)" if streaming
                                    else "compressed Adam (freeze_step)"
                                    if core.params.get("freeze_step") is not None else None)
             if refusal is not None:
@@ -243,7 +242,7 @@ class DistributedTrainer:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "steps": self._steps, "step": pipe.step, "wire_step": pipe.wire_step,
                 "local_momentum": pipe.momentum_state(),  # of raw parts: the same everywhere
-                "scale": self.core.loss_scale.state(), "mode": self.mode.state_dict(),
+                "scale": self.core.loss_scale.state(), "mode": self.mode.join_state(),
                 "first_key": self._first_key, "next_key": rt.next_key()}
 
     def _load_joined(self, state: dict) -> None:
@@ -255,7 +254,7 @@ class DistributedTrainer:
         pipe.step, pipe.wire_step = int(state["step"]), int(state["wire_step"])
         pipe.load_momentum_state(state["local_momentum"])
         self.core.loss_scale.load(state["scale"])
-        self.mode.load_state_dict(state["mode"])
+        self.mode.load_join_state(state["mode"])
         self.core.runtime.skip_keys_to(state["next_key"])
 
     def join(self) -> contextlib.AbstractContextManager:

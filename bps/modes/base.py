@@ -48,6 +48,16 @@ class StepMode:
     def load_state_dict(self, state: dict | None) -> None:
         """Restore :meth:`state_dict`'s."""
 
+    def join_state(self) -> dict | None:
+        """What a worker node joining the job loads (:mod:`bps.core.rejoin`), sent at the
+        step boundary after the step the join dropped: :meth:`state_dict` unless the
+        mode has something in flight that must wait for the joiner."""
+        return self.state_dict()
+
+    def load_join_state(self, state: dict | None) -> None:
+        """On the joiner, before its first step: load :meth:`join_state`'s."""
+        self.load_state_dict(state)
+
     def before_checkpoint(self) -> None:
         """Settle what is in flight before the trainer reads the chains' state."""
 

@@ -157,6 +157,30 @@ class DelayedUpdate(StepMode):
         return {"aggregate": {n: t.clone() for n, t in zip(names, self.tensors, strict=True)}
                 if self.ready else None}
 
+    def join_state(self) -> dict:
+        """For a node joining now: nothing is settled. The round in flight is the one
+        after the round the join dropped; it was divided by the new membership and waits
+        for the joiner's push, so settling it here would wait for the joiner."""
+        return {"in_flight": self.in_flight, "lrs": list(self.lrs),
+                "round_step": self.round_step}
+
+    def load_join_state(self, state: dict | None) -> None:
+        """The joiner takes part in the round in flight with zero markers (it computed
+        no gradient for it): its first ``step()`` settles that round's aggregate and
+        applies it, as every other node does."""
+        if state is None or "in_flight" not in state:
+            raise ValueError("the joining state has no delayed-update state")
+        self.lrs[:] = state["lrs"]
+        self.round_step = int(state["round_step"])
+        if not state["in_flight"]:
+            return
+        pipe = self.core.pipeline
+        for index, slot in enumerate(pipe.slots):
+            p = slot.param
+            self.tensors[index] = torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
+            pipe.push(index, None, self.tensors[index], joined=True)
+        self.in_flight = True
+
     def load_state_dict(self, state: dict | None) -> None:
         if state is None:
             raise ValueError("state_dict has no delayed-update state (saved by a trainer "

@@ -15,11 +15,12 @@ def runtime(joining: bool, node_agent: bool = False) -> SimpleNamespace:
 
 
 def test_only_a_joiner_with_a_mode_that_cannot_take_it_refuses() -> None:
-    assert join_refusal(runtime(False), "staleness=1") is None
+    streaming = "streaming averaging (fragments, overlap)"
+    assert join_refusal(runtime(False), streaming) is None
     assert join_refusal(runtime(True), None) is None
-    assert join_refusal(runtime(True), "staleness=1") == (
+    assert join_refusal(runtime(True), streaming) == (
         "worker node 2 started after the job began, but a node can join a running job only "
-        "with synchronous steps or local SGD, not with staleness=1")
+        f"with synchronous steps, staleness=1 or local SGD, not with {streaming}")
     assert join_refusal(runtime(True, node_agent=True), None) == (
         "worker node 2 started after the job began, but a node cannot join a running job "
         "with BPS_NODE_AGENT=1")

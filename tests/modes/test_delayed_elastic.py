@@ -5,6 +5,8 @@ the survivors end bit-identical to each other and to a numpy simulation."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 
 from tests.harness.trainer_job import (
@@ -24,32 +26,38 @@ LRS = [0.5, 0.25, 0.25, 0.5, 0.125, 0.25, 0.125]
 WORKERS, VICTIM, AT = 3, 1, 3
 
 
-def simulate_stale(members: list[list[int] | None]) -> dict:
+def simulate_stale(members: list[list[int] | None], lrs: list[float] = LRS,
+                   joined: tuple[int, int] | None = None) -> dict:
     """Step t pushes round t (the gradients at w_t, divided by the nodes present, or
     nothing where ``members[t]`` is None: dropped) and applies round t-1's aggregate
-    with step t's lr (plain SGD: the momentum runs in the chains)."""
+    with step t's lr (plain SGD: the momentum runs in the chains). ``joined`` = (node,
+    round): that node joined for that round: counted among the nodes present, it
+    pushes zeros (no chain runs), and its chains start anew from the round after."""
     f32 = np.float32
     w = initial_params(0, SHAPES)
     numel = int(np.prod(SHAPES["big"]))
     parts, workers, servers = big_chains(PARAMS, WORKERS, MOMENTUM)
     momentum = {n: np.zeros(s, f32) for n, s in SHAPES.items() if n != "big"}
     pending = None
-    for t, lr in enumerate(LRS):
+    for t, lr in enumerate(lrs):
         present, aggregate = members[t], None
+        if joined is not None and t == joined[1] + 1:  # the joiner's own chains: zero
+            workers[joined[0]] = big_chains(PARAMS, WORKERS, MOMENTUM)[1][joined[0]]
         if present is not None:
+            pushing = [r for r in present if joined is None or (r, t) != joined]
             shares = {r: {n: ((w[n] - targets(r, SHAPES)[n]).astype(f32)
                               / f32(len(present))).astype(f32) for n in SHAPES}
-                      for r in present}
+                      for r in pushing}
             aggregate = {}
             for n in momentum:
                 summed = np.zeros(SHAPES[n], f32)
-                for r in present:
+                for r in pushing:
                     summed = (summed + shares[r][n]).astype(f32)
                 aggregate[n], momentum[n] = nesterov(f32(MOMENTUM), summed, momentum[n])
             big = np.zeros(numel, f32)
             for i, (offset, n) in enumerate(parts):
                 summed = np.zeros(n, f32)
-                for r in present:
+                for r in pushing:
                     workers[r][i].set_lr(lr)
                     share = shares[r]["big"].reshape(-1)[offset:offset + n]
                     summed = (summed + workers[r][i].decode(
@@ -85,3 +93,36 @@ def test_a_killed_worker_node_drops_the_round_in_flight(tmp_path):
                if all(np.array_equal(finals[0][n], expected[n]) for n in SHAPES)]
     assert len(matches) == 1, matches
     assert "membership generation 1" in result.stdout
+
+
+def test_a_restarted_worker_node_joins_in_the_round_in_flight(tmp_path):
+    """``--max-restarts 1``: node 2 of 3 kills itself (SIGKILL) at the start of step 2,
+    starts again and joins; the others wait at step 5 for the join. The join drops the
+    round in flight; the next round, pushed after the others learned the membership,
+    is divided by three and waits for the joiner, which takes part in it with zeros
+    (it computed no gradient for it) and applies its aggregate with everyone. Every node
+    ends bit-identical to the simulation of that membership."""
+    lrs = LRS + [0.5, 0.25, 0.5]
+    cfg = {"runs": [{"params": PARAMS, "mode": {"staleness": 1}}], "lrs": lrs,
+           "stop": len(lrs), "kill": [2, 2], "wait_at": 5}
+    result = launch(cfg, tmp_path, workers=WORKERS, servers=2, timeout=240,
+                    options=("--min-workers", "2", "--max-restarts", "1"))
+    assert result.returncode == 0, result.stdout[-6000:]
+    assert "joined: worker nodes [0, 1, 2] (membership generation 2)" in result.stdout
+    reports = [json.loads((tmp_path / f"report{r}.json").read_text())[""] for r in range(3)]
+    start = reports[2]["start"]  # after the step whose settled round the join dropped
+    left, dropped = reports[0]["skipped"]  # a step's figures are the round before's
+    assert reports[1]["skipped"] == [left, dropped] and left in (2, 3), reports
+    assert dropped == start - 1 and 5 <= dropped < len(lrs) - 1, reports
+    assert reports[2]["skipped"] == [], reports
+    everyone, survivors = list(range(WORKERS)), [0, 1]
+    members = [everyone] * (left - 1) + [None] + [survivors] * (dropped - left - 1) + \
+        [None] + [everyone] * (len(lrs) - dropped)
+    expected = simulate_stale(members, lrs, joined=(2, dropped))
+    admitted, history = np.load(tmp_path / "admitted2.npz"), np.load(tmp_path / "history0.npz")
+    for rank in everyone:
+        final = np.load(tmp_path / f"params{rank}.npz")
+        for n in SHAPES:
+            np.testing.assert_array_equal(final[n], expected[n], err_msg=f"rank {rank}: {n}")
+            if rank == 2:
+                np.testing.assert_array_equal(admitted[n], history[f"{n}@{start}"])
