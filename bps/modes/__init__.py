@@ -25,24 +25,28 @@ def choose(core: FrontEndCore, runtime, tensors: list[GradTensor], *, staleness:
     ``tensors``, built here. Where worker nodes may leave (``BPS_MIN_WORKERS``) or servers
     be replaced (``BPS_SPARE_SERVERS``; both drop the step in flight), only
     synchronous steps, ``staleness=1`` and local SGD of a model without floating-point
-    buffers (streaming too, where worker nodes may leave) are accepted: another mode
-    raises ValueError naming it."""
-    if runtime.env.elastic or runtime.env.replaces_servers:
+    buffers are accepted (where only worker nodes may leave, streaming syncs of such a
+    model and compressed Adam too): another mode raises ValueError naming it."""
+    env = runtime.env
+    if env.elastic or env.replaces_servers:
         buffers = core.model is not None and any(
             b.dtype.is_floating_point for _, b in core.model.named_buffers())
         syncs = "local SGD (sync_every > 1)" if fragments is None else \
             "streaming averaging (sync_every with fragments or overlap)"
-        refused = (f"{syncs} of a model with floating-point buffers (they are averaged "
-                   "after each outer round)" if outer is not None and buffers else
-                   syncs if fragments is not None and runtime.env.replaces_servers else
-                   "compressed Adam (freeze_step)" if core.params.get("freeze_step") is not None
-                   else None)
+        refused, by_spares = None, not env.elastic
+        if outer is not None and buffers:
+            refused = (f"{syncs} of a model with floating-point buffers (they are "
+                       "averaged after each outer round)")
+        elif env.replaces_servers and (fragments is not None
+                                       or core.params.get("freeze_step") is not None):
+            refused = syncs if fragments is not None else "compressed Adam (freeze_step)"
+            by_spares = True
+        if refused is not None and not by_spares:
+            raise ValueError(f"BPS_MIN_WORKERS={env.min_workers} (bpslaunch --min-workers): "
+                             f"worker nodes may leave a job of synchronous steps only, not "
+                             f"one of {refused}")
         if refused is not None:
-            if runtime.env.elastic and not refused.startswith("streaming"):
-                raise ValueError(f"BPS_MIN_WORKERS={runtime.env.min_workers} (bpslaunch "
-                                 f"--min-workers): worker nodes may leave a job of "
-                                 f"synchronous steps only, not one of {refused}")
-            raise ValueError(f"BPS_SPARE_SERVERS={runtime.env.spare_servers} (bpslaunch "
+            raise ValueError(f"BPS_SPARE_SERVERS={env.spare_servers} (bpslaunch "
                              f"--spare-servers): servers may be replaced in a job of "
                              f"synchronous steps only, not one of {refused}")
     if fragments is not None:

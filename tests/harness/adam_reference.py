@@ -39,9 +39,13 @@ def descend(x, m, v, t: int, t2: int, lr: float, b1: float, b2: float, eps: floa
 
 
 def simulate(params: dict, nodes: int, lrs: list[float], shapes: dict, *, betas=(0.9, 0.999),
-             eps: float = 1e-8, wd: float = 0.0, decoupled: bool = True) -> dict:
+             eps: float = 1e-8, wd: float = 0.0, decoupled: bool = True,
+             members: list[list[int] | None] | None = None) -> dict:
     """The parameters after ``len(lrs)`` steps of compressed Adam with ``params``
-    (``freeze_step``, ``compressor``, ``ef``) from rank 0's initial parameters."""
+    (``freeze_step``, ``compressor``, ``ef``) from rank 0's initial parameters.
+    ``members[step]``: the nodes whose gradients make that step (divided by their
+    number), or None where it is dropped everywhere (nothing changes; Adam's step count
+    and the freeze count applied steps)."""
     from tests.harness.reference_compressors import RefChain
 
     b1, b2 = betas
@@ -57,11 +61,16 @@ def simulate(params: dict, nodes: int, lrs: list[float], shapes: dict, *, betas=
     workers = [[RefChain(*reference_codec(params, n), n, "float32", ef, None) for _, n in parts]
                for _ in range(nodes)]
     servers = [RefChain(*reference_codec(params, n), n, "float32", ef, None) for _, n in parts]
+    applied = 0
     for step, lr in enumerate(lrs):
-        t = step + 1
-        frozen = step >= freeze
-        shares = []
-        for r in range(nodes):
+        present = list(range(nodes)) if members is None else members[step]
+        if present is None:
+            continue
+        t = applied + 1
+        frozen = applied >= freeze
+        applied += 1
+        shares = {}
+        for r in present:
             share = {}
             for n in shapes:
                 g = toy_grad(w[n], goals[r][n], live[n])
@@ -69,15 +78,15 @@ def simulate(params: dict, nodes: int, lrs: list[float], shapes: dict, *, betas=
                     if wd and not decoupled:
                         g = (g + (w[n] * f32(wd)).astype(f32)).astype(f32)
                     g = ((g * f32(1 - b1)).astype(f32) + (m[n] * f32(b1)).astype(f32))
-                share[n] = (g.astype(f32) / f32(nodes)).astype(f32)
-            shares.append(share)
+                share[n] = (g.astype(f32) / f32(len(present))).astype(f32)
+            shares[r] = share
         avg = {}
         for n in shapes:
             if n == "big" and frozen:
                 big = np.zeros(numel, f32)
                 for i, (offset, length) in enumerate(parts):
                     summed = np.zeros(length, f32)
-                    for r in range(nodes):
+                    for r in present:
                         workers[r][i].set_lr(1.0)
                         piece = shares[r]["big"].reshape(-1)[offset:offset + length]
                         decoded = workers[r][i].decode(workers[r][i].compress(piece))
@@ -87,7 +96,7 @@ def simulate(params: dict, nodes: int, lrs: list[float], shapes: dict, *, betas=
                 avg[n] = big.reshape(shapes[n])
             else:
                 summed = np.zeros(shapes[n], f32)
-                for r in range(nodes):
+                for r in present:
                     summed = (summed + shares[r][n]).astype(f32)
                 avg[n] = summed
         for n in shapes:
