@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from tests.harness.paths import ROOT
-from tests.harness.ps_job import BPSLAUNCH
+from tests.harness.ps_job import BPSLAUNCH, default_sigint
 from tests.harness.trainer_job import (
     COMM_LRS,
     COMM_SHAPES,
@@ -294,8 +294,11 @@ def start_holding(tmp: Path, local_size: int = 1) -> subprocess.Popen:
     cmd = [*BPSLAUNCH, "local", "--workers", workers, "--servers", "1", "--local-size",
            str(local_size), "--", sys.executable, "-m", __name__, json.dumps(cfg)]
     env = {**os.environ, **AGENT, "BPS_TIMEOUT": "20", "BYTEPS_PARTITION_BYTES": "400"}
+    # SIGINT at its default: a suite started in the background (``make test &``, nohup)
+    # ignores it, and the processes of the job would keep ignoring it
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            preexec_fn=default_sigint)
 
 
 def wait_for_pids(job: subprocess.Popen, tmp: Path, timeout: float = 120,
