@@ -409,6 +409,14 @@ def sgd_momentum(w: np.ndarray, g: np.ndarray, buf: np.ndarray | None, lr: float
     return (w - f32(lr) * buf).astype(f32), buf
 
 
+def local_step(w: dict, bufs: dict, rank: int, lr: float, shapes: dict = SHAPES) -> None:
+    """One local step of node ``rank`` in numpy, in place: SGD with momentum
+    (:func:`sgd_momentum`) on the gradient ``w - t_rank`` of every tensor."""
+    goal = targets(rank, shapes)
+    for n in shapes:
+        w[n], bufs[n] = sgd_momentum(w[n], (w[n] - goal[n]).astype(np.float32), bufs[n], lr)
+
+
 def outer_average(anchor: dict, ws: dict, present: list[int], parts, workers, servers,
                   shapes: dict = SHAPES) -> None:
     """One outer round of local SGD (outer "average") in numpy: each present node's delta

@@ -26,6 +26,7 @@ from tests.harness.trainer_job import (
     SIM_CASES,
     initial_params,
     leave,
+    local_step,
     make_model,
     nesterov,
     reference_codec,
@@ -193,10 +194,7 @@ def simulate_periodic(params: dict, every: int, outer: dict | None, shapes: dict
     pipe = RefPipeline(params, NODES, shapes)
     for step, lr in enumerate(LRS):
         for r in range(NODES):
-            goal = targets(r, shapes)
-            for n in shapes:
-                ws[r][n], bufs[r][n] = sgd_momentum(ws[r][n], (ws[r][n] - goal[n]).astype(f32),
-                                                    bufs[r][n], lr)
+            local_step(ws[r], bufs[r], r, lr, shapes)
             running[r] = (running[r] * f32(0.5) + buffer_update(r, step)).astype(f32)
         if (step + 1) % every:
             continue

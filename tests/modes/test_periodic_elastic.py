@@ -14,9 +14,8 @@ from tests.harness.trainer_job import (
     big_chains,
     initial_params,
     launch,
+    local_step,
     outer_average,
-    sgd_momentum,
-    targets,
 )
 
 PARAMS = {**SIM_CASES["topk"], "ef": "vanilla", "fp16": False, "min_compress_bytes": 1000}
@@ -30,7 +29,6 @@ def simulate(dropped_round: int) -> dict:
     error feedback (the chains' lr: the outer lr, 1) and the servers' sum in node order,
     and the anchor moves by the mean (outer "average"); round ``dropped_round`` is
     dropped: every survivor restarts from the anchor."""
-    f32 = np.float32
     anchor = initial_params(0, SHAPES)
     survivors = [r for r in range(WORKERS) if r != VICTIM]
     ws = {r: dict(anchor) for r in range(WORKERS)}
@@ -39,10 +37,7 @@ def simulate(dropped_round: int) -> dict:
     rounds = 0
     for step, lr in enumerate(LRS):
         for r in ws:
-            goal = targets(r, SHAPES)
-            for n in SHAPES:
-                ws[r][n], bufs[r][n] = sgd_momentum(ws[r][n], (ws[r][n] - goal[n]).astype(f32),
-                                                    bufs[r][n], lr)
+            local_step(ws[r], bufs[r], r, lr)
         if (step + 1) % EVERY:
             continue
         present = list(range(WORKERS)) if rounds < dropped_round else survivors

@@ -18,10 +18,9 @@ from tests.harness.trainer_job import (
     big_chains,
     initial_params,
     launch,
+    local_step,
     outer_average,
     rejoin_train,
-    sgd_momentum,
-    targets,
     worker_main,
 )
 
@@ -39,7 +38,6 @@ def simulate(joined_round: int) -> dict:
     died), the rounds up to ``joined_round`` average nodes 0 and 1, ``joined_round`` is
     dropped (node 2 joins: it starts from the anchor with node 0's momentum buffers and
     fresh chains), the later ones average all three."""
-    f32 = np.float32
     anchor = initial_params(0, SHAPES)
     ws = {r: dict(anchor) for r in range(WORKERS)}
     bufs = {r: {n: None for n in SHAPES} for r in range(WORKERS)}
@@ -47,10 +45,7 @@ def simulate(joined_round: int) -> dict:
     present = list(range(WORKERS))
     for step, lr in enumerate(LRS):
         for r in present:
-            goal = targets(r, SHAPES)
-            for n in SHAPES:
-                ws[r][n], bufs[r][n] = sgd_momentum(ws[r][n], (ws[r][n] - goal[n]).astype(f32),
-                                                    bufs[r][n], lr)
+            local_step(ws[r], bufs[r], r, lr)
         if (step + 1) % EVERY:
             continue
         round_ = step // EVERY
