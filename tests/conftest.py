@@ -57,6 +57,24 @@ def cluster_key() -> str:
 
 
 @pytest.fixture
+def membership_job(cluster_key: str):
+    """``membership_job(min_workers)``: a :class:`tests.harness.scheduler_job.Job` (a
+    scheduler in a thread with ``BPS_MIN_WORKERS=min_workers``, three workers and a
+    server as bare clients, welcomed); each is closed at the test's end."""
+    from tests.harness.scheduler_job import Job, scheduler_env
+
+    made: list[Job] = []
+
+    def make(min_workers: int) -> Job:
+        made.append(Job(scheduler_env(cluster_key, min_workers)))
+        return made[-1]
+
+    yield make
+    for each in made:
+        each.close()
+
+
+@pytest.fixture
 def cluster(tmp_path):
     """``cluster(workers, servers, timeout=30.0, heartbeat_timeout=4.0)``: a
     :class:`tests.harness.roles.Cluster` of roles to start one by one in ``tmp_path``; every

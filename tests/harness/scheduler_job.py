@@ -4,6 +4,7 @@ key): the scheduler tests of elastic membership and of nodes joining use it."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 
 import zmq
 
@@ -24,8 +25,9 @@ def scheduler_env(cluster_key: str, min_workers: int) -> ClusterEnv:
                                     "BPS_MIN_WORKERS": str(min_workers)})
 
 
-class Job:
-    """A scheduler in a thread, three workers and a server as bare clients, welcomed."""
+class SchedulerThread:
+    """A scheduler of ``env`` running in a thread (its exit code in ``codes`` once it
+    ends), and a ZeroMQ context for the test's bare clients."""
 
     def __init__(self, env: ClusterEnv) -> None:
         self.scheduler = Scheduler(env)
@@ -34,6 +36,21 @@ class Job:
                                        daemon=True)
         self.thread.start()
         self.ctx = zmq.Context()
+
+    def close_with(self, clients: Iterable[SchedulerClient]) -> None:
+        """Close ``clients`` (their handshake monitors too), wait for the scheduler's
+        thread, end the context."""
+        for client in clients:
+            client.close(linger=0)
+        self.thread.join(timeout=10)
+        self.ctx.term()
+
+
+class Job(SchedulerThread):
+    """A scheduler in a thread, three workers and a server as bare clients, welcomed."""
+
+    def __init__(self, env: ClusterEnv) -> None:
+        super().__init__(env)
         key = load_key(env)
         self.workers = [SchedulerClient(self.ctx, env, "worker", key=key) for _ in range(3)]
         self.server = SchedulerClient(self.ctx, env, "server", "tcp://127.0.0.1:1", key=key)
@@ -51,7 +68,4 @@ class Job:
         return decode(client.sock.recv())
 
     def close(self) -> None:
-        for client in (*self.workers, self.server):
-            client.close(linger=0)  # its handshake monitor too, closed or not
-        self.thread.join(timeout=10)
-        self.ctx.term()
+        self.close_with((*self.workers, self.server))

@@ -6,23 +6,11 @@ FINALIZE count only the workers present; below the minimum the job fails as befo
 
 from __future__ import annotations
 
-import pytest
-
 from bps.common.protocol import Op
-from tests.harness.scheduler_job import Job, scheduler_env
 
 
-@pytest.fixture
-def job(cluster_key: str):
-    made: list[Job] = []
-    yield lambda min_workers: made.append(Job(scheduler_env(cluster_key, min_workers))) \
-        or made[-1]
-    for each in made:
-        each.close()
-
-
-def test_closed_connection_and_failure_each_make_a_new_generation(job) -> None:
-    j = job(1)
+def test_closed_connection_and_failure_each_make_a_new_generation(membership_job) -> None:
+    j = membership_job(1)
     w0, w1, w2 = j.workers
     w0.send(Op.BARRIER, seq=0, step=5)  # waits for w1 and w2
     w2.sock.close(linger=0)  # a process killed: its connection closes
@@ -50,8 +38,8 @@ def test_closed_connection_and_failure_each_make_a_new_generation(job) -> None:
     assert j.codes == [0]
 
 
-def test_below_min_workers_everyone_is_told_who_died(job) -> None:
-    j = job(3)
+def test_below_min_workers_everyone_is_told_who_died(membership_job) -> None:
+    j = membership_job(3)
     j.workers[1].sock.close(linger=0)
     for client in (j.workers[0], j.workers[2], j.server):
         msg = j.next(client)

@@ -7,21 +7,10 @@ stays refused, and so does a HELLO for a node present or a holder of another key
 
 from __future__ import annotations
 
-import pytest
-
 from bps.common.auth import load_key, write_key_file
 from bps.common.protocol import STATE_CHUNK, Op
 from bps.common.scheduler_client import SchedulerClient
-from tests.harness.scheduler_job import Job, scheduler_env
-
-
-@pytest.fixture
-def job(cluster_key: str):
-    made: list[Job] = []
-    yield lambda min_workers: made.append(Job(scheduler_env(cluster_key, min_workers))) \
-        or made[-1]
-    for each in made:
-        each.close()
+from tests.harness.scheduler_job import Job
 
 
 def hello(j: Job, node: int, key=None) -> SchedulerClient:
@@ -34,8 +23,8 @@ def hello(j: Job, node: int, key=None) -> SchedulerClient:
     return client
 
 
-def test_a_restarted_node_joins_and_gets_the_state_of_the_lowest_member(job) -> None:
-    j = job(2)
+def test_a_restarted_node_joins_and_gets_the_state_of_the_lowest_member(membership_job) -> None:
+    j = membership_job(2)
     w0, w1, w2 = j.workers
     w2.sock.close(linger=0)  # killed
     for client in (w0, w1, j.server):
@@ -82,11 +71,11 @@ def test_a_restarted_node_joins_and_gets_the_state_of_the_lowest_member(job) -> 
     assert j.codes == [0]
 
 
-def test_a_node_that_left_stays_refused_and_a_present_id_cannot_join(job) -> None:
+def test_a_node_that_left_stays_refused_and_a_present_id_cannot_join(membership_job) -> None:
     """The connection of a node that left (a stopped process that resumes) is refused,
     its HELLO too, naming the generation; a HELLO for a node present is refused; a
     joiner that goes away before JOIN changes nothing."""
-    j = job(2)
+    j = membership_job(2)
     w0, w1, w2 = j.workers
     w2.send(Op.FAILED, msg="stopped")
     assert j.next(w2)["op"] == Op.BYE
@@ -113,8 +102,8 @@ def test_a_node_that_left_stays_refused_and_a_present_id_cannot_join(job) -> Non
     assert not any(c.sock.poll(200) for c in (w0, w1, j.server))
 
 
-def test_a_holder_of_another_key_gets_nothing(job, tmp_path) -> None:
-    j = job(2)
+def test_a_holder_of_another_key_gets_nothing(membership_job, tmp_path) -> None:
+    j = membership_job(2)
     j.workers[2].sock.close(linger=0)
     for client in (j.workers[0], j.workers[1], j.server):
         assert j.next(client)["generation"] == 1

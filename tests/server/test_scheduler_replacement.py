@@ -7,19 +7,17 @@ client without the cluster key takes no slot."""
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
-import zmq
 
 from bps.common.auth import load_key, write_key_file
 from bps.common.env import ClusterEnv
 from bps.common.protocol import Op, decode
 from bps.common.scheduler_client import SchedulerClient
 from bps.launch.role import free_port
-from bps.server.scheduler import Scheduler
 from tests.harness.env_vars import BASE
+from tests.harness.scheduler_job import SchedulerThread
 
 
 def scheduler_env(cluster_key: str, spares: int, **extra: str) -> ClusterEnv:
@@ -32,18 +30,13 @@ def scheduler_env(cluster_key: str, spares: int, **extra: str) -> ClusterEnv:
                                     "BPS_HEARTBEAT_TIMEOUT": "3", **extra})
 
 
-class Job:
+class Job(SchedulerThread):
     """A scheduler in a thread; two workers, two servers (ranks 0 and 1) and ``spares``
     spare servers (ids 2, ...) as bare clients; everyone but the spares welcomed."""
 
     def __init__(self, env: ClusterEnv, spares: int) -> None:
+        super().__init__(env)
         self.env = env
-        self.scheduler = Scheduler(env)
-        self.codes: list[int] = []
-        self.thread = threading.Thread(target=lambda: self.codes.append(self.scheduler.run()),
-                                       daemon=True)
-        self.thread.start()
-        self.ctx = zmq.Context()
         self.key = load_key(env)
         self.clients: list[SchedulerClient] = []
         self.workers = [self.client("worker") for _ in range(2)]
@@ -98,10 +91,7 @@ class Job:
         client.sock.close(linger=0)  # a process killed: its connection closes
 
     def close(self) -> None:
-        for client in self.clients:
-            client.close(linger=0)
-        self.thread.join(timeout=10)
-        self.ctx.term()
+        self.close_with(self.clients)
 
 
 @pytest.fixture
