@@ -325,6 +325,8 @@ class IOLoop:
         fields_ = {"key": info.key, "step": step, "node": self.node_id,
                    "dtype": dtype_name(info.dtype), "numel": info.numel, "nbytes": body.nbytes,
                    "lr": float(lr), **(extra or {})}
+        if info.generation:  # the membership this push was divided for
+            fields_["gen"] = info.generation
         request = Request(order, -1, Op.PUSH, info.server, fields_, body, future,
                           f"push_pull of {info_label(info)} step {step}", info,
                           queued_ns=time.monotonic_ns())
@@ -332,8 +334,6 @@ class IOLoop:
             if self.error is not None:
                 settle(info, future, error=self.error)
                 return
-            if info.generation:  # the membership this push was divided for
-                fields_["gen"] = info.generation
             self._queues.put(info.server, request)
         self._wake()
 
