@@ -124,6 +124,7 @@ def test_a_stopped_worker_node_leaves_and_is_refused_when_it_resumes(tmp_path):
     out = result.stdout
     assert "worker 2 at 127.0.0.1 died: no heartbeat" in out, out[-4000:]
     assert "left the job at membership generation 1" in out, out[-4000:]
+    assert "still running after the job ended" not in out, out[-4000:]
 
 
 def test_below_min_workers_the_job_fails_naming_the_dead_node(tmp_path):

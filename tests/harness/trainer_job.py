@@ -279,15 +279,32 @@ def kill_server(cfg: dict, rank: int, step: int, out: Path, engine=None) -> None
         (out / "restarted.pid").write_text(str(server.pid))
 
 
-def resume_stopped(out: Path) -> None:
+def resume_stopped(out: Path, timeout: float = 60) -> None:
     """A survivor that has finished training lets a stopped worker go on (SIGCONT): it
-    left the job meanwhile, so what it sends next is refused."""
-    pid = out / "stopped.pid"
-    if pid.exists():
-        try:
-            os.kill(int(pid.read_text()), signal.SIGCONT)
-        except ProcessLookupError:
-            pass
+    left the job meanwhile, so what it sends next is refused. The survivor then waits
+    (up to ``timeout`` s) until that worker has ended, so that the servers it is
+    refused by are still there."""
+    path = out / "stopped.pid"
+    if not path.exists():
+        return
+    pid = int(path.read_text())
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + timeout
+    while process_alive(pid):
+        assert time.monotonic() < deadline, f"the resumed worker (pid {pid}) did not end"
+        time.sleep(0.01)
+
+
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie, ended but not yet reaped, does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def worker_main(cfg: dict, train: Callable[..., dict] = train) -> int:
