@@ -41,8 +41,8 @@ def join_refusal(rt, mode: str | None) -> str | None:
         return None
     if mode is not None:
         return (f"worker node {rt.node_id} started after the job began, but a node can "
-                f"join a running job only with synchronous steps, staleness=1 or local "
-                f"SGD, not with {mode}")
+                f"join a running job only with synchronous steps, staleness=1, local "
+                f"SGD or compressed Adam, not with {mode}")
     if rt.env.node_agent:
         return (f"worker node {rt.node_id} started after the job began, but a node cannot "
                 "join a running job with BPS_NODE_AGENT=1")

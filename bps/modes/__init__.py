@@ -37,10 +37,8 @@ def choose(core: FrontEndCore, runtime, tensors: list[GradTensor], *, staleness:
         if outer is not None and buffers:
             refused = (f"{syncs} of a model with floating-point buffers (they are "
                        "averaged after each outer round)")
-        elif env.replaces_servers and (fragments is not None
-                                       or core.params.get("freeze_step") is not None):
-            refused = syncs if fragments is not None else "compressed Adam (freeze_step)"
-            by_spares = True
+        elif env.replaces_servers and fragments is not None:
+            refused, by_spares = syncs, True
         if refused is not None and not by_spares:
             raise ValueError(f"BPS_MIN_WORKERS={env.min_workers} (bpslaunch --min-workers): "
                              f"worker nodes may leave a job of synchronous steps only, not "

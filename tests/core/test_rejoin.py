@@ -20,7 +20,8 @@ def test_only_a_joiner_with_a_mode_that_cannot_take_it_refuses() -> None:
     assert join_refusal(runtime(True), None) is None
     assert join_refusal(runtime(True), streaming) == (
         "worker node 2 started after the job began, but a node can join a running job only "
-        f"with synchronous steps, staleness=1 or local SGD, not with {streaming}")
+        f"with synchronous steps, staleness=1, local SGD or compressed Adam, not with "
+        f"{streaming}")
     assert join_refusal(runtime(True, node_agent=True), None) == (
         "worker node 2 started after the job began, but a node cannot join a running job "
         "with BPS_NODE_AGENT=1")
