@@ -25,6 +25,7 @@ from tests.harness.trainer_job import (
     SHAPES,
     SIM_CASES,
     initial_params,
+    kill_server,
     leave,
     local_step,
     make_model,
@@ -80,6 +81,7 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
         except NotImplementedError as exc:
             report["refused"].append(str(exc))
     for step in range(start, run.get("stop", len(lrs))):
+        kill_server(cfg, rank, step, out)
         leave(cfg, rank, step, out)
         for group in optimizer.param_groups:
             group["lr"] = lrs[step]
@@ -141,6 +143,16 @@ class RefPipeline:
             self.servers[name] = [RefChain(*reference_codec(params, n), n, "float32", True,
                                            None) for _, n in parts]
         self.local_momentum = {n: np.zeros(s, np.float32) for n, s in shapes.items()}
+        self.params = params
+
+    def renew_server(self, name: str, index: int) -> None:
+        """Partition ``index`` of ``name``'s server chain starts anew (its server was
+        replaced: its error feedback is lost)."""
+        from tests.harness.reference_compressors import RefChain
+
+        n = self.parts[name][index][1]
+        self.servers[name][index] = RefChain(*reference_codec(self.params, n), n, "float32",
+                                             True, None)
 
     def aggregate(self, shares: list[dict], lr: float, present: list[int] | None = None
                   ) -> dict:
@@ -246,7 +258,9 @@ def outer_step(anchor: np.ndarray, avg: np.ndarray, momentum: np.ndarray | None,
 def simulate_streaming(params: dict, every: int, fragments: int, overlap: int,
                        outer: dict | None, nan_at: int | None = None, shapes: dict = SHAPES,
                        nodes: int = NODES, lrs: list[float] = LRS, buffers: bool = True,
-                       death: tuple[int, int] | None = None) -> list[dict]:
+                       death: tuple[int, int] | None = None,
+                       server_death: tuple[int, list[tuple[int, str, int]]] | None = None
+                       ) -> list[dict]:
     """Local SGD with momentum on each node; after local step s with s % (every /
     fragments) == 0 the next fragment's deltas go through that fragment's own pipeline
     and its outer update lands after step s + overlap, each node keeping its local
@@ -257,7 +271,10 @@ def simulate_streaming(params: dict, every: int, fragments: int, overlap: int,
     fragment back to its anchor on every node, the buffers as they are. ``death``:
     (node, step): that node is gone from the start of that step (no round in flight
     then); the first round pushed after it is dropped as a skipped one, the later ones
-    average the nodes present."""
+    average the nodes present. ``server_death``: (step, moved): a server is replaced at
+    the start of that step (no round in flight then): the first round pushed after it is
+    dropped, and the server chains ``moved`` ((fragment, piece, partition) each) start
+    anew."""
     f32 = np.float32
     outer = outer or {"optimizer": "average"}
     defaults = {"average": (1.0, 0.0), "sgd": (1.0, 0.0), "nesterov": (0.7, 0.9)}
@@ -320,6 +337,11 @@ def simulate_streaming(params: dict, every: int, fragments: int, overlap: int,
         if death is not None and step == death[1]:
             assert not rounds, "a death with a round in flight: not simulated"
             present.remove(death[0])
+            dropping = True
+        if server_death is not None and step == server_death[0]:
+            assert not rounds, "a server replaced with a round in flight: not simulated"
+            for fragment, name, index in server_death[1]:
+                pipes[fragment].renew_server(name, index)
             dropping = True
         for r in present:
             goal = targets(r, shapes)
@@ -533,6 +555,41 @@ def test_streaming_syncs_go_on_over_the_nodes_left(tmp_path):
     for r in (0, 1):
         final = load_params(tmp_path, "elastic", r)
         assert set(final) == set(SHAPES), final.keys()
+        for n in SHAPES:
+            np.testing.assert_array_equal(final[n], expected[r][n], err_msg=f"rank {r}: {n}")
+
+
+def test_streaming_syncs_go_on_when_a_spare_takes_a_killed_servers_keys(tmp_path):
+    """``--spare-servers 1``, 2 nodes, the streaming onebit syncs above: server 1 is
+    killed (SIGKILL) at the start of step 5, with no round in flight, and the spare takes
+    its keys. The round pushed after step 5 is dropped on both nodes; the server chains
+    of the keys it held restart at zero: fragment 0's second partition (its two spread
+    over both servers) and both of fragment 1's (its raw key, the largest payload, went
+    to server 0 first). Both nodes end as the simulation, bit for bit; a round of each
+    fragment lands after the replacement."""
+    params, every, fragments, overlap, outer = STREAMING["onebit"]
+    lrs = LRS + [0.25, 0.5, 0.5, 0.25]
+    run = {"tag": "spare", "params": params, "buffer": False,
+           "mode": {"sync_every": every, "fragments": fragments, "overlap": overlap}}
+    result = trainer_launch({"runs": [run], "lrs": lrs, "kill_server": [1, 5]}, tmp_path,
+                            2, 2, env={"BPS_TIMEOUT": "60"}, timeout=180, module=__name__,
+                            options=("--spare-servers", "1"))
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "server 1 is now served from" in result.stdout, result.stdout[-3000:]
+    reports = [json.loads((tmp_path / f"report{r}.json").read_text())["spare"]
+               for r in (0, 1)]
+    assert reports[0]["applied"] == reports[1]["applied"] == [s != 6 for s in range(12)]
+    moved = [(0, "big[0:16]", 1), (1, "big[16:30]", 0), (1, "big[16:30]", 1)]
+    expected = simulate_streaming(params, every, fragments, overlap, outer, nodes=2,
+                                  lrs=lrs, buffers=False, server_death=(5, moved))
+    # the simulation tells each reset apart: without any one of them a node differs
+    for kept in range(len(moved)):
+        other = simulate_streaming(params, every, fragments, overlap, outer, nodes=2,
+                                   lrs=lrs, buffers=False,
+                                   server_death=(5, moved[:kept] + moved[kept + 1:]))
+        assert any(not np.array_equal(other[r]["big"], expected[r]["big"]) for r in (0, 1))
+    for r in (0, 1):
+        final = load_params(tmp_path, "spare", r)
         for n in SHAPES:
             np.testing.assert_array_equal(final[n], expected[r][n], err_msg=f"rank {r}: {n}")
 
