@@ -22,21 +22,7 @@ def choose(core: FrontEndCore, runtime, tensors: list[GradTensor], *, staleness:
     """The mode of checked arguments (see ``validate_staleness``, ``validate_sync_every``,
     ``validate_streaming``); ``fragments``: ``plan_fragments``' plan where the syncs
     stream. Every mode but the streaming one runs on the core's pipeline of
-    ``tensors``, built here. Where worker nodes may leave (``BPS_MIN_WORKERS``) or servers
-    be replaced (``BPS_SPARE_SERVERS``; both drop the step in flight), local SGD and
-    streaming syncs of a model with floating-point buffers are refused (their average
-    after a round travels apart from it): ValueError naming the setting."""
-    env = runtime.env
-    if (env.elastic or env.replaces_servers) and outer is not None and core.model is not None \
-            and any(b.dtype.is_floating_point for _, b in core.model.named_buffers()):
-        syncs = "local SGD (sync_every > 1)" if fragments is None else \
-            "streaming averaging (sync_every with fragments or overlap)"
-        setting = f"BPS_MIN_WORKERS={env.min_workers} (bpslaunch --min-workers): worker " \
-            "nodes may leave" if env.elastic else f"BPS_SPARE_SERVERS={env.spare_servers} " \
-            "(bpslaunch --spare-servers): servers may be replaced"
-        raise ValueError(f"{setting}, but not in a job of {syncs} of a model with "
-                         "floating-point buffers (they are averaged after each outer round, "
-                         "apart from it)")
+    ``tensors``, built here."""
     if fragments is not None:
         core.attach(runtime)
         return StreamingAveraging(core, fragments, sync_every, outer, overlap)

@@ -58,7 +58,7 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
 
     tag, lrs = run["tag"], cfg.get("lrs", LRS)
     model = make_model(rank, shapes)
-    buffered = run.get("buffer", True)  # a float buffer (not with --min-workers)
+    buffered = run.get("buffer", True)  # a float buffer
     if buffered:
         model.register_buffer("running", torch.full((3,), float(rank + 1)))  # rank 0's
     optimizer = torch.optim.SGD(model.parameters(), lr=lrs[0], momentum=MOMENTUM)
@@ -532,14 +532,15 @@ def test_overlap_modes_match_simulation_and_resume_exactly(tmp_path):
 
 def test_streaming_syncs_go_on_over_the_nodes_left(tmp_path):
     """``--min-workers 2`` of 3 nodes, streaming onebit syncs (H = 4, two fragments, an
-    overlap of one step; a model without float buffers): node 2 is killed (SIGKILL) at
-    the start of step 5, with no round in flight. The round pushed after step 5
-    (fragment 0) is dropped on both survivors and puts that fragment back to its anchor;
-    the rounds after it average the two survivors' deltas, each fragment's pipeline
-    dividing by two. The survivors end bit-identical to the simulation."""
+    overlap of one step; a float buffer averaged with the last fragment): node 2 is
+    killed (SIGKILL) at the start of step 5, with no round in flight. The round pushed
+    after step 5 (fragment 0) is dropped on both survivors and puts that fragment back
+    to its anchor; the rounds after it average the two survivors' deltas, each
+    fragment's pipeline dividing by two, and the buffer's mean the survivors' buffers.
+    The survivors end bit-identical to the simulation."""
     params, every, fragments, overlap, outer = STREAMING["onebit"]
     lrs = LRS + [0.25, 0.5]
-    run = {"tag": "elastic", "params": params, "buffer": False,
+    run = {"tag": "elastic", "params": params,
            "mode": {"sync_every": every, "fragments": fragments, "overlap": overlap}}
     result = trainer_launch({"runs": [run], "lrs": lrs, "leave": [2, 5, "SIGKILL"]},
                             tmp_path, 3, 2, env={"BPS_TIMEOUT": "60"}, timeout=180,
@@ -551,11 +552,35 @@ def test_streaming_syncs_go_on_over_the_nodes_left(tmp_path):
     # the round pushed after step 5 lands after step 6: applied nowhere
     assert reports[0]["applied"] == reports[1]["applied"] == [s != 6 for s in range(10)]
     expected = simulate_streaming(params, every, fragments, overlap, outer, nodes=3,
-                                  lrs=lrs, buffers=False, death=(2, 5))
+                                  lrs=lrs, death=(2, 5))
     for r in (0, 1):
         final = load_params(tmp_path, "elastic", r)
-        assert set(final) == set(SHAPES), final.keys()
-        for n in SHAPES:
+        assert set(final) == {*SHAPES, "running"}, final.keys()
+        for n in final:
+            np.testing.assert_array_equal(final[n], expected[r][n], err_msg=f"rank {r}: {n}")
+
+
+def test_local_sgd_with_a_float_buffer_goes_on_over_the_nodes_left(tmp_path):
+    """``--min-workers 2`` of 3 nodes, local SGD (H = 4, onebit with error feedback and
+    Nesterov momentum, a float buffer averaged after each round): node 2 is killed at
+    the start of step 5; the round after step 7 is dropped (both survivors back to the
+    anchor, their buffers as they are), the round after step 11 averages the two
+    survivors' deltas and buffers. The survivors end bit-identical to the simulation
+    (one fragment, no overlap)."""
+    params, _, _, _, outer = STREAMING["onebit"]
+    lrs = LRS + [0.25, 0.5, 0.5, 0.25]
+    run = {"tag": "elastic", "params": params, "mode": {"sync_every": 4}}
+    result = trainer_launch({"runs": [run], "lrs": lrs, "leave": [2, 5, "SIGKILL"]},
+                            tmp_path, 3, 2, env={"BPS_TIMEOUT": "60"}, timeout=180,
+                            module=__name__, options=("--min-workers", "2"))
+    assert result.returncode == 0, result.stdout[-3000:]
+    reports = [json.loads((tmp_path / f"report{r}.json").read_text())["elastic"]
+               for r in (0, 1)]
+    assert reports[0]["applied"] == reports[1]["applied"] == [s != 7 for s in range(12)]
+    expected = simulate_streaming(params, 4, 1, 0, outer, nodes=3, lrs=lrs, death=(2, 5))
+    for r in (0, 1):
+        final = load_params(tmp_path, "elastic", r)
+        for n in final:
             np.testing.assert_array_equal(final[n], expected[r][n], err_msg=f"rank {r}: {n}")
 
 
