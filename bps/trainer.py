@@ -114,8 +114,7 @@ class DistributedTrainer:
         rt = bps_runtime.get()
         joined = None
         if rt.joining:  # a node started after the job began: the state of one present
-            refusal = join_refusal(rt, "streaming averaging (fragments, overlap)"
-                                   if streaming else None)
+            refusal = join_refusal(rt)
             if refusal is not None:
                 raise ValueError(refusal)
             joined = join_job(rt)
@@ -237,12 +236,14 @@ class DistributedTrainer:
     def _join_state(self) -> dict:
         """What a node joining the job loads (:mod:`bps.core.rejoin`); not the chains'
         error feedback and momentum, which start at zero on the joiner."""
-        pipe, rt = self.core.pipeline, self.core.runtime
+        pipe, rt = self.core.pipeline, self.core.runtime  # no pipeline: streaming's own
+        counters = {} if pipe is None else {
+            "step": pipe.step, "wire_step": pipe.wire_step,
+            "local_momentum": pipe.momentum_state()}  # of raw parts: the same everywhere
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "steps": self._steps, "step": pipe.step, "wire_step": pipe.wire_step,
-                "local_momentum": pipe.momentum_state(),  # of raw parts: the same everywhere
-                "scale": self.core.loss_scale.state(), "mode": self.mode.join_state(),
-                "first_key": self._first_key, "next_key": rt.next_key()}
+                "steps": self._steps, **counters, "scale": self.core.loss_scale.state(),
+                "mode": self.mode.join_state(), "first_key": self._first_key,
+                "next_key": rt.next_key()}
 
     def _load_joined(self, state: dict) -> None:
         """Load what the node that sent the state had (:meth:`_join_state`)."""
@@ -250,8 +251,9 @@ class DistributedTrainer:
         self.optimizer.load_state_dict(state["optimizer"])
         pipe = self.core.pipeline
         self._steps = int(state["steps"])
-        pipe.step, pipe.wire_step = int(state["step"]), int(state["wire_step"])
-        pipe.load_momentum_state(state["local_momentum"])
+        if pipe is not None:
+            pipe.step, pipe.wire_step = int(state["step"]), int(state["wire_step"])
+            pipe.load_momentum_state(state["local_momentum"])
         self.core.loss_scale.load(state["scale"])
         self.mode.load_join_state(state["mode"])
         self.core.runtime.skip_keys_to(state["next_key"])

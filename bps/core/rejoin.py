@@ -34,16 +34,9 @@ import torch
 log = logging.getLogger("bps")
 
 
-def join_refusal(rt, mode: str | None) -> str | None:
-    """Why this joining node cannot join (None: it can, or it is no joiner). ``mode``:
-    the step mode's name where it cannot take a joiner."""
-    if not rt.joining:
-        return None
-    if mode is not None:
-        return (f"worker node {rt.node_id} started after the job began, but a node can "
-                f"join a running job only with synchronous steps, staleness=1, local "
-                f"SGD or compressed Adam, not with {mode}")
-    if rt.env.node_agent:
+def join_refusal(rt) -> str | None:
+    """Why this joining node cannot join (None: it can, or it is no joiner)."""
+    if rt.joining and rt.env.node_agent:
         return (f"worker node {rt.node_id} started after the job began, but a node cannot "
                 "join a running job with BPS_NODE_AGENT=1")
     return None

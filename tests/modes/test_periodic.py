@@ -25,6 +25,7 @@ from tests.harness.trainer_job import (
     SHAPES,
     SIM_CASES,
     initial_params,
+    kill_once,
     kill_server,
     leave,
     local_step,
@@ -33,6 +34,7 @@ from tests.harness.trainer_job import (
     reference_codec,
     sgd_momentum,
     targets,
+    wait_for_join,
     worker_main,
 )
 from tests.harness.trainer_job import launch as trainer_launch
@@ -63,13 +65,13 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
         model.register_buffer("running", torch.full((3,), float(rank + 1)))  # rank 0's
     optimizer = torch.optim.SGD(model.parameters(), lr=lrs[0], momentum=MOMENTUM)
     trainer = bps.DistributedTrainer(model, optimizer, run["params"], **run["mode"])
-    start = run.get("start", 0)
-    if start:
+    start = run.get("start", trainer.step_count)  # a node that joined: the sender's count
+    if "start" in run:
         checkpoint = torch.load(out / f"ckpt{tag}{rank}.pt", weights_only=False)
         model.load_state_dict(checkpoint["model"])
         trainer.load_state_dict(checkpoint["trainer"])
     goal = {name: torch.from_numpy(t) for name, t in targets(rank, shapes).items()}
-    report = {"bytes": [], "applied": [], "refused": []}
+    report = {"bytes": [], "applied": [], "refused": [], "start": start}
     if run["mode"]:  # the synchronous trainer (PLAIN) has both
         try:  # neither mode has a step for synchronize() to wait for, nor runs join()
             trainer.synchronize()
@@ -83,6 +85,10 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
     for step in range(start, run.get("stop", len(lrs))):
         kill_server(cfg, rank, step, out)
         leave(cfg, rank, step, out)
+        if "kill" in cfg:
+            kill_once(cfg, rank, step, out)
+            if rank != cfg["kill"][0]:
+                wait_for_join(cfg, step, bps.core.runtime.get().engine)
         for group in optimizer.param_groups:
             group["lr"] = lrs[step]
         trainer.zero_grad()
@@ -143,7 +149,7 @@ class RefPipeline:
             self.servers[name] = [RefChain(*reference_codec(params, n), n, "float32", True,
                                            None) for _, n in parts]
         self.local_momentum = {n: np.zeros(s, np.float32) for n, s in shapes.items()}
-        self.params = params
+        self.params, self.partition = params, partition
 
     def renew_server(self, name: str, index: int) -> None:
         """Partition ``index`` of ``name``'s server chain starts anew (its server was
@@ -154,12 +160,21 @@ class RefPipeline:
         self.servers[name][index] = RefChain(*reference_codec(self.params, n), n, "float32",
                                              True, None)
 
+    def renew_worker(self, node: int) -> None:
+        """Node ``node``'s chains start anew (it joined the job again)."""
+        fresh = RefPipeline(self.params, 1, self.shapes, self.compressed,
+                            self.partition)
+        for name in self.compressed:
+            self.workers[name][node] = fresh.workers[name][0]
+
     def aggregate(self, shares: list[dict], lr: float, present: list[int] | None = None
                   ) -> dict:
         """The step's aggregate of ``shares`` (one per node, by node id) of the nodes
-        ``present`` (default: all)."""
+        ``present`` (default: all); a node present without a share pushed zero markers
+        (no chain runs, nothing is added)."""
         f32 = np.float32
-        present = list(range(self.nodes)) if present is None else present
+        present = list(range(self.nodes)) if present is None else \
+            [r for r in present if r in shares]
         out = {}
         for n, shape in self.shapes.items():
             if n in self.compressed:
@@ -259,8 +274,8 @@ def simulate_streaming(params: dict, every: int, fragments: int, overlap: int,
                        outer: dict | None, nan_at: int | None = None, shapes: dict = SHAPES,
                        nodes: int = NODES, lrs: list[float] = LRS, buffers: bool = True,
                        death: tuple[int, int] | None = None,
-                       server_death: tuple[int, list[tuple[int, str, int]]] | None = None
-                       ) -> list[dict]:
+                       server_death: tuple[int, list[tuple[int, str, int]]] | None = None,
+                       rejoin: tuple[int, int, int] | None = None) -> list[dict]:
     """Local SGD with momentum on each node; after local step s with s % (every /
     fragments) == 0 the next fragment's deltas go through that fragment's own pipeline
     and its outer update lands after step s + overlap, each node keeping its local
@@ -274,7 +289,11 @@ def simulate_streaming(params: dict, every: int, fragments: int, overlap: int,
     average the nodes present. ``server_death``: (step, moved): a server is replaced at
     the start of that step (no round in flight then): the first round pushed after it is
     dropped, and the server chains ``moved`` ((fragment, piece, partition) each) start
-    anew."""
+    anew. ``rejoin``: (node, d, j): that node dies, the round pushed after local step
+    ``d`` (counted from 1) is dropped, the later ones average the others; the round
+    pushed after ``j`` is dropped for its join: when it lands the node joins with node
+    0's parameters, momentum and buffer and chains anew; in a round pushed at that same
+    step it pushes zero markers (counted in the divisor, its buffer counted too)."""
     f32 = np.float32
     outer = outer or {"optimizer": "average"}
     defaults = {"average": (1.0, 0.0), "sgd": (1.0, 0.0), "nesterov": (0.7, 0.9)}
@@ -307,12 +326,25 @@ def simulate_streaming(params: dict, every: int, fragments: int, overlap: int,
     rounds = []  # (fragment, lands at, avg by piece, start [node][piece], buffer round)
     dropping = False  # the first round after a death is dropped
 
+    joined_at = None  # the local step after which the rejoining node is back
+
     def land(due: tuple) -> None:
+        nonlocal joined_at
         fragment, lands, pushed, avg, start, pending = due
         if avg is None:  # skipped
             for n, rows in plan[fragment]:
                 for r in present:
                     view(ws[r], n, rows)[...] = view(anchor, n, rows)
+            if rejoin is not None and pushed == rejoin[2]:
+                node = rejoin[0]
+                ws[node] = {n: v.copy() for n, v in ws[0].items()}
+                bufs[node] = {n: None if v is None else v.copy() for n, v in bufs[0].items()}
+                running[node] = running[0].copy()
+                for pipe in pipes:
+                    pipe.renew_worker(node)
+                present.append(node)
+                present.sort()
+                joined_at = lands
             return
         for n, rows in plan[fragment]:
             name = piece_name(n, rows)
@@ -357,13 +389,20 @@ def simulate_streaming(params: dict, every: int, fragments: int, overlap: int,
         if s % period:
             continue
         fragment = (s // period - 1) % fragments
+        if rejoin is not None and s == rejoin[1]:
+            present.remove(rejoin[0])
+            dropping = True
+        if rejoin is not None and s == rejoin[2]:
+            dropping = True
         shares, start = {}, {}
         for r in present:
+            start[r] = {piece_name(n, rows): view(ws[r], n, rows).copy()
+                        for n, rows in plan[fragment]}
+            if s == joined_at and r == rejoin[0]:
+                continue  # zero markers
             shares[r] = {piece_name(n, rows): (((view(anchor, n, rows) - view(ws[r], n, rows))
                                                 .astype(f32) / f32(len(present))).astype(f32))
                          for n, rows in plan[fragment]}
-            start[r] = {piece_name(n, rows): view(ws[r], n, rows).copy()
-                        for n, rows in plan[fragment]}
         finite = all(np.isfinite(v).all() for share in shares.values() for v in share.values())
         avg = pipes[fragment].aggregate(shares, float(lr_out), present) \
             if finite and not dropping else None
@@ -616,6 +655,44 @@ def test_streaming_syncs_go_on_when_a_spare_takes_a_killed_servers_keys(tmp_path
     for r in (0, 1):
         final = load_params(tmp_path, "spare", r)
         for n in SHAPES:
+            np.testing.assert_array_equal(final[n], expected[r][n], err_msg=f"rank {r}: {n}")
+
+
+def test_a_restarted_worker_node_joins_streaming_syncs_in_the_round_in_flight(tmp_path):
+    """``--min-workers 2 --max-restarts 1``, 3 nodes, streaming topk syncs (H = 4, two
+    fragments, an overlap of two steps: a round is always in flight; a float buffer):
+    node 2 kills itself at the start of step 4 and is started again; the others wait at
+    step 8 until it joined. The death drops one round, the join another (which ones, by
+    timing: the survivors' reports say); the round pushed when the join's round lands
+    was divided by three and waits for the joiner, which pushes zero markers for it and
+    applies it with everyone. Every node ends as the simulation, bit for bit."""
+    params, every, fragments, overlap, outer = STREAMING["topk"]
+    lrs = LRS + LRS
+    run = {"tag": "rejoin", "params": params,
+           "mode": {"sync_every": every, "fragments": fragments, "overlap": overlap,
+                    "outer": outer}}
+    result = trainer_launch({"runs": [run], "lrs": lrs, "kill": [2, 4], "wait_at": 8},
+                            tmp_path, 3, 2, env={"BPS_TIMEOUT": "60"}, timeout=240,
+                            module=__name__,
+                            options=("--min-workers", "2", "--max-restarts", "1"))
+    assert result.returncode == 0, result.stdout[-6000:]
+    assert "joined: worker nodes [0, 1, 2] (membership generation 2)" in result.stdout, \
+        result.stdout[-6000:]
+    reports = [json.loads((tmp_path / f"report{r}.json").read_text())["rejoin"]
+               for r in range(3)]
+    assert reports[0]["applied"] == reports[1]["applied"], reports
+    # a round pushed after local step s lands after s + overlap: False at step s + 1
+    dropped = [step + 1 - overlap for step, applied in enumerate(reports[0]["applied"])
+               if not applied]
+    assert len(dropped) == 2 and 4 <= dropped[0] < 8 <= dropped[1], reports
+    start = reports[2]["start"]
+    assert start == dropped[1] + overlap and all(reports[2]["applied"]), reports
+    expected = simulate_streaming(params, every, fragments, overlap, outer, nodes=3,
+                                  lrs=lrs, rejoin=(2, *dropped))
+    for r in range(3):
+        final = load_params(tmp_path, "rejoin", r)
+        assert set(final) == {*SHAPES, "running"}, final.keys()
+        for n in final:
             np.testing.assert_array_equal(final[n], expected[r][n], err_msg=f"rank {r}: {n}")
 
 
