@@ -43,6 +43,9 @@ def final_params(tmp_path, rank: int) -> dict:
     return dict(np.load(tmp_path / f"params{rank}.npz"))
 
 
+# tests/frontends/test_trainer_elastic.py's stopped worker node: the same heartbeat rule drops
+# a silent node, the survivors match the same replay, the node is refused when it comes back
+@pytest.mark.slow
 def test_a_cut_longer_than_the_heartbeat_timeout_drops_the_node(tmp_path):
     """Silent for 3 s: the scheduler drops node 2 (one membership change, generation 1),
     step 2 is dropped everywhere and the two others finish over themselves; node 2 fails
