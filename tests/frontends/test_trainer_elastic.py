@@ -121,6 +121,9 @@ def test_a_stopped_worker_node_leaves_and_is_refused_when_it_resumes(tmp_path):
     assert "still running after the job ended" not in out, out[-4000:]
 
 
+# tests/server/test_scheduler_membership.py's test_below_min_workers_everyone_is_told_who_died
+# covers the rule and its message, tests/launch/test_cli.py's min-workers test the launcher's
+@pytest.mark.slow
 def test_below_min_workers_the_job_fails_naming_the_dead_node(tmp_path):
     result = run(tmp_path, "SIGKILL", min_workers=3)
     assert result.returncode != 0

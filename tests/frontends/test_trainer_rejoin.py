@@ -9,6 +9,8 @@ with two local ranks a node: bpslaunch restarts both, and both get the state."""
 
 from __future__ import annotations
 
+import pytest
+
 from tests.harness.trainer_job import SIM_CASES, check_rejoin, launch
 
 COMMON = {"ef": "vanilla", "momentum": "nesterov", "fp16": False, "min_compress_bytes": 1000}
@@ -19,6 +21,9 @@ VICTIM, KILLED_AT = 2, 2  # node 2 kills itself at the start of step 2
 WAIT_AT = 4  # the others wait at the start of step 4 until the scheduler announced the join
 
 
+# the test below: the same restart, join and check_rejoin with two local ranks a node;
+# tests/launch/test_netem_elastic.py's restarted host: one rank a node
+@pytest.mark.slow
 def test_a_killed_worker_node_restarts_joins_and_matches_the_replay(tmp_path):
     cfg = {"runs": [{"params": PARAMS}], "lrs": LRS, "stop": len(LRS),
            "kill": [VICTIM, KILLED_AT], "wait_at": WAIT_AT}

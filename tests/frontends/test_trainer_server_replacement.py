@@ -81,7 +81,9 @@ def test_a_spare_takes_the_keys_of_a_killed_server(tmp_path):
     assert "PEER_DEAD" not in out and "ClusterError" not in out, out[-4000:]
 
 
-@pytest.mark.parametrize("spares", [1, 0])
+# no spare: [1] covers the departure then the replacement, and
+# test_a_restarted_server_takes_the_slot_of_the_one_killed a restarted server taking the slot
+@pytest.mark.parametrize("spares", [1, pytest.param(0, marks=pytest.mark.slow)])
 def test_a_worker_node_and_a_server_that_die_together_cost_one_step(tmp_path, spares):
     """Three nodes, ``--min-workers 2``, node 2 and server 1 dead at the start of step
     2. One spare: node 2 kills itself and, once its departure is announced (membership
@@ -141,6 +143,9 @@ def test_a_restarted_server_takes_the_slot_of_the_one_killed(tmp_path):
         _stop(tmp_path / "restarted.pid")
 
 
+# tests/server/test_scheduler_replacement.py's
+# test_a_slot_nobody_takes_fails_the_job_naming_the_dead_server covers the rule and its message
+@pytest.mark.slow
 def test_without_a_replacement_the_job_fails_naming_the_server(tmp_path):
     """``--spare-servers 0`` and nothing started again: the slot waits
     BPS_HEARTBEAT_TIMEOUT, then the job fails naming server 1 (6 s: long enough that no

@@ -15,4 +15,5 @@ since several are also the programs that cluster processes run:
 - ``reference_compressors``: independent plain-Python references of the compressors.
 - ``samples``: the inputs the compressor tests draw.
 - ``key_engine``: a server's key engine with its replies on an inproc socket.
+- ``netem_runs``: the lock between test processes that start ``bpslaunch netem`` runs.
 """

@@ -23,6 +23,7 @@ import pytest
 
 from bps.launch.link_shape import LinkShape, NetnsError, parse_delay, parse_loss, parse_rate
 from bps.launch.netns import PREFIX, EmulatedCluster, clean_stale, list_namespaces, support_problem
+from tests.harness.netem_runs import netem_runs
 from tests.harness.paths import BENCH, DATA, HARNESS
 from tests.harness.paths import ROOT as REPO
 from tests.harness.ps_job import BPSLAUNCH, default_sigint
@@ -166,6 +167,14 @@ def netns_allowed():
     problem = support_problem()
     if problem:
         pytest.skip(f"network namespaces not usable here: {problem}")
+
+
+@pytest.fixture
+def sole_cleaner():
+    """No other test process starts a netem run meanwhile: its start would remove the
+    namespaces of the dead run that this test leaves for its own run to remove."""
+    with netem_runs(exclusive=True):
+        yield
 
 
 def _root_links() -> set[str]:
@@ -405,7 +414,7 @@ def test_signal_tears_everything_down(leftovers, signum):
 
 
 @pytest.mark.netns
-def test_stale_cluster_is_removed_by_next_run(leftovers):
+def test_stale_cluster_is_removed_by_next_run(leftovers, sole_cleaner):
     launcher = _start_sleepers(leftovers)
     launcher.kill()  # SIGKILL: no chance to clean up
     launcher.wait(timeout=TIMEOUT)
@@ -417,7 +426,7 @@ def test_stale_cluster_is_removed_by_next_run(leftovers):
 
 
 @pytest.mark.netns
-def test_clean_stale_kills_processes_left_inside(leftovers):
+def test_clean_stale_kills_processes_left_inside(leftovers, sole_cleaner):
     """A dead owner's namespace that still has a process in it: killed, then deleted."""
     owner = subprocess.Popen(["true"])
     owner.wait()  # a pid that no longer runs

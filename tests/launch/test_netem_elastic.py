@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from bps.launch.netns import support_problem
+from tests.harness.netem_runs import netem_runs
 from tests.harness.trainer_job import SHAPES, SIM_CASES, check_rejoin, launch, plain, replay
 
 PARAMS = {**SIM_CASES["topk"], "ef": "vanilla", "momentum": "nesterov", "fp16": False,
@@ -25,9 +26,18 @@ pytestmark = pytest.mark.netns
 
 @pytest.fixture(scope="module", autouse=True)
 def netns_allowed():
-    problem = support_problem()
+    with netem_runs():  # the probe removes a dead run's namespaces, as a run does
+        problem = support_problem()
     if problem:
         pytest.skip(f"network namespaces not usable here: {problem}")
+
+
+@pytest.fixture(autouse=True)
+def netem_run(netns_allowed):
+    """The test's run starts with removing a dead run's namespaces: not while
+    another test process leaves some for its own run (tests/harness/netem_runs.py)."""
+    with netem_runs():
+        yield
 
 
 def run(tmp_path, heartbeat_timeout: float):
@@ -43,6 +53,9 @@ def final_params(tmp_path, rank: int) -> dict:
     return dict(np.load(tmp_path / f"params{rank}.npz"))
 
 
+# tests/frontends/test_trainer_elastic.py's stopped worker node: the same heartbeat rule drops
+# a silent node, the survivors match the same replay, the node is refused when it comes back
+@pytest.mark.slow
 def test_a_cut_longer_than_the_heartbeat_timeout_drops_the_node(tmp_path):
     """Silent for 3 s: the scheduler drops node 2 (one membership change, generation 1),
     step 2 is dropped everywhere and the two others finish over themselves; node 2 fails

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -221,7 +222,12 @@ def test_trainer_through_the_agent_matches_the_simulation(tmp_path, env):
             np.testing.assert_array_equal(finals[rank][name], expected[name],
                                           err_msg=f"inject {name} rank {rank}")
     assert "node agent" not in result.stdout  # no failure, no agent killed at the end
-    assert bps_segments() == before
+    # /dev/shm is the machine's: another test process's job may hold segments of its own
+    # now; what this job (its scheduler's port) or a process now gone left is a leak
+    port = re.search(r"scheduler listening on tcp://127\.0\.0\.1:(\d+)", result.stdout)[1]
+    left = [name for name in set(bps_segments()) - set(before)
+            if name.startswith(f"bps-{port}-") or gone(int(name.split("-")[-2]))]
+    assert left == [], left
 
 
 def test_two_local_ranks_round_where_the_pipeline_does(tmp_path):
