@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import sys
@@ -35,20 +36,48 @@ def free_port(host: str = "127.0.0.1") -> int:
     return free_ports(1, host)[0]
 
 
+# ZeroMQ's bind_to_random_port (the servers' extra endpoints) draws from here up
+RANDOM_BIND_LOW = 49152
+PICK_LOW = 10000
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for ports it hands out (``bind(0)``, an outgoing connection's
+    own end): Linux's ``ip_local_port_range``, else IANA's 49152-65535."""
+    try:
+        low, high = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 49152, 65535
+
+
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     """``count`` distinct TCP ports that were free a moment ago on ``host``.
 
-    The sockets stay bound until all are picked: ports picked one at a time may repeat,
-    since the kernel can hand a just-released port out again.
+    They are drawn below the kernel's ephemeral range and below ZeroMQ's random binds,
+    so that between this pick and the bind of the process they are for, no outgoing
+    connection or random bind of another process on the host takes one (a port the
+    kernel hands out could be handed out again meanwhile). The sockets stay bound until
+    all are picked: ports picked one at a time may repeat. Where no such range is left
+    (the ephemeral range starts low), the kernel picks.
 
         >>> len(set(free_ports(8)))
         8
     """
+    high = min(ephemeral_ports()[0], RANDOM_BIND_LOW)
+    draw = random.SystemRandom()
     with contextlib.ExitStack() as stack:
-        ports = []
-        for _ in range(count):
+        ports: list[int] = []
+        tries = 0
+        while len(ports) < count:
             sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-            sock.bind((host, 0))
+            tries += 1
+            port = draw.randrange(PICK_LOW, high) if high - PICK_LOW >= 1000 and \
+                tries <= 50 * count else 0
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
             ports.append(sock.getsockname()[1])
         return ports
 
