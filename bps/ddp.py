@@ -68,18 +68,11 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from bps.core import rejoin
 from bps.core import runtime as bps_runtime
 from bps.core.compressed_adam import AdamCoupling, check_adam
 from bps.core.frontend import FrontEndCore, momentum_off
 from bps.core.model_sync import broadcast_model, check_same_model
-from bps.core.rejoin import (
-    front_end_state,
-    join_job,
-    join_refusal,
-    load_model_state,
-    load_pipeline_state,
-    publish_if_joined,
-)
 
 __all__ = ["HookState", "init_process_group", "ps_hook"]
 
@@ -272,8 +265,8 @@ class HookState:
         """A worker node that started after the job began: become a member and load the
         model and optimizer state of the node present that sends it (the pipeline's
         part when the keys are declared, :meth:`_build`)."""
-        refusal = join_refusal(rt, "compressed Adam (freeze_step)"
-                               if self.core.params["freeze_step"] is not None else None) \
+        adam = self.core.params["freeze_step"] is not None
+        refusal = rejoin.join_refusal(rt, "compressed Adam (freeze_step)" if adam else None) \
             or group_refusal(rt, _world_size())
         if refusal is None and self.module is None:
             refusal = (f"worker node {rt.node_id} started after the job began: to join the "
@@ -281,8 +274,8 @@ class HookState:
                        "which takes the model of the node present")
         if refusal is not None:
             raise ValueError(refusal)
-        joined = join_job(rt)
-        load_model_state(joined, self.module, self.core.optimizer)
+        joined = rejoin.join_job(rt)
+        rejoin.load_model_state(joined, self.module, self.core.optimizer)
         self._joined, self._synced = joined, True
 
     def _setup(self, core: FrontEndCore, module, loaded: dict | None,
@@ -429,7 +422,7 @@ class HookState:
             self._load(loaded)
         if self._joined is not None:
             joined, self._joined = self._joined, None
-            load_pipeline_state(self.core, joined)
+            rejoin.load_pipeline_state(self.core, joined)
             rt.skip_keys_to(joined["next_key"])
 
     @property
@@ -450,11 +443,14 @@ class HookState:
         step starts, or at close())."""
         before, self._members = self._members, None
         if before is not None:
-            publish_if_joined(self.core.runtime, before, self._join_state)
+            rejoin.publish_if_joined(self.core.runtime, before, self._join_state)
 
     def _join_state(self) -> dict:
         """What a joining node loads (:meth:`_join`, :meth:`_build`)."""
-        return {**front_end_state(self.core, self.module, self.core.optimizer),
+        if self.module is None:
+            raise RuntimeError("bps.ddp: a worker node joined the job, but this HookState "
+                               "has no module= whose model it could send the joiner")
+        return {**rejoin.front_end_state(self.core, self.module, self.core.optimizer),
                 "first_key": self._first_key, "next_key": self.core.runtime.next_key()}
 
     def _step_start(self) -> None:
