@@ -265,9 +265,10 @@ class HookState:
         """A worker node that started after the job began: become a member and load the
         model and optimizer state of the node present that sends it (the pipeline's
         part when the keys are declared, :meth:`_build`)."""
-        adam = self.core.params["freeze_step"] is not None
-        refusal = rejoin.join_refusal(rt, "compressed Adam (freeze_step)" if adam else None) \
-            or group_refusal(rt, _world_size())
+        refusal = rejoin.join_refusal(rt) or group_refusal(rt, _world_size())
+        if refusal is None and self.core.params["freeze_step"] is not None:
+            refusal = (f"worker node {rt.node_id} started after the job began, but the DDP "
+                       "hook takes no joiner with compressed Adam (freeze_step)")
         if refusal is None and self.module is None:
             refusal = (f"worker node {rt.node_id} started after the job began: to join the "
                        "running job HookState needs module= (the model or the DDP wrapper), "

@@ -121,9 +121,7 @@ class DistributedTrainer:
         rt = bps_runtime.get()
         joined = None
         if rt.joining:  # a node started after the job began: the state of one present
-            refusal = join_refusal(rt, "streaming averaging (fragments, overlap)" if streaming
-                                   else "compressed Adam (freeze_step)"
-                                   if core.params.get("freeze_step") is not None else None)
+            refusal = join_refusal(rt)
             if refusal is not None:
                 raise ValueError(refusal)
             joined = join_job(rt)

@@ -36,16 +36,9 @@ import torch
 log = logging.getLogger("bps")
 
 
-def join_refusal(rt, mode: str | None) -> str | None:
-    """Why this joining node cannot join (None: it can, or it is no joiner). ``mode``:
-    the step mode's name where it cannot take a joiner."""
-    if not rt.joining:
-        return None
-    if mode is not None:
-        return (f"worker node {rt.node_id} started after the job began, but a node can "
-                f"join a running job only with synchronous steps, staleness=1 or local "
-                f"SGD, not with {mode}")
-    if rt.env.node_agent:
+def join_refusal(rt) -> str | None:
+    """Why this joining node cannot join (None: it can, or it is no joiner)."""
+    if rt.joining and rt.env.node_agent:
         return (f"worker node {rt.node_id} started after the job began, but a node cannot "
                 "join a running job with BPS_NODE_AGENT=1")
     return None
@@ -93,15 +86,18 @@ def publish_if_joined(rt, before: Sequence[int], state: Callable[[], dict]) -> N
 def front_end_state(core, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
                     ) -> dict:
     """What every front end sends a joiner (``core``: its
-    :class:`bps.core.frontend.FrontEndCore`, whose pipeline exists): the model, the
-    optimizer's state (None without one), the pipeline's counters, the local momentum
-    of the parts that travel raw (the same on every node) and the loss scale; not the
-    chains' error feedback and momentum, which start at zero on the joiner."""
+    :class:`bps.core.frontend.FrontEndCore`): the model, the optimizer's state (None
+    without one), the pipeline's counters and the local momentum of the parts that
+    travel raw (the same on every node; none where the core has no pipeline of its own,
+    a step mode's holding them) and the loss scale; not the chains' error feedback and
+    momentum, which start at zero on the joiner."""
     pipe = core.pipeline
+    counters = {} if pipe is None else {
+        "step": pipe.step, "wire_step": pipe.wire_step,
+        "local_momentum": pipe.momentum_state()}
     return {"model": model.state_dict(),
             "optimizer": None if optimizer is None else optimizer.state_dict(),
-            "step": pipe.step, "wire_step": pipe.wire_step,
-            "local_momentum": pipe.momentum_state(), "scale": core.loss_scale.state()}
+            **counters, "scale": core.loss_scale.state()}
 
 
 def load_model_state(state: dict, model: torch.nn.Module,
@@ -120,8 +116,9 @@ def load_model_state(state: dict, model: torch.nn.Module,
 
 def load_pipeline_state(core, state: dict) -> None:
     """Load :func:`front_end_state`'s counters, local momentum and loss scale into
-    ``core`` (its pipeline built)."""
+    ``core`` (its pipeline built, where it has one)."""
     pipe = core.pipeline
-    pipe.step, pipe.wire_step = int(state["step"]), int(state["wire_step"])
-    pipe.load_momentum_state(state["local_momentum"])
+    if pipe is not None:
+        pipe.step, pipe.wire_step = int(state["step"]), int(state["wire_step"])
+        pipe.load_momentum_state(state["local_momentum"])
     core.loss_scale.load(state["scale"])

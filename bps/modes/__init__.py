@@ -22,33 +22,7 @@ def choose(core: FrontEndCore, runtime, tensors: list[GradTensor], *, staleness:
     """The mode of checked arguments (see ``validate_staleness``, ``validate_sync_every``,
     ``validate_streaming``); ``fragments``: ``plan_fragments``' plan where the syncs
     stream. Every mode but the streaming one runs on the core's pipeline of
-    ``tensors``, built here. Where worker nodes may leave (``BPS_MIN_WORKERS``) or servers
-    be replaced (``BPS_SPARE_SERVERS``; both drop the step in flight), only
-    synchronous steps, ``staleness=1`` and local SGD of a model without floating-point
-    buffers are accepted (where only worker nodes may leave, streaming syncs of such a
-    model and compressed Adam too): another mode raises ValueError naming it."""
-    env = runtime.env
-    if env.elastic or env.replaces_servers:
-        buffers = core.model is not None and any(
-            b.dtype.is_floating_point for _, b in core.model.named_buffers())
-        syncs = "local SGD (sync_every > 1)" if fragments is None else \
-            "streaming averaging (sync_every with fragments or overlap)"
-        refused, by_spares = None, not env.elastic
-        if outer is not None and buffers:
-            refused = (f"{syncs} of a model with floating-point buffers (they are "
-                       "averaged after each outer round)")
-        elif env.replaces_servers and (fragments is not None
-                                       or core.params.get("freeze_step") is not None):
-            refused = syncs if fragments is not None else "compressed Adam (freeze_step)"
-            by_spares = True
-        if refused is not None and not by_spares:
-            raise ValueError(f"BPS_MIN_WORKERS={env.min_workers} (bpslaunch --min-workers): "
-                             f"worker nodes may leave a job of synchronous steps only, not "
-                             f"one of {refused}")
-        if refused is not None:
-            raise ValueError(f"BPS_SPARE_SERVERS={env.spare_servers} (bpslaunch "
-                             f"--spare-servers): servers may be replaced in a job of "
-                             f"synchronous steps only, not one of {refused}")
+    ``tensors``, built here."""
     if fragments is not None:
         core.attach(runtime)
         return StreamingAveraging(core, fragments, sync_every, outer, overlap)

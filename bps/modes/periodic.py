@@ -22,7 +22,9 @@ parameters, with compression the compressed mean of their deltas), ``{"optimizer
 "momentum": b}`` (DiLoCo's outer Nesterov SGD; defaults lr 0.7, momentum 0.9).
 Floating-point buffers are averaged at each sync (uncompressed), except their inf and
 NaN entries (a ``-inf`` causal mask), which stay as they are; integer buffers stay as
-they are on each worker.
+they are on each worker. A buffer average that a membership change drops (it travels
+after its round, apart from it) leaves each worker's buffers as they are, as between
+syncs.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from typing import Any
 import torch
 
 from bps.core.frontend import FrontEndCore
+from bps.core.grad_pipeline import Skipped
 from bps.modes.base import StepMode
 from bps.worker.partition import partition
 
@@ -170,7 +173,8 @@ class BufferAverage:
         return bool(self.tensors)
 
     def push(self, step: int) -> PendingBuffers:
-        """Every buffer divided by the workers, summed over the node and pushed raw."""
+        """Every buffer divided by the workers, summed over the node and pushed raw (for
+        the membership generation those workers make)."""
         rt = self.runtime
         start = torch.cat([b.detach().reshape(-1).float() for b in self.tensors])
         # inf and NaN entries (a -inf causal mask) stay as they are: pushed as zeros
@@ -178,23 +182,32 @@ class BufferAverage:
         pending = PendingBuffers(start, share)
         self.channel.reduce(pending.mean)
         if rt.engine is not None:
-            pending.futures = [rt.engine.push_pull(key, pending.mean[o:o + n], step, 0.0)
+            pending.futures = [rt.engine.push_pull(key, pending.mean[o:o + n], step, 0.0,
+                                                   generation=rt.generation)
                                for key, (o, n) in zip(self.keys, self.parts, strict=True)]
         return pending
 
     def pull(self, pending: PendingBuffers) -> None:
-        """The servers' mean into ``pending.mean`` (local rank 0; once)."""
+        """The servers' mean into ``pending.mean`` (local rank 0; once); NaN in a
+        partition the servers dropped (a membership change: no mean)."""
         timeout = self.runtime.env.timeout * 2
         for (offset, length), future in zip(self.parts if pending.futures else [],
                                             pending.futures, strict=True):
-            pending.mean[offset:offset + length].copy_(future.result(timeout=timeout))
+            mean = future.result(timeout=timeout)
+            if isinstance(mean, Skipped):
+                pending.mean[offset:offset + length].fill_(float("nan"))
+            else:
+                pending.mean[offset:offset + length].copy_(mean)
         pending.futures.clear()
 
     def mean(self, pending: PendingBuffers) -> torch.Tensor:
-        """The servers' mean of ``pending``, pulled and shared with every local rank."""
+        """The servers' mean of ``pending``, pulled and shared with every local rank;
+        where there is none (an entry not finite at the push, or a partition a
+        membership change dropped), each worker's own value at the push."""
         self.pull(pending)
         self.channel.broadcast(pending.mean)
-        return torch.where(torch.isfinite(pending.start), pending.mean, pending.start)
+        averaged = torch.isfinite(pending.start) & ~torch.isnan(pending.mean)
+        return torch.where(averaged, pending.mean, pending.start)
 
 
 def warn_outer_defaults(core: FrontEndCore, every: int, spec: OuterSpec) -> None:

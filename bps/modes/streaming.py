@@ -151,6 +151,7 @@ class Round:
     buffers: PendingBuffers | None = None
     settled: bool = False
     skip: Skipped | None = None
+    generation: int = 0  # the membership generation its pushes were divided by
 
 
 class StreamingAveraging(StepMode):
@@ -231,7 +232,8 @@ class StreamingAveraging(StepMode):
                 out.copy_(delta)
                 wire.append(out)
                 pipe.push(index, out, out)
-        due = Round(fragment, self.local, self.local + self.overlap, start, wire)
+        due = Round(fragment, self.local, self.local + self.overlap, start, wire,
+                    generation=self.core.runtime.generation)
         if fragment == len(self.pipes) - 1 and self.buffers:
             due.buffers = self.buffers.push(pipe.wire_step)
         self.rounds.append(due)
@@ -311,33 +313,78 @@ class StreamingAveraging(StepMode):
         state, and the rounds in flight, settled: their aggregates wait to land."""
         self.before_checkpoint()
         core = self.core
-        rounds = []
-        for due in self.rounds:
-            buffers = None if due.buffers is None else \
-                (due.buffers.start.clone(), due.buffers.mean.clone())
-            rounds.append({"fragment": due.fragment, "pushed_at": due.pushed_at,
-                           "lands_at": due.lands_at,
-                           "start": [t.clone() for t in due.start],
-                           "aggregate": [t.clone() for t in due.wire],
-                           "skip": None if due.skip is None else asdict(due.skip),
-                           "buffers": buffers})
-        return {"local": self.local,
-                "anchor": [[a.clone() for a in f] for f in self.anchor],
-                "momentum": None if self.momentum is None else
-                [[m.clone() for m in f] for f in self.momentum],
+        return {**self._outer_state(),
                 "pipelines": [core.pipeline_state(pipe) for pipe in self.pipes],
-                "rounds": rounds}
+                "rounds": [self._round_state(due) for due in self.rounds]}
 
     def load_state_dict(self, state: dict | None) -> None:
         if state is None or "pipelines" not in state:
             raise ValueError("state_dict has no streaming state (saved by a trainer "
                              "without fragments or overlap?)")
+        self._load_outer_state(state, "load_state_dict()")
+        for pipe, saved in zip(self.pipes, state["pipelines"], strict=True):
+            self.core.load_pipeline_state(pipe, saved)
+        self.rounds = [self._loaded_round(saved) for saved in state["rounds"]]
+
+    def join_state(self) -> dict:
+        """For a node joining now (the step that the join dropped just landed): the
+        rounds pushed before the membership that counts the joiner do not wait for it:
+        they are settled and travel as in :meth:`state_dict`. A round pushed since (this
+        step's) was divided by the new membership and waits for the joiner's push: it
+        travels unsettled, for the joiner to take part in. No chain travels: the
+        joiner's start at zero."""
+        generation = self.core.runtime.generation
+        for due in self.rounds:
+            if due.generation < generation:
+                self._settle(due)
+                if due.buffers is not None:
+                    self.buffers.pull(due.buffers)
+        return {**self._outer_state(),
+                "pipelines": [{"step": pipe.step, "wire_step": pipe.wire_step,
+                               "local_momentum": pipe.momentum_state()} for pipe in self.pipes],
+                "rounds": [self._round_state(due) for due in self.rounds if due.settled],
+                "joining": [{"fragment": due.fragment, "pushed_at": due.pushed_at,
+                             "lands_at": due.lands_at} for due in self.rounds
+                            if not due.settled]}
+
+    def load_join_state(self, state: dict | None) -> None:
+        """The joiner takes the counters, anchors and settled rounds, and takes part in
+        each unsettled round with zero markers (it made no local steps for it; its
+        buffers, a copy of the sender's, go with the last fragment's); its first landing
+        applies the aggregate with everyone, keeping its local change since."""
+        if state is None or "joining" not in state:
+            raise ValueError("the joining state has no streaming state")
+        self._load_outer_state(state, "a join")
+        for pipe, saved in zip(self.pipes, state["pipelines"], strict=True):
+            pipe.load_momentum_state(saved["local_momentum"])
+            pipe.step, pipe.wire_step = int(saved["step"]), int(saved["wire_step"])
+        self.rounds = [self._loaded_round(saved) for saved in state["rounds"]]
+        for joining in state["joining"]:
+            fragment, pipe = joining["fragment"], self.pipes[joining["fragment"]]
+            tensors = [t.param for t in self.fragments[fragment]]
+            start = [p.detach().reshape(-1).float().clone() for p in tensors]
+            wire = [torch.zeros(p.numel(), dtype=p.dtype, device=p.device) for p in tensors]
+            for index, out in enumerate(wire):
+                pipe.push(index, None, out, joined=True)
+            due = Round(fragment, joining["pushed_at"], joining["lands_at"], start, wire,
+                        generation=self.core.runtime.generation)
+            if fragment == len(self.pipes) - 1 and self.buffers:
+                due.buffers = self.buffers.push(pipe.wire_step)
+            self.rounds.append(due)
+
+    def _outer_state(self) -> dict:
+        return {"local": self.local,
+                "anchor": [[a.clone() for a in f] for f in self.anchor],
+                "momentum": None if self.momentum is None else
+                [[m.clone() for m in f] for f in self.momentum]}
+
+    def _load_outer_state(self, state: dict, what: str) -> None:
         if len(state["pipelines"]) != len(self.pipes):
-            raise ValueError(f"state_dict was saved with {len(state['pipelines'])} "
+            raise ValueError(f"the state was saved with {len(state['pipelines'])} "
                              f"fragments, this trainer has {len(self.pipes)}")
         if self.rounds:
-            raise RuntimeError("load_state_dict() with fragments or overlap must come "
-                               "before the first step()")
+            raise RuntimeError(f"{what} with fragments or overlap must come before the "
+                               "first step()")
         self.local = int(state["local"])
         for mine, saved in zip(self.anchor, state["anchor"], strict=True):
             for a, s in zip(mine, saved, strict=True):
@@ -346,13 +393,22 @@ class StreamingAveraging(StepMode):
             for mine, saved in zip(self.momentum, state["momentum"], strict=True):
                 for m, s in zip(mine, saved, strict=True):
                     m.copy_(s)
-        for pipe, saved in zip(self.pipes, state["pipelines"], strict=True):
-            self.core.load_pipeline_state(pipe, saved)
-        for saved in state["rounds"]:
-            buffers = None if saved["buffers"] is None else \
-                PendingBuffers(saved["buffers"][0].clone(), saved["buffers"][1].clone())
-            skip = None if saved["skip"] is None else Skipped(**saved["skip"])
-            self.rounds.append(Round(saved["fragment"], saved["pushed_at"], saved["lands_at"],
-                                     [t.clone() for t in saved["start"]],
-                                     [t.clone() for t in saved["aggregate"]], buffers,
-                                     settled=True, skip=skip))
+
+    @staticmethod
+    def _round_state(due: Round) -> dict:
+        """A settled round, as it travels in a state."""
+        buffers = None if due.buffers is None else \
+            (due.buffers.start.clone(), due.buffers.mean.clone())
+        return {"fragment": due.fragment, "pushed_at": due.pushed_at,
+                "lands_at": due.lands_at, "start": [t.clone() for t in due.start],
+                "aggregate": [t.clone() for t in due.wire],
+                "skip": None if due.skip is None else asdict(due.skip), "buffers": buffers}
+
+    @staticmethod
+    def _loaded_round(saved: dict) -> Round:
+        buffers = None if saved["buffers"] is None else \
+            PendingBuffers(saved["buffers"][0].clone(), saved["buffers"][1].clone())
+        skip = None if saved["skip"] is None else Skipped(**saved["skip"])
+        return Round(saved["fragment"], saved["pushed_at"], saved["lands_at"],
+                     [t.clone() for t in saved["start"]],
+                     [t.clone() for t in saved["aggregate"]], buffers, settled=True, skip=skip)

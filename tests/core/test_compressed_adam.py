@@ -21,10 +21,13 @@ from tests.harness import adam_reference as ref
 from tests.harness.trainer_job import (
     SHAPES,
     initial_params,
+    kill_once,
+    kill_server,
     leave,
     load_params,
     make_model,
     targets,
+    wait_for_join,
     worker_main,
 )
 from tests.harness.trainer_job import launch as trainer_launch
@@ -136,9 +139,17 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
         start = saved["step"]
     goal = {n: torch.from_numpy(t) for n, t in targets(rank, shapes).items()}
     live = {n: torch.from_numpy(t) for n, t in ref.live_mask(shapes).items()}
-    report = {"pushed": [], "applied": []}
+    elastic = any(k in cfg for k in ("leave", "kill", "kill_server"))
+    if "kill" in cfg:  # a node that joined starts where the node it joined from stands
+        start = trainer.step_count
+    report = {"pushed": [], "applied": [], "start": start}
     for step in range(start, run.get("stop", len(LRS))):
+        kill_server(cfg, rank, step, out)
         leave(cfg, rank, step, out)
+        if "kill" in cfg:
+            kill_once(cfg, rank, step, out)
+            if rank != cfg["kill"][0]:
+                wait_for_join(cfg, step, bps.core.runtime.get().engine)
         for group in optimizer.param_groups:
             group["lr"] = LRS[step]
         trainer.zero_grad()
@@ -146,7 +157,7 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
                    for n in shapes)
         loss.backward()
         applied = trainer.step()
-        assert applied or "leave" in cfg  # a step dropped when a worker node left
+        assert applied or elastic  # a step dropped when a worker node left or joined
         report["applied"].append(applied)
         report["pushed"].append(trainer.stats()["bytes_pushed"])
     if "save" in run:
@@ -202,6 +213,61 @@ def test_a_worker_node_that_dies_costs_one_step(tmp_path):
     moved = ref.simulate(ONEBIT, 3, LRS, SHAPES, wd=0.1, members=[[0, 1, 2]] * 4 + [[0, 1]] * 4)
     assert any(not np.array_equal(want[n], moved[n]) for n in SHAPES)
     for rank, got in enumerate(load_params(tmp_path, 2, "elastic")):
+        for name in SHAPES:
+            np.testing.assert_array_equal(got[name], want[name], err_msg=f"{name} r{rank}")
+
+
+def test_a_restarted_worker_node_joins_after_the_freeze(tmp_path):
+    """Node 2 of 3 is killed at the start of step 4 (after the freeze) and restarted by
+    ``--max-restarts 1``; the others wait at step 5 until it joined. The death and the
+    join each drop a step on the nodes present; the joiner starts from the state sent
+    (Adam's moments, the step count), its chains' error from zero; every node ends as
+    the replay of that membership, bit for bit."""
+    run = {"tag": "rejoin", "params": ONEBIT, "optimizer": "AdamW", "wd": 0.1}
+    proc = trainer_launch({"runs": [run], "kill": [2, 4], "wait_at": 5}, tmp_path,
+                          workers=3, module=__name__, timeout=180,
+                          options=("--min-workers", "2", "--max-restarts", "1"))
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    assert "joined: worker nodes [0, 1, 2] (membership generation 2)" in proc.stdout, \
+        proc.stdout[-6000:]
+    reports = [json.loads((tmp_path / f"report{r}.json").read_text())["rejoin"]
+               for r in range(3)]
+    start = reports[2]["start"]
+    dropped = start - 1  # the step the join dropped on the nodes present
+    assert 5 <= dropped < len(LRS) - 1, reports
+    assert reports[2]["applied"] == [True] * (len(LRS) - start), reports
+    for survivor in reports[:2]:
+        assert survivor["applied"] == [s not in (4, dropped) for s in range(len(LRS))], reports
+    members = [[0, 1, 2]] * 4 + [None] + [[0, 1]] * (dropped - 5) + [None] + \
+        [[0, 1, 2]] * (len(LRS) - start)
+    want = ref.simulate(ONEBIT, 3, LRS, SHAPES, wd=0.1, members=members,
+                        fresh_workers={2: start})
+    # the joiner's error feedback from zero makes a difference the replay sees
+    kept = ref.simulate(ONEBIT, 3, LRS, SHAPES, wd=0.1, members=members)
+    assert any(not np.array_equal(want[n], kept[n]) for n in SHAPES)
+    for rank, got in enumerate(load_params(tmp_path, 3, "rejoin")):
+        for name in SHAPES:
+            np.testing.assert_array_equal(got[name], want[name], err_msg=f"{name} r{rank}")
+
+
+def test_a_spare_takes_the_keys_of_a_server_killed_after_the_freeze(tmp_path):
+    """Server 1 of 2 is killed at the start of step 4 (after the freeze) and a spare
+    takes its keys: step 4 is dropped on both nodes, the server error feedback of the
+    partitions it held restarts at zero; both end as the replay, bit for bit. (Largest
+    payload first onto the least-loaded server: the raw key of 11 floats goes to server
+    0, the three onebit partitions of "big", a fifth of its size each, to server 1.)"""
+    run = {"tag": "spare", "params": ONEBIT, "optimizer": "AdamW", "wd": 0.1}
+    proc = trainer_launch({"runs": [run], "kill_server": [1, 4]}, tmp_path, servers=2,
+                          module=__name__, timeout=180, options=("--spare-servers", "1"))
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    assert "server 1 is now served from" in proc.stdout, proc.stdout[-6000:]
+    members = [[0, 1]] * 4 + [None] + [[0, 1]] * 3
+    want = ref.simulate(ONEBIT, 2, LRS, SHAPES, wd=0.1, members=members,
+                        fresh_servers={5: [0, 1, 2]})
+    # the replay tells the reset apart: without it the moved partition would differ
+    kept = ref.simulate(ONEBIT, 2, LRS, SHAPES, wd=0.1, members=members)
+    assert not np.array_equal(want["big"], kept["big"])
+    for rank, got in enumerate(load_params(tmp_path, 2, "spare")):
         for name in SHAPES:
             np.testing.assert_array_equal(got[name], want[name], err_msg=f"{name} r{rank}")
 

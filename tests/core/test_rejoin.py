@@ -1,6 +1,6 @@
 """Which joining nodes refuse to join (:func:`bps.core.rejoin.join_refusal`): a node
-that is no joiner never, a joiner with a mode that cannot take it, or under the node
-agent, with a message naming the node and why."""
+that is no joiner never, a joiner under the node agent, with a message naming the node
+and why."""
 
 from __future__ import annotations
 
@@ -14,13 +14,10 @@ def runtime(joining: bool, node_agent: bool = False) -> SimpleNamespace:
     return SimpleNamespace(joining=joining, node_id=2, env=SimpleNamespace(node_agent=node_agent))
 
 
-def test_only_a_joiner_with_a_mode_that_cannot_take_it_refuses() -> None:
-    streaming = "streaming averaging (fragments, overlap)"
-    assert join_refusal(runtime(False), streaming) is None
-    assert join_refusal(runtime(True), None) is None
-    assert join_refusal(runtime(True), streaming) == (
-        "worker node 2 started after the job began, but a node can join a running job only "
-        f"with synchronous steps, staleness=1 or local SGD, not with {streaming}")
-    assert join_refusal(runtime(True, node_agent=True), None) == (
+def test_only_a_joiner_under_the_node_agent_refuses() -> None:
+    assert join_refusal(runtime(False)) is None
+    assert join_refusal(runtime(False, node_agent=True)) is None
+    assert join_refusal(runtime(True)) is None
+    assert join_refusal(runtime(True, node_agent=True)) == (
         "worker node 2 started after the job began, but a node cannot join a running job "
         "with BPS_NODE_AGENT=1")

@@ -5,10 +5,6 @@ dropped everywhere, and the later steps average over the nodes present."""
 
 from __future__ import annotations
 
-import json
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
@@ -17,10 +13,8 @@ from tests.harness.trainer_job import (
     SIM_CASES,
     launch,
     load_params,
-    make_model,
     plain,
     replay,
-    worker_main,
 )
 
 COMMON = {"ef": "vanilla", "momentum": "nesterov", "fp16": False, "min_compress_bytes": 1000}
@@ -132,44 +126,3 @@ def test_below_min_workers_the_job_fails_naming_the_dead_node(tmp_path):
     assert result.returncode != 0
     assert "worker 2 at 127.0.0.1 died" in result.stdout, result.stdout[-4000:]
     assert "fewer than BPS_MIN_WORKERS=3" in result.stdout, result.stdout[-4000:]
-
-
-def refusing_train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
-    """Each mode but synchronous steps: the trainer's error, as each worker saw it."""
-    import torch
-
-    import bps
-
-    errors = []
-    for options in ({"sync_every": 2}, {"sync_every": 4, "fragments": 2}):
-        model = make_model(rank, shapes)
-        model.register_buffer("running", torch.zeros(3))  # a norm layer's statistics
-        try:
-            bps.DistributedTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                                   {**SIM_CASES["topk"], "ef": "vanilla"}, **options)
-        except ValueError as exc:
-            errors.append(str(exc))
-    return {"errors": errors}
-
-
-def test_modes_other_than_synchronous_steps_are_refused_naming_them(tmp_path):
-    """With --min-workers, local SGD and streaming syncs of a model with floating-point
-    buffers are refused when the trainer is made, before any key is declared, naming the
-    mode and the setting."""
-    result = launch({"runs": [{"params": PARAMS}], "lrs": LRS, "stop": 1}, tmp_path,
-                    workers=2, servers=1, options=("--min-workers", "1"), module=__name__)
-    assert result.returncode == 0, result.stdout[-4000:]
-    for rank in range(2):
-        errors = json.loads((tmp_path / f"report{rank}.json").read_text())[""]["errors"]
-        assert len(errors) == 2, errors
-        assert "BPS_MIN_WORKERS=1 (bpslaunch --min-workers)" in errors[0], errors
-        assert "local SGD (sync_every > 1) of a model with floating-point buffers" \
-            in errors[0], errors
-        assert "streaming averaging (sync_every with fragments or overlap) of a model " \
-            "with floating-point buffers" in errors[1], errors
-
-
-if __name__ == "__main__":
-    from bps.server.role import end_process
-
-    end_process(worker_main(json.loads(sys.argv[1]), refusing_train))

@@ -40,12 +40,17 @@ def descend(x, m, v, t: int, t2: int, lr: float, b1: float, b2: float, eps: floa
 
 def simulate(params: dict, nodes: int, lrs: list[float], shapes: dict, *, betas=(0.9, 0.999),
              eps: float = 1e-8, wd: float = 0.0, decoupled: bool = True,
-             members: list[list[int] | None] | None = None) -> dict:
+             members: list[list[int] | None] | None = None,
+             fresh_workers: dict[int, int] | None = None,
+             fresh_servers: dict[int, list[int]] | None = None) -> dict:
     """The parameters after ``len(lrs)`` steps of compressed Adam with ``params``
     (``freeze_step``, ``compressor``, ``ef``) from rank 0's initial parameters.
     ``members[step]``: the nodes whose gradients make that step (divided by their
     number), or None where it is dropped everywhere (nothing changes; Adam's step count
-    and the freeze count applied steps)."""
+    and the freeze count applied steps). ``fresh_workers[node] = step``: that node
+    joined at that step, its chains' error from zero there (Adam's state is everyone's).
+    ``fresh_servers[step]``: the partitions of ``big`` whose server chains start anew at
+    that step (their server was replaced)."""
     from tests.harness.reference_compressors import RefChain
 
     b1, b2 = betas
@@ -58,11 +63,18 @@ def simulate(params: dict, nodes: int, lrs: list[float], shapes: dict, *, betas=
     numel = int(np.prod(shapes["big"]))
     parts = [(o, min(PARTITION, numel - o)) for o in range(0, numel, PARTITION)]
     ef = params.get("ef") == "vanilla"
-    workers = [[RefChain(*reference_codec(params, n), n, "float32", ef, None) for _, n in parts]
-               for _ in range(nodes)]
+    def chains() -> list:
+        return [RefChain(*reference_codec(params, n), n, "float32", ef, None) for _, n in parts]
+
+    workers = [chains() for _ in range(nodes)]
     servers = [RefChain(*reference_codec(params, n), n, "float32", ef, None) for _, n in parts]
     applied = 0
     for step, lr in enumerate(lrs):
+        for node, joined_at in (fresh_workers or {}).items():
+            if step == joined_at:
+                workers[node] = chains()
+        for i in (fresh_servers or {}).get(step, []):
+            servers[i] = chains()[i]
         present = list(range(nodes)) if members is None else members[step]
         if present is None:
             continue

@@ -196,15 +196,9 @@ def rejoin_train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> di
         engine.barrier()
     history, skipped = {}, []
     for step in range(start, cfg["stop"]):
-        marker = out / f"killed{rank}"
-        if (rank, step) == tuple(cfg["kill"]) and not marker.exists():
-            marker.write_text("")
-            os.kill(os.getpid(), signal.SIGKILL)
-        if step == cfg["wait_at"] and rt.node_id != victim_node and engine is not None:
-            deadline = time.monotonic() + 90  # the victim starts again: seconds
-            while engine.announced_generation < 2:
-                assert time.monotonic() < deadline, "the restarted node never joined"
-                time.sleep(0.01)
+        kill_once(cfg, rank, step, out)
+        if rt.node_id != victim_node:
+            wait_for_join(cfg, step, engine)
         history.update({f"{n}@{step}": v for n, v in params().items()})
         for group in optimizer.param_groups:
             group["lr"] = cfg["lrs"][step]
@@ -241,6 +235,27 @@ def ddp_hook_job(run: dict, rank: int, shapes: dict, lr: float, goal: dict) -> t
         optimizer.step()
 
     return model, optimizer, state, train_step
+
+
+def kill_once(cfg: dict, rank: int, step: int, out: Path) -> None:
+    """``cfg["kill"]`` = [rank, step]: that rank kills itself (SIGKILL) at the start of
+    that step, once: a file marks it, so the restarted process goes on."""
+    marker = out / f"killed{rank}"
+    if (rank, step) == tuple(cfg["kill"]) and not marker.exists():
+        marker.write_text("")
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def wait_for_join(cfg: dict, step: int, engine) -> None:
+    """On a local rank 0 of a node present (``engine``; None on the other local ranks):
+    at the start of step ``cfg["wait_at"]``, wait until the scheduler announced the
+    restarted node's join (membership generation 2)."""
+    if step != cfg["wait_at"] or engine is None:
+        return
+    deadline = time.monotonic() + 90  # the victim starts again: seconds
+    while engine.announced_generation < 2:
+        assert time.monotonic() < deadline, "the restarted node never joined"
+        time.sleep(0.01)
 
 
 def leave(cfg: dict, rank: int, step: int, out: Path, where: str = "start") -> None:

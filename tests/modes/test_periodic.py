@@ -25,6 +25,8 @@ from tests.harness.trainer_job import (
     SHAPES,
     SIM_CASES,
     initial_params,
+    kill_once,
+    kill_server,
     leave,
     local_step,
     make_model,
@@ -32,6 +34,7 @@ from tests.harness.trainer_job import (
     reference_codec,
     sgd_momentum,
     targets,
+    wait_for_join,
     worker_main,
 )
 from tests.harness.trainer_job import launch as trainer_launch
@@ -57,18 +60,18 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
 
     tag, lrs = run["tag"], cfg.get("lrs", LRS)
     model = make_model(rank, shapes)
-    buffered = run.get("buffer", True)  # a float buffer (not with --min-workers)
+    buffered = run.get("buffer", True)  # a float buffer
     if buffered:
         model.register_buffer("running", torch.full((3,), float(rank + 1)))  # rank 0's
     optimizer = torch.optim.SGD(model.parameters(), lr=lrs[0], momentum=MOMENTUM)
     trainer = bps.DistributedTrainer(model, optimizer, run["params"], **run["mode"])
-    start = run.get("start", 0)
-    if start:
+    start = run.get("start", trainer.step_count)  # a node that joined: the sender's count
+    if "start" in run:
         checkpoint = torch.load(out / f"ckpt{tag}{rank}.pt", weights_only=False)
         model.load_state_dict(checkpoint["model"])
         trainer.load_state_dict(checkpoint["trainer"])
     goal = {name: torch.from_numpy(t) for name, t in targets(rank, shapes).items()}
-    report = {"bytes": [], "applied": [], "refused": []}
+    report = {"bytes": [], "applied": [], "refused": [], "start": start}
     if run["mode"]:  # the synchronous trainer (PLAIN) has both
         try:  # neither mode has a step for synchronize() to wait for, nor runs join()
             trainer.synchronize()
@@ -80,7 +83,12 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
         except NotImplementedError as exc:
             report["refused"].append(str(exc))
     for step in range(start, run.get("stop", len(lrs))):
+        kill_server(cfg, rank, step, out)
         leave(cfg, rank, step, out)
+        if "kill" in cfg:
+            kill_once(cfg, rank, step, out)
+            if rank != cfg["kill"][0]:
+                wait_for_join(cfg, step, bps.core.runtime.get().engine)
         for group in optimizer.param_groups:
             group["lr"] = lrs[step]
         trainer.zero_grad()
@@ -141,13 +149,32 @@ class RefPipeline:
             self.servers[name] = [RefChain(*reference_codec(params, n), n, "float32", True,
                                            None) for _, n in parts]
         self.local_momentum = {n: np.zeros(s, np.float32) for n, s in shapes.items()}
+        self.params, self.partition = params, partition
+
+    def renew_server(self, name: str, index: int) -> None:
+        """Partition ``index`` of ``name``'s server chain starts anew (its server was
+        replaced: its error feedback is lost)."""
+        from tests.harness.reference_compressors import RefChain
+
+        n = self.parts[name][index][1]
+        self.servers[name][index] = RefChain(*reference_codec(self.params, n), n, "float32",
+                                             True, None)
+
+    def renew_worker(self, node: int) -> None:
+        """Node ``node``'s chains start anew (it joined the job again)."""
+        fresh = RefPipeline(self.params, 1, self.shapes, self.compressed,
+                            self.partition)
+        for name in self.compressed:
+            self.workers[name][node] = fresh.workers[name][0]
 
     def aggregate(self, shares: list[dict], lr: float, present: list[int] | None = None
                   ) -> dict:
         """The step's aggregate of ``shares`` (one per node, by node id) of the nodes
-        ``present`` (default: all)."""
+        ``present`` (default: all); a node present without a share pushed zero markers
+        (no chain runs, nothing is added)."""
         f32 = np.float32
-        present = list(range(self.nodes)) if present is None else present
+        present = list(range(self.nodes)) if present is None else \
+            [r for r in present if r in shares]
         out = {}
         for n, shape in self.shapes.items():
             if n in self.compressed:
@@ -246,7 +273,9 @@ def outer_step(anchor: np.ndarray, avg: np.ndarray, momentum: np.ndarray | None,
 def simulate_streaming(params: dict, every: int, fragments: int, overlap: int,
                        outer: dict | None, nan_at: int | None = None, shapes: dict = SHAPES,
                        nodes: int = NODES, lrs: list[float] = LRS, buffers: bool = True,
-                       death: tuple[int, int] | None = None) -> list[dict]:
+                       death: tuple[int, int] | None = None,
+                       server_death: tuple[int, list[tuple[int, str, int]]] | None = None,
+                       rejoin: tuple[int, int, int] | None = None) -> list[dict]:
     """Local SGD with momentum on each node; after local step s with s % (every /
     fragments) == 0 the next fragment's deltas go through that fragment's own pipeline
     and its outer update lands after step s + overlap, each node keeping its local
@@ -257,7 +286,14 @@ def simulate_streaming(params: dict, every: int, fragments: int, overlap: int,
     fragment back to its anchor on every node, the buffers as they are. ``death``:
     (node, step): that node is gone from the start of that step (no round in flight
     then); the first round pushed after it is dropped as a skipped one, the later ones
-    average the nodes present."""
+    average the nodes present. ``server_death``: (step, moved): a server is replaced at
+    the start of that step (no round in flight then): the first round pushed after it is
+    dropped, and the server chains ``moved`` ((fragment, piece, partition) each) start
+    anew. ``rejoin``: (node, d, j): that node dies, the round pushed after local step
+    ``d`` (counted from 1) is dropped, the later ones average the others; the round
+    pushed after ``j`` is dropped for its join: when it lands the node joins with node
+    0's parameters, momentum and buffer and chains anew; in a round pushed at that same
+    step it pushes zero markers (counted in the divisor, its buffer counted too)."""
     f32 = np.float32
     outer = outer or {"optimizer": "average"}
     defaults = {"average": (1.0, 0.0), "sgd": (1.0, 0.0), "nesterov": (0.7, 0.9)}
@@ -290,12 +326,25 @@ def simulate_streaming(params: dict, every: int, fragments: int, overlap: int,
     rounds = []  # (fragment, lands at, avg by piece, start [node][piece], buffer round)
     dropping = False  # the first round after a death is dropped
 
+    joined_at = None  # the local step after which the rejoining node is back
+
     def land(due: tuple) -> None:
+        nonlocal joined_at
         fragment, lands, pushed, avg, start, pending = due
         if avg is None:  # skipped
             for n, rows in plan[fragment]:
                 for r in present:
                     view(ws[r], n, rows)[...] = view(anchor, n, rows)
+            if rejoin is not None and pushed == rejoin[2]:
+                node = rejoin[0]
+                ws[node] = {n: v.copy() for n, v in ws[0].items()}
+                bufs[node] = {n: None if v is None else v.copy() for n, v in bufs[0].items()}
+                running[node] = running[0].copy()
+                for pipe in pipes:
+                    pipe.renew_worker(node)
+                present.append(node)
+                present.sort()
+                joined_at = lands
             return
         for n, rows in plan[fragment]:
             name = piece_name(n, rows)
@@ -321,6 +370,11 @@ def simulate_streaming(params: dict, every: int, fragments: int, overlap: int,
             assert not rounds, "a death with a round in flight: not simulated"
             present.remove(death[0])
             dropping = True
+        if server_death is not None and step == server_death[0]:
+            assert not rounds, "a server replaced with a round in flight: not simulated"
+            for fragment, name, index in server_death[1]:
+                pipes[fragment].renew_server(name, index)
+            dropping = True
         for r in present:
             goal = targets(r, shapes)
             grads = {n: (ws[r][n] - goal[n]).astype(f32) for n in shapes}  # before the NaN
@@ -335,13 +389,20 @@ def simulate_streaming(params: dict, every: int, fragments: int, overlap: int,
         if s % period:
             continue
         fragment = (s // period - 1) % fragments
+        if rejoin is not None and s == rejoin[1]:
+            present.remove(rejoin[0])
+            dropping = True
+        if rejoin is not None and s == rejoin[2]:
+            dropping = True
         shares, start = {}, {}
         for r in present:
+            start[r] = {piece_name(n, rows): view(ws[r], n, rows).copy()
+                        for n, rows in plan[fragment]}
+            if s == joined_at and r == rejoin[0]:
+                continue  # zero markers
             shares[r] = {piece_name(n, rows): (((view(anchor, n, rows) - view(ws[r], n, rows))
                                                 .astype(f32) / f32(len(present))).astype(f32))
                          for n, rows in plan[fragment]}
-            start[r] = {piece_name(n, rows): view(ws[r], n, rows).copy()
-                        for n, rows in plan[fragment]}
         finite = all(np.isfinite(v).all() for share in shares.values() for v in share.values())
         avg = pipes[fragment].aggregate(shares, float(lr_out), present) \
             if finite and not dropping else None
@@ -510,14 +571,15 @@ def test_overlap_modes_match_simulation_and_resume_exactly(tmp_path):
 
 def test_streaming_syncs_go_on_over_the_nodes_left(tmp_path):
     """``--min-workers 2`` of 3 nodes, streaming onebit syncs (H = 4, two fragments, an
-    overlap of one step; a model without float buffers): node 2 is killed (SIGKILL) at
-    the start of step 5, with no round in flight. The round pushed after step 5
-    (fragment 0) is dropped on both survivors and puts that fragment back to its anchor;
-    the rounds after it average the two survivors' deltas, each fragment's pipeline
-    dividing by two. The survivors end bit-identical to the simulation."""
+    overlap of one step; a float buffer averaged with the last fragment): node 2 is
+    killed (SIGKILL) at the start of step 5, with no round in flight. The round pushed
+    after step 5 (fragment 0) is dropped on both survivors and puts that fragment back
+    to its anchor; the rounds after it average the two survivors' deltas, each
+    fragment's pipeline dividing by two, and the buffer's mean the survivors' buffers.
+    The survivors end bit-identical to the simulation."""
     params, every, fragments, overlap, outer = STREAMING["onebit"]
     lrs = LRS + [0.25, 0.5]
-    run = {"tag": "elastic", "params": params, "buffer": False,
+    run = {"tag": "elastic", "params": params,
            "mode": {"sync_every": every, "fragments": fragments, "overlap": overlap}}
     result = trainer_launch({"runs": [run], "lrs": lrs, "leave": [2, 5, "SIGKILL"]},
                             tmp_path, 3, 2, env={"BPS_TIMEOUT": "60"}, timeout=180,
@@ -529,11 +591,108 @@ def test_streaming_syncs_go_on_over_the_nodes_left(tmp_path):
     # the round pushed after step 5 lands after step 6: applied nowhere
     assert reports[0]["applied"] == reports[1]["applied"] == [s != 6 for s in range(10)]
     expected = simulate_streaming(params, every, fragments, overlap, outer, nodes=3,
-                                  lrs=lrs, buffers=False, death=(2, 5))
+                                  lrs=lrs, death=(2, 5))
     for r in (0, 1):
         final = load_params(tmp_path, "elastic", r)
-        assert set(final) == set(SHAPES), final.keys()
+        assert set(final) == {*SHAPES, "running"}, final.keys()
+        for n in final:
+            np.testing.assert_array_equal(final[n], expected[r][n], err_msg=f"rank {r}: {n}")
+
+
+def test_local_sgd_with_a_float_buffer_goes_on_over_the_nodes_left(tmp_path):
+    """``--min-workers 2`` of 3 nodes, local SGD (H = 4, onebit with error feedback and
+    Nesterov momentum, a float buffer averaged after each round): node 2 is killed at
+    the start of step 5; the round after step 7 is dropped (both survivors back to the
+    anchor, their buffers as they are), the round after step 11 averages the two
+    survivors' deltas and buffers. The survivors end bit-identical to the simulation
+    (one fragment, no overlap)."""
+    params, _, _, _, outer = STREAMING["onebit"]
+    lrs = LRS + [0.25, 0.5, 0.5, 0.25]
+    run = {"tag": "elastic", "params": params, "mode": {"sync_every": 4}}
+    result = trainer_launch({"runs": [run], "lrs": lrs, "leave": [2, 5, "SIGKILL"]},
+                            tmp_path, 3, 2, env={"BPS_TIMEOUT": "60"}, timeout=180,
+                            module=__name__, options=("--min-workers", "2"))
+    assert result.returncode == 0, result.stdout[-3000:]
+    reports = [json.loads((tmp_path / f"report{r}.json").read_text())["elastic"]
+               for r in (0, 1)]
+    assert reports[0]["applied"] == reports[1]["applied"] == [s != 7 for s in range(12)]
+    expected = simulate_streaming(params, 4, 1, 0, outer, nodes=3, lrs=lrs, death=(2, 5))
+    for r in (0, 1):
+        final = load_params(tmp_path, "elastic", r)
+        for n in final:
+            np.testing.assert_array_equal(final[n], expected[r][n], err_msg=f"rank {r}: {n}")
+
+
+def test_streaming_syncs_go_on_when_a_spare_takes_a_killed_servers_keys(tmp_path):
+    """``--spare-servers 1``, 2 nodes, the streaming onebit syncs above: server 1 is
+    killed (SIGKILL) at the start of step 5, with no round in flight, and the spare takes
+    its keys. The round pushed after step 5 is dropped on both nodes; the server chains
+    of the keys it held restart at zero: fragment 0's second partition (its two spread
+    over both servers) and both of fragment 1's (its raw key, the largest payload, went
+    to server 0 first). Both nodes end as the simulation, bit for bit; a round of each
+    fragment lands after the replacement."""
+    params, every, fragments, overlap, outer = STREAMING["onebit"]
+    lrs = LRS + [0.25, 0.5, 0.5, 0.25]
+    run = {"tag": "spare", "params": params, "buffer": False,
+           "mode": {"sync_every": every, "fragments": fragments, "overlap": overlap}}
+    result = trainer_launch({"runs": [run], "lrs": lrs, "kill_server": [1, 5]}, tmp_path,
+                            2, 2, env={"BPS_TIMEOUT": "60"}, timeout=180, module=__name__,
+                            options=("--spare-servers", "1"))
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "server 1 is now served from" in result.stdout, result.stdout[-3000:]
+    reports = [json.loads((tmp_path / f"report{r}.json").read_text())["spare"]
+               for r in (0, 1)]
+    assert reports[0]["applied"] == reports[1]["applied"] == [s != 6 for s in range(12)]
+    moved = [(0, "big[0:16]", 1), (1, "big[16:30]", 0), (1, "big[16:30]", 1)]
+    expected = simulate_streaming(params, every, fragments, overlap, outer, nodes=2,
+                                  lrs=lrs, buffers=False, server_death=(5, moved))
+    # the simulation tells each reset apart: without any one of them a node differs
+    for kept in range(len(moved)):
+        other = simulate_streaming(params, every, fragments, overlap, outer, nodes=2,
+                                   lrs=lrs, buffers=False,
+                                   server_death=(5, moved[:kept] + moved[kept + 1:]))
+        assert any(not np.array_equal(other[r]["big"], expected[r]["big"]) for r in (0, 1))
+    for r in (0, 1):
+        final = load_params(tmp_path, "spare", r)
         for n in SHAPES:
+            np.testing.assert_array_equal(final[n], expected[r][n], err_msg=f"rank {r}: {n}")
+
+
+def test_a_restarted_worker_node_joins_streaming_syncs_in_the_round_in_flight(tmp_path):
+    """``--min-workers 2 --max-restarts 1``, 3 nodes, streaming topk syncs (H = 4, two
+    fragments, an overlap of two steps: a round is always in flight; a float buffer):
+    node 2 kills itself at the start of step 4 and is started again; the others wait at
+    step 8 until it joined. The death drops one round, the join another (which ones, by
+    timing: the survivors' reports say); the round pushed when the join's round lands
+    was divided by three and waits for the joiner, which pushes zero markers for it and
+    applies it with everyone. Every node ends as the simulation, bit for bit."""
+    params, every, fragments, overlap, outer = STREAMING["topk"]
+    lrs = LRS + LRS
+    run = {"tag": "rejoin", "params": params,
+           "mode": {"sync_every": every, "fragments": fragments, "overlap": overlap,
+                    "outer": outer}}
+    result = trainer_launch({"runs": [run], "lrs": lrs, "kill": [2, 4], "wait_at": 8},
+                            tmp_path, 3, 2, env={"BPS_TIMEOUT": "60"}, timeout=240,
+                            module=__name__,
+                            options=("--min-workers", "2", "--max-restarts", "1"))
+    assert result.returncode == 0, result.stdout[-6000:]
+    assert "joined: worker nodes [0, 1, 2] (membership generation 2)" in result.stdout, \
+        result.stdout[-6000:]
+    reports = [json.loads((tmp_path / f"report{r}.json").read_text())["rejoin"]
+               for r in range(3)]
+    assert reports[0]["applied"] == reports[1]["applied"], reports
+    # a round pushed after local step s lands after s + overlap: False at step s + 1
+    dropped = [step + 1 - overlap for step, applied in enumerate(reports[0]["applied"])
+               if not applied]
+    assert len(dropped) == 2 and 4 <= dropped[0] < 8 <= dropped[1], reports
+    start = reports[2]["start"]
+    assert start == dropped[1] + overlap and all(reports[2]["applied"]), reports
+    expected = simulate_streaming(params, every, fragments, overlap, outer, nodes=3,
+                                  lrs=lrs, rejoin=(2, *dropped))
+    for r in range(3):
+        final = load_params(tmp_path, "rejoin", r)
+        assert set(final) == {*SHAPES, "running"}, final.keys()
+        for n in final:
             np.testing.assert_array_equal(final[n], expected[r][n], err_msg=f"rank {r}: {n}")
 
 
