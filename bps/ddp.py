@@ -32,6 +32,19 @@ Example (every worker process runs the script under ``bpslaunch``)::
     >>> torch.save({"model": ddp.state_dict(), "optimizer": optimizer.state_dict(),
     ...             "hook": state.state_dict()}, f"ckpt{dist.get_rank()}.pt")
 
+In an elastic job where a worker node may join while it runs (``bpslaunch local
+--min-workers M --max-restarts N``), DDP runs over a group of the node's own processes
+(:func:`init_process_group`) and the model's first sync across nodes comes from bps
+(``HookState(module=...)``): a restarted node cannot enter a group of every node, but
+it can make a group of its own and take the state of a node present::
+
+    >>> bps.init()
+    >>> bps.ddp.init_process_group("gloo")        # rank: local rank; world: local size
+    >>> ddp = DistributedDataParallel(model)
+    >>> state = bps.ddp.HookState(params, optimizer=optimizer, module=model)
+    >>> for step in range(state.step_count, total):   # a joiner starts where it joined
+    ...     ...
+
 The learning rate the chains get (error feedback's ``lr_prev / lr_now``) is read from
 ``optimizer`` at every push, the parameter's own group; without an optimizer it is 1.0
 (a constant rate: the ratio is 1). ``momentum: "nesterov"`` takes ``mu`` from
@@ -45,6 +58,7 @@ buckets). docs/ddp.md has the details.
 
 # No ``from __future__ import annotations``: DDP's register_comm_hook checks the hook's
 # annotations as objects (``bucket: dist.GradBucket``).
+import datetime
 import logging
 import threading
 import time
@@ -54,11 +68,13 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from bps.core import rejoin
 from bps.core import runtime as bps_runtime
 from bps.core.compressed_adam import AdamCoupling, check_adam
 from bps.core.frontend import FrontEndCore, momentum_off
+from bps.core.model_sync import broadcast_model, check_same_model
 
-__all__ = ["HookState", "ps_hook"]
+__all__ = ["HookState", "init_process_group", "ps_hook"]
 
 log = logging.getLogger("bps")
 
@@ -99,6 +115,65 @@ def _raise_unless_ran(state: "HookState | None") -> None:
                            "parameter was changed)")
 
 
+def init_process_group(backend: str = "gloo",
+                       timeout: datetime.timedelta | None = None) -> None:
+    """Initialise torch.distributed's default group over this worker node's own
+    processes: rank ``bps.local_rank()`` of ``bps.local_size()``, rendezvous at the
+    node's local master (``BPS_LOCAL_MASTER_ADDR`` / ``PORT``, under a prefix of its own
+    in the store bps's node-local group meets at). DDP's own collectives (the
+    constructor's broadcast, buffers, unused parameters) then stay inside the node;
+    across nodes only the bps servers carry the gradients, and ``HookState(module=...)``
+    gives every node node 0's model. A worker node restarted into a running job can
+    make such a group and join (docs/ddp.md, "Elastic jobs"). ``timeout``: the group's
+    (torch's default where None). Calls ``bps.init()`` first (idempotent).
+
+    Example::
+
+        >>> bps.init()
+        >>> bps.ddp.init_process_group("gloo")     # "nccl" with a GPU per local rank
+        >>> ddp = DistributedDataParallel(model)
+    """
+    rt = bps_runtime.init()
+    if rt.local_size == 1:
+        store = dist.HashStore()  # a group of one meets nobody
+    else:
+        # bps's node-local group serves this store on local rank 0; under the node agent
+        # (BPS_NODE_AGENT=1) nobody does, and local rank 0 serves it here
+        store = dist.TCPStore(rt.env.local_master_addr, rt.env.local_master_port,
+                              is_master=bool(rt.env.node_agent) and rt.local_rank == 0,
+                              timeout=datetime.timedelta(seconds=rt.env.timeout),
+                              wait_for_workers=False)
+    options = {} if timeout is None else {"timeout": timeout}
+    dist.init_process_group(backend, store=dist.PrefixStore("bps.ddp/", store),
+                            rank=rt.local_rank, world_size=rt.local_size, **options)
+
+
+def _world_size() -> int | None:
+    """The default group's size (None: torch.distributed is not initialised)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return None
+
+
+def group_refusal(rt, world_size: int | None) -> str | None:
+    """Why joining node ``rt`` cannot join with DDP's default group of ``world_size``
+    processes (None: not initialised): it can only with a group of its own node's
+    processes (:func:`init_process_group`); None where it can, or is no joiner.
+
+        >>> group_refusal(rt, 6)  # a joiner of node 2, 2 local ranks, a group of all nodes
+        "worker node 2 started after the job began, but DDP's process group spans 6 ..."
+    """
+    if not rt.joining or world_size == rt.local_size:
+        return None
+    what = "torch.distributed is not initialised" if world_size is None else \
+        f"DDP's process group spans {world_size} processes, not this node's {rt.local_size}"
+    return (f"worker node {rt.node_id} started after the job began, but {what}: a node "
+            "joins a running job through the DDP hook only where DDP's group is its own "
+            "node's processes: call bps.ddp.init_process_group() instead of "
+            "dist.init_process_group() on every node, before HookState (docs/ddp.md, "
+            "'Elastic jobs')")
+
+
 class HookState:
     """The state of :func:`ps_hook`: the front-end core and the step's buckets.
 
@@ -111,9 +186,13 @@ class HookState:
             it the chains get a constant rate, and ``nesterov`` needs ``mu``. May be set
             later as ``state.optimizer`` (for the learning rate; with ``nesterov`` its
             momentum is turned off then).
-        module: optional, the model (or the DDP wrapper): names the parameters in keys,
-            logs, errors and checkpoints; else they are ``param0``, ``param1``, ... in
-            model order.
+        module: the model (or the DDP wrapper): names the parameters in keys, logs,
+            errors and checkpoints; else they are ``param0``, ``param1``, ... in model
+            order. Needed where DDP's group is node-local (:func:`init_process_group`)
+            on several worker nodes: the state then checks that every rank has the
+            same parameters and buffers and gives every rank node 0's (as
+            ``DistributedTrainer`` does), and a joining node loads the model of a node
+            present into it.
         scaler: the ``torch.amp.GradScaler`` whose ``scale(loss)`` the backward passes use,
             if any: the chains then see scaled gradients, and follow each change of
             scale (error feedback through the learning rate, ``lr * first_scale /
@@ -126,6 +205,13 @@ class HookState:
     optimizer; of any where it has none) raises, and ``close()`` warns: the hook was
     never registered (Lightning's ``DDPStrategy`` registers it only on CUDA; see
     :mod:`bps.lightning`).
+
+    A worker node that joins a running job (``BPS_MIN_WORKERS``; DDP's group
+    node-local) joins when its state is made: it takes the model, the optimizer's state,
+    the step counters, the loss scale and the local momentum of the lowest-numbered node
+    present (its own chains start at zero), and ``step_count`` says where its loop
+    starts. The nodes present send that state as their next step starts after the join
+    (or at ``close()``).
 
     ``state_dict()`` / ``load_state_dict()`` carry the step counters, the local momentum
     (by parameter name), the scaler's first and last scales and (local rank 0) every
@@ -140,15 +226,6 @@ class HookState:
                  optimizer: torch.optim.Optimizer | None = None,
                  module: torch.nn.Module | None = None,
                  scaler: torch.amp.GradScaler | None = None) -> None:
-        try:
-            rt = bps_runtime.get()
-        except RuntimeError:  # bps.init() comes later
-            rt = None
-        if rt is not None and rt.joining:
-            raise RuntimeError(
-                f"worker node {rt.node_id} started after the job began, but the DDP hook "
-                "cannot join a running job (DDP's process group is fixed when it starts); "
-                "bps.DistributedTrainer can (docs/runtime.md, 'Joining and --max-restarts')")
         self._setup(FrontEndCore(compression_params, optimizer,
                                  skip_means="gives NaN gradients instead",
                                  skipped_as="the gradients are NaN"), module, None)
@@ -158,6 +235,49 @@ class HookState:
                 raise ValueError("compressed Adam (compression_params['freeze_step']) takes "
                                  "no GradScaler: after the freeze .grad holds Adam's momentum")
         self.scaler = scaler
+        try:
+            rt = bps_runtime.get()
+        except RuntimeError:  # bps.init() comes later
+            rt = None
+        if rt is not None and rt.joining:
+            self._join(rt)
+        elif rt is not None and self._node_local(rt):
+            self._sync_model(rt)
+
+    def _node_local(self, rt) -> bool:
+        """Whether DDP's group is this node's processes on a job of several nodes: the
+        model's sync across nodes is then bps's."""
+        return rt.num_nodes > 1 and _world_size() == rt.local_size
+
+    def _sync_model(self, rt) -> None:
+        """Every rank checks its model against rank 0's and takes node 0's (over the
+        servers), as ``DistributedTrainer`` does: DDP's broadcast stays in the node."""
+        if self.module is None:
+            raise ValueError(
+                "bps.ddp: DDP's process group is this node's processes "
+                "(bps.ddp.init_process_group), so the model's sync across worker nodes is "
+                "bps's: give HookState module= (the model or the DDP wrapper)")
+        check_same_model(rt, self.module)
+        broadcast_model(rt, self.module)
+        self._synced = True
+
+    def _join(self, rt) -> None:
+        """A worker node that started after the job began: become a member and load the
+        model and optimizer state of the node present that sends it (the pipeline's
+        part when the keys are declared, :meth:`_build`)."""
+        refusal = rejoin.join_refusal(rt) or group_refusal(rt, _world_size())
+        if refusal is None and self.core.params["freeze_step"] is not None:
+            refusal = (f"worker node {rt.node_id} started after the job began, but the DDP "
+                       "hook takes no joiner with compressed Adam (freeze_step)")
+        if refusal is None and self.module is None:
+            refusal = (f"worker node {rt.node_id} started after the job began: to join the "
+                       "running job HookState needs module= (the model or the DDP wrapper), "
+                       "which takes the model of the node present")
+        if refusal is not None:
+            raise ValueError(refusal)
+        joined = rejoin.join_job(rt)
+        rejoin.load_model_state(joined, self.module, self.core.optimizer)
+        self._joined, self._synced = joined, True
 
     def _setup(self, core: FrontEndCore, module, loaded: dict | None,
                names: list[str] | None = None) -> None:
@@ -178,6 +298,10 @@ class HookState:
             lambda opt, args, kwargs: _check_ran(ref, opt, args, kwargs))
         weakref.finalize(self, self._unran_check.remove)  # a state dropped unclosed
         self._adam: AdamCoupling | None = None  # compressed Adam (freeze_step), once built
+        self._synced = False  # whether this state gave every node node 0's model
+        self._joined: dict | None = None  # a joining node's state, for the pipeline
+        self._first_key = 0  # the pipeline's first key: a joiner takes the same
+        self._members: list[int] | None = None  # nodes present before a join, to send to
 
     @property
     def params(self) -> dict:
@@ -260,12 +384,20 @@ class HookState:
     def _build(self, params: list[torch.Tensor]) -> None:
         """Plan and declare every parameter's keys (the first step's last bucket)."""
         rt = bps_runtime.init()
-        if dist.is_available() and dist.is_initialized() and (
-                dist.get_rank() != rt.rank or dist.get_world_size() != rt.size):
+        world = _world_size()
+        if world is not None and (dist.get_rank(), world) not in (
+                (rt.rank, rt.size), (rt.local_rank, rt.local_size)):
             raise RuntimeError(
-                f"bps.ddp: torch.distributed rank {dist.get_rank()} of "
-                f"{dist.get_world_size()} is bps rank {rt.rank} of {rt.size}: run "
-                "init_process_group with the RANK and WORLD_SIZE that bpslaunch exports")
+                f"bps.ddp: torch.distributed rank {dist.get_rank()} of {world} is bps rank "
+                f"{rt.rank} of {rt.size} (local rank {rt.local_rank} of {rt.local_size}): "
+                "run init_process_group with the RANK and WORLD_SIZE that bpslaunch "
+                "exports, or bps.ddp.init_process_group() for a group of the node")
+        if not self._synced and self._node_local(rt):
+            raise RuntimeError(
+                "bps.ddp: DDP's process group is this node's processes "
+                "(bps.ddp.init_process_group), but this HookState was made before it (or "
+                "before bps.init()), so nobody gave every worker node node 0's model: make "
+                "the HookState after both, with module=")
         names = {}
         if self.module is not None:
             names = {id(p): n for n, p in self.module.named_parameters()}
@@ -275,6 +407,9 @@ class HookState:
             named = list(zip(saved, params, strict=True))
         else:
             named = [(names.get(id(p), f"param{i}"), p) for i, p in enumerate(params)]
+        if self._joined is not None:  # the keys the nodes present gave these parameters
+            rt.skip_keys_to(self._joined["first_key"])
+        self._first_key = rt.next_key()
         self.core.build(rt, self.core.grad_tensors(named), on_step_start=self._step_start,
                         on_step_done=self._settle, on_error=self._fail)
         if self.core.params["freeze_step"] is not None:
@@ -286,8 +421,41 @@ class HookState:
         if self._loaded is not None:
             loaded, self._loaded = self._loaded, None
             self._load(loaded)
+        if self._joined is not None:
+            joined, self._joined = self._joined, None
+            rejoin.load_pipeline_state(self.core, joined)
+            rt.skip_keys_to(joined["next_key"])
+
+    @property
+    def step_count(self) -> int:
+        """Synchronised steps so far, applied or skipped (``no_sync()`` passes are not
+        steps). A node that joined a running job starts from the count of the node it
+        took the state from: ``for step in range(state.step_count, total)`` runs the
+        same steps on every node."""
+        pipe = self.core.pipeline
+        if pipe is not None:
+            return pipe.wire_step
+        saved = self._joined or self._loaded or {}
+        return int(saved.get("wire_step", saved.get("step", 0)))
+
+    def _publish(self) -> None:
+        """Where worker nodes joined in the last step, the lowest-numbered node that
+        was present sends them the state (after the user's optimizer step: as the next
+        step starts, or at close())."""
+        before, self._members = self._members, None
+        if before is not None:
+            rejoin.publish_if_joined(self.core.runtime, before, self._join_state)
+
+    def _join_state(self) -> dict:
+        """What a joining node loads (:meth:`_join`, :meth:`_build`)."""
+        if self.module is None:
+            raise RuntimeError("bps.ddp: a worker node joined the job, but this HookState "
+                               "has no module= whose model it could send the joiner")
+        return {**rejoin.front_end_state(self.core, self.module, self.core.optimizer),
+                "first_key": self._first_key, "next_key": self.core.runtime.next_key()}
 
     def _step_start(self) -> None:
+        self._publish()
         self._started_ns = time.monotonic_ns()
         if self.core.scaler is None and self.core.loss_scale.first is not None:
             raise ValueError("bps.ddp: this HookState was saved with a GradScaler: set "
@@ -297,7 +465,10 @@ class HookState:
         """Every parameter of the step has its average (broadcast thread): settle the
         step on every local rank, count it, and give DDP its buckets back."""
         core, pipe = self.core, self.core.pipeline
+        before = core.runtime.members
         skip = pipe.finish()
+        if core.runtime.members != before:  # worker nodes joined: sent as the next starts
+            self._members = before
         nonfinite = skip is not None and skip.reason == "nonfinite"
         dropped = skip is not None and skip.reason == "membership"  # worker nodes left
         step = pipe.step
@@ -377,6 +548,7 @@ class HookState:
                                  skip_means="gives NaN gradients instead",
                                  skipped_as="the gradients are NaN"), None, saved["state"],
                     saved.get("names"))
+        self._synced = True  # a resumed job: every rank loads the model it saved
 
     def close(self) -> None:
         """Stop the pipeline's threads (the hook must not run again). A state whose hook
@@ -385,6 +557,8 @@ class HookState:
         if not self.ran:
             log.warning("bps.ddp: HookState.close(): %s, so nothing went through bps",
                         NOT_REGISTERED)
+        if self.core.pipeline is not None:
+            self._publish()  # nodes that joined in the last step get the final state
         if self._adam is not None:
             self._adam.close()
         self.core.close()

@@ -42,7 +42,14 @@ from bps.compressors.warm import load_soon
 from bps.core import runtime as bps_runtime
 from bps.core.frontend import FrontEndCore, NonFiniteGradientError
 from bps.core.model_sync import ModelMismatchError, broadcast_model, check_same_model
-from bps.core.rejoin import join_job, join_refusal, publish_if_joined
+from bps.core.rejoin import (
+    front_end_state,
+    join_job,
+    join_refusal,
+    load_model_state,
+    load_pipeline_state,
+    publish_if_joined,
+)
 from bps.modes import choose
 from bps.modes.compressed_adam import validate_compressed_adam
 from bps.modes.delayed import validate_staleness
@@ -236,25 +243,15 @@ class DistributedTrainer:
     def _join_state(self) -> dict:
         """What a node joining the job loads (:mod:`bps.core.rejoin`); not the chains'
         error feedback and momentum, which start at zero on the joiner."""
-        pipe, rt = self.core.pipeline, self.core.runtime  # no pipeline: streaming's own
-        counters = {} if pipe is None else {
-            "step": pipe.step, "wire_step": pipe.wire_step,
-            "local_momentum": pipe.momentum_state()}  # of raw parts: the same everywhere
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "steps": self._steps, **counters, "scale": self.core.loss_scale.state(),
-                "mode": self.mode.join_state(), "first_key": self._first_key,
-                "next_key": rt.next_key()}
+        return {**front_end_state(self.core, self.model, self.optimizer),
+                "steps": self._steps, "mode": self.mode.join_state(),
+                "first_key": self._first_key, "next_key": self.core.runtime.next_key()}
 
     def _load_joined(self, state: dict) -> None:
         """Load what the node that sent the state had (:meth:`_join_state`)."""
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        pipe = self.core.pipeline
+        load_model_state(state, self.model, self.optimizer)
         self._steps = int(state["steps"])
-        if pipe is not None:
-            pipe.step, pipe.wire_step = int(state["step"]), int(state["wire_step"])
-            pipe.load_momentum_state(state["local_momentum"])
-        self.core.loss_scale.load(state["scale"])
+        load_pipeline_state(self.core, state)
         self.mode.load_join_state(state["mode"])
         self.core.runtime.skip_keys_to(state["next_key"])
 

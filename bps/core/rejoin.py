@@ -13,7 +13,9 @@ dropped everywhere). The joiner loads it and pushes the next step with everyone 
 What travels: the model's parameters and buffers, the optimizer's state, the step
 counters, the loss scale and the step mode's state (``torch.save`` bytes). The joiner's
 own compression chains (error feedback, momentum) start at zero, as the servers'
-state has nothing per node.
+state has nothing per node. Both front ends (``DistributedTrainer``, the DDP hook
+``bps.ddp.HookState``) send :func:`front_end_state` with what is their own, and load it
+with :func:`load_model_state` and :func:`load_pipeline_state`.
 
 Usage (inside ``DistributedTrainer``)::
 
@@ -79,3 +81,44 @@ def publish_if_joined(rt, before: Sequence[int], state: Callable[[], dict]) -> N
     log.warning("bps: worker node %d sent the training state (%d bytes) to worker node(s) "
                 "%s, which join at membership generation %d", rt.node_id, len(blob),
                 sorted(now - set(before)), rt.generation)
+
+
+def front_end_state(core, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+                    ) -> dict:
+    """What every front end sends a joiner (``core``: its
+    :class:`bps.core.frontend.FrontEndCore`): the model, the optimizer's state (None
+    without one), the pipeline's counters and the local momentum of the parts that
+    travel raw (the same on every node; none where the core has no pipeline of its own,
+    a step mode's holding them) and the loss scale; not the chains' error feedback and
+    momentum, which start at zero on the joiner."""
+    pipe = core.pipeline
+    counters = {} if pipe is None else {
+        "step": pipe.step, "wire_step": pipe.wire_step,
+        "local_momentum": pipe.momentum_state()}
+    return {"model": model.state_dict(),
+            "optimizer": None if optimizer is None else optimizer.state_dict(),
+            **counters, "scale": core.loss_scale.state()}
+
+
+def load_model_state(state: dict, model: torch.nn.Module,
+                     optimizer: torch.optim.Optimizer | None) -> None:
+    """Load :func:`front_end_state`'s model and optimizer state; ``ValueError`` where
+    the node that sent it had an optimizer's state and this one has no optimizer."""
+    model.load_state_dict(state["model"])
+    if state["optimizer"] is None:
+        return
+    if optimizer is None:
+        raise ValueError("the node that sent the training state has an optimizer's state, "
+                         "but this joining node has no optimizer to load it into (give "
+                         "HookState optimizer=)")
+    optimizer.load_state_dict(state["optimizer"])
+
+
+def load_pipeline_state(core, state: dict) -> None:
+    """Load :func:`front_end_state`'s counters, local momentum and loss scale into
+    ``core`` (its pipeline built, where it has one)."""
+    pipe = core.pipeline
+    if pipe is not None:
+        pipe.step, pipe.wire_step = int(state["step"]), int(state["wire_step"])
+        pipe.load_momentum_state(state["local_momentum"])
+    core.loss_scale.load(state["scale"])

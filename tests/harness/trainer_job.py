@@ -160,21 +160,35 @@ def rejoin_train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> di
     other local ranks wait for them in the node's sum). A rank that joined saves the
     parameters it started from (``admitted<rank>.npz``); every rank its parameters at
     the start of each step (``history<rank>.npz``, ``name@step``) and at the end; the
-    report: the step it started at, the steps it skipped."""
+    report: the step it started at, the steps it skipped. ``cfg["frontend"] == "ddp"``:
+    the same loop through DDP and the bps hook, DDP over a group of the node's own
+    processes (``bps.ddp.init_process_group``), the model synced across nodes (and a
+    joiner's loaded) by ``HookState(module=...)``."""
     import torch
 
     import bps
 
     rt = bps.core.runtime.get()
     victim_node = cfg["kill"][0] // rt.local_size
-    model = make_model(rank, shapes)
-    optimizer = torch.optim.SGD(model.parameters(), lr=cfg["lrs"][0], momentum=MOMENTUM)
-    trainer = bps.DistributedTrainer(model, optimizer, run["params"], **run.get("mode", {}))
+    goal = {n: torch.from_numpy(t) for n, t in targets(rank, shapes).items()}
+    if cfg.get("frontend") == "ddp":
+        model, optimizer, trainer, train_step = ddp_hook_job(run, rank, shapes, cfg["lrs"][0],
+                                                             goal)
+    else:
+        model = make_model(rank, shapes)
+        optimizer = torch.optim.SGD(model.parameters(), lr=cfg["lrs"][0], momentum=MOMENTUM)
+        trainer = bps.DistributedTrainer(model, optimizer, run["params"],
+                                         **run.get("mode", {}))
+
+        def train_step() -> None:
+            trainer.zero_grad()
+            sum((getattr(model, n) * (getattr(model, n).detach() - goal[n])).sum()
+                for n in shapes).backward()  # grad = w - t_rank exactly
+            trainer.step()
     start = trainer.step_count
     params = lambda: {n: getattr(model, n).detach().numpy().copy() for n in shapes}  # noqa: E731
     if start:
         np.savez(out / f"admitted{rank}.npz", **params())
-    goal = {n: torch.from_numpy(t) for n, t in targets(rank, shapes).items()}
     engine = rt.engine
     if not start and engine is not None:
         # a barrier before training, as loading a checkpoint has: a joiner counts it too,
@@ -188,16 +202,39 @@ def rejoin_train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> di
         history.update({f"{n}@{step}": v for n, v in params().items()})
         for group in optimizer.param_groups:
             group["lr"] = cfg["lrs"][step]
-        trainer.zero_grad()
-        sum((getattr(model, n) * (getattr(model, n).detach() - goal[n])).sum()
-            for n in shapes).backward()  # grad = w - t_rank exactly
-        trainer.step()
+        train_step()
         if trainer.stats()["skipped"]:
             skipped.append(step)
     np.savez(out / f"params{rank}.npz", **params())
     np.savez(out / f"history{rank}.npz", **history)
     trainer.close()
+    if cfg.get("frontend") == "ddp":
+        torch.distributed.destroy_process_group()
     return {"start": start, "skipped": skipped}
+
+
+def ddp_hook_job(run: dict, rank: int, shapes: dict, lr: float, goal: dict) -> tuple:
+    """The DDP side of :func:`rejoin_train`: (model, optimizer, HookState, one training
+    step) of :func:`closed_form`'s module wrapped in DDP over a group of the node's own
+    processes, the bps hook registered."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    import bps.ddp
+
+    bps.ddp.init_process_group("gloo")
+    model = closed_form(rank, shapes)
+    ddp = DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=MOMENTUM)
+    state = bps.ddp.HookState(run["params"], optimizer=optimizer, module=model)
+    ddp.register_comm_hook(state, bps.ddp.ps_hook)
+
+    def train_step() -> None:  # grad = w - t_rank exactly (0.5 * ||w - t||^2, on the CPU)
+        optimizer.zero_grad()
+        ddp(goal).backward()
+        optimizer.step()
+
+    return model, optimizer, state, train_step
 
 
 def kill_once(cfg: dict, rank: int, step: int, out: Path) -> None:
