@@ -27,12 +27,15 @@ WORKERS, VICTIM, AT = 3, 1, 3
 
 
 def simulate_stale(members: list[list[int] | None], lrs: list[float] = LRS,
-                   joined: tuple[int, int] | None = None) -> dict:
+                   joined: tuple[int, int] | None = None,
+                   fresh_servers: tuple[int, list[int]] | None = None) -> dict:
     """Step t pushes round t (the gradients at w_t, divided by the nodes present, or
     nothing where ``members[t]`` is None: dropped) and applies round t-1's aggregate
     with step t's lr (plain SGD: the momentum runs in the chains). ``joined`` = (node,
     round): that node joined for that round: counted among the nodes present, it
-    pushes zeros (no chain runs), and its chains start anew from the round after."""
+    pushes zeros (no chain runs), and its chains start anew from the round after.
+    ``fresh_servers`` = (round, partitions): those partitions' server chains start anew
+    from that round (their server was replaced)."""
     f32 = np.float32
     w = initial_params(0, SHAPES)
     numel = int(np.prod(SHAPES["big"]))
@@ -43,6 +46,9 @@ def simulate_stale(members: list[list[int] | None], lrs: list[float] = LRS,
         present, aggregate = members[t], None
         if joined is not None and t == joined[1] + 1:  # the joiner's own chains: zero
             workers[joined[0]] = big_chains(PARAMS, WORKERS, MOMENTUM)[1][joined[0]]
+        if fresh_servers is not None and t == fresh_servers[0]:
+            for i in fresh_servers[1]:
+                servers[i] = big_chains(PARAMS, WORKERS, MOMENTUM)[2][i]
         if present is not None:
             pushing = [r for r in present if joined is None or (r, t) != joined]
             shares = {r: {n: ((w[n] - targets(r, SHAPES)[n]).astype(f32)
@@ -93,6 +99,35 @@ def test_a_killed_worker_node_drops_the_round_in_flight(tmp_path):
                if all(np.array_equal(finals[0][n], expected[n]) for n in SHAPES)]
     assert len(matches) == 1, matches
     assert "membership generation 1" in result.stdout
+
+
+def test_a_spare_takes_a_killed_servers_keys_and_the_round_in_flight_is_dropped(tmp_path):
+    """``--spare-servers 1``, 2 nodes: server 1 is killed at the start of step 3, with
+    round 2 in flight; the spare takes its keys. Round 2 (if the dead server had not
+    answered it everywhere) or round 3 is dropped; the server chain of partition 1 of
+    "big" (the one server 1 held) starts anew after it. Both nodes match the simulation
+    of one of the two."""
+    cfg = {"runs": [{"params": PARAMS, "mode": {"staleness": 1}}], "lrs": LRS,
+           "stop": len(LRS), "kill_server": [1, AT]}
+    result = launch(cfg, tmp_path, workers=2, servers=2, timeout=150,
+                    options=("--spare-servers", "1"))
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert "server 1 is now served from" in result.stdout, result.stdout[-4000:]
+    finals = [np.load(tmp_path / f"params{r}.npz") for r in (0, 1)]
+    for n in SHAPES:
+        np.testing.assert_array_equal(finals[0][n], finals[1][n], err_msg=n)
+    both = [0, 1]
+    outcomes = {dropped: simulate_stale([both] * dropped + [None]
+                                        + [both] * (len(LRS) - dropped - 1),
+                                        fresh_servers=(dropped + 1, [1]))
+                for dropped in (AT - 1, AT)}
+    matches = [d for d, expected in outcomes.items()
+               if all(np.array_equal(finals[0][n], expected[n]) for n in SHAPES)]
+    assert len(matches) == 1, matches
+    # the replay tells the reset apart
+    dropped = matches[0]
+    kept = simulate_stale([both] * dropped + [None] + [both] * (len(LRS) - dropped - 1))
+    assert not np.array_equal(kept["big"], outcomes[dropped]["big"])
 
 
 def test_a_restarted_worker_node_joins_in_the_round_in_flight(tmp_path):

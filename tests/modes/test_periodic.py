@@ -658,6 +658,35 @@ def test_streaming_syncs_go_on_when_a_spare_takes_a_killed_servers_keys(tmp_path
             np.testing.assert_array_equal(final[n], expected[r][n], err_msg=f"rank {r}: {n}")
 
 
+def test_local_sgd_goes_on_when_a_spare_takes_a_killed_servers_keys(tmp_path):
+    """``--spare-servers 1``, 2 nodes, local SGD (H = 4, onebit with error feedback and
+    Nesterov momentum, a float buffer): server 1 is killed at the start of step 5 and
+    the spare takes its keys. The round after step 7 is dropped (both nodes back to the
+    anchor, buffers as they are); the server chains of the three partitions of "big"
+    (on server 1: the raw key, the largest payload, went to server 0) restart at zero
+    for the round after step 11. Both nodes end as the simulation, bit for bit."""
+    params, _, _, _, outer = STREAMING["onebit"]
+    lrs = LRS + [0.25, 0.5, 0.5, 0.25]
+    run = {"tag": "spare", "params": params, "mode": {"sync_every": 4}}
+    result = trainer_launch({"runs": [run], "lrs": lrs, "kill_server": [1, 5]}, tmp_path,
+                            2, 2, env={"BPS_TIMEOUT": "60"}, timeout=180, module=__name__,
+                            options=("--spare-servers", "1"))
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "server 1 is now served from" in result.stdout, result.stdout[-3000:]
+    reports = [json.loads((tmp_path / f"report{r}.json").read_text())["spare"]
+               for r in (0, 1)]
+    assert reports[0]["applied"] == reports[1]["applied"] == [s != 7 for s in range(12)]
+    moved = [(0, "big", i) for i in range(3)]
+    expected = simulate_streaming(params, 4, 1, 0, outer, nodes=2, lrs=lrs,
+                                  server_death=(5, moved))
+    kept = simulate_streaming(params, 4, 1, 0, outer, nodes=2, lrs=lrs, server_death=(5, []))
+    assert not np.array_equal(kept[0]["big"], expected[0]["big"])
+    for r in (0, 1):
+        final = load_params(tmp_path, "spare", r)
+        for n in final:
+            np.testing.assert_array_equal(final[n], expected[r][n], err_msg=f"rank {r}: {n}")
+
+
 def test_a_restarted_worker_node_joins_streaming_syncs_in_the_round_in_flight(tmp_path):
     """``--min-workers 2 --max-restarts 1``, 3 nodes, streaming topk syncs (H = 4, two
     fragments, an overlap of two steps: a round is always in flight; a float buffer):
