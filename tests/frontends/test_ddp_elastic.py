@@ -23,6 +23,7 @@ from tests.harness.trainer_job import (
     SHAPES,
     SIM_CASES,
     closed_form,
+    kill_server,
     leave,
     load_params,
     plain,
@@ -58,6 +59,7 @@ def worker_main(cfg: dict) -> int:
     ddp.register_comm_hook(state, bps.ddp.ps_hook)
     goals = {n: torch.from_numpy(t) for n, t in targets(rank, SHAPES).items()}
     for step, lr in enumerate(LRS):
+        kill_server(cfg, rank, step, out)
         leave(cfg, rank, step, out)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -87,6 +89,27 @@ def test_a_killed_worker_node_leaves_a_ddp_job_and_the_others_match_the_replay(t
         totals = json.loads((tmp_path / f"report{rank}.json").read_text())
         assert totals["skipped_steps"] == 1, totals
     assert "membership generation 1" in result.stdout
+
+
+def test_a_spare_takes_a_killed_servers_keys_in_a_ddp_job(tmp_path):
+    """``--spare-servers 1``, 2 nodes: server 1 is killed at the start of step 2 and a
+    spare takes its keys; that step's buckets come back as zeros on both nodes (one
+    skipped step), and the server chain of the partition server 1 held (partition 1
+    of "big") starts anew; both match the replay bit for bit."""
+    result = trainer_launch({"kill_server": [1, AT]}, tmp_path, workers=2, servers=2,
+                            timeout=150, module=__name__, options=("--spare-servers", "1"))
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert "server 1 is now served from" in result.stdout, result.stdout[-4000:]
+    members = [[0, 1]] * AT + [None] + [[0, 1]] * (len(LRS) - AT - 1)
+    expected = replay(PARAMS, 2, LRS, plain(SHAPES), members=members,
+                      fresh_servers={AT + 1: [1]})
+    kept = replay(PARAMS, 2, LRS, plain(SHAPES), members=members)
+    assert not np.array_equal(kept["big"], expected["big"])
+    for rank, final in enumerate(load_params(tmp_path, 2)):
+        for n in SHAPES:
+            np.testing.assert_array_equal(final[n], expected[n], err_msg=f"rank {rank}: {n}")
+        totals = json.loads((tmp_path / f"report{rank}.json").read_text())
+        assert totals["skipped_steps"] == 1, totals
 
 
 if __name__ == "__main__":
