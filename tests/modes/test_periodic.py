@@ -72,6 +72,8 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
         trainer.load_state_dict(checkpoint["trainer"])
     goal = {name: torch.from_numpy(t) for name, t in targets(rank, shapes).items()}
     report = {"bytes": [], "applied": [], "refused": [], "start": start}
+    if cfg.get("die_in_buffers", [None])[0] == rank:
+        die_at_buffer_push(trainer, cfg["die_in_buffers"][1])
     if run["mode"]:  # the synchronous trainer (PLAIN) has both
         try:  # neither mode has a step for synchronize() to wait for, nor runs join()
             trainer.synchronize()
@@ -100,6 +102,8 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
                 model.small[0] = float("nan")
         report["applied"].append(trainer.step())
         report["bytes"].append(trainer.stats()["bytes_pushed"])
+        if buffered:
+            report.setdefault("running", []).append(model.running.tolist())
         if run.get("save_at") == step + 1:
             torch.save({"model": model.state_dict(), "trainer": trainer.state_dict()},
                        out / f"ckpt{tag}{rank}.pt")
@@ -108,6 +112,24 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
              **{n: getattr(model, n).detach().numpy() for n in shapes})
     trainer.close()
     return report
+
+
+def die_at_buffer_push(trainer, count: int) -> None:
+    """This worker kills itself (SIGKILL) at its ``count``-th push of the buffers' mean,
+    after its round's parameters went out and came back, before its buffers go."""
+    import os
+    import signal
+
+    average = trainer.mode.buffers
+    push, calls = average.push, [0]
+
+    def dying_push(step: int):
+        calls[0] += 1
+        if calls[0] == count:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return push(step)
+
+    average.push = dying_push
 
 
 # ----------------------------------------------------------------------------- test side
@@ -275,7 +297,8 @@ def simulate_streaming(params: dict, every: int, fragments: int, overlap: int,
                        nodes: int = NODES, lrs: list[float] = LRS, buffers: bool = True,
                        death: tuple[int, int] | None = None,
                        server_death: tuple[int, list[tuple[int, str, int]]] | None = None,
-                       rejoin: tuple[int, int, int] | None = None) -> list[dict]:
+                       rejoin: tuple[int, int, int] | None = None,
+                       buffer_death: tuple[int, int] | None = None) -> list[dict]:
     """Local SGD with momentum on each node; after local step s with s % (every /
     fragments) == 0 the next fragment's deltas go through that fragment's own pipeline
     and its outer update lands after step s + overlap, each node keeping its local
@@ -293,7 +316,11 @@ def simulate_streaming(params: dict, every: int, fragments: int, overlap: int,
     ``d`` (counted from 1) is dropped, the later ones average the others; the round
     pushed after ``j`` is dropped for its join: when it lands the node joins with node
     0's parameters, momentum and buffer and chains anew; in a round pushed at that same
-    step it pushes zero markers (counted in the divisor, its buffer counted too)."""
+    step it pushes zero markers (counted in the divisor, its buffer counted too).
+    ``buffer_death``: (node, s): that node dies after pushing its round of local step
+    ``s`` but before its buffer: the round lands, the buffers' mean is dropped (each
+    node keeps its own), the next round is dropped and the later ones average the
+    others."""
     f32 = np.float32
     outer = outer or {"optimizer": "average"}
     defaults = {"average": (1.0, 0.0), "sgd": (1.0, 0.0), "nesterov": (0.7, 0.9)}
@@ -408,7 +435,8 @@ def simulate_streaming(params: dict, every: int, fragments: int, overlap: int,
             if finite and not dropping else None
         dropping = False
         pending = None
-        if buffers and fragment == fragments - 1:
+        if buffers and fragment == fragments - 1 and \
+                (buffer_death is None or s != buffer_death[1]):
             mean = np.zeros(3, f32)
             for r in present:
                 mean = (mean + (running[r] / f32(len(present))).astype(f32)).astype(f32)
@@ -418,6 +446,9 @@ def simulate_streaming(params: dict, every: int, fragments: int, overlap: int,
             rounds.append(due)
         else:
             land(due)
+        if buffer_death is not None and s == buffer_death[1]:
+            present.remove(buffer_death[0])
+            dropping = True
     return [{**ws[r], **({"running": running[r]} if buffers else {})} for r in range(nodes)]
 
 
@@ -656,6 +687,34 @@ def test_streaming_syncs_go_on_when_a_spare_takes_a_killed_servers_keys(tmp_path
         final = load_params(tmp_path, "spare", r)
         for n in SHAPES:
             np.testing.assert_array_equal(final[n], expected[r][n], err_msg=f"rank {r}: {n}")
+
+
+def test_a_buffer_mean_that_a_death_drops_leaves_each_nodes_buffers(tmp_path):
+    """``--min-workers 2`` of 3 nodes, local SGD (H = 4) with a float buffer: node 2
+    dies after its second round's parameters came back, before it pushes its buffers.
+    That round lands on the survivors; its buffers' mean is dropped by the membership
+    change, so each survivor keeps its own buffer (they differ now, as between syncs);
+    the third round (pushed for the old membership) is dropped, the fourth averages
+    the two. The survivors end as the simulation, bit for bit."""
+    params, _, _, _, outer = STREAMING["onebit"]
+    lrs = LRS + LRS
+    run = {"tag": "buffers", "params": params, "mode": {"sync_every": 4}}
+    result = trainer_launch({"runs": [run], "lrs": lrs, "die_in_buffers": [2, 2]},
+                            tmp_path, 3, 2, env={"BPS_TIMEOUT": "60"}, timeout=180,
+                            module=__name__, options=("--min-workers", "2"))
+    assert result.returncode == 0, result.stdout[-3000:]
+    reports = [json.loads((tmp_path / f"report{r}.json").read_text())["buffers"]
+               for r in (0, 1)]
+    assert reports[0]["applied"] == reports[1]["applied"] == [s != 11 for s in range(16)]
+    expected = simulate_streaming(params, 4, 1, 0, outer, nodes=3, lrs=lrs,
+                                  buffer_death=(2, 8))
+    # after the second round (step 7) the survivors' buffers are their own, not a mean
+    assert reports[0]["running"][7] != reports[1]["running"][7], reports
+    assert reports[0]["running"][3] == reports[1]["running"][3], reports  # the first's
+    finals = [load_params(tmp_path, "buffers", r) for r in (0, 1)]
+    for r in (0, 1):
+        for n in finals[r]:
+            np.testing.assert_array_equal(finals[r][n], expected[r][n], err_msg=f"rank {r}: {n}")
 
 
 def test_local_sgd_goes_on_when_a_spare_takes_a_killed_servers_keys(tmp_path):
