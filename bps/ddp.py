@@ -265,7 +265,7 @@ class HookState:
         """A worker node that started after the job began: become a member and load the
         model and optimizer state of the node present that sends it (the pipeline's
         part when the keys are declared, :meth:`_build`)."""
-        refusal = rejoin.join_refusal(rt) or group_refusal(rt, _world_size())
+        refusal = group_refusal(rt, _world_size())
         if refusal is None and self.core.params["freeze_step"] is not None:
             refusal = (f"worker node {rt.node_id} started after the job began, but the DDP "
                        "hook takes no joiner with compressed Adam (freeze_step)")

@@ -45,7 +45,6 @@ from bps.core.model_sync import ModelMismatchError, broadcast_model, check_same_
 from bps.core.rejoin import (
     front_end_state,
     join_job,
-    join_refusal,
     load_model_state,
     load_pipeline_state,
     publish_if_joined,
@@ -121,9 +120,6 @@ class DistributedTrainer:
         rt = bps_runtime.get()
         joined = None
         if rt.joining:  # a node started after the job began: the state of one present
-            refusal = join_refusal(rt)
-            if refusal is not None:
-                raise ValueError(refusal)
             joined = join_job(rt)
             rt.skip_keys_to(joined["first_key"])
         else:

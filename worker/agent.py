@@ -256,6 +256,26 @@ class Agent:
     def call_state_dict(self) -> dict:
         return self.engine.state_dict()
 
+    # a worker node joining a running job (bps.core.rejoin), and the nodes that send it
+    def call_join(self) -> tuple[int, list[int], int]:
+        return self.engine.join()
+
+    def call_fetch_state(self, generation: int, source: int) -> tuple[int, bytes]:
+        return self.engine.fetch_state(generation, source)
+
+    def call_publish_state(self, generation: int, blob: bytes) -> None:
+        self.engine.publish_state(generation, blob)
+
+    def call_set_membership(self, generation: int, members: list[int]) -> None:
+        self.engine.set_membership(generation, members)
+
+    def call_membership(self) -> tuple[int, int, int]:
+        """(barriers entered, the generation pushes carry, the latest announced)."""
+        return self.engine.barriers, self.engine.generation, self.engine.announced_generation
+
+    def call_set_barriers(self, barriers: int) -> None:
+        self.engine.barriers = barriers
+
     def call_load_state_dict(self, state: dict) -> None:
         self.engine.load_state_dict(state)
 

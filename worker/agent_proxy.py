@@ -40,7 +40,7 @@ import torch
 
 from bps.common import shm
 from bps.common.env import ClusterEnv
-from bps.common.protocol import MARKS, ClusterError
+from bps.common.protocol import MARKS, STATE_CHUNK, ClusterError
 from bps.worker import agent_wire as wire
 from bps.worker.engine import STATE_WINDOW, EngineStats
 
@@ -253,6 +253,34 @@ class AgentProxy:
 
     def state_dict(self) -> dict:
         return self._call("state_dict", waits=self._state_waits())
+
+    # joining a running job: the engine's calls, answered by the agent's engine
+    def join(self) -> tuple[int, list[int], int]:
+        return self._call("join")
+
+    def fetch_state(self, generation: int, source: int) -> tuple[int, bytes]:
+        # the agent's engine waits up to BPS_TIMEOUT for each chunk and names what is
+        # late; this bound only guards against an agent that stops answering
+        return self._call("fetch_state", generation, source, waits=64)
+
+    def publish_state(self, generation: int, blob: bytes) -> None:
+        self._call("publish_state", generation, blob,
+                   waits=max(1, -(-len(blob) // STATE_CHUNK)))
+
+    def set_membership(self, generation: int, members: list[int]) -> None:
+        self._call("set_membership", generation, list(members))
+
+    @property
+    def barriers(self) -> int:
+        return self._call("membership")[0]
+
+    @barriers.setter
+    def barriers(self, value: int) -> None:
+        self._call("set_barriers", int(value))
+
+    @property
+    def announced_generation(self) -> int:
+        return self._call("membership")[2]
 
     def load_state_dict(self, state: dict) -> None:
         self._call("load_state_dict", state, waits=self._state_waits() + 1)  # + a barrier

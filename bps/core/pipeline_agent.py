@@ -63,9 +63,35 @@ class _NodeGroup:
         return _NodeChannel(self.node, name.startswith("reduce"))
 
 
+class _Membership:
+    """The worker nodes the agent's pipelines divide by, one for all of them as the
+    training process's runtime is (a pipeline that settles a step of a new membership
+    moves every pipeline to it, as ``Runtime.set_membership`` does in process; so does
+    a node's join)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.generation = 0
+        self.members: list[int] = []  # set from the engine's first
+
+    def start(self, engine: Any) -> None:
+        with self.lock:
+            if not self.members:
+                self.generation, self.members = engine.generation, sorted(engine.members)
+
+    def set(self, generation: int, members: list[int]) -> None:
+        with self.lock:
+            if generation > self.generation:
+                self.generation, self.members = generation, sorted(members)
+
+
+_MEMBERSHIP = _Membership()
+
+
 class _AgentRuntime:
     """What a :class:`GradPipeline` reads of its runtime, in the agent: the node's local
-    ranks, the agent's engine, and keys numbered from the training processes' next key."""
+    ranks, the agent's engine, the node's membership (:class:`_Membership`), and keys
+    numbered from the training processes' next key."""
 
     local_rank = 0
 
@@ -73,9 +99,7 @@ class _AgentRuntime:
                  node: _NodePipe) -> None:
         self.env, self.engine, self.tracer, self.node = env, engine, tracer, node
         self.local_size = node.size
-        self.size = engine.num_workers * node.size
-        self.generation = 0
-        self.members = list(range(engine.num_workers))
+        _MEMBERSHIP.start(engine)
         self.group = LocalGroup.connect(0, 1, "127.0.0.1", 0) if node.size == 1 \
             else _NodeGroup(node)
         self.first_key = self.next_key = first_key
@@ -87,11 +111,22 @@ class _AgentRuntime:
             first, self.next_key = self.next_key, self.next_key + count
             return first
 
+    @property
+    def generation(self) -> int:
+        return _MEMBERSHIP.generation
+
+    @property
+    def members(self) -> list[int]:
+        return _MEMBERSHIP.members
+
+    @property
+    def size(self) -> int:
+        """The job's ranks present: what each rank divides by."""
+        return len(_MEMBERSHIP.members) * self.local_size
+
     def set_membership(self, generation: int, members: list[int]) -> None:
         """Runtime.set_membership: the node's local ranks divide by the ranks present."""
-        if generation > self.generation:
-            self.generation, self.members = generation, sorted(members)
-            self.size = self.node.world = len(self.members) * self.local_size
+        _MEMBERSHIP.set(generation, members)
 
     def unique_name(self, prefix: str) -> str:
         with self._lock:
@@ -119,7 +154,7 @@ class _NodePipe:
         self.finished: tuple[int, Any] | None = None  # (wire step, finish()'s result)
         self.by_share: dict[int, int] = {}  # a slot's node share (data_ptr) -> its index
         self.scratch: torch.Tensor | None = None
-        self.world = 1  # the job's ranks: what each rank divides by
+        self.runtime: _AgentRuntime | None = None  # the pipeline's, once built
         self.key_count = 0
 
     # -- building --------------------------------------------------------------------
@@ -154,7 +189,7 @@ class _NodePipe:
         """Local rank 0's share (of a parameter) += the other ranks', in rank order, each
         divided as its rank would (GradPipeline.push with several local ranks)."""
         index = self.by_share[share.data_ptr()]
-        size = self.world
+        size = self.runtime.size
         parts = [share]
         numel = share.numel()
         if self.scratch is None or self.scratch.numel() < numel * (self.size - 1) \
@@ -283,7 +318,7 @@ class PipelineAgent(agent_base.Agent):
                                 lambda: node.scale, on_step_done=node.step_done,
                                 on_error=node.failed, partition_bytes=partition_bytes,
                                 inline=True)
-            node.key_count, node.world = rt.next_key - rt.first_key, rt.size
+            node.key_count, node.runtime = rt.next_key - rt.first_key, rt
             for index, slot in enumerate(pipe.slots):  # the node's shares (several ranks)
                 if slot.send is not None:
                     node.by_share[slot.send.data_ptr()] = index
@@ -291,6 +326,12 @@ class PipelineAgent(agent_base.Agent):
 
         pipe = node.open(self.local_rank, self, views, build, 2 * self.env.timeout)
         return node.key_count, pipe.compressed_keys()
+
+    def call_set_membership(self, generation: int, members: list[int]) -> None:
+        """A joining node: its engine and its pipelines push with the membership it
+        joined."""
+        super().call_set_membership(generation, members)
+        _MEMBERSHIP.set(generation, members)
 
     def call_pipeline_finish(self, pipe_id: int):
         return _NODE[pipe_id].finish()

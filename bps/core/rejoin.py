@@ -36,14 +36,6 @@ import torch
 log = logging.getLogger("bps")
 
 
-def join_refusal(rt) -> str | None:
-    """Why this joining node cannot join (None: it can, or it is no joiner)."""
-    if rt.joining and rt.env.node_agent:
-        return (f"worker node {rt.node_id} started after the job began, but a node cannot "
-                "join a running job with BPS_NODE_AGENT=1")
-    return None
-
-
 def join_job(rt) -> dict:
     """Become a member and load the state a node present sent (every local rank of
     the joiner calls it): the dict :func:`publish_if_joined` sent, with ``generation``

@@ -26,19 +26,23 @@ VICTIM, KILLED_AT = 2, 2  # node 2 kills itself at the start of step 2
 WAIT_AT = 4  # the others wait at the start of step 4 until the scheduler announced the join
 
 
-@pytest.mark.parametrize("local_size", [
-    2,  # the node's group of two (a TCPStore at the node's local master), both load
-    pytest.param(1, marks=pytest.mark.slow),  # a group of one: the same join, cheaper
+@pytest.mark.parametrize("local_size, agent", [
+    (2, False),  # the node's group of two (a TCPStore at the node's local master), both load
+    pytest.param(1, False, marks=pytest.mark.slow),  # a group of one: the same join, cheaper
+    # under the node agent (its store served by local rank 0): the agent's side of a join
+    # is the trainer's agent rejoin test's, the hook's side the case above
+    pytest.param(2, True, marks=pytest.mark.slow),
 ])
 def test_a_killed_worker_node_restarts_joins_through_the_ddp_hook_and_matches_the_replay(
-        tmp_path, local_size):
+        tmp_path, local_size, agent):
     """With two local ranks a node, node 2's local rank 0 (rank 4) kills itself;
     bpslaunch stops rank 5 and starts both again, and both load the state: all six
     ranks end bit-identical and equal the replay."""
     cfg = {"runs": [{"params": PARAMS}], "lrs": LRS, "stop": len(LRS), "frontend": "ddp",
            "kill": [VICTIM * local_size, KILLED_AT], "wait_at": WAIT_AT}
     result = launch(cfg, tmp_path, workers=WORKERS, servers=2, local_size=local_size,
-                    timeout=240, options=("--min-workers", "2", "--max-restarts", "1"))
+                    timeout=240, env={"BPS_NODE_AGENT": "1"} if agent else None,
+                    options=("--min-workers", "2", "--max-restarts", "1"))
     assert result.returncode == 0, result.stdout[-6000:]
     check_rejoin(tmp_path, PARAMS, WORKERS, LRS, VICTIM, KILLED_AT, WAIT_AT, result.stdout,
                  local_size=local_size)

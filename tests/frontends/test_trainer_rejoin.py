@@ -21,13 +21,16 @@ VICTIM, KILLED_AT = 2, 2  # node 2 kills itself at the start of step 2
 WAIT_AT = 4  # the others wait at the start of step 4 until the scheduler announced the join
 
 
-# the test below: the same restart, join and check_rejoin with two local ranks a node;
-# tests/launch/test_netem_elastic.py's restarted host: one rank a node
-@pytest.mark.slow
-def test_a_killed_worker_node_restarts_joins_and_matches_the_replay(tmp_path):
+# in process: the same restart, join and check_rejoin with two local ranks a node (below)
+# and tests/launch/test_netem_elastic.py's restarted host (one rank a node)
+@pytest.mark.parametrize("agent", [pytest.param(False, marks=pytest.mark.slow), True])
+def test_a_killed_worker_node_restarts_joins_and_matches_the_replay(tmp_path, agent):
+    """One rank a node, in process or under the node agent (``BPS_NODE_AGENT=1``: the
+    joiner's agent joins, fetches the state and pushes with the new membership)."""
     cfg = {"runs": [{"params": PARAMS}], "lrs": LRS, "stop": len(LRS),
            "kill": [VICTIM, KILLED_AT], "wait_at": WAIT_AT}
     result = launch(cfg, tmp_path, workers=WORKERS, servers=2, timeout=240,
+                    env={"BPS_NODE_AGENT": "1"} if agent else None,
                     options=("--min-workers", "2", "--max-restarts", "1"))
     assert result.returncode == 0, result.stdout[-6000:]
     check_rejoin(tmp_path, PARAMS, WORKERS, LRS, VICTIM, KILLED_AT, WAIT_AT, result.stdout)

@@ -746,7 +746,10 @@ def test_local_sgd_goes_on_when_a_spare_takes_a_killed_servers_keys(tmp_path):
             np.testing.assert_array_equal(final[n], expected[r][n], err_msg=f"rank {r}: {n}")
 
 
-def test_a_restarted_worker_node_joins_streaming_syncs_in_the_round_in_flight(tmp_path):
+# under the node agent: its fragment pipelines share one membership, as in process
+@pytest.mark.parametrize("agent", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_a_restarted_worker_node_joins_streaming_syncs_in_the_round_in_flight(tmp_path,
+                                                                              agent):
     """``--min-workers 2 --max-restarts 1``, 3 nodes, streaming topk syncs (H = 4, two
     fragments, an overlap of two steps: a round is always in flight; a float buffer):
     node 2 kills itself at the start of step 4 and is started again; the others wait at
@@ -760,7 +763,9 @@ def test_a_restarted_worker_node_joins_streaming_syncs_in_the_round_in_flight(tm
            "mode": {"sync_every": every, "fragments": fragments, "overlap": overlap,
                     "outer": outer}}
     result = trainer_launch({"runs": [run], "lrs": lrs, "kill": [2, 4], "wait_at": 8},
-                            tmp_path, 3, 2, env={"BPS_TIMEOUT": "60"}, timeout=240,
+                            tmp_path, 3, 2, timeout=240,
+                            env={"BPS_TIMEOUT": "60", **({"BPS_NODE_AGENT": "1"} if agent
+                                                        else {})},
                             module=__name__,
                             options=("--min-workers", "2", "--max-restarts", "1"))
     assert result.returncode == 0, result.stdout[-6000:]
