@@ -286,10 +286,10 @@ class StreamingAveraging(StepMode):
         for buffer in self.buffers.tensors:
             n = buffer.numel()
             value = mean[offset:offset + n]
-            if moved:  # entries not averaged (inf, NaN) keep what they are now
+            if moved:  # entries not averaged (inf, NaN; a mean dropped) keep what they are
                 now, start = buffer.reshape(-1).float(), pushed.start[offset:offset + n]
-                value = torch.where(torch.isfinite(start),
-                                    torch.add(value, torch.sub(now, start)), now)
+                averaged = torch.isfinite(start) & ~torch.isnan(pushed.mean[offset:offset + n])
+                value = torch.where(averaged, torch.add(value, torch.sub(now, start)), now)
             buffer.copy_(value.view_as(buffer))
             offset += n
 
