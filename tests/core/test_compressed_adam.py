@@ -21,13 +21,10 @@ from tests.harness import adam_reference as ref
 from tests.harness.trainer_job import (
     SHAPES,
     initial_params,
-    kill_once,
-    kill_server,
-    leave,
     load_params,
     make_model,
+    step_faults,
     targets,
-    wait_for_join,
     worker_main,
 )
 from tests.harness.trainer_job import launch as trainer_launch
@@ -144,12 +141,7 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
         start = trainer.step_count
     report = {"pushed": [], "applied": [], "start": start}
     for step in range(start, run.get("stop", len(LRS))):
-        kill_server(cfg, rank, step, out)
-        leave(cfg, rank, step, out)
-        if "kill" in cfg:
-            kill_once(cfg, rank, step, out)
-            if rank != cfg["kill"][0]:
-                wait_for_join(cfg, step, bps.core.runtime.get().engine)
+        step_faults(cfg, rank, step, out)
         for group in optimizer.param_groups:
             group["lr"] = LRS[step]
         trainer.zero_grad()

@@ -23,12 +23,11 @@ from tests.harness.trainer_job import (
     SHAPES,
     SIM_CASES,
     closed_form,
-    kill_server,
-    leave,
     load_params,
     plain,
     replay,
     resume_stopped,
+    step_faults,
     targets,
 )
 from tests.harness.trainer_job import launch as trainer_launch
@@ -59,8 +58,7 @@ def worker_main(cfg: dict) -> int:
     ddp.register_comm_hook(state, bps.ddp.ps_hook)
     goals = {n: torch.from_numpy(t) for n, t in targets(rank, SHAPES).items()}
     for step, lr in enumerate(LRS):
-        kill_server(cfg, rank, step, out)
-        leave(cfg, rank, step, out)
+        step_faults(cfg, rank, step, out)
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.zero_grad()

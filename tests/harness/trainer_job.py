@@ -117,8 +117,7 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
     goal = {name: torch.from_numpy(t).to(device) for name, t in targets(rank, shapes).items()}
     engine = bps.core.runtime.get().engine
     for step in range(start, cfg["stop"]):
-        kill_server(cfg, rank, step, out, engine)
-        leave(cfg, rank, step, out, "start")
+        step_faults(cfg, rank, step, out)
         for group in optimizer.param_groups:
             group["lr"] = cfg["lrs"][step]
         trainer.zero_grad()
@@ -169,7 +168,6 @@ def rejoin_train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> di
     import bps
 
     rt = bps.core.runtime.get()
-    victim_node = cfg["kill"][0] // rt.local_size
     goal = {n: torch.from_numpy(t) for n, t in targets(rank, shapes).items()}
     if cfg.get("frontend") == "ddp":
         model, optimizer, trainer, train_step = ddp_hook_job(run, rank, shapes, cfg["lrs"][0],
@@ -196,9 +194,7 @@ def rejoin_train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> di
         engine.barrier()
     history, skipped = {}, []
     for step in range(start, cfg["stop"]):
-        kill_once(cfg, rank, step, out)
-        if rt.node_id != victim_node:
-            wait_for_join(cfg, step, engine)
+        step_faults(cfg, rank, step, out)
         history.update({f"{n}@{step}": v for n, v in params().items()})
         for group in optimizer.param_groups:
             group["lr"] = cfg["lrs"][step]
@@ -235,6 +231,21 @@ def ddp_hook_job(run: dict, rank: int, shapes: dict, lr: float, goal: dict) -> t
         optimizer.step()
 
     return model, optimizer, state, train_step
+
+
+def step_faults(cfg: dict, rank: int, step: int, out: Path) -> None:
+    """Every fault ``cfg`` schedules at the start of ``step`` on this rank, in order:
+    :func:`kill_server`, :func:`leave` (its "start" ones), :func:`kill_once` and, on
+    the nodes that were not killed, :func:`wait_for_join`."""
+    import bps
+
+    rt = bps.core.runtime.get()
+    kill_server(cfg, rank, step, out, rt.engine)
+    leave(cfg, rank, step, out, "start")
+    if "kill" in cfg:
+        kill_once(cfg, rank, step, out)
+        if rt.node_id != cfg["kill"][0] // rt.local_size:
+            wait_for_join(cfg, step, rt.engine)
 
 
 def kill_once(cfg: dict, rank: int, step: int, out: Path) -> None:

@@ -26,16 +26,13 @@ from tests.harness.trainer_job import (
     SHAPES,
     SIM_CASES,
     initial_params,
-    kill_once,
-    kill_server,
-    leave,
     local_step,
     make_model,
     nesterov,
     reference_codec,
     sgd_momentum,
+    step_faults,
     targets,
-    wait_for_join,
     worker_main,
 )
 from tests.harness.trainer_job import launch as trainer_launch
@@ -86,12 +83,7 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
         except NotImplementedError as exc:
             report["refused"].append(str(exc))
     for step in range(start, run.get("stop", len(lrs))):
-        kill_server(cfg, rank, step, out)
-        leave(cfg, rank, step, out)
-        if "kill" in cfg:
-            kill_once(cfg, rank, step, out)
-            if rank != cfg["kill"][0]:
-                wait_for_join(cfg, step, bps.core.runtime.get().engine)
+        step_faults(cfg, rank, step, out)
         for group in optimizer.param_groups:
             group["lr"] = lrs[step]
         trainer.zero_grad()
@@ -657,6 +649,17 @@ def test_local_sgd_with_a_float_buffer_goes_on_over_the_nodes_left(tmp_path):
             np.testing.assert_array_equal(final[n], expected[r][n], err_msg=f"rank {r}: {n}")
 
 
+def run_with_a_spare(tmp_path, run: dict, lrs: list[float]) -> list[dict]:
+    """``run`` (tag "spare") on 2 nodes, 2 servers and ``--spare-servers 1``, server 1
+    killed at the start of step 5; the nodes' reports, once the spare took its keys."""
+    result = trainer_launch({"runs": [run], "lrs": lrs, "kill_server": [1, 5]}, tmp_path,
+                            2, 2, env={"BPS_TIMEOUT": "60"}, timeout=180, module=__name__,
+                            options=("--spare-servers", "1"))
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "server 1 is now served from" in result.stdout, result.stdout[-3000:]
+    return [json.loads((tmp_path / f"report{r}.json").read_text())["spare"] for r in (0, 1)]
+
+
 def test_streaming_syncs_go_on_when_a_spare_takes_a_killed_servers_keys(tmp_path):
     """``--spare-servers 1``, 2 nodes, the streaming onebit syncs above: server 1 is
     killed (SIGKILL) at the start of step 5, with no round in flight, and the spare takes
@@ -669,13 +672,7 @@ def test_streaming_syncs_go_on_when_a_spare_takes_a_killed_servers_keys(tmp_path
     lrs = LRS + [0.25, 0.5, 0.5, 0.25]
     run = {"tag": "spare", "params": params, "buffer": False,
            "mode": {"sync_every": every, "fragments": fragments, "overlap": overlap}}
-    result = trainer_launch({"runs": [run], "lrs": lrs, "kill_server": [1, 5]}, tmp_path,
-                            2, 2, env={"BPS_TIMEOUT": "60"}, timeout=180, module=__name__,
-                            options=("--spare-servers", "1"))
-    assert result.returncode == 0, result.stdout[-3000:]
-    assert "server 1 is now served from" in result.stdout, result.stdout[-3000:]
-    reports = [json.loads((tmp_path / f"report{r}.json").read_text())["spare"]
-               for r in (0, 1)]
+    reports = run_with_a_spare(tmp_path, run, lrs)
     assert reports[0]["applied"] == reports[1]["applied"] == [s != 6 for s in range(12)]
     moved = [(0, "big[0:16]", 1), (1, "big[16:30]", 0), (1, "big[16:30]", 1)]
     expected = simulate_streaming(params, every, fragments, overlap, outer, nodes=2,
@@ -730,13 +727,7 @@ def test_local_sgd_goes_on_when_a_spare_takes_a_killed_servers_keys(tmp_path):
     params, _, _, _, outer = STREAMING["onebit"]
     lrs = LRS + [0.25, 0.5, 0.5, 0.25]
     run = {"tag": "spare", "params": params, "mode": {"sync_every": 4}}
-    result = trainer_launch({"runs": [run], "lrs": lrs, "kill_server": [1, 5]}, tmp_path,
-                            2, 2, env={"BPS_TIMEOUT": "60"}, timeout=180, module=__name__,
-                            options=("--spare-servers", "1"))
-    assert result.returncode == 0, result.stdout[-3000:]
-    assert "server 1 is now served from" in result.stdout, result.stdout[-3000:]
-    reports = [json.loads((tmp_path / f"report{r}.json").read_text())["spare"]
-               for r in (0, 1)]
+    reports = run_with_a_spare(tmp_path, run, lrs)
     assert reports[0]["applied"] == reports[1]["applied"] == [s != 7 for s in range(12)]
     moved = [(0, "big", i) for i in range(3)]
     expected = simulate_streaming(params, 4, 1, 0, outer, nodes=2, lrs=lrs,
