@@ -269,9 +269,9 @@ class Agent:
     def call_set_membership(self, generation: int, members: list[int]) -> None:
         self.engine.set_membership(generation, members)
 
-    def call_membership(self) -> tuple[int, int, int]:
-        """(barriers entered, the generation pushes carry, the latest announced)."""
-        return self.engine.barriers, self.engine.generation, self.engine.announced_generation
+    def call_membership(self) -> tuple[int, int]:
+        """(barriers entered, the latest membership generation announced)."""
+        return self.engine.barriers, self.engine.announced_generation
 
     def call_set_barriers(self, barriers: int) -> None:
         self.engine.barriers = barriers

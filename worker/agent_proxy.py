@@ -280,7 +280,7 @@ class AgentProxy:
 
     @property
     def announced_generation(self) -> int:
-        return self._call("membership")[2]
+        return self._call("membership")[1]
 
     def load_state_dict(self, state: dict) -> None:
         self._call("load_state_dict", state, waits=self._state_waits() + 1)  # + a barrier
