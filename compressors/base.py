@@ -283,6 +283,15 @@ class Compressor:
         :class:`Momentum` has any; error feedback follows the scale through ``set_lr``'s
         learning rate instead."""
 
+    divides_input = False  # divide_input works (error feedback, momentum: host kernels)
+
+    def divide_input(self, divisor: float) -> None:
+        """Have the next ``compress`` take ``x / divisor`` (each value rounded as torch
+        divides) in place of ``x``, divided in its first pass over ``x`` rather than in
+        one of its own; only chains whose ``divides_input`` is True (the worker's average
+        over nodes, where nothing else reads the divided gradient)."""
+        raise TypeError(f"{type(self).__name__} cannot divide its input")
+
     def cancel(self) -> None:
         """Undo a ``set_lr`` whose ``compress`` is not coming (a decorator refused the
         input before its inner compressor saw it)."""

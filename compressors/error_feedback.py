@@ -65,6 +65,18 @@ def add_scaled_error(x, ratio, error, out):
     return bad == 0
 
 
+@njit(nogil=True, cache=True)
+def add_scaled_error_divided(x, divisor, ratio, error, out):
+    """``add_scaled_error`` of ``x / divisor``, divided in the same pass (each value
+    rounded as dividing first, then adding, rounds it)."""
+    bad = 0
+    for i in range(x.size):
+        value = x[i] / divisor + ratio * error[i]
+        out[i] = value
+        bad |= not abs(value) < np.inf
+    return bad == 0
+
+
 def add_scaled_error_torch(x: torch.Tensor, ratio: float | torch.Tensor, error: torch.Tensor,
                            out: torch.Tensor) -> torch.Tensor:
     """``out = x + ratio * error`` with torch ops, each rounded to the tensors' dtype (a
@@ -107,6 +119,18 @@ class ErrorFeedback(StagedChain, Compressor):
         self.undo: tuple | None = None  # (learning rates, error) before the last compress
         # the ratio on the device, written before the kernels: a replayed graph reads it
         self.ratio_on_device: torch.Tensor | None = None
+        self.divides_input = not self.staged and inner.dtype in KERNEL_FLOAT_DTYPES
+        self.divisor = 1.0  # divide_input's, for the next compress only
+
+    def divide_input(self, divisor: float) -> None:
+        if not self.divides_input:
+            super().divide_input(divisor)
+        self.divisor = float(divisor)
+
+    def take_divisor(self) -> float:
+        """The divisor of this compress (``divide_input``'s, or 1); the next one's is 1."""
+        divisor, self.divisor = self.divisor, 1.0
+        return divisor
 
     def set_lr(self, lr: float) -> None:
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (
@@ -127,11 +151,16 @@ class ErrorFeedback(StagedChain, Compressor):
             return self.run_staged(x)
         x = self.check_input(x)
         self.undo = None
+        divisor = self.take_divisor()
         if self.dtype in KERNEL_FLOAT_DTYPES:
             array = x.numpy()
 
             def build(error: np.ndarray, ratio: float, out: np.ndarray) -> bool:
                 factor = array.dtype.type(ratio)
+                if divisor != 1.0:
+                    by = array.dtype.type(divisor)
+                    return all(run_chunks(lambda lo, hi: add_scaled_error_divided(
+                        array[lo:hi], by, factor, error[lo:hi], out[lo:hi]), self.bounds))
                 return all(run_chunks(lambda lo, hi: add_scaled_error(
                     array[lo:hi], factor, error[lo:hi], out[lo:hi]), self.bounds))
 
@@ -253,6 +282,7 @@ class ErrorFeedback(StagedChain, Compressor):
 
     def cancel(self) -> None:
         """Undo this step's ``set_lr`` (no ``compress`` follows it)."""
+        self.divisor = 1.0
         self._restore_lr()
         self.inner.cancel()
 

@@ -73,6 +73,22 @@ def nesterov_step_corrected(grad, momentum, decay, mu, ratio, error, momentum_ou
     return bad == 0
 
 
+@njit(nogil=True, cache=True)
+def nesterov_step_corrected_divided(grad, divisor, momentum, decay, mu, ratio, error,
+                                    momentum_out, out):
+    """nesterov_step_corrected of ``grad / divisor``, divided in the same pass (each value
+    rounded as dividing first, then the step, rounds it)."""
+    bad = 0
+    for i in range(grad.size):
+        g = grad[i] / divisor
+        m = momentum[i] * decay + g
+        momentum_out[i] = m
+        value = (g + mu * m) + ratio * error[i]
+        out[i] = value
+        bad |= not abs(value) < np.inf
+    return bad == 0
+
+
 def nesterov_step_torch(grad: torch.Tensor, momentum: torch.Tensor,
                         decay: float | torch.Tensor, mu: float, lookahead: torch.Tensor,
                         momentum_out: torch.Tensor) -> torch.Tensor:
@@ -111,6 +127,14 @@ class Momentum(StagedChain, Compressor):
         # this step's decay, on the device (written before the kernels: a replayed graph
         # reads it anew) or, for float16/bfloat16, a Python number
         self.decay: torch.Tensor | float | None = None
+        self.divides_input = self.fused and not self.staged \
+            and inner.dtype in KERNEL_FLOAT_DTYPES
+        self.divisor = 1.0  # divide_input's, for the next compress only
+
+    def divide_input(self, divisor: float) -> None:
+        if not self.divides_input:
+            super().divide_input(divisor)
+        self.divisor = float(divisor)
 
     def set_lr(self, lr: float) -> None:
         self.inner.set_lr(lr)
@@ -127,6 +151,7 @@ class Momentum(StagedChain, Compressor):
         x = self.check_input(x)
         self.undo = None
         decay, self.factor = self.mu * self.factor, 1.0
+        divisor, self.divisor = self.divisor, 1.0
         self._buffers()
         if self.dtype not in KERNEL_FLOAT_DTYPES:  # float16/bfloat16: torch rounds each op
             lookahead = nesterov_step_torch(x, self.momentum, decay, self.mu, self._lookahead(),
@@ -136,6 +161,13 @@ class Momentum(StagedChain, Compressor):
             return self._commit(self.spare, self.inner.compress(lookahead))
         grad, momentum, out = x.numpy(), self.momentum.numpy(), self.spare.numpy()
         mu = grad.dtype.type(self.mu)
+        if self.fused and divisor != 1.0:  # the average over nodes in the same pass
+            by = grad.dtype.type(divisor)
+            payload = self.inner.compress_corrected(
+                lambda error, ratio, corrected: nesterov_step_corrected_divided(
+                    grad, by, momentum, grad.dtype.type(decay), mu,
+                    grad.dtype.type(ratio), error, out, corrected))
+            return self._commit(self.spare, payload)
         if self.fused:  # error feedback: one pass for both
             payload = self.inner.compress_corrected(
                 lambda error, ratio, corrected: nesterov_step_corrected(
@@ -196,6 +228,7 @@ class Momentum(StagedChain, Compressor):
         return self.inner.status_error(code, detail)
 
     def cancel(self) -> None:
+        self.divisor = 1.0
         self.inner.cancel()
 
     def _nonfinite(self) -> NonFiniteError:

@@ -48,13 +48,14 @@ class CodecPool:
     def compress(self, info: KeyInfo, tensor: torch.Tensor, step: int, lr: float,
                  future: concurrent.futures.Future,
                  then: Callable[[torch.Tensor, dict | None], None],
-                 momentum_scale: float = 1.0) -> None:
+                 momentum_scale: float = 1.0, divisor: float = 1.0, what: str = "") -> None:
         """On a codec thread: ``then(payload, None)`` with the compressed ``tensor``, or
         ``then(empty, marker fields)`` where the chain refuses it as non-finite (its
-        state unchanged); any other error settles ``future``. ``momentum_scale``: see
-        ``Compressor.scale_momentum``."""
+        state unchanged; the marker names ``what``, else the key); any other error
+        settles ``future``. ``momentum_scale``: see ``Compressor.scale_momentum``;
+        ``divisor``: ``Compressor.divide_input`` (1: none)."""
         self._submit(info, future, self._compress, info, tensor, step, lr, future, then,
-                     momentum_scale)
+                     momentum_scale, divisor, what or info.name)
 
     def compress_device(self, info: KeyInfo, tensor: torch.Tensor,
                         ready: torch.cuda.Event | None, step: int, lr: float,
@@ -150,12 +151,12 @@ class CodecPool:
     def _compress(self, info: KeyInfo, tensor: torch.Tensor, step: int, lr: float,
                   future: concurrent.futures.Future,
                   then: Callable[[torch.Tensor, dict | None], None],
-                  momentum_scale: float) -> None:
+                  momentum_scale: float, divisor: float, what: str) -> None:
         try:
             start_ns = time.monotonic_ns()
-            payload = self._run_chain(info, tensor, step, lr, momentum_scale)
+            payload = self._run_chain(info, tensor, step, lr, momentum_scale, divisor)
             if payload is None:
-                then(torch.zeros(0, dtype=torch.uint8), {"mark": "nonfinite", "what": info.name})
+                then(torch.zeros(0, dtype=torch.uint8), {"mark": "nonfinite", "what": what})
                 return
             self._compressed(info, step, start_ns, payload)
             then(payload, None)
@@ -164,11 +165,14 @@ class CodecPool:
 
     @staticmethod
     def _run_chain(info: KeyInfo, tensor: torch.Tensor, step: int, lr: float,
-                   momentum_scale: float) -> torch.Tensor | None:
-        """The key's chain on ``tensor``: its payload, or None where the chain refused the
-        input as non-finite (its state unchanged)."""
+                   momentum_scale: float, divisor: float = 1.0) -> torch.Tensor | None:
+        """The key's chain on ``tensor`` (divided by ``divisor`` in its first pass): its
+        payload, or None where the chain refused the input as non-finite (its state
+        unchanged)."""
         info.chain.set_lr(lr)
         info.chain.scale_momentum(momentum_scale)
+        if divisor != 1.0:
+            info.chain.divide_input(divisor)
         try:
             payload = info.chain.compress(tensor)
         except NonFiniteError:

@@ -347,7 +347,8 @@ class WorkerEngine:
                   priority: int = 0, out: torch.Tensor | None = None,
                   mark: str | None = None, what: str = "",
                   momentum_scale: float = 1.0, ready: torch.cuda.Event | None = None,
-                  generation: int | None = None) -> concurrent.futures.Future:
+                  generation: int | None = None, divisor: float = 1.0
+                  ) -> concurrent.futures.Future:
         """Push this node's (already averaged) partition; the future gives the aggregate,
         or a :class:`Skipped` where the server did not sum the step.
 
@@ -366,6 +367,9 @@ class WorkerEngine:
         ``generation``: the membership generation whose members ``tensor`` was divided by
         (``BPS_MIN_WORKERS``; a pipeline's, which learns a new one when a step of it is
         skipped); None: the one this step number began with on this node's pushes.
+
+        ``divisor`` (a key whose chain :meth:`divides_input`): ``tensor`` is not divided
+        yet; the chain divides it by ``divisor`` in its first pass.
         """
         info = self._keys.get(key)
         if info is None:
@@ -391,6 +395,9 @@ class WorkerEngine:
                              f"declared on {info.staging.device}")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"{info_label(info)}: step={step!r} must be an int >= 0")
+        if divisor != 1.0 and (mark is not None or not self.divides_input(key)):
+            raise ValueError(f"{info_label(info)}: divisor={divisor!r}, but its chain does "
+                             "not divide its input")
         self._io.raise_if_failed()
         if step > self._last_step:  # heartbeats carry it (the scheduler compares workers)
             self._last_step = self._link.step = step
@@ -429,8 +436,15 @@ class WorkerEngine:
             self._codec.compress(info, flat.contiguous(), step, lr, future,
                                  lambda payload, extra: self._io.enqueue(
                                      info, payload, step, lr, order, future, extra),
-                                 momentum_scale)
+                                 momentum_scale, divisor, what)
         return future
+
+    def divides_input(self, key: int) -> bool:
+        """Whether ``push_pull(key, ..., divisor=d)`` works: a compressed key of one
+        round whose host chain divides its input (``Compressor.divide_input``)."""
+        info = self._keys[key]
+        return info.chain is not None and info.staging is None \
+            and key not in self._rounds and info.chain.divides_input
 
     def rollback(self, step: int, keys: list[int]) -> None:
         """Undo ``step`` on the compressed ``keys`` (one trainer's): each worker chain

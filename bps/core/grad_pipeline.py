@@ -145,6 +145,8 @@ class _Slot:
     momentum_next: torch.Tensor | None = None  # this step's local momentum, until applied
     ready: bool = False  # pushed this step
     nonfinite: bool = False  # this step's gradient has inf or NaN entries
+    divisor: float = 1.0  # what the chain divides ``share`` by (1: divided already)
+    chain_divides: bool | None = None  # its compressed key's chain can (asked once)
     skipped: Skipped | None = None  # the servers did not sum this step
     ready_event: torch.cuda.Event | None = None  # the device path: ``share`` is written
     reduced_event: torch.cuda.Event | None = None  # its reduce stream is done with ``send``
@@ -362,7 +364,7 @@ class GradPipeline(SlotQueries):
         chain runs, nothing is added. ``done(index)`` runs on the broadcast thread once
         ``dest`` holds the average (the step may still be skipped: :meth:`finish`)."""
         slot = self.check_push(index, dest)
-        slot.ready = True
+        slot.ready, slot.divisor = True, 1.0
         slot.dest, slot.done = dest if dest.dim() == 1 else dest.view(-1), done
         if self._tracer is not None:
             self._tracer.instant("ready", slot.name, self.step)
@@ -383,7 +385,11 @@ class GradPipeline(SlotQueries):
                 # A lone local rank pushes straight from the source: each partition's
                 # result arrives (and may overwrite it) only after that partition was sent.
                 flat = _flat(grad, slot.dest)
-                slot.nonfinite = not divide_checked(flat.numpy(), size, self._limit(slot))
+                if self._chain_divides(slot):  # in its first pass: one pass over it less
+                    slot.divisor = float(size)
+                else:
+                    slot.nonfinite = not divide_checked(flat.numpy(), size,
+                                                        self._limit(slot))
                 slot.share = flat
             else:
                 if slot.send is None:
@@ -443,6 +449,18 @@ class GradPipeline(SlotQueries):
                 share.copy_(grad.detach().reshape(-1).float().div(divisor))
         slot.ready_event = record_ready(share.device)
         return share
+
+    def _chain_divides(self, slot: _Slot) -> bool:
+        """Whether the slot travels as one compressed key this step whose chain divides
+        the share by the number of workers in its first pass (it finds inf and NaN there
+        too, and pushes a ``nonfinite`` marker naming the slot)."""
+        if slot.chain_divides is None:
+            parts = [p for p in slot.parts if p.compressed_key is not None]
+            divides = getattr(self._rt.engine, "divides_input", None)
+            slot.chain_divides = len(slot.parts) == 1 and len(parts) == 1 \
+                and parts[0].bucket is None and divides is not None \
+                and divides(parts[0].compressed_key)
+        return slot.chain_divides and self.step >= self.params["warmup_steps"]
 
     def _node_dtype(self, slot: _Slot) -> torch.dtype:
         """The dtype the node's local ranks sum a slot in."""
@@ -530,9 +548,11 @@ class GradPipeline(SlotQueries):
                         out = tensor
                 else:
                     tensor = self._converted(part, piece, slot.wire)
+                options = {"divisor": slot.divisor, "what": slot.name} \
+                    if slot.divisor != 1.0 else {}
                 slot.futures.append(self._push_pull(
                     key, tensor, lr, priority=-index, out=out,
-                    momentum_scale=self._rescale() if compressed else 1.0))
+                    momentum_scale=self._rescale() if compressed else 1.0, **options))
         if self.inline:
             self._land_when_settled(index, slot)
         else:

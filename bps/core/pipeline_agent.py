@@ -22,6 +22,7 @@ Started by ``bps.init()`` on local rank 0::
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import threading
@@ -325,6 +326,9 @@ class PipelineAgent(agent_base.Agent):
             return pipe
 
         pipe = node.open(self.local_rank, self, views, build, 2 * self.env.timeout)
+        # what the job keeps to its end (modules, chains, buffers) out of the collector's
+        # full passes: each step's futures and requests make it run every few steps
+        gc.freeze()
         return node.key_count, pipe.compressed_keys()
 
     def call_set_membership(self, generation: int, members: list[int]) -> None:

@@ -21,6 +21,7 @@ from bps.compressors import (
     state_to_wire,
     unregister,
 )
+from bps.compressors.base import NonFiniteError
 from tests.harness import reference_compressors as ref
 from tests.harness.paths import ROOT
 from tests.harness.reference_compressors import ref_codec
@@ -70,6 +71,71 @@ def test_chain_matches_reference_over_steps_with_changing_lr(params, dtype, role
         compare_payload(payload, mine.compress(as_values(x)), params)
         error = chain.error if role == "server" else chain.inner.error
         np.testing.assert_array_equal(as_values(error), mine.error, err_msg=f"step {step}")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("momentum", [True, False], ids=["nesterov", "ef"])
+@pytest.mark.parametrize("compressor", [{"compressor": "onebit", "scaling": True},
+                                        {"compressor": "topk", "k": 0.25}],
+                         ids=lambda p: p["compressor"])
+def test_a_divided_input_matches_the_reference_on_the_quotient(compressor, momentum, dtype):
+    # the worker's average over nodes, divided in the chain's first pass: the reference
+    # divides first (rounded to the dtype), then runs the chain on the quotient
+    numel, divisor = 96, 3.0
+    full = dict(compressor, ef="vanilla", **({"momentum": "nesterov", "mu": 0.9}
+                                            if momentum else {}))
+    chain = build(full, numel, ref.TORCH_DTYPE[dtype])
+    assert chain.divides_input
+    encode, decode = ref_codec(compressor, numel, dtype)
+    scales, encode_with = [], encode
+    if description(compressor["compressor"]).tolerance == "scale_ulp":
+        encode = lambda x: encode_with(x, scale=scales[-1])  # noqa: E731
+    mine = ref.RefChain(encode, decode, numel, dtype, ef=True,
+                        mu=0.9 if momentum else None)
+    for step, lr in enumerate(LRS):
+        x = sample(numel, dtype, seed=300 + step, distinct=True)
+        chain.set_lr(lr)
+        mine.set_lr(lr)
+        chain.divide_input(divisor)
+        payload = payload_of(chain.compress(x))
+        scales.append(float(np.frombuffer(payload[-4:], "<f4")[0]))
+        quotient = ref.round_to(as_values(x) / divisor, dtype)
+        compare_payload(payload, mine.compress(quotient), compressor)
+        error = chain.inner.error if momentum else chain.error
+        np.testing.assert_array_equal(as_values(error), mine.error, err_msg=f"step {step}")
+        if momentum:
+            np.testing.assert_array_equal(as_values(chain.momentum), mine.momentum)
+
+
+def test_a_refused_divided_input_changes_nothing_and_the_next_is_not_divided():
+    chain = build({"compressor": "topk", "k": 0.5, "ef": "vanilla", "momentum": "nesterov",
+                   "mu": 0.9}, 4)
+    twin = build({"compressor": "topk", "k": 0.5, "ef": "vanilla", "momentum": "nesterov",
+                  "mu": 0.9}, 4)
+    for c in (chain, twin):
+        c.set_lr(0.1)
+        c.compress(torch.tensor([1.0, -2.0, 3.0, 0.5]))
+    chain.set_lr(0.1)
+    chain.divide_input(2.0)
+    with pytest.raises(NonFiniteError):
+        chain.compress(torch.tensor([1.0, float("inf"), 0.0, 0.0]))
+    chain.cancel()
+    x = torch.tensor([0.25, 1.0, -4.0, 2.0])
+    for c in (chain, twin):
+        c.set_lr(0.1)
+    assert payload_of(chain.compress(x)) == payload_of(twin.compress(x))
+    assert torch.equal(chain.momentum, twin.momentum)
+    assert torch.equal(chain.inner.error, twin.inner.error)
+
+
+def test_only_host_kernel_chains_divide_their_input():
+    half = build({"compressor": "onebit", "ef": "vanilla"}, 8, torch.float16)
+    assert not half.divides_input
+    with pytest.raises(TypeError, match="cannot divide"):
+        half.divide_input(2.0)
+    assert not build({"compressor": "onebit"}, 8).divides_input  # no decorator
+    assert not build({"compressor": "topk", "k": 0.5, "momentum": "nesterov", "mu": 0.9},
+                     8).divides_input  # momentum without error feedback
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
