@@ -23,6 +23,7 @@ Example::
 from __future__ import annotations
 
 import math
+import struct
 from typing import ClassVar
 
 import numpy as np
@@ -154,6 +155,9 @@ class OneBit(Compressor):
         self.payload_size = self.max_payload_bytes(numel, dtype)
         self.bounds = chunk_bounds(numel)
         self.max_scale = float(torch.finfo(dtype).max)  # a larger one decodes to inf
+        # the last payload compress made, its sign words and scale: error feedback's
+        # update of that payload needs no parse
+        self.made: tuple[torch.Tensor, np.ndarray, float] | None = None
 
     @classmethod
     def options(cls, params: dict, numel: int) -> dict:
@@ -179,7 +183,7 @@ class OneBit(Compressor):
         total = sum(sums)
         if not math.isfinite(total):  # sum(|x|) in float64: inf or NaN only from the input
             raise self.nonfinite_input()
-        self._write_scale(buffer, total)
+        self.made = (payload, words, self._write_scale(buffer, total))
         return payload
 
     def _write_scale(self, buffer: np.ndarray, total: float) -> float:
@@ -189,12 +193,14 @@ class OneBit(Compressor):
             scale = total / self.numel
         else:  # docs/compression.md: an all-zero input decodes to zeros, so its unscaled scale is 0
             scale = 0.0 if total == 0.0 else 1.0
-        sent = sub_array(buffer, 4 * self.num_words, np.float32, 1)
-        with np.errstate(over="ignore"):
-            sent[0] = scale
-        if not float(sent[0]) <= self.max_scale:
+        try:  # rounded to float32 as a C cast rounds (numpy's too)
+            struct.pack_into("=f", buffer, 4 * self.num_words, scale)
+        except OverflowError:
+            raise self.scale_out_of_range(scale) from None
+        sent = struct.unpack_from("=f", buffer, 4 * self.num_words)[0]
+        if not sent <= self.max_scale:
             raise self.scale_out_of_range(scale)
-        return float(sent[0])
+        return sent
 
     def scale_out_of_range(self, scale: float) -> ValueError:
         """The error for a scale (mean |x|) that float32 or the dtype cannot hold."""
@@ -293,7 +299,9 @@ class OneBit(Compressor):
         """corrected -= decompress(payload), in one pass for float32/float64."""
         if self.dtype not in KERNEL_FLOAT_DTYPES:
             return corrected.sub_(self.decompress(payload))
-        words, scale = self._parse(payload)
+        made, self.made = self.made, None
+        words, scale = made[1:] if made is not None and made[0] is payload \
+            else self._parse(payload)
         array = corrected.numpy()
         self._subtract_signs(array, words, array.dtype.type(scale))
         return corrected

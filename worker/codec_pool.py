@@ -261,8 +261,10 @@ class CodecPool:
             info = request.info
             if info.staging is not None:
                 result = self._decode_on_device(info, frames)
+            elif len(frames) == 1:  # a view of the frame, as the chain parses any buffer
+                result = info.chain.decompress(frames[0].buffer, info.out)
             else:
-                result = info.chain.decompress(self._joined(frames), info.out)
+                result = info.chain.decompress(join_frames(frames), info.out)
             end_ns = time.monotonic_ns()
             self._count(decompress_s=(end_ns - start_ns) / 1e9, pushes=1)
             trace_stage(self._tracer, "decompress", request, start_ns, end_ns)

@@ -385,10 +385,15 @@ def drain(sock: Any, limit: int = 256) -> Iterator[list]:
     """
     import zmq
 
+    # plain ints: pyzmq's flag enums make an enum object in every ``&`` and ``|``
+    events, pollin, noblock = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
     for _ in range(limit):
-        if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        if not sock.getsockopt(events) & pollin:
             return
-        yield sock.recv_multipart(zmq.NOBLOCK, copy=False)
+        frames = [sock.recv(noblock, copy=False)]
+        while frames[-1].more:  # the rest of a message is there once its first frame is
+            frames.append(sock.recv(noblock, copy=False))
+        yield frames
 
 
 def new_socket(ctx: Any, kind: int) -> Any:

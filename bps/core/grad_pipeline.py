@@ -147,6 +147,7 @@ class _Slot:
     nonfinite: bool = False  # this step's gradient has inf or NaN entries
     divisor: float = 1.0  # what the chain divides ``share`` by (1: divided already)
     chain_divides: bool | None = None  # its compressed key's chain can (asked once)
+    travelling: tuple[bool, list[Part]] | None = None  # (warm, its parts that travel then)
     skipped: Skipped | None = None  # the servers did not sum this step
     ready_event: torch.cuda.Event | None = None  # the device path: ``share`` is written
     reduced_event: torch.cuda.Event | None = None  # its reduce stream is done with ``send``
@@ -667,6 +668,12 @@ class GradPipeline(SlotQueries):
         """Inline: :meth:`_land` the parameter on the thread that settles the last of its
         futures (this one, where they all are already)."""
         futures = list(slot.futures)
+        if len(futures) <= 1:  # most parameters: nothing to count
+            if futures:
+                futures[0].add_done_callback(lambda _: self._land_or_fail(index))
+            else:
+                self._land_or_fail(index)
+            return
         left = [len(futures) + 1]
         lock = threading.Lock()
 
@@ -675,14 +682,17 @@ class GradPipeline(SlotQueries):
                 left[0] -= 1
                 if left[0]:
                     return
-            try:
-                self._land(index)
-            except BaseException as exc:  # noqa: BLE001 - reported by wait()
-                self._fail(exc)
+            self._land_or_fail(index)
 
         for future in futures:
             future.add_done_callback(settled)
         settled()
+
+    def _land_or_fail(self, index: int) -> None:
+        try:
+            self._land(index)
+        except BaseException as exc:  # noqa: BLE001 - reported by wait()
+            self._fail(exc)
 
     def _broadcast_loop(self) -> None:
         while True:
@@ -731,7 +741,9 @@ class GradPipeline(SlotQueries):
         """The parts that carry the slot this step (a PowerSGD matrix: raw partitions
         during warmup, the whole matrix compressed after)."""
         warm = self.step < self.params["warmup_steps"]
-        return [part for part in slot.parts if part.travels(warm)]
+        if slot.travelling is None or slot.travelling[0] != warm:
+            slot.travelling = (warm, [part for part in slot.parts if part.travels(warm)])
+        return slot.travelling[1]
 
     def _apply_local_momentum(self, slot: _Slot, grad: torch.Tensor) -> None:
         """Tensors that travel uncompressed get the chain's Nesterov rule here, into the
