@@ -85,7 +85,9 @@ class KeyEngine(threading.Thread):
     def __init__(self, server: ParameterServer, index: int) -> None:
         super().__init__(name=f"bps-server-engine-{index}", daemon=True)
         self.server = server
-        self.inbox: queue.Queue = queue.Queue()
+        # put and get in C: a blocked get waits on one lock (queue.Queue runs a Python
+        # Condition per get, a new lock each time)
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.aggregator = Aggregator(server.num_workers, server.tracer)
 
     @property
