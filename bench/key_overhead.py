@@ -27,7 +27,9 @@ autograd hook per parameter (50th and 99th percentile); medians over ``--rounds`
 ``--node-agent`` also runs each configuration with ``BPS_NODE_AGENT=1`` in the same
 rounds: the engine (and, with the host chains, the gradient pipeline, on ``.grad`` in
 shared memory) in a node agent process, whose CPU counts in the column ``node agent``
-and in the totals. JSON: ``--json`` (default
+and in the totals. The server process's CPU per step (read from ``/proc``, 10 ms ticks:
+use enough ``--steps``) is in the column ``server`` and per push in ``server us / push``,
+apart from the worker's totals. JSON: ``--json`` (default
 bench/results/key_overhead-TIME.json).
 
 ``--convoy`` times a hook's kinds of calls, and a codec thread's work for one key of a
@@ -71,6 +73,25 @@ def process_cpu_s(pid: int) -> float:
     """CPU seconds so far of process ``pid`` (user + system, every thread; 10 ms ticks)."""
     fields_ = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields_[11]) + int(fields_[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def server_pids() -> list[int]:
+    """The pids of this job's server processes: this process's siblings (``bpslaunch
+    local`` starts every role) with ``DMLC_ROLE=server``."""
+    parent, pids = os.getppid(), []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            if int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1]) \
+                    != parent:
+                continue
+            environ = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+        except (OSError, ValueError):  # ended meanwhile, or not ours to read
+            continue
+        if b"DMLC_ROLE=server" in environ:
+            pids.append(int(entry))
+    return pids
 
 
 def thread_cpu_s(agent: int | None = None) -> dict[str, float]:
@@ -139,12 +160,15 @@ def child(args: argparse.Namespace) -> None:
     backward_s.clear()
     hook_s.clear()
     pushes_before = trainer.core.runtime.engine.stats.pushes if trainer else 0
+    servers = server_pids() if trainer else []
+    server_before = sum(map(process_cpu_s, servers))
     before, walls = thread_cpu_s(agent), []
     for _ in range(args.steps):
         start = time.perf_counter()
         step()
         walls.append(time.perf_counter() - start)
     after = thread_cpu_s(agent)
+    server_s = sum(map(process_cpu_s, servers)) - server_before
     pushes = (trainer.core.runtime.engine.stats.pushes - pushes_before) if trainer else 0
     if trainer is not None:
         trainer.close()
@@ -154,6 +178,7 @@ def child(args: argparse.Namespace) -> None:
         "pushes": pushes / args.steps,
         "hook_us": [percentile(hook_s, 50) * 1e6, percentile(hook_s, 99) * 1e6]
         if hook_s else None,
+        "server_s": server_s / args.steps if servers else None,
         "threads_s": {k: v for k, v in threads.items() if v > 0}}))
     bps.shutdown()
 
@@ -263,8 +288,8 @@ def table(results: dict) -> str:
     alone = statistics.median(sum(r["threads_s"].values()) for r in results["alone"])
     rows = ["| configuration | step ms | forward + backward ms | CPU ms | pushes | "
             "CPU us / push beyond alone | hook p50 us | hook p99 us | "
-            + " | ".join(names) + " |",
-            "|---|" + "---:|" * (7 + len(names))]
+            + " | ".join(names) + " | server ms | server us / push |",
+            "|---|" + "---:|" * (9 + len(names))]
     for config, rounds in results.items():
         def med(get, rounds=rounds):
             return statistics.median(get(r) for r in rounds)
@@ -274,10 +299,15 @@ def table(results: dict) -> str:
         cells = [f"{med(lambda r, t=t: r['threads_s'].get(t, 0.0)) * 1e3:.1f}" for t in names]
         hooks = [f"{med(lambda r, i=i: r['hook_us'][i]):.0f}" if rounds[0].get("hook_us")
                  else "" for i in (0, 1)]
+        server = ["", ""]
+        if rounds[0].get("server_s") is not None:
+            server_s = med(lambda r: r["server_s"])
+            server = [f"{server_s * 1e3:.1f}", f"{server_s / pushes * 1e6:.0f}" if pushes
+                      else ""]
         rows.append(f"| {config} | {med(lambda r: r['step_s']) * 1e3:.1f} "
                     f"| {med(lambda r: r['backward_s']) * 1e3:.1f} | {cpu * 1e3:.1f} "
                     f"| {pushes:.0f} | {per_push} | {hooks[0]} | {hooks[1]} | "
-                    + " | ".join(cells) + " |")
+                    + " | ".join(cells) + f" | {server[0]} | {server[1]} |")
     return "\n".join(rows)
 
 

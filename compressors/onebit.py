@@ -45,6 +45,8 @@ from .base import (
 )
 from .threads import chunk_bounds, run_chunks
 
+BITS = {4: np.uint32, 8: np.uint64}  # a float32/float64 array's raw bits
+
 
 @njit(nogil=True, cache=True, fastmath={"reassoc", "nsz", "contract"})
 def pack_signs(x, words):
@@ -279,21 +281,29 @@ class OneBit(Compressor):
         """
         parsed = [self._parse(payload) for payload in payloads]
         words = np.stack([words for words, _ in parsed])
-        bits = bit_view(torch.from_numpy(out))
+        bits = out.view(BITS[out.itemsize])  # what bit_view gives, without torch
         scale_bits = scalar_bits([scale for _, scale in parsed], self.dtype)
         sign_mask = bits.dtype.type(1 << (8 * bits.itemsize - 1))
         factor = out.dtype.type(ratio)
-        payload = torch.empty(self.payload_size, dtype=torch.uint8)
-        buffer = payload.numpy()
-        signs = sub_array(buffer, 0, np.uint32, self.num_words)
-        chunks = run_chunks(lambda lo, hi: sum_signs_and_pack(
-            words, lo // 32, scale_bits, sign_mask, factor, error[lo:hi], out[lo:hi],
-            bits[lo:hi], signs[lo // 32 :]), self.bounds)
+        # numpy allocates without letting go of the GIL (a torch op would: another
+        # thread's Python then holds it, bench/key_overhead.py --convoy)
+        buffer = np.empty(self.payload_size, dtype=np.uint8)
+        signs = buffer[:4 * self.num_words].view(np.uint32)
+        if len(self.bounds) == 1:  # one chunk: the kernels on this thread, no closures
+            chunks = [sum_signs_and_pack(words, 0, scale_bits, sign_mask, factor, error,
+                                         out, bits, signs)]
+        else:
+            chunks = run_chunks(lambda lo, hi: sum_signs_and_pack(
+                words, lo // 32, scale_bits, sign_mask, factor, error[lo:hi], out[lo:hi],
+                bits[lo:hi], signs[lo // 32 :]), self.bounds)
         if not all(finite for _, finite in chunks):
             return None
-        scale = self._write_scale(buffer, sum(total for total, _ in chunks))
-        self._subtract_signs(out, signs, out.dtype.type(scale))
-        return payload
+        scale = out.dtype.type(self._write_scale(buffer, sum(total for total, _ in chunks)))
+        if len(self.bounds) == 1:
+            subtract_signs(out, signs, scale)
+        else:
+            self._subtract_signs(out, signs, scale)
+        return torch.from_numpy(buffer)
 
     def fast_update_error(self, corrected: torch.Tensor, payload: Payload) -> torch.Tensor:
         """corrected -= decompress(payload), in one pass for float32/float64."""

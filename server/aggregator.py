@@ -87,6 +87,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import msgpack
+import numpy as np
 import torch
 
 from bps.common.protocol import dtype_name, error_text, join_frames
@@ -261,10 +262,15 @@ def add_in_chunks(total: torch.Tensor, values: torch.Tensor,
 
 
 def payload_data(payload: Sequence[Any]) -> torch.Tensor:
-    """A compressed push's bytes: a view of its buffer, or its buffers joined."""
+    """A compressed push's bytes: a view of its buffer, or its buffers joined. Viewed
+    through numpy: ``torch.frombuffer`` lets go of the GIL, and taking it back waits for
+    the other threads' Python (bench/key_overhead.py --convoy); an empty buffer goes to
+    it, which refuses it."""
     if len(payload) > 1:
         return torch.from_numpy(join_frames(payload))
-    return torch.frombuffer(payload[0], dtype=torch.uint8)
+    if not len(payload[0]):
+        return torch.frombuffer(payload[0], dtype=torch.uint8)
+    return torch.from_numpy(np.frombuffer(payload[0], dtype=np.uint8))
 
 
 class Aggregator:

@@ -276,7 +276,10 @@ class Requests:
             for waiter in answer.waiters:
                 self._send_error(waiter.ident, waiter.rid, answer.error)
             return
-        body = memoryview(answer.payload.contiguous().view(torch.uint8).numpy())
+        payload = answer.payload.contiguous()
+        if payload.dtype != torch.uint8:  # a raw sum (numpy has no bfloat16: a torch view)
+            payload = payload.view(torch.uint8)
+        body = memoryview(payload.numpy())  # a compressed payload: no torch op, GIL kept
         for waiter in answer.waiters:
             self._reply(waiter.ident, encode(Op.DATA, rid=waiter.rid, key=answer.key,
                                              step=answer.step, nbytes=body.nbytes,

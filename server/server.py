@@ -19,7 +19,10 @@ a large partition's kernels also run in chunks on ``bps.compressors.threads``' p
 Each engine thread serves its requests in arrival order (``Requests`` of
 :mod:`bps.server.requests` on its own ``Aggregator``); each step's reply carries
 ``server_s``, the seconds the key's engine spent on it. Engine threads send replies back
-through an inproc socket; the I/O thread forwards them.
+through an inproc socket; the I/O thread forwards them. With one engine thread
+(``BPS_SERVER_THREADS=1``, or a host with no more cores than servers) the I/O thread
+serves the requests itself, in the same order, and replies on the ROUTER: a push then
+crosses no thread (each hand-over costs a wake-up and the GIL changing hands twice).
 
 Every bound is checked before anything is allocated: frame sizes
 (``BPS_MAX_MESSAGE_BYTES``, enforced by ZeroMQ while it reads), a key's size (half of
@@ -85,7 +88,9 @@ class KeyEngine(threading.Thread):
     def __init__(self, server: ParameterServer, index: int) -> None:
         super().__init__(name=f"bps-server-engine-{index}", daemon=True)
         self.server = server
-        self.inbox: queue.Queue = queue.Queue()
+        # put and get in C: a blocked get waits on one lock (queue.Queue runs a Python
+        # Condition per get, a new lock each time)
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.aggregator = Aggregator(server.num_workers, server.tracer)
 
     @property
@@ -147,6 +152,8 @@ class ParameterServer:
         self.left: dict[bytes, str] = {}  # a worker that left the job: token -> why
         self._queued = 0  # payload bytes in the engines' inboxes
         self._queued_lock = threading.Lock()
+        # one engine thread: this thread serves its requests itself (set at rendezvous)
+        self.inline: Requests | None = None
 
     def dequeued(self, payload: list[zmq.Frame] | None) -> None:
         """An engine took a request off its inbox (called from engine threads)."""
@@ -190,6 +197,8 @@ class ParameterServer:
             self.members = {bytes(token): node for node, token in enumerate(welcome["members"])}
             self.tracer = trace.from_env(self.env, f"server{welcome['node_id']}")
             engines += [KeyEngine(self, i) for i in range(threads)]
+            if threads == 1:  # its replies go out on the ROUTER directly
+                self.inline = Requests(engines[0].aggregator, router, self.env)
             log.info("server %d serving on %s, engine threads: %d", welcome["node_id"],
                      address, threads)
             if welcome.get("generation"):  # a replacement: the job's membership now
@@ -197,7 +206,7 @@ class ParameterServer:
                                   "members": welcome["present"],
                                   "msg": f"taking the place of server {welcome['node_id']}"},
                                  engines)
-            for engine in engines:
+            for engine in engines if self.inline is None else ():
                 engine.start()
             return self._loop(router, replies, link, engines)
         except StandbyOver as exc:
@@ -259,6 +268,8 @@ class ParameterServer:
                         self._dispatch(router, frames, owner, next_engine)
                         if self._queued > INBOX_BYTES:
                             break
+                        if self.inline is not None:  # served here: heartbeats go on
+                            link.tick()
                 else:
                     header = link.receive()
                     if header["op"] == Op.SHUTDOWN:
@@ -279,6 +290,9 @@ class ParameterServer:
         update_members(self.members, self.left, header)
         log.warning("membership generation %d: worker nodes %s (%s)", header["generation"],
                     sorted(set(header["members"])), header["msg"])
+        if self.inline is not None:
+            self.inline.membership(header["generation"], header["members"])
+            return
         for engine in engines:
             engine.inbox.put((None, header, None))
 
@@ -306,6 +320,9 @@ class ParameterServer:
             refusals.warning("refused a message from %s: %s", peer, msg)
             rid = rid if isinstance(rid, int) and not isinstance(rid, bool) else -1
             router.send_multipart([ident, encode(Op.ERROR, rid=rid, msg=msg)])
+            return
+        if self.inline is not None:
+            self.inline.serve(ident, header, payloads or None)
             return
         if payloads:
             with self._queued_lock:
