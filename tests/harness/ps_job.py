@@ -473,6 +473,11 @@ def main() -> None:
                              out=torch.zeros(numel + 1, dtype=torch_dtype(dtype)))
         except ValueError as exc:
             bad_out = str(exc)
+        try:  # keys[0] has no error feedback: its chain cannot divide its input
+            engine.push_pull(key, torch.zeros(numel, dtype=torch_dtype(dtype)), 0, 0.1,
+                             divisor=2.0)
+        except ValueError as exc:
+            bad_out += "\n" + str(exc)
     for step in range(STEPS):
         # compressed keys, odd steps: the aggregate is decoded into the pushed tensor
         decode_in_place = args.case == "compressed" and step % 2 == 1

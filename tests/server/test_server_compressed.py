@@ -82,3 +82,4 @@ def test_aggregate_decoded_into_the_given_tensor(compressed_run: list[dict]) -> 
         assert run["in_place"] and all(run["in_place"].values()), run["in_place"]
     message = compressed_run[0]["bad_out"]
     assert "out must be a contiguous CPU tensor" in message and "key 200" in message, message
+    assert "key 200 ('t200'): divisor=2.0, but its chain does not divide" in message, message
