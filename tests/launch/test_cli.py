@@ -30,8 +30,8 @@ def test_failing_worker_stops_everything_and_exit_code_propagates() -> None:
 
 def test_with_min_workers_a_failing_worker_node_leaves_and_the_job_goes_on() -> None:
     """The launcher's side of --min-workers: worker 1 fails, the others are not stopped
-    (worker 0 then finishes on its own, a file it waits for being the trigger: here, the
-    launcher's line); two failures with one to spare stop everything."""
+    and finish; two failures with one to spare stop everything (worker 0 would otherwise
+    sleep for ten minutes)."""
     script = ("import os, sys\n"
               "if os.environ['DMLC_WORKER_ID'] == '1': sys.exit(3)\n"
               "print('worker', os.environ['DMLC_WORKER_ID'], 'done', flush=True)\n")
