@@ -22,7 +22,8 @@ the restarted server waits as the next spare); Ctrl-C tears everything down. Eve
 a fresh cluster key (``BPS_SECRET_FILE``) in a private temporary directory, removed
 when the job ends (none with ``BPS_INSECURE=1``). Where ``OMP_NUM_THREADS`` is unset,
 the worker processes get the cores divided among the job's workers and servers
-(``bps.launch.role.omp_threads``). Extra variables
+(``bps.launch.role.omp_threads``), and so do the servers' engine threads where
+``BPS_SERVER_THREADS`` is unset. Extra variables
 (``BPS_TIMEOUT``, ``BYTEPS_PARTITION_BYTES``, ...) are passed through from the
 environment.
 """
@@ -118,19 +119,19 @@ def main(args: Sequence[str]) -> int:
             tempfile.TemporaryDirectory(prefix="bps-joined-") as joined_dir:
         base.update(credentials)
         base[JOINED_DIR_VARIABLE] = joined_dir  # bps.init() leaves a file there
+        # the scheduler and the spares mostly sleep
+        processes = ns.workers * ns.local_size + ns.servers
+        threads, engines = share_cores(processes)
         supervisor.spawn(role_cmd, {**base, "DMLC_ROLE": "scheduler"}, "scheduler",
                          service=True)
         for server in range(ns.servers):
-            supervisor.spawn(role_cmd, {**base, "DMLC_ROLE": "server",
+            supervisor.spawn(role_cmd, {**base, **engines, "DMLC_ROLE": "server",
                                         "BPS_SERVER_ID": str(server)},
                              f"server{server}", service=True, server=True)
         for index in range(spares):  # ids from DMLC_NUM_SERVER on: they wait for a slot
-            supervisor.spawn(role_cmd, {**base, "DMLC_ROLE": "server",
+            supervisor.spawn(role_cmd, {**base, **engines, "DMLC_ROLE": "server",
                                         "BPS_SERVER_ID": str(ns.servers + index)},
                              f"spare{index}", service=True, server=True)
-        # the scheduler and the spares mostly sleep
-        processes = ns.workers * ns.local_size + ns.servers
-        threads = share_cores(processes)
         for node in range(ns.workers):
             node_env = {**base, **threads, "DMLC_ROLE": "worker",
                         "DMLC_WORKER_ID": str(node)}

@@ -226,12 +226,13 @@ def main(argv: list[str]) -> int:
         processes = torchrun_processes if args.torchrun else bps_processes
         # the emulated hosts share this machine's cores
         sharing = args.nodes * args.local_size + (0 if args.torchrun else args.servers)
-        threads = share_cores(sharing)
+        threads, engines = share_cores(sharing, servers=not args.torchrun)
+        shares = {"worker": threads, "server": engines}
         start = time.monotonic()
         with job_credentials(os.environ) as credentials:
             spare = 0 if args.min_workers is None else args.nodes - args.min_workers
             exit_code = run_processes([
-                (name, argv, {**env, **credentials, **(threads if role == "worker" else {})},
+                (name, argv, {**env, **credentials, **shares.get(role, {})},
                  role) for name, argv, env, role in processes(args, cluster)],
                 spare_nodes=spare, max_restarts=args.max_restarts)
         if args.stats_json:

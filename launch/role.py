@@ -130,16 +130,41 @@ def omp_threads(environ: Mapping[str, str], cores: int, processes: int) -> dict[
     return {"OMP_NUM_THREADS": str(max(1, cores // processes))}
 
 
-def share_cores(processes: int) -> dict[str, str]:
-    """:func:`omp_threads` for this launcher's environment and cores, said in one line
-    on stderr where it chose a value."""
+def server_threads(environ: Mapping[str, str], cores: int, processes: int
+                   ) -> dict[str, str]:
+    """``BPS_SERVER_THREADS`` for each server of a job whose ``processes`` (workers and
+    servers) share ``cores`` on this host, where the user set none: ``cores //
+    processes``, at least 1, the share :func:`omp_threads` gives a worker. A server left
+    to itself counts only the servers on its host; threads beyond its share would wait
+    for cores the workers use, and a lone engine thread serves on the server's I/O
+    thread, with no hand-off between threads (docs/runtime.md).
+
+        >>> server_threads({}, 16, 4), server_threads({"BPS_SERVER_THREADS": "8"}, 16, 4)
+        ({'BPS_SERVER_THREADS': '4'}, {})
+    """
+    if "BPS_SERVER_THREADS" in environ or processes <= 1:
+        return {}
+    return {"BPS_SERVER_THREADS": str(max(1, cores // processes))}
+
+
+def share_cores(processes: int, servers: bool = True
+                ) -> tuple[dict[str, str], dict[str, str]]:
+    """:func:`omp_threads` (for each worker process) and, where ``servers`` run among the
+    ``processes``, :func:`server_threads` (for each server) for this launcher's
+    environment and cores, each said in one line on stderr where it chose a value."""
     cores = host_cores()
     threads = omp_threads(os.environ, cores, processes)
+    engines = server_threads(os.environ, cores, processes) if servers else {}
+    sharing = f"({cores} cores, {processes} processes of the job on this host)"
     if threads:
         print(f"[bpslaunch] OMP_NUM_THREADS={threads['OMP_NUM_THREADS']} for each worker "
-              f"process ({cores} cores, {processes} processes of the job on this host); "
-              "set OMP_NUM_THREADS to choose another", file=sys.stderr, flush=True)
-    return threads
+              f"process {sharing}; set OMP_NUM_THREADS to choose another",
+              file=sys.stderr, flush=True)
+    if engines:
+        print(f"[bpslaunch] BPS_SERVER_THREADS={engines['BPS_SERVER_THREADS']} for each "
+              f"server {sharing}; set BPS_SERVER_THREADS to choose another",
+              file=sys.stderr, flush=True)
+    return threads, engines
 
 
 def main(args: Sequence[str]) -> int:
@@ -173,7 +198,7 @@ def main(args: Sequence[str]) -> int:
     if problem:
         print(f"bpslaunch: error: {problem}", file=sys.stderr)
         return EXIT_BAD_ENV
-    threads = share_cores(env.local_size)
+    threads, _ = share_cores(env.local_size, servers=False)
     with Supervisor() as supervisor:
         for rank, child_env in enumerate(local_rank_envs({**os.environ, **threads},
                                                          env.local_size)):

@@ -161,17 +161,22 @@ def test_bpslaunch_names_a_bad_cluster_variable() -> None:
 def test_local_job_gives_workers_torch_distributed_variables(monkeypatch) -> None:
     """bpslaunch local: dist.init_process_group("gloo") next to bps.init(), the rendezvous
     from the launcher's variables; with no OMP_NUM_THREADS of the user's, each of the 4
-    worker processes gets the cores shared by them and the server, and torch uses it."""
+    worker processes gets the cores shared by them and the server, and torch uses it; so
+    does the server's engine, with no BPS_SERVER_THREADS of the user's."""
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("BPS_SERVER_THREADS", raising=False)
+    env = {k: v for k, v in JOB_ENV.items() if k != "BPS_SERVER_THREADS"}
     code, output = run_command(BPSLAUNCH + ["local", "--workers", "2", "--servers", "1",
                                             "--local-size", "2", "--", PY, JOB],
-                               JOB_ENV, timeout=180)
+                               env, timeout=180)
     finished([(code, output)], 4)
     threads = str(max(1, host_cores() // 5))
     lines = [line.split("cluster-job ok ")[1].split() for line in output.splitlines()
              if "cluster-job ok " in line]
     assert all(line[4:] == [threads, threads] for line in lines), output
     assert f"OMP_NUM_THREADS={threads} for each worker process" in output, output
+    assert f"BPS_SERVER_THREADS={threads} for each server" in output, output
+    assert f"engine threads: {threads}\n" in output, output
 
 
 # test_torchrun_variables_map_to_roles_and_ranks covers the variables torchrun sets, and
