@@ -595,6 +595,18 @@ def test_overlap_modes_match_simulation_and_resume_exactly(tmp_path):
             np.testing.assert_array_equal(checkpointed[n], value, err_msg=n)
 
 
+def run_with_a_death(tmp_path, run: dict, lrs: list[float], fault: dict
+                     ) -> tuple[str, list[dict]]:
+    """``run`` on 3 nodes and 2 servers with ``--min-workers 2`` and ``fault`` (one of
+    the harness's, on node 2); the launcher's output and the survivors' reports."""
+    result = trainer_launch({"runs": [run], "lrs": lrs, **fault}, tmp_path, 3, 2,
+                            env={"BPS_TIMEOUT": "60"}, timeout=180, module=__name__,
+                            options=("--min-workers", "2"))
+    assert result.returncode == 0, result.stdout[-3000:]
+    return result.stdout, [json.loads((tmp_path / f"report{r}.json").read_text())[run["tag"]]
+                           for r in (0, 1)]
+
+
 def test_streaming_syncs_go_on_over_the_nodes_left(tmp_path):
     """``--min-workers 2`` of 3 nodes, streaming onebit syncs (H = 4, two fragments, an
     overlap of one step; a float buffer averaged with the last fragment): node 2 is
@@ -607,13 +619,8 @@ def test_streaming_syncs_go_on_over_the_nodes_left(tmp_path):
     lrs = LRS + [0.25, 0.5]
     run = {"tag": "elastic", "params": params,
            "mode": {"sync_every": every, "fragments": fragments, "overlap": overlap}}
-    result = trainer_launch({"runs": [run], "lrs": lrs, "leave": [2, 5, "SIGKILL"]},
-                            tmp_path, 3, 2, env={"BPS_TIMEOUT": "60"}, timeout=180,
-                            module=__name__, options=("--min-workers", "2"))
-    assert result.returncode == 0, result.stdout[-3000:]
-    assert "worker nodes [0, 1] go on (membership generation 1)" in result.stdout
-    reports = [json.loads((tmp_path / f"report{r}.json").read_text())["elastic"]
-               for r in (0, 1)]
+    output, reports = run_with_a_death(tmp_path, run, lrs, {"leave": [2, 5, "SIGKILL"]})
+    assert "worker nodes [0, 1] go on (membership generation 1)" in output
     # the round pushed after step 5 lands after step 6: applied nowhere
     assert reports[0]["applied"] == reports[1]["applied"] == [s != 6 for s in range(10)]
     expected = simulate_streaming(params, every, fragments, overlap, outer, nodes=3,
@@ -635,12 +642,7 @@ def test_local_sgd_with_a_float_buffer_goes_on_over_the_nodes_left(tmp_path):
     params, _, _, _, outer = STREAMING["onebit"]
     lrs = LRS + [0.25, 0.5, 0.5, 0.25]
     run = {"tag": "elastic", "params": params, "mode": {"sync_every": 4}}
-    result = trainer_launch({"runs": [run], "lrs": lrs, "leave": [2, 5, "SIGKILL"]},
-                            tmp_path, 3, 2, env={"BPS_TIMEOUT": "60"}, timeout=180,
-                            module=__name__, options=("--min-workers", "2"))
-    assert result.returncode == 0, result.stdout[-3000:]
-    reports = [json.loads((tmp_path / f"report{r}.json").read_text())["elastic"]
-               for r in (0, 1)]
+    _, reports = run_with_a_death(tmp_path, run, lrs, {"leave": [2, 5, "SIGKILL"]})
     assert reports[0]["applied"] == reports[1]["applied"] == [s != 7 for s in range(12)]
     expected = simulate_streaming(params, 4, 1, 0, outer, nodes=3, lrs=lrs, death=(2, 5))
     for r in (0, 1):
@@ -699,12 +701,7 @@ def test_a_buffer_mean_that_a_death_drops_leaves_each_nodes_buffers(tmp_path):
     params, _, _, _, outer = STREAMING["onebit"]
     lrs = LRS + LRS
     run = {"tag": "buffers", "params": params, "mode": {"sync_every": 4}}
-    result = trainer_launch({"runs": [run], "lrs": lrs, "die_in_buffers": [2, 2]},
-                            tmp_path, 3, 2, env={"BPS_TIMEOUT": "60"}, timeout=180,
-                            module=__name__, options=("--min-workers", "2"))
-    assert result.returncode == 0, result.stdout[-3000:]
-    reports = [json.loads((tmp_path / f"report{r}.json").read_text())["buffers"]
-               for r in (0, 1)]
+    _, reports = run_with_a_death(tmp_path, run, lrs, {"die_in_buffers": [2, 2]})
     assert reports[0]["applied"] == reports[1]["applied"] == [s != 11 for s in range(16)]
     expected = simulate_streaming(params, 4, 1, 0, outer, nodes=3, lrs=lrs,
                                   buffer_death=(2, 8))
