@@ -53,7 +53,16 @@ def bit_view(tensor: torch.Tensor) -> np.ndarray:
     size = tensor.element_size()
     if tensor.dtype == torch.bfloat16:
         tensor = tensor.view(_BITS_DTYPE[size])
-    return tensor.numpy().view(_UNSIGNED[size])
+    return array_bits(tensor.numpy())
+
+
+def array_bits(values: np.ndarray) -> np.ndarray:
+    """A numpy array's raw bits as unsigned ints of its width (a view, no torch call).
+
+        >>> array_bits(np.array([1.0, -2.0], dtype=np.float32)).tolist()
+        [1065353216, 3221225472]
+    """
+    return values.view(_UNSIGNED[values.itemsize])
 
 
 def scalar_bits(values: list[float], dtype: torch.dtype) -> np.ndarray:
@@ -72,7 +81,7 @@ def magnitude_bits(values: np.ndarray) -> tuple[np.ndarray, np.unsignedinteger]:
     """The raw bits of float32/float64 ``values`` as unsigned ints of the same width (no
     copy) and the mask of all bits but the sign: ``bits & mask`` orders as ``|values|``,
     with NaN above inf."""
-    bits = values.view(_UNSIGNED[values.itemsize])
+    bits = array_bits(values)
     return bits, bits.dtype.type(np.iinfo(bits.dtype).max >> 1)
 
 
@@ -284,13 +293,21 @@ class Compressor:
         learning rate instead."""
 
     divides_input = False  # divide_input works (error feedback, momentum: host kernels)
+    divisor = 1.0  # divide_input's, for the next compress only
 
     def divide_input(self, divisor: float) -> None:
         """Have the next ``compress`` take ``x / divisor`` (each value rounded as torch
         divides) in place of ``x``, divided in its first pass over ``x`` rather than in
         one of its own; only chains whose ``divides_input`` is True (the worker's average
         over nodes, where nothing else reads the divided gradient)."""
-        raise TypeError(f"{type(self).__name__} cannot divide its input")
+        if not self.divides_input:
+            raise TypeError(f"{type(self).__name__} cannot divide its input")
+        self.divisor = float(divisor)
+
+    def take_divisor(self) -> float:
+        """The divisor of this compress (``divide_input``'s, or 1); the next one's is 1."""
+        divisor, self.divisor = self.divisor, 1.0
+        return divisor
 
     def cancel(self) -> None:
         """Undo a ``set_lr`` whose ``compress`` is not coming (a decorator refused the

@@ -120,17 +120,6 @@ class ErrorFeedback(StagedChain, Compressor):
         # the ratio on the device, written before the kernels: a replayed graph reads it
         self.ratio_on_device: torch.Tensor | None = None
         self.divides_input = not self.staged and inner.dtype in KERNEL_FLOAT_DTYPES
-        self.divisor = 1.0  # divide_input's, for the next compress only
-
-    def divide_input(self, divisor: float) -> None:
-        if not self.divides_input:
-            super().divide_input(divisor)
-        self.divisor = float(divisor)
-
-    def take_divisor(self) -> float:
-        """The divisor of this compress (``divide_input``'s, or 1); the next one's is 1."""
-        divisor, self.divisor = self.divisor, 1.0
-        return divisor
 
     def set_lr(self, lr: float) -> None:
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (

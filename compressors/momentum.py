@@ -129,12 +129,6 @@ class Momentum(StagedChain, Compressor):
         self.decay: torch.Tensor | float | None = None
         self.divides_input = self.fused and not self.staged \
             and inner.dtype in KERNEL_FLOAT_DTYPES
-        self.divisor = 1.0  # divide_input's, for the next compress only
-
-    def divide_input(self, divisor: float) -> None:
-        if not self.divides_input:
-            super().divide_input(divisor)
-        self.divisor = float(divisor)
 
     def set_lr(self, lr: float) -> None:
         self.inner.set_lr(lr)
@@ -151,7 +145,7 @@ class Momentum(StagedChain, Compressor):
         x = self.check_input(x)
         self.undo = None
         decay, self.factor = self.mu * self.factor, 1.0
-        divisor, self.divisor = self.divisor, 1.0
+        divisor = self.take_divisor()
         self._buffers()
         if self.dtype not in KERNEL_FLOAT_DTYPES:  # float16/bfloat16: torch rounds each op
             lookahead = nesterov_step_torch(x, self.momentum, decay, self.mu, self._lookahead(),

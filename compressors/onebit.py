@@ -37,6 +37,7 @@ from .base import (
     Compressor,
     Description,
     Payload,
+    array_bits,
     bit_view,
     float_view,
     payload_bytes,
@@ -44,8 +45,6 @@ from .base import (
     sub_array,
 )
 from .threads import chunk_bounds, run_chunks
-
-BITS = {4: np.uint32, 8: np.uint64}  # a float32/float64 array's raw bits
 
 
 @njit(nogil=True, cache=True, fastmath={"reassoc", "nsz", "contract"})
@@ -250,7 +249,11 @@ class OneBit(Compressor):
 
     def _subtract_signs(self, array: np.ndarray, words: np.ndarray, scale: np.floating
                         ) -> None:
-        """``subtract_signs`` over the chunks of a large array on several threads."""
+        """``subtract_signs`` over the chunks of a large array on several threads (one
+        chunk: on this thread, no closure)."""
+        if len(self.bounds) == 1:
+            subtract_signs(array, words, scale)
+            return
         run_chunks(lambda lo, hi: subtract_signs(array[lo:hi], words[lo // 32 :], scale),
                    self.bounds)
 
@@ -281,7 +284,7 @@ class OneBit(Compressor):
         """
         parsed = [self._parse(payload) for payload in payloads]
         words = np.stack([words for words, _ in parsed])
-        bits = out.view(BITS[out.itemsize])  # what bit_view gives, without torch
+        bits = array_bits(out)  # what bit_view gives, without torch
         scale_bits = scalar_bits([scale for _, scale in parsed], self.dtype)
         sign_mask = bits.dtype.type(1 << (8 * bits.itemsize - 1))
         factor = out.dtype.type(ratio)
@@ -299,10 +302,7 @@ class OneBit(Compressor):
         if not all(finite for _, finite in chunks):
             return None
         scale = out.dtype.type(self._write_scale(buffer, sum(total for total, _ in chunks)))
-        if len(self.bounds) == 1:
-            subtract_signs(out, signs, scale)
-        else:
-            self._subtract_signs(out, signs, scale)
+        self._subtract_signs(out, signs, scale)
         return torch.from_numpy(buffer)
 
     def fast_update_error(self, corrected: torch.Tensor, payload: Payload) -> torch.Tensor:

@@ -456,9 +456,9 @@ class GradPipeline(SlotQueries):
         the share by the number of workers in its first pass (it finds inf and NaN there
         too, and pushes a ``nonfinite`` marker naming the slot)."""
         if slot.chain_divides is None:
-            parts = [p for p in slot.parts if p.compressed_key is not None]
+            parts = slot.parts
             divides = getattr(self._rt.engine, "divides_input", None)
-            slot.chain_divides = len(slot.parts) == 1 and len(parts) == 1 \
+            slot.chain_divides = len(parts) == 1 and parts[0].compressed_key is not None \
                 and parts[0].bucket is None and divides is not None \
                 and divides(parts[0].compressed_key)
         return slot.chain_divides and self.step >= self.params["warmup_steps"]
