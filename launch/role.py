@@ -125,9 +125,7 @@ def omp_threads(environ: Mapping[str, str], cores: int, processes: int) -> dict[
         >>> omp_threads({}, 2, 3), omp_threads({}, 16, 1)
         ({'OMP_NUM_THREADS': '1'}, {})
     """
-    if "OMP_NUM_THREADS" in environ or processes <= 1:
-        return {}
-    return {"OMP_NUM_THREADS": str(max(1, cores // processes))}
+    return _core_share(environ, "OMP_NUM_THREADS", cores, processes)
 
 
 def server_threads(environ: Mapping[str, str], cores: int, processes: int
@@ -142,9 +140,16 @@ def server_threads(environ: Mapping[str, str], cores: int, processes: int
         >>> server_threads({}, 16, 4), server_threads({"BPS_SERVER_THREADS": "8"}, 16, 4)
         ({'BPS_SERVER_THREADS': '4'}, {})
     """
-    if "BPS_SERVER_THREADS" in environ or processes <= 1:
+    return _core_share(environ, "BPS_SERVER_THREADS", cores, processes)
+
+
+def _core_share(environ: Mapping[str, str], name: str, cores: int, processes: int
+                ) -> dict[str, str]:
+    """``{name: cores // processes}`` (at least 1), where ``environ`` has no ``name``
+    and several processes share the cores."""
+    if name in environ or processes <= 1:
         return {}
-    return {"BPS_SERVER_THREADS": str(max(1, cores // processes))}
+    return {name: str(max(1, cores // processes))}
 
 
 def share_cores(processes: int, servers: bool = True
@@ -156,14 +161,10 @@ def share_cores(processes: int, servers: bool = True
     threads = omp_threads(os.environ, cores, processes)
     engines = server_threads(os.environ, cores, processes) if servers else {}
     sharing = f"({cores} cores, {processes} processes of the job on this host)"
-    if threads:
-        print(f"[bpslaunch] OMP_NUM_THREADS={threads['OMP_NUM_THREADS']} for each worker "
-              f"process {sharing}; set OMP_NUM_THREADS to choose another",
-              file=sys.stderr, flush=True)
-    if engines:
-        print(f"[bpslaunch] BPS_SERVER_THREADS={engines['BPS_SERVER_THREADS']} for each "
-              f"server {sharing}; set BPS_SERVER_THREADS to choose another",
-              file=sys.stderr, flush=True)
+    for chosen, whom in ((threads, "worker process"), (engines, "server")):
+        for name, value in chosen.items():
+            print(f"[bpslaunch] {name}={value} for each {whom} {sharing}; set {name} to "
+                  "choose another", file=sys.stderr, flush=True)
     return threads, engines
 
 
