@@ -240,7 +240,7 @@ class ErrorFeedback(StagedChain, Compressor):
         server adds its nodes' pushes), the sum built in the pass that adds the error
         (:class:`~bps.compressors.base.PayloadSum`). For chains whose ``sums_payloads`` is
         True; the same bits as decoding the first payload, ``decompress_add`` of the
-        others and ``compress`` (onebit's scale aside: see its ``compress_sum_residual``).
+        others and ``compress``.
 
             >>> import torch
             >>> from bps.compressors.onebit import OneBit
