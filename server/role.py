@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from bps.common.auth import AuthError
+from bps.common.cpu_policy import use_batch_policy
 from bps.common.env import ClusterEnv, EnvError
 
 EXIT_BAD_ENV = 2
@@ -40,6 +41,7 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
 
 def serve(env: ClusterEnv) -> int:
     """Run the scheduler or the server of ``env`` until the job ends; returns the exit code."""
+    use_batch_policy(env.sched_batch)
     try:
         if env.role == "scheduler":
             from bps.server.scheduler import run_scheduler

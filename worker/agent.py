@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from bps.common import shm, trace
+from bps.common.cpu_policy import use_batch_policy
 from bps.common.env import ClusterEnv
 from bps.compressors.warm import load_soon
 from bps.worker import agent_wire as wire
@@ -380,6 +381,7 @@ def main(argv: list[str], agent_type: type[Agent] = Agent) -> int:
         from bps.worker.engine import WorkerEngine
 
         env = ClusterEnv.from_environ()
+        use_batch_policy(env.sched_batch)
         label = f"worker{env.worker_id}.agent"
         tracer = trace.from_env(env, label)
         # the chains on the thread that pushes and on the I/O thread: in a process of

@@ -30,6 +30,8 @@ def test_env_defaults() -> None:
                                        "BPS_IO_THREADS": "auto", "DMLC_PS_ROOT_URI": "127.0.0.1"})
     assert (striped.connections_per_server, striped.io_threads, striped.on_one_host) == \
         (4, None, True)
+    assert env.sched_batch  # bps's own processes under SCHED_BATCH unless told otherwise
+    assert not ClusterEnv.from_environ({**BASE, "BPS_SCHED_BATCH": "0"}).sched_batch
 
 
 @pytest.mark.parametrize(("change", "fragment"), [
@@ -44,6 +46,7 @@ def test_env_defaults() -> None:
     ({"BPS_HEARTBEAT_INTERVAL": "2", "BPS_HEARTBEAT_TIMEOUT": "1"}, "BPS_HEARTBEAT_TIMEOUT=1.0"),
     ({"BPS_FRAME_BYTES": "100"}, "BPS_FRAME_BYTES=100 must be 0"),
     ({"BPS_SERVER_THREADS": "0"}, "BPS_SERVER_THREADS=0 out of range"),
+    ({"BPS_SCHED_BATCH": "2"}, "BPS_SCHED_BATCH=2 out of range"),
     ({"BPS_SERVER_THREADS": "many"}, "BPS_SERVER_THREADS='many' is not an integer"),
     ({"BPS_CONNECTIONS_PER_SERVER": "0"}, "BPS_CONNECTIONS_PER_SERVER=0 out of range"),
     ({"BPS_IO_THREADS": "many"}, "BPS_IO_THREADS='many' is not an integer"),

@@ -14,7 +14,7 @@ def stopped_by_the_launcher():
     print("exit finished", flush=True)
 atexit.register(stopped_by_the_launcher)
 try:
-    serve(types.SimpleNamespace(role="none"))
+    serve(types.SimpleNamespace(role="none", sched_batch=False))
 except ValueError:
     pass
 """

@@ -61,8 +61,13 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
 
     if not run.get("inject") and not run.get("hold"):
         report = trainer_train(cfg, run, rank, shapes, out)
-        report["engine"] = type(bps.core.runtime.get().engine).__name__
+        engine = bps.core.runtime.get().engine
+        report["engine"] = type(engine).__name__
         report["group"] = type(bps.core.runtime.get().group).__name__
+        report["policies"] = {"trainer": policies(os.getpid()),
+                              "agent": policies(getattr(engine, "pid", None)),
+                              "servers": sorted({p for pid in sibling_servers()
+                                                 for p in policies(pid)})}
         return report
 
     tag = run.get("tag", "")
@@ -93,6 +98,36 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
              **{n: getattr(model, n).detach().numpy() for n in shapes})
     trainer.close()
     return {"skipped": skipped}
+
+
+def policies(pid: int | None) -> list[str]:
+    """The scheduling policies of process ``pid``'s threads (SCHED_OTHER, SCHED_BATCH)."""
+    if pid is None:
+        return []
+    names = {os.SCHED_OTHER: "SCHED_OTHER", os.SCHED_BATCH: "SCHED_BATCH"}
+    found = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            found.add(names.get(os.sched_getscheduler(int(task.name)), "other"))
+        except OSError:  # the thread ended meanwhile
+            pass
+    return sorted(found)
+
+
+def sibling_servers() -> list[int]:
+    """The job's server processes: this process's siblings (``bpslaunch local`` starts
+    every role) with ``DMLC_ROLE=server``."""
+    parent, pids = os.getppid(), []
+    for entry in Path("/proc").iterdir():
+        try:
+            if not entry.name.isdigit() or int(
+                    (entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) != parent:
+                continue
+            if b"DMLC_ROLE=server" in (entry / "environ").read_bytes().split(b"\0"):
+                pids.append(int(entry.name))
+        except (OSError, ValueError):  # ended meanwhile
+            continue
+    return pids
 
 
 def ddp_main(cfg: dict) -> int:
@@ -209,6 +244,10 @@ def test_trainer_through_the_agent_matches_the_simulation(tmp_path, env):
                                               err_msg=f"{run['tag']} {name} rank {rank}")
         assert reports[0][run["tag"]]["engine"] == "AgentProxy"
         assert reports[1][run["tag"]]["engine"] == "AgentProxy"
+        # the agent and the servers yield to the training loop at wake-up (every thread,
+        # ZeroMQ's too); the training process keeps the default policy
+        assert reports[0][run["tag"]]["policies"] == {
+            "trainer": ["SCHED_OTHER"], "agent": ["SCHED_BATCH"], "servers": ["SCHED_BATCH"]}
         steps = reports[0][run["tag"]]["steps"]
         assert [s["pushes"] for s in steps] == [4] * len(SIM_LRS), run["tag"]
     # the skipped step is as if never taken: the replay without it
@@ -238,10 +277,13 @@ def test_two_local_ranks_round_where_the_pipeline_does(tmp_path):
             for comm in ("bf16", "fp16")]
     result = launch({"runs": runs, "lrs": COMM_LRS, "stop": len(COMM_LRS),
                      "shapes": COMM_SHAPES}, tmp_path, workers=2, servers=2, local_size=2,
-                    env={"BYTEPS_PARTITION_BYTES": "4000"}, timeout=180)
+                    env={"BYTEPS_PARTITION_BYTES": "4000", "BPS_SCHED_BATCH": "0"},
+                    timeout=180)
     assert result.returncode == 0, result.stdout[-3000:]
     reports = load_reports(tmp_path, 4)
     assert [r["bf16"]["engine"] for r in reports] == ["AgentProxy", "NoneType"] * 2
+    assert reports[0]["bf16"]["policies"] == {  # BPS_SCHED_BATCH=0: the default policy
+        "trainer": ["SCHED_OTHER"], "agent": ["SCHED_OTHER"], "servers": ["SCHED_OTHER"]}
     assert {r["bf16"]["group"] for r in reports} == {"AgentGroup"}
     assert "terminate called" not in result.stdout  # no gloo group to abort at the exit
     for comm in ("bf16", "fp16"):
