@@ -214,8 +214,7 @@ class Requests:
 
     def _push(self, ident: bytes, header: dict, payload: list | None) -> None:
         """Check a push's fields against its key's declaration, then sum it: its ACK
-        (added, or held), then the answers of the steps it completed. A push among their
-        waiters gets no ACK: its answer, sent now, acknowledges it."""
+        (added, or held), then the answers of the steps it completed."""
         state = self.aggregator.key(header["key"])
         node = header["node"]
         if header["dtype"] != dtype_name(state.dtype):
@@ -237,14 +236,13 @@ class Requests:
         if state.chain is not None and header["nbytes"] > 2 * raw_bytes + 64:
             raise RequestError(f"{state.where}: compressed payload of {header['nbytes']} bytes is "
                                "larger than any encoding")
-        me = Waiter(ident, header["rid"], header.get("peer", "?"))
-        pushed = self.aggregator.push(state.key, node, header["step"], _buffers(payload),
-                                      header["lr"], me, header.get("mark"),
-                                      header.get("what", ""), header.get("gen", 0))
+        pushed = self.aggregator.push(
+            state.key, node, header["step"], _buffers(payload), header["lr"],
+            Waiter(ident, header["rid"], header.get("peer", "?")), header.get("mark"),
+            header.get("what", ""), header.get("gen", 0))
         for waiter, msg in pushed.refused:  # an earlier push, held: after its ACK
             self._error(waiter, Op.PUSH, msg)
-        if not any(me in answer.waiters for answer in pushed.finished):
-            self._reply(ident, encode(Op.ACK, rid=header["rid"]))  # added, or held
+        self._reply(ident, encode(Op.ACK, rid=header["rid"]))  # added, or held
         for answer in pushed.finished:
             self._send(answer)
 

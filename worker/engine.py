@@ -24,8 +24,7 @@ One I/O thread owns every socket (one DEALER per server, the scheduler link;
 (:mod:`bps.worker.codec_pool`; numba kernels release the GIL). Each server has
 at most ``BPS_MAX_INFLIGHT`` pushes not yet acknowledged (the server ACKs a push as soon
 as its header checks pass, before it is summed in node order, so the credit never waits
-on other workers and cannot deadlock; a push that then fails to decode gets an ERROR; a
-push that completes its step gets no ACK: its reply, sent at once, acknowledges it); the
+on other workers and cannot deadlock; a push that then fails to decode gets an ERROR); the
 rest wait in a per-server queue (:mod:`bps.worker.send_queues`) ordered by (step,
 -priority, arrival), so a larger ``priority`` goes out first (give the partitions needed
 first by the next forward pass the largest priority).

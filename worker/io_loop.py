@@ -545,7 +545,6 @@ class IOLoop:
                 continue
             if request.op == Op.PUSH and not request.acked:
                 # the server has the push: its credit frees, whatever other workers do
-                # (the first reply: an ACK, or the answer where it went out at once)
                 request.acked = True
                 request.acked_ns = time.monotonic_ns()
                 trace_stage(self._tracer, "push", request, request.sent_ns, request.acked_ns,

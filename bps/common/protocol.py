@@ -28,10 +28,8 @@ Worker <-> server ops (the reply echoes ``rid``):
 
 * ``REGISTER`` key numel dtype name params -> ``OK`` or ``ERROR``
 * ``PUSH`` key step node dtype numel nbytes lr + payload -> ``ACK`` as soon as it is
-  summed or held (frees the worker's send credit), then ``DATA`` (the step's aggregate,
-  sent once every worker node pushed that step); or ``ERROR``. The push that completes
-  its step gets no ``ACK``: its ``DATA`` (or ``ERROR``), sent at once, acknowledges it,
-  so a worker takes the first reply to a push, whatever its op, as the acknowledgement
+  summed (frees the worker's send credit), then ``DATA`` (the step's aggregate, sent
+  once every worker node pushed that step); or ``ERROR``
 * ``PULL`` key step -> ``DATA`` of that step (the last completed one or a pending one)
 * A step's ``DATA`` carries ``server_s``: the seconds the server spent decoding, summing
   and re-encoding that step of the key (``server_seconds`` reads it; a reader may ignore

@@ -10,10 +10,9 @@ where that is later) and writes
   ``compute`` (the end of the previous ``step()`` until this one is called), ``wait``
   (``step()`` waiting for the aggregates), ``update`` (``optimizer.step()``), an instant
   ``ready`` per gradient; on local rank 0, per partition: ``compress``, ``queued``
-  (waiting for send credit), ``push`` (sent, until the server's ACK; for the push that
-  completes its step, until its reply, which that push gets instead), ``aggregate`` (ACK
-  until the reply: the other nodes' pushes, the server's sum and the transfer back; about
-  0 where the reply was the acknowledgement) and ``decompress``;
+  (waiting for send credit), ``push`` (sent, until the server's ACK), ``aggregate`` (ACK
+  until the reply: the other nodes' pushes, the server's sum and the transfer back) and
+  ``decompress``;
 * servers (``server<id>``): per partition ``sum`` (first push received until every node's
   push is added; its ``server_s``: the seconds of the ``decode`` spans and the
   ``compress`` span together, what the workers' stats count as ``server_time``),

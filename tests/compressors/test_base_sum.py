@@ -219,12 +219,10 @@ def key_engine():
 
 
 def _requests(engine, replies):
-    def reply(wait_ms: int) -> dict | None:
-        """The next reply header, with its payload bytes under "body"; None where none
-        came within ``wait_ms``."""
-        if not replies.poll(wait_ms):
-            return None
-        frames = replies.recv_multipart()
+    def reply() -> dict:
+        """The next reply header, with its payload bytes under "body"."""
+        frames = replies.recv_multipart() if replies.poll(10_000) else None
+        assert frames is not None, "no reply from the key engine"
         header = decode(frames[1])
         header["body"] = b"".join(frames[2:]) if len(frames) > 2 else None
         return header
@@ -238,23 +236,13 @@ def _requests(engine, replies):
         if payload is not None and len(payload) > 8:
             frames = [zmq.Frame(payload[:8]), zmq.Frame(payload[8:])]
         engine.handle(b"peer", header, frames)
-        first = reply(10_000)
-        assert first is not None, "no reply from the key engine"
-        return first
+        return reply()
 
-    def rest() -> list[dict]:
-        """The replies after the last request's first, which the engine sent before
-        ``handle`` returned."""
-        got = []
-        while (header := reply(100)) is not None:
-            got.append(header)
-        return got
-
-    return request, rest
+    return request, reply
 
 
 def test_server_sums_compressed_pushes_in_place(key_engine):
-    engine, request, rest = key_engine
+    engine, request, reply = key_engine
     numel, params = 300, {"compressor": "topk", "k": 30, "ef": "vanilla"}
     request(Op.REGISTER, key=5, numel=numel, dtype="float32", name="w", params=params, node=0)
     workers = [build(params, numel, role="worker") for _ in range(3)]
@@ -269,20 +257,20 @@ def test_server_sums_compressed_pushes_in_place(key_engine):
             return request(Op.PUSH, body, key=5, step=step, node=node, dtype="float32",
                            numel=numel, nbytes=len(body), lr=0.1)
 
-        replies = [push(0, pushes[0]), push(1, pushes[1])]
+        assert push(0, pushes[0])["op"] == Op.ACK
+        assert push(1, pushes[1])["op"] == Op.ACK
         with pytest.raises(RequestError, match="worker 1 pushed step"):
             push(1, pushes[2])  # a duplicate must not be added
         with pytest.raises(RequestError, match="cannot decode payload"):
             push(2, topk_payload([0] * 29 + [numel], [1.0] * 30))  # nor a bad one
-        replies += [push(2, pushes[2]), *rest()]
-        # an ACK to each push on receipt, but to the last, which its DATA acknowledges
-        assert [r["op"] for r in replies] == [Op.ACK, Op.ACK] + [Op.DATA] * 3, f"step {step}"
+        assert push(2, pushes[2])["op"] == Op.ACK
         for body in pushes:
             total += decode_ref(body).astype(np.float32)
         server_ref.set_lr(0.1)
         expected = server_ref.compress(total.astype(np.float64))
-        for data in replies[2:]:  # every push waits for the step's aggregate
-            assert bytes(data["body"]) == expected, f"step {step}"
+        for _ in range(3):  # every push also waits for the step's aggregate
+            data = reply()
+            assert data["op"] == Op.DATA and bytes(data["body"]) == expected, f"step {step}"
     assert len(engine.keys[5].spare) == 1  # one sum buffer, reused every step
 
 
@@ -294,24 +282,23 @@ def pusher(request, key: int, numel: int):
     return push
 
 
-def assert_first_step_of_reference(push, rest, params: dict, numel: int, step: int) -> None:
+def assert_first_step_of_reference(push, reply, params: dict, numel: int, step: int) -> None:
     """3 workers' pushes of ``step`` get the aggregate of a reference server chain whose
     first step this is (one that never saw the steps before)."""
     worker = worker_of(params, numel)
     encode_ref, decode_ref = ref_codec(params, numel, "float32")
     reference = ref.RefChain(encode_ref, decode_ref, numel, "float32", ef=True, mu=None)
-    total, replies = np.zeros(numel), []
+    total = np.zeros(numel)
     for node in range(3):
         body = worker.compress(sample(numel, "float32", seed=node, distinct=True))
         body = body.numpy().tobytes()
-        replies.append(push(node, body, step=step))
+        assert push(node, body, step=step)["op"] == Op.ACK
         total = ref.round_to(total + decode_ref(body), "float32")
-    replies += rest()  # nodes 0 and 1 acknowledged on receipt, node 2 by its DATA
-    assert [r["op"] for r in replies] == [Op.ACK, Op.ACK] + [Op.DATA] * 3
     reference.set_lr(0.1)
     expected = reference.compress(total)
-    for data in replies[2:]:
-        assert "skip" not in data and data["body"] == expected
+    for _ in range(3):
+        data = reply()
+        assert data["op"] == Op.DATA and "skip" not in data and data["body"] == expected
 
 
 @pytest.mark.parametrize(("params", "at_the_end"), [
@@ -324,17 +311,18 @@ def test_a_compressed_sum_beyond_the_dtype_range_skips_the_step(key_engine, para
     silence to the others, and the server chain is as before: the next step's aggregate
     is the reference's that never saw the skipped one. onebit and bytegrad sum in their
     error feedback pass, topk decodes and adds each push as it arrives."""
-    engine, request, rest = key_engine
+    engine, request, reply = key_engine
     numel = 64
     request(Op.REGISTER, key=8, numel=numel, dtype="float32", name="w", params=params, node=0)
     assert engine.keys[8].sums_at_the_end() == at_the_end
     huge = huge_payload(params, numel)
     push = pusher(request, 8, numel)
-    replies = [push(node, huge, step=0) for node in range(3)] + rest()
-    assert [r["op"] for r in replies] == [Op.ACK, Op.ACK] + [Op.DATA] * 3
-    for data in replies[2:]:
-        assert (data["skip"], data["skip_node"]) == ("nonfinite", -1)
-    assert_first_step_of_reference(push, rest, params, numel, step=1)
+    for node in range(3):
+        assert push(node, huge, step=0)["op"] == Op.ACK
+    for _ in range(3):
+        data = reply()
+        assert (data["op"], data["skip"], data["skip_node"]) == (Op.DATA, "nonfinite", -1)
+    assert_first_step_of_reference(push, reply, params, numel, step=1)
 
 
 def test_a_sum_the_payload_cannot_carry_is_refused_with_nothing_changed():
@@ -366,7 +354,7 @@ def test_held_pushes_marks_and_abort_on_a_key_summed_at_the_end(key_engine):
     zero mark of node 1 (a joined worker), then node 0 are summed in node order without
     the mark; ABORT of that step returns the server chain to its state before it, so
     the next step is the first step of a fresh reference."""
-    engine, request, rest = key_engine
+    engine, request, reply = key_engine
     numel = 96
     request(Op.REGISTER, key=7, numel=numel, dtype="float32", name="w", params=ONEBIT_EF,
             node=0)
@@ -376,20 +364,19 @@ def test_held_pushes_marks_and_abort_on_a_key_summed_at_the_end(key_engine):
     encode_ref, decode_ref = ref_codec(ONEBIT_EF, numel, "float32")
     bodies = {node: worker.compress(sample(numel, "float32", seed=40 + node)).numpy().tobytes()
               for node in (0, 2)}
-    replies = [push(2, bodies[2], step=0),
-               request(Op.PUSH, None, key=7, step=0, node=1, dtype="float32", numel=numel,
-                       nbytes=0, lr=0.1, mark="zero"),
-               push(0, bodies[0], step=0), *rest()]
-    # nodes 2 and 1 held (ACK); node 0's push completes the step: its DATA is its ACK
-    assert [r["op"] for r in replies] == [Op.ACK, Op.ACK] + [Op.DATA] * 3
+    assert push(2, bodies[2], step=0)["op"] == Op.ACK
+    assert request(Op.PUSH, None, key=7, step=0, node=1, dtype="float32", numel=numel,
+                   nbytes=0, lr=0.1, mark="zero")["op"] == Op.ACK
+    assert push(0, bodies[0], step=0)["op"] == Op.ACK
     reference = ref.RefChain(encode_ref, decode_ref, numel, "float32", ef=True, mu=None)
     reference.set_lr(0.1)
     total = ref.round_to(decode_ref(bodies[0]) + decode_ref(bodies[2]), "float32")
     expected = reference.compress(total)
-    for data in replies[2:]:
-        assert data["body"] == expected
+    for _ in range(3):
+        data = reply()
+        assert data["op"] == Op.DATA and data["body"] == expected
     assert request(Op.ABORT, key=7, step=0)["op"] == Op.OK
-    assert_first_step_of_reference(push, rest, ONEBIT_EF, numel, step=1)
+    assert_first_step_of_reference(push, reply, ONEBIT_EF, numel, step=1)
 
 
 def test_a_server_chain_that_fails_on_the_sum_tells_every_waiter(key_engine):
@@ -397,22 +384,23 @@ def test_a_server_chain_that_fails_on_the_sum_tells_every_waiter(key_engine):
     finite pushes can sum to: each of the step's 3 pushers gets an ERROR naming the key,
     the step and the cause (none waits for its timeout), a late PULL of the step is
     refused, and the chain is as before: the next step is the reference's."""
-    engine, request, rest = key_engine
+    engine, request, reply = key_engine
     numel, chunk = 64, 16
     params = {**BYTEGRAD_EF, "chunk": chunk}
     request(Op.REGISTER, key=9, numel=numel, dtype="float32", name="w", params=params, node=0)
     codes = bytes([0, 255] + [128] * (numel - 2))  # about -1e38 and 1e38 in chunk 0
     wide = struct.pack(f"<{2 * numel // chunk}f", *[-1e38, 1e38] * (numel // chunk)) + codes
     push = pusher(request, 9, numel)
-    replies = [push(node, wide, step=0) for node in range(3)] + rest()
-    # node 2's push, answered at once by the ERROR, gets no ACK
-    assert [r["op"] for r in replies] == [Op.ACK, Op.ACK] + [Op.ERROR] * 3, replies
-    for error in replies[2:]:
+    for node in range(3):
+        assert push(node, wide, step=0)["op"] == Op.ACK
+    for _ in range(3):
+        error = reply()
+        assert error["op"] == Op.ERROR, error
         assert "key 9 ('w') step 0: the server chain failed" in error["msg"], error
         assert "max - min overflows float32" in error["msg"], error
     with pytest.raises(RequestError, match="already completed"):
         request(Op.PULL, key=9, step=0, node=0)
-    assert_first_step_of_reference(push, rest, params, numel, step=1)
+    assert_first_step_of_reference(push, reply, params, numel, step=1)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])

@@ -161,16 +161,12 @@ def order_values(node: int) -> torch.Tensor:
 
 def order_probe(engine, address: str, workers: int) -> dict:
     """Every node pushes one step of two fresh keys from its own connection, highest node
-    first (each waits for its first reply, then a barrier lets the next go, so the server
-    receives them in that order); returns what came back to this node.
+    first (each waits for its ACK, then a barrier lets the next go, so the server receives
+    them in that order); returns what came back to this node.
 
-    ``raw``: the raw key's aggregate; ``raw_replies``: the ops of the replies to this
-    node's push of it (an ACK, as it waits for node 0, then DATA; node 0's push completes
-    the step: its DATA alone). For the topk key node 1's first push is garbage:
+    ``raw``: the raw key's aggregate. For the topk key node 1's first push is garbage:
     ``refused`` (node 1) holds the replies to it (ACK, as it waits for node 0, then ERROR
-    once it is decoded); ``topk`` is the aggregate after node 1 pushed again, and
-    ``topk_replies`` the ops of the replies to this node's valid push (node 1's, the last,
-    gets DATA alone)."""
+    once it is decoded); ``topk`` is the aggregate after node 1 pushed again."""
     from bps.common.protocol import Op, decode, encode
     from bps.compressors import build, validate_compression_params
 
@@ -208,25 +204,19 @@ def order_probe(engine, address: str, workers: int) -> dict:
         receive({"OK"})
     engine.barrier()
     mine = order_values(node).numpy().tobytes()
-    raw: list = []
-    turns(list(reversed(range(workers))),
-          lambda: raw.extend(push(ORDER_KEY, mine, {"ACK", "DATA"})))
-    if raw[-1][0]["op"].name != "DATA":
-        raw += receive({"DATA"})
-    result: dict = {"raw": torch.frombuffer(bytearray(raw[-1][1][0]), dtype=torch.float32),
-                    "raw_replies": [header["op"].name for header, _ in raw]}
+    turns(list(reversed(range(workers))), lambda: push(ORDER_KEY, mine, {"ACK"}))
+    result: dict = {"raw": torch.frombuffer(bytearray(receive({"DATA"})[-1][1][0]),
+                                            dtype=torch.float32)}
     encoded = topk.compress(order_values(node)).numpy().tobytes()
     refused: list = []
-    replies: list = []
     turns([1], lambda: refused.extend(push(ORDER_KEY + 1, os.urandom(7), {"ACK"})))
     turns([n for n in reversed(range(workers)) if n != 1],
-          lambda: replies.extend(push(ORDER_KEY + 1, encoded, {"ACK"})))
+          lambda: push(ORDER_KEY + 1, encoded, {"ACK"}))
     if node == 1:  # decoded once node 0 is in: refused after its ACK
         refused += receive({"ERROR"})
         replies = push(ORDER_KEY + 1, encoded, {"DATA"})
     else:
-        replies += receive({"DATA"})
-    result["topk_replies"] = [header["op"].name for header, _ in replies]
+        replies = receive({"DATA"})
     if node == 1:  # only worker 0 restores the servers' state
         sock.send_multipart([encode(Op.SET_STATE, rid=next(rid), key=ORDER_KEY + 1, nbytes=1),
                              b"\0"])

@@ -24,11 +24,11 @@ def push() -> Iterator:
 
 
 def _pusher(engine: Requests, replies: zmq.Socket):
-    def request(op: Op, payload: bytes | None = None, replied: bool = True, rid: int = 1,
+    def request(op: Op, payload: bytes | None = None, replied: bool = True,
                 **fields) -> list[dict]:
         """Handle one request as the engine thread would; its replies (ACK, DATA...),
         which are all sent by the time ``handle`` returns."""
-        engine.handle(b"peer", decode(encode(op, rid=rid, **fields)),
+        engine.handle(b"peer", decode(encode(op, rid=1, **fields)),
                       None if payload is None else [zmq.Frame(payload)])
         got = []
         while replies.poll(100 if got or not replied else 10_000):
@@ -51,15 +51,15 @@ def test_a_worker_has_one_waiting_push_per_key(push) -> None:
     with pytest.raises(RequestError, match="worker 1 pushed step 1 while its push of step 0 "
                                            "still waits"):
         push(1, 1)
-    assert push(0, 0) == ["DATA", "DATA"]  # its DATA acknowledges worker 0's push
+    assert push(0, 0) == ["ACK", "DATA", "DATA"]
 
 
 def test_far_future_steps_are_refused(push) -> None:
     assert push(1, 5) == ["ACK"]
     with pytest.raises(RequestError, match="step 0 is more than 1 step away from step 5"):
         push(0, 0)
-    assert push(0, 5) == ["DATA", "DATA"]  # the step in progress still completes
-    assert push(0, 6) == ["ACK"] and push(1, 6) == ["DATA", "DATA"]
+    assert push(0, 5) == ["ACK", "DATA", "DATA"]  # the step in progress still completes
+    assert push(0, 6) == ["ACK"] and push(1, 6) == ["ACK", "DATA", "DATA"]
 
 
 def test_workers_with_different_learning_rates_get_an_error(push) -> None:
@@ -79,14 +79,9 @@ def test_a_key_larger_than_half_a_message_is_refused_before_allocation(push) -> 
 def test_pulls_cannot_park_future_steps(push) -> None:
     with pytest.raises(RequestError, match="PULL of step 7, which nobody pushed"):
         push.request(Op.PULL, key=1, step=7)
-    assert push.request(Op.PULL, rid=2, key=1, step=0, replied=False) == []  # waits
-    body = b"\0" * (4 * NUMEL)
-    fields = {"key": 1, "step": 0, "dtype": "float32", "numel": NUMEL, "nbytes": len(body),
-              "lr": 0.1}
-    assert [(r["op"].name, r["rid"]) for r in push.request(Op.PUSH, body, rid=3, node=0,
-                                                           **fields)] == [("ACK", 3)]
-    # the PULL's, worker 0's and worker 1's DATA in the order they came: worker 1's push,
-    # answered at once, gets no ACK (its DATA frees its send credit)
-    assert [(r["op"].name, r["rid"]) for r in push.request(Op.PUSH, body, rid=4, node=1,
-                                                           **fields)] == \
-        [("DATA", 2), ("DATA", 3), ("DATA", 4)]
+    assert push.request(Op.PULL, key=1, step=0, replied=False) == []  # waits for step 0
+    assert push(0, 0) == ["ACK"]
+    assert [r["op"].name for r in push.request(Op.PUSH, b"\0" * (4 * NUMEL), key=1, step=0,
+                                               node=1, dtype="float32", numel=NUMEL,
+                                               nbytes=4 * NUMEL, lr=0.1)] == \
+        ["ACK", "DATA", "DATA", "DATA"]  # both pushes and the PULL
