@@ -9,7 +9,9 @@ thread runs when the scheduler next turns, not in the middle of the training pro
 slice. Every thread of the process takes it: those running already and, as Linux's
 threads inherit their creator's policy, those started afterwards (ZeroMQ's, the engine's).
 
-``BPS_SCHED_BATCH=0`` keeps the default policy. Elsewhere than Linux nothing changes.
+Node agents use it, and so do the servers of a job with node agents
+(``bps.server.role.server_batch_policy``); ``BPS_SCHED_BATCH=0`` keeps the default
+policy. Elsewhere than Linux nothing changes.
 
     >>> use_batch_policy(False)  # off: every thread keeps its policy
     False

@@ -67,8 +67,9 @@ BytePS's timeline variables (workers and servers; see :mod:`bps.common.trace`):
   larger than this travels as several frames of this size (the last one shorter), which
   libzmq's CURVE encrypts faster than one large frame (docs/benchmarks.md); 0 sends
   every payload as one frame. At least 4096 unless 0.
-* ``BPS_SCHED_BATCH`` (default 1): node agents, servers and the scheduler run under
-  Linux's ``SCHED_BATCH`` (:mod:`bps.common.cpu_policy`); ``0`` keeps the default policy.
+* ``BPS_SCHED_BATCH`` (default 1): node agents, and the servers of a job with node
+  agents, run under Linux's ``SCHED_BATCH`` (:mod:`bps.common.cpu_policy`); ``0`` keeps
+  the default policy.
 * ``BYTEPS_TRACE_ON`` (default 0): ``1`` records each process's steps
   ``BYTEPS_TRACE_START_STEP`` (default 10) through ``BYTEPS_TRACE_END_STEP`` (default 20)
   into ``BYTEPS_TRACE_DIR`` (default ``./traces``).
@@ -231,7 +232,7 @@ class ClusterEnv:
     connections_per_server: int | None = None  # None: follows the host (bps.common.striping)
     io_threads: int | None = None  # None: follows the host (bps.common.striping)
     node_agent: bool = False  # local rank 0 runs the engine in a node agent process
-    sched_batch: bool = True  # agents, servers and the scheduler under SCHED_BATCH
+    sched_batch: bool = True  # node agents and their job's servers under SCHED_BATCH
     min_workers: int | None = None  # BPS_MIN_WORKERS: worker nodes may leave down to this
     spare_servers: int | None = None  # BPS_SPARE_SERVERS: a dead server is replaced
 

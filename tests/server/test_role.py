@@ -1,9 +1,16 @@
-"""A role process's end: stopped while it exits, or finished, it leaves no traceback."""
+"""A role process: stopped while it exits, or finished, it leaves no traceback; a server
+of a job with node agents runs under SCHED_BATCH."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+
+import pytest
+
+from bps.common.env import ClusterEnv
+from bps.server.role import server_batch_policy
+from tests.harness.env_vars import BASE
 
 SIGTERM_WHILE_EXITING = """
 import atexit, os, signal, types
@@ -50,3 +57,17 @@ def test_a_finished_role_keeps_its_output_and_code_but_skips_finalization() -> N
     assert result.stdout == "buffered line\n", result.stdout
     assert "bps.server INFO: last log line" in result.stderr, result.stderr
     assert "finalized" not in result.stdout
+
+
+@pytest.mark.parametrize(("role", "agents", "switch", "batch"), [
+    ("server", "1", "1", True),    # a job with node agents: its servers yield at wake-up
+    ("server", "0", "1", False),   # workers with the engine in process wait for replies
+    ("server", "1", "0", False),   # BPS_SCHED_BATCH=0: the default policy
+    ("scheduler", "1", "1", False),
+])
+def test_servers_of_a_job_with_node_agents_run_under_sched_batch(role, agents, switch,
+                                                                 batch) -> None:
+    environ = {**BASE, "DMLC_ROLE": role, "BPS_NODE_AGENT": agents, "BPS_SCHED_BATCH": switch}
+    if role == "server":
+        environ["BPS_SERVER_ID"] = "0"
+    assert server_batch_policy(ClusterEnv.from_environ(environ)) is batch
