@@ -5,6 +5,7 @@ Usage::
     python bench/key_overhead.py                          # host chains and device path
     python bench/key_overhead.py --layers 74 --width 256 --steps 100 --rounds 3
     python bench/key_overhead.py --node-agent --only host # with and without the node agent
+    python bench/key_overhead.py --only "host, node agent" # the node agent only
     python bench/key_overhead.py --convoy                 # torch calls beside a busy thread
 
 A model of ``--layers`` ``Linear(width, width)`` layers (a weight over
@@ -61,6 +62,22 @@ CONFIGS = {"alone": None, "host": {}, "device path": {"BPS_DEVICE_KERNELS": "1"}
            # the engine in a node agent process (--node-agent)
            "host, node agent": {"BPS_NODE_AGENT": "1"},
            "device path, node agent": {"BPS_DEVICE_KERNELS": "1", "BPS_NODE_AGENT": "1"}}
+
+
+def chosen_configs(text: str) -> list[str]:
+    """The configurations ``--only`` names, comma-separated; a name with a comma of its
+    own ("host, node agent") is taken whole.
+
+        >>> chosen_configs("alone,host, node agent")
+        ['alone', 'host, node agent']
+    """
+    pieces, names = [piece.strip() for piece in text.split(",")], []
+    while pieces:
+        whole = ", ".join(pieces[:2])
+        taken = 2 if len(pieces) > 1 and whole in CONFIGS else 1
+        names.append(whole if taken == 2 else pieces[0])
+        del pieces[:taken]
+    return names
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -320,7 +337,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3, help="jobs per configuration, "
                    "taking turns (default 3)")
     p.add_argument("--only", default="alone,host,device path",
-                   help=f"configurations, comma-separated (of {', '.join(CONFIGS)})")
+                   help="configurations, comma-separated (of "
+                        f"{'; '.join(CONFIGS)})")
     p.add_argument("--node-agent", action="store_true",
                    help="also run each configuration with BPS_NODE_AGENT=1 (the engine in "
                         "a node agent process), in the same rounds")
@@ -338,7 +356,7 @@ def main() -> None:
     if args.convoy:
         print(convoy())
         return
-    configs = args.only.split(",")
+    configs = chosen_configs(args.only)
     if args.node_agent:
         configs += [f"{c}, node agent" for c in configs
                     if f"{c}, node agent" in CONFIGS and f"{c}, node agent" not in configs]

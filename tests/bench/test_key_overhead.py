@@ -36,3 +36,13 @@ def test_convoy_times_each_call_alone_and_beside_a_busy_thread():
     for row in ("| onebit + EF + Nesterov: compress, decompress", "| zmq: ZMQ_EVENTS",
                 "| zmq: a receive with nothing waiting"):
         assert any(line.startswith(row) for line in done.stdout.splitlines()), done.stdout
+
+
+def test_only_takes_a_configuration_whose_name_has_a_comma():
+    # every name before the unknown one is taken (a comma-separated piece that is not a
+    # configuration would be named instead), with or without a space after the comma
+    done = subprocess.run([sys.executable, str(paths.BENCH / "key_overhead.py"), "--only",
+                           "alone,host, node agent,device path,node agent,nope"],
+                          capture_output=True, text=True, timeout=120, cwd=paths.ROOT)
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "--only: unknown configuration 'nope'" in done.stderr, done.stderr
