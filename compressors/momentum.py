@@ -155,19 +155,18 @@ class Momentum(StagedChain, Compressor):
             return self._commit(self.spare, self.inner.compress(lookahead))
         grad, momentum, out = x.numpy(), self.momentum.numpy(), self.spare.numpy()
         mu = grad.dtype.type(self.mu)
-        if self.fused and divisor != 1.0:  # the average over nodes in the same pass
-            by = grad.dtype.type(divisor)
-            payload = self.inner.compress_corrected(
-                lambda error, ratio, corrected: nesterov_step_corrected_divided(
-                    grad, by, momentum, grad.dtype.type(decay), mu,
-                    grad.dtype.type(ratio), error, out, corrected))
-            return self._commit(self.spare, payload)
         if self.fused:  # error feedback: one pass for both
-            payload = self.inner.compress_corrected(
-                lambda error, ratio, corrected: nesterov_step_corrected(
-                    grad, momentum, grad.dtype.type(decay), mu, grad.dtype.type(ratio),
-                    error, out, corrected))
-            return self._commit(self.spare, payload)
+            decay, by = grad.dtype.type(decay), grad.dtype.type(divisor)
+
+            def build(error: np.ndarray, ratio: float, corrected: np.ndarray) -> bool:
+                ratio = grad.dtype.type(ratio)
+                if divisor != 1.0:  # the average over nodes in the same pass
+                    return nesterov_step_corrected_divided(grad, by, momentum, decay, mu,
+                                                           ratio, error, out, corrected)
+                return nesterov_step_corrected(grad, momentum, decay, mu, ratio, error, out,
+                                               corrected)
+
+            return self._commit(self.spare, self.inner.compress_corrected(build))
         if not nesterov_step(grad, momentum, grad.dtype.type(decay), mu,
                              self._lookahead().numpy(), out):
             raise self._nonfinite()
