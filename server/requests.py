@@ -1,8 +1,8 @@
 """A parameter server's requests: checked, authorised, and turned into the calls of a
 key engine's :class:`~bps.server.aggregator.Aggregator`, whose answers go back as replies.
 
-Usage (what each engine thread of :mod:`bps.server.server` runs; ``out`` is any object
-with ZeroMQ's ``send_multipart``, replies go out as ``[routing id, header, payload...]``)::
+Usage (what each engine thread of :mod:`bps.server.server` runs; ``out`` is a ZeroMQ
+socket, replies go out as ``[routing id, header, payload...]``)::
 
     requests = Requests(Aggregator(env.num_workers), out, env)
     requests.serve(ident, header, frames)    # a request that check_request let through
@@ -38,6 +38,7 @@ from bps.common.protocol import (
     encode,
     error_text,
     payload_frames,
+    send_message,
     torch_dtype,
 )
 from bps.common.ratelimit import RateLimitedLog
@@ -137,7 +138,7 @@ class Waiter(NamedTuple):
 
 class Requests:
     """Serves the requests of one key engine's keys on ``aggregator``; its replies go to
-    ``out`` (``send_multipart``), payloads in frames of ``env.frame_bytes``."""
+    ``out`` (a ZeroMQ socket), payloads in frames of ``env.frame_bytes``."""
 
     def __init__(self, aggregator: Aggregator, out: Any, env: ClusterEnv) -> None:
         self.aggregator = aggregator
@@ -292,14 +293,14 @@ class Requests:
 
     def _send_error(self, ident: bytes, rid: int, msg: str) -> None:
         """An ERROR reply to request ``rid``; ``msg`` as ``error_text`` bounds it."""
-        self.out.send_multipart([ident, encode(Op.ERROR, rid=rid, msg=msg)])
+        send_message(self.out, [ident, encode(Op.ERROR, rid=rid, msg=msg)])
 
     def _reply(self, ident: bytes, header: bytes, payload: Any = None) -> None:
         """Send a reply; ``payload`` (a buffer) in frames of BPS_FRAME_BYTES."""
         frames = [ident, header]
         if payload is not None:
             frames += payload_frames(memoryview(payload), self.env.frame_bytes)
-        self.out.send_multipart(frames, copy=False)
+        send_message(self.out, frames, copy=False)
 
 
 def _buffers(payload: list | None) -> list:

@@ -55,6 +55,7 @@ from bps.common.protocol import (
     encode,
     error_text,
     new_socket,
+    send_message,
 )
 from bps.common.scheduler_client import SchedulerClient, StandbyOver, failure_reason
 from bps.common.striping import (
@@ -262,7 +263,7 @@ class ParameterServer:
             for sock, _ in poller.poll(timeout_ms if reading else 10):
                 if sock is replies:
                     for frames in drain(replies):
-                        router.send_multipart(frames, copy=False)
+                        send_message(router, frames, copy=False)
                 elif sock is router:
                     for frames in drain(router):
                         self._dispatch(router, frames, owner, next_engine)
@@ -319,7 +320,7 @@ class ParameterServer:
             msg = error_text(str(exc))
             refusals.warning("refused a message from %s: %s", peer, msg)
             rid = rid if isinstance(rid, int) and not isinstance(rid, bool) else -1
-            router.send_multipart([ident, encode(Op.ERROR, rid=rid, msg=msg)])
+            send_message(router, [ident, encode(Op.ERROR, rid=rid, msg=msg)])
             return
         if self.inline is not None:
             self.inline.serve(ident, header, payloads or None)

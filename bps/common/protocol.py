@@ -105,6 +105,7 @@ PROTOCOL_VERSION = 2
 TOKEN_BYTES = 16
 MAX_HEADER_BYTES = 1 << 20
 MIN_FRAME_BYTES = 4096  # the frames of a payload cut into several: at least this each
+_SNDMORE = 2  # ZMQ_SNDMORE, fixed by libzmq's API (pyzmq is imported only where needed)
 _MISSING = object()
 
 
@@ -394,6 +395,24 @@ def drain(sock: Any, limit: int = 256) -> Iterator[list]:
         while frames[-1].more:  # the rest of a message is there once its first frame is
             frames.append(sock.recv(noblock, copy=False))
         yield frames
+
+
+def send_message(sock: Any, frames: Sequence[Any], copy: bool = True) -> None:
+    """``sock.send_multipart(frames, copy=copy)`` with plain int flags: pyzmq's makes an
+    enum object for each frame's ``SNDMORE | flags``, a Python call per frame.
+
+        >>> import zmq
+        >>> ctx = zmq.Context()
+        >>> a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+        >>> _ = a.bind("inproc://send-message-example"), b.connect("inproc://send-message-example")
+        >>> send_message(b, [b"head", b"body"])
+        >>> a.recv_multipart()
+        [b'head', b'body']
+        >>> a.close(); b.close(); ctx.term()
+    """
+    for frame in frames[:-1]:
+        sock.send(frame, _SNDMORE, copy=copy)
+    sock.send(frames[-1], 0, copy=copy)
 
 
 def new_socket(ctx: Any, kind: int) -> Any:

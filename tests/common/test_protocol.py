@@ -129,3 +129,26 @@ def test_drain_yields_the_waiting_messages_in_order_and_never_blocks() -> None:
         dealer.close(linger=0)
         ctx.term()
     assert doctest.testmod(bps.common.protocol).failed == 0
+
+
+def test_send_message_keeps_a_message_whole_and_the_next_apart() -> None:
+    import zmq
+
+    from bps.common.protocol import send_message
+
+    ctx = zmq.Context()
+    router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+    try:
+        router.bind("inproc://send-message-test")
+        dealer.connect("inproc://send-message-test")
+        dealer.send(b"hello")
+        ident = router.recv_multipart()[0]
+        body = memoryview(bytearray(b"x" * 5000))
+        send_message(router, [ident, b"head", body[:2500], body[2500:]], copy=False)
+        send_message(router, [ident, b"alone"])
+        assert dealer.recv_multipart() == [b"head", b"x" * 2500, b"x" * 2500]
+        assert dealer.recv_multipart() == [b"alone"]
+    finally:
+        router.close(linger=0)
+        dealer.close(linger=0)
+        ctx.term()
