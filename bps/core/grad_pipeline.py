@@ -98,7 +98,8 @@ def _flat(grad: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
     run Python meanwhile (docs/benchmarks.md, the GIL convoy); the checks here do not."""
     if (dest.dim() == 1 and dest.is_contiguous() and dest.numel() == grad.numel()
             and dest.dtype == grad.dtype and dest.device == grad.device
-            and dest.data_ptr() == grad.data_ptr() and not grad.requires_grad):
+            and dest.data_ptr() == grad.data_ptr()
+            and not (grad.requires_grad or dest.requires_grad)):
         return dest  # the same elements in the same order (grad is contiguous)
     return grad.detach().view(-1)
 
@@ -374,45 +375,46 @@ class GradPipeline(SlotQueries):
             if self.on_step_start is not None:
                 self.on_step_start()
         grad = None if joined else source
+        if grad is not None and grad.requires_grad:  # a create_graph backward's gradient
+            grad = grad.detach()
         slot.nonfinite = False
         size = self._rt.size
-        with torch.no_grad():
-            if joined:
-                slot.share = None  # pushes zero markers
-            elif self.on_device:
-                slot.share = self._divide_on_device(slot, grad, size)
-            elif self._rt.local_size == 1 and grad is not None and grad.is_contiguous() \
-                    and grad.dtype == torch.float32 and not grad.is_cuda:
-                # A lone local rank pushes straight from the source: each partition's
-                # result arrives (and may overwrite it) only after that partition was sent.
-                flat = _flat(grad, slot.dest)
-                if self._chain_divides(slot):  # in its first pass: one pass over it less
-                    slot.divisor = float(size)
-                else:
-                    slot.nonfinite = not divide_checked(flat.numpy(), size,
-                                                        self._limit(slot))
-                slot.share = flat
+        if joined:
+            slot.share = None  # pushes zero markers
+        elif self.on_device:
+            slot.share = self._divide_on_device(slot, grad, size)
+        elif self._rt.local_size == 1 and grad is not None and grad.is_contiguous() \
+                and grad.dtype == torch.float32 and not grad.is_cuda:
+            # A lone local rank pushes straight from the source: each partition's
+            # result arrives (and may overwrite it) only after that partition was sent.
+            flat = _flat(grad, slot.dest)
+            if self._chain_divides(slot):  # in its first pass: one pass over it less
+                slot.divisor = float(size)
             else:
-                if slot.send is None:
-                    slot.send = torch.empty(slot.param.numel(), dtype=torch.float32,
-                                            device=slot.param.device)
-                if grad is None:
-                    slot.send.zero_()
-                elif self._rt.local_size > 1:
-                    # the node's root checks the node's sum, which any inf or NaN reaches
-                    if slot.send.dtype == grad.dtype:
-                        torch.div(grad.detach().reshape(-1), size, out=slot.send)
-                    else:  # divide in float32 first, so the fp16 copy cannot overflow
-                        slot.send.copy_(grad.detach().reshape(-1).float().div(size))
-                elif grad.dtype == torch.float32 and grad.is_contiguous():
-                    slot.nonfinite = not divide_checked(
-                        grad.detach().view(-1).numpy(), size, self._limit(slot),
-                        slot.send.numpy())
-                else:  # float16/bfloat16 (or strided): widen, then divide in float32
-                    slot.send.copy_(grad.detach().reshape(-1))
-                    slot.nonfinite = not divide_checked(slot.send.numpy(), size,
-                                                        self._limit(slot))
-                slot.share = slot.send
+                slot.nonfinite = not divide_checked(flat.numpy(), size,
+                                                    self._limit(slot))
+            slot.share = flat
+        else:
+            if slot.send is None:
+                slot.send = torch.empty(slot.param.numel(), dtype=torch.float32,
+                                        device=slot.param.device)
+            if grad is None:
+                slot.send.zero_()
+            elif self._rt.local_size > 1:
+                # the node's root checks the node's sum, which any inf or NaN reaches
+                if slot.send.dtype == grad.dtype:
+                    torch.div(grad.detach().reshape(-1), size, out=slot.send)
+                else:  # divide in float32 first, so the fp16 copy cannot overflow
+                    slot.send.copy_(grad.detach().reshape(-1).float().div(size))
+            elif grad.dtype == torch.float32 and grad.is_contiguous():
+                slot.nonfinite = not divide_checked(
+                    grad.detach().view(-1).numpy(), size, self._limit(slot),
+                    slot.send.numpy())
+            else:  # float16/bfloat16 (or strided): widen, then divide in float32
+                slot.send.copy_(grad.detach().reshape(-1))
+                slot.nonfinite = not divide_checked(slot.send.numpy(), size,
+                                                    self._limit(slot))
+            slot.share = slot.send
         if not self.inline:
             self._reduce_q.put(index)
         elif self._error is None:
@@ -733,7 +735,8 @@ class GradPipeline(SlotQueries):
         with self._cond:
             self._done += 1
             last = self._done == len(self.slots)
-            self._cond.notify_all()
+            if last:  # wait() waits for the step's last parameter only
+                self._cond.notify_all()
         if last and self.on_step_done is not None:
             self.on_step_done()
 

@@ -246,8 +246,10 @@ class _NodePipe:
         source = self.ranks[0][1][index]
         for rank in range(1, self.size):
             self.ranks[rank][1][index].copy_(source)
-        with self.cond:
-            asking = self.notify.pop(index, ())
+        asking = ()
+        if self.notify:  # this index's entry, if any, was added before its push
+            with self.cond:
+                asking = self.notify.pop(index, ())
         for rank in asking:
             self.ranks[rank][0].send(wire.pack_pipe(wire.GRAD_DONE, self.pipe_id, index))
 
