@@ -7,6 +7,7 @@ Usage::
     python bench/key_overhead.py --node-agent --only host # with and without the node agent
     python bench/key_overhead.py --only "host, node agent" # the node agent only
     python bench/key_overhead.py --convoy                 # torch calls beside a busy thread
+    python bench/key_overhead.py --neighbour --steps 200  # the model beside a busy core
 
 A model of ``--layers`` ``Linear(width, width)`` layers (a weight over
 ``min_compress_bytes``, compressed, and a small bias each) on a batch of 4 has almost no
@@ -32,6 +33,11 @@ and in the totals. The server process's CPU per step (read from ``/proc``, 10 ms
 use enough ``--steps``) is in the column ``server`` and per push in ``server us / push``,
 apart from the worker's totals. JSON: ``--json`` (default
 bench/results/key_overhead-TIME.json).
+
+``--neighbour`` times the model's forward and backward pass alone on one core, beside a
+process spinning in registers on the other, and beside one streaming memory there: the
+node agent and the server stream their buffers on the cores the training process shares
+with them, and that alone slows its passes (docs/benchmarks.md).
 
 ``--convoy`` times a hook's kinds of calls, and a codec thread's work for one key of a
 host chain, alone and beside one thread that runs Python without pause: torch releases
@@ -281,6 +287,62 @@ def convoy(calls: int = 50) -> str:
     return "\n".join(rows)
 
 
+NEIGHBOURS = {
+    "alone": None,
+    "beside a process spinning in registers": "print(flush=True)\nwhile True:\n    pass",
+    # two 32 MiB arrays: beyond any core's own cache, as the agent's and server's buffers
+    "beside a process streaming memory": (
+        "import numpy as np\na = np.ones(8 << 20, dtype=np.float32)\nb = np.empty_like(a)\n"
+        "print(flush=True)\nwhile True:\n    np.add(a, 1.0, out=b)"),
+}
+
+
+def neighbour(args: argparse.Namespace) -> str:
+    """The model's forward + backward alone (one thread, on this process's first core),
+    beside each of :data:`NEIGHBOURS` on another core: what the node agent and the
+    server, whose kernels stream their buffers, cost the training process by sharing
+    the memory system alone (the table ``--neighbour`` prints)."""
+    import torch
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise SystemExit("--neighbour needs two cores")
+    os.sched_setaffinity(0, {cores[0]})
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(args.width, args.width)
+                                  for _ in range(args.layers)])
+    x = torch.randn(4, args.width)
+
+    def forward_backward_s() -> float:
+        model.zero_grad()
+        start = time.perf_counter()
+        model(x).square().mean().backward()
+        return time.perf_counter() - start
+
+    rows = [f"{args.layers} x Linear({args.width}, {args.width}), batch 4, one thread; "
+            f"median of {args.steps} passes\n",
+            "| the other core | forward + backward ms | x alone |", "|---|---:|---:|"]
+    alone = None
+    for name, code in NEIGHBOURS.items():
+        other = None if code is None else subprocess.Popen(
+            ["taskset", "-c", str(cores[1]), sys.executable, "-c", code],
+            stdout=subprocess.PIPE)
+        try:
+            if other is not None:
+                other.stdout.readline()  # its loop begins
+            for _ in range(args.warmup):
+                forward_backward_s()
+            median = statistics.median(forward_backward_s() for _ in range(args.steps))
+        finally:
+            if other is not None:
+                other.kill()
+                other.wait()
+        alone = alone or median
+        rows.append(f"| {name} | {median * 1e3:.2f} | {median / alone:.2f} |")
+    return "\n".join(rows)
+
+
 def run_config(args: argparse.Namespace, env: dict | None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
@@ -346,6 +408,8 @@ def main() -> None:
     p.add_argument("--json", default=None)
     p.add_argument("--convoy", action="store_true",
                    help="only time torch calls beside a busy Python thread")
+    p.add_argument("--neighbour", action="store_true",
+                   help="only time the model alone beside a busy process on another core")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--alone", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -355,6 +419,9 @@ def main() -> None:
         return
     if args.convoy:
         print(convoy())
+        return
+    if args.neighbour:
+        print(neighbour(args))
         return
     configs = chosen_configs(args.only)
     if args.node_agent:

@@ -46,3 +46,31 @@ def test_only_takes_a_configuration_whose_name_has_a_comma():
                           capture_output=True, text=True, timeout=120, cwd=paths.ROOT)
     assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
     assert "--only: unknown configuration 'nope'" in done.stderr, done.stderr
+
+
+def test_neighbour_times_the_model_beside_each_neighbour_and_stops_them():
+    import os
+
+    import pytest
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("--neighbour needs two cores")
+    done = subprocess.run([sys.executable, str(paths.BENCH / "key_overhead.py"), "--neighbour",
+                           "--layers", "4", "--width", "64", "--steps", "5", "--warmup", "1"],
+                          capture_output=True, text=True, timeout=120, cwd=paths.ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line.split("|")[1:-1] for line in done.stdout.splitlines()
+            if line.startswith(("| alone", "| beside"))]
+    assert [row[0].strip() for row in rows] == [
+        "alone", "beside a process spinning in registers", "beside a process streaming memory"]
+    assert rows[0][2].strip() == "1.00" and all(float(row[1]) > 0 for row in rows), rows
+    assert not [pid for pid in os.listdir("/proc")  # no neighbour outlives the bench
+                if pid.isdigit() and b"np.add(a, 1.0" in _cmdline(pid)]
+
+
+def _cmdline(pid: str) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:  # ended meanwhile
+        return b""
