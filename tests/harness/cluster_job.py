@@ -9,7 +9,8 @@ gradient that the user's own torch.distributed group computes (an independent
 all-reduce). Once the script has destroyed its group and left bps, no gloo thread may
 be left: a group still alive is torn down with the interpreter, where gloo now and then
 aborts the finished process. Prints ``cluster-job ok RANK SIZE NODE LOCAL_RANK OMP_NUM_THREADS
-TORCH_THREADS`` at the end::
+TORCH_THREADS PIPELINE`` at the end (PIPELINE: ``agent`` where the node agent ran the
+gradient pipeline, ``BPS_NODE_AGENT=1``, else ``process``)::
 
     bpslaunch local --workers 2 --local-size 2 -- python tests/harness/cluster_job.py
 """
@@ -55,6 +56,7 @@ def main() -> None:
         trainer.step()
         for param, old, grad in zip(model.parameters(), before, grads, strict=True):
             torch.testing.assert_close(param.detach(), old - lr * grad, rtol=2e-3, atol=2e-3)
+    pipeline = "agent" if trainer.core.pipeline.shared_grads else "process"
     trainer.close()
     flat = torch.cat([p.detach().flatten() for p in model.parameters()])
     gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
@@ -66,7 +68,7 @@ def main() -> None:
     # one write of one line: several processes share the launcher's unbuffered pipe
     fields = ("RANK", "WORLD_SIZE", "DMLC_WORKER_ID", "BYTEPS_LOCAL_RANK")
     values = [os.environ[f] for f in fields]
-    values += [os.environ.get("OMP_NUM_THREADS", "-"), str(torch.get_num_threads())]
+    values += [os.environ.get("OMP_NUM_THREADS", "-"), str(torch.get_num_threads()), pipeline]
     sys.stdout.write("cluster-job ok " + " ".join(values) + "\n")
     sys.stdout.flush()
 

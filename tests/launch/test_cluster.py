@@ -59,6 +59,12 @@ def run_all(jobs: list[tuple[list[str], dict[str, str]]], timeout: float) -> lis
                 proc.wait()
 
 
+def pipelines(results: list[tuple[int, str]]) -> list[str]:
+    """Where each rank's gradient pipeline ran, from its ``cluster-job ok`` line."""
+    return [line.split("cluster-job ok ")[1].split()[6] for _, out in results
+            for line in out.splitlines() if "cluster-job ok " in line]
+
+
 def finished(results: list[tuple[int, str]], world: int) -> None:
     """Every launcher exited 0 and each of the ``world`` ranks printed its line."""
     output = "\n".join(out for _, out in results)
@@ -173,7 +179,7 @@ def test_local_job_gives_workers_torch_distributed_variables(monkeypatch) -> Non
     threads = str(max(1, host_cores() // 5))
     lines = [line.split("cluster-job ok ")[1].split() for line in output.splitlines()
              if "cluster-job ok " in line]
-    assert all(line[4:] == [threads, threads] for line in lines), output
+    assert all(line[4:] == [threads, threads, "process"] for line in lines), output
     assert f"OMP_NUM_THREADS={threads} for each worker process" in output, output
     assert f"BPS_SERVER_THREADS={threads} for each server" in output, output
     assert f"engine threads: {threads}\n" in output, output
@@ -182,42 +188,55 @@ def test_local_job_gives_workers_torch_distributed_variables(monkeypatch) -> Non
 # test_torchrun_variables_map_to_roles_and_ranks covers the variables torchrun sets, and
 # test_local_job_gives_workers_torch_distributed_variables the job of 2 nodes x 2 processes
 @pytest.mark.slow
-def test_torchrun_job() -> None:
-    """Two torchrun agents (nodes) of two processes each, each process run by bpslaunch."""
+@pytest.mark.parametrize("agent", [False, True], ids=["in process", "node agent"])
+def test_torchrun_job(agent: bool) -> None:
+    """Two torchrun agents (nodes) of two processes each, each process run by bpslaunch;
+    with ``BPS_NODE_AGENT=1``, each node's local rank 0 starts a node agent that runs the
+    gradient pipeline of both local ranks."""
     port = free_port()
+    env = {**JOB_ENV, "DMLC_NODE_HOST": "127.0.0.1", "BPS_NODE_AGENT": str(int(agent))}
     jobs = [(TORCHRUN + ["--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(node),
                          "--master-addr", "127.0.0.1", "--master-port", str(port),
-                         "--no-python"] + BPSLAUNCH + [PY, JOB],
-             {**JOB_ENV, "DMLC_NODE_HOST": "127.0.0.1"}) for node in range(2)]
-    finished(run_all(jobs, timeout=240), 4)
+                         "--no-python"] + BPSLAUNCH + [PY, JOB], env) for node in range(2)]
+    results = run_all(jobs, timeout=240)
+    finished(results, 4)
+    assert pipelines(results) == ["agent" if agent else "process"] * 4, results
 
 
 # test_slurm_variables_map_to_roles_ranks_and_torch_variables covers the variables, and
 # test_a_failing_process_stops_every_launcher a SLURM-style job on 127.0.0.1 and 127.0.0.2
 @pytest.mark.slow
-def test_slurm_job() -> None:
+@pytest.mark.parametrize("agent", [False, True], ids=["in process", "node agent"])
+def test_slurm_job(agent: bool) -> None:
     """srun --nodes 2 --ntasks-per-node 2 bpslaunch ...: the hosts are 127.0.0.1 and
     127.0.0.2, so node 1's server binds the second loopback address."""
     port = free_port()
     jobs = [(BPSLAUNCH + [PY, JOB],
              {**JOB_ENV, "SLURM_PROCID": str(task), "SLURM_NTASKS": "4",
               "SLURM_LOCALID": str(task % 2), "SLURM_NODEID": str(task // 2),
-              "SLURM_JOB_NODELIST": "127.0.0.[1-2]", "MASTER_PORT": str(port)})
+              "SLURM_JOB_NODELIST": "127.0.0.[1-2]", "MASTER_PORT": str(port),
+              "BPS_NODE_AGENT": str(int(agent))})
             for task in range(4)]
     results = run_all(jobs, timeout=240)
     finished(results, 4)
+    assert pipelines(results) == ["agent" if agent else "process"] * 4, results
     assert "server listening on tcp://127.0.0.2:" in results[2][1], results[2][1]
 
 
-def test_pytorchjob_job() -> None:
+@pytest.mark.parametrize("agent", [False, True], ids=["in process", "node agent"])
+def test_pytorchjob_job(agent: bool) -> None:
     """A PyTorchJob of two pods running ``python train.py`` (no torchrun, no bpslaunch):
     bps.init() on each pod starts its server (bound to the address that routes to
-    MASTER_ADDR), pod 0's also the scheduler."""
+    MASTER_ADDR), pod 0's also the scheduler; and, with ``BPS_NODE_AGENT=1``, its node
+    agent, which runs the gradient pipeline."""
     port = free_port()
     jobs = [([PY, JOB], {**JOB_ENV, "RANK": str(pod), "WORLD_SIZE": "2",
-                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                         "BPS_NODE_AGENT": str(int(agent))})
             for pod in range(2)]
-    finished(run_all(jobs, timeout=240), 2)
+    results = run_all(jobs, timeout=240)
+    finished(results, 2)
+    assert pipelines(results) == ["agent" if agent else "process"] * 2, results
 
 
 def test_a_launch_error_under_torchrun_is_one_line_first(tmp_path) -> None:
