@@ -51,6 +51,7 @@ from bps.common.protocol import (
     join_frames,
     new_socket,
     payload_frames,
+    send_message,
     server_seconds,
 )
 from bps.common.scheduler_client import SchedulerClient
@@ -78,7 +79,6 @@ from bps.worker.send_queues import (
 )
 
 log = logging.getLogger("bps.engine")
-_SNDMORE = int(zmq.SNDMORE)
 # a DATA reply's fields that make it a skip (bps.common.protocol)
 SKIP_FIELDS = ("skip", "skip_node", "skip_what", "generation", "members")
 
@@ -497,10 +497,7 @@ class IOLoop:
             body = memoryview(request.payload)
             # frames of BPS_FRAME_BYTES: libzmq's CURVE encrypts smaller frames faster
             frames = payload_frames(body, self.env.frame_bytes)
-            dealer.send(header, _SNDMORE)  # int flags: pyzmq's enums cost an object each
-            for frame in frames[:-1]:
-                dealer.send(frame, _SNDMORE, copy=False)
-            dealer.send(frames[-1], 0, copy=False)
+            send_message(dealer, [header, *frames], copy=False)
             size = body.nbytes
         self._count(bytes_pushed=len(header) + size)
 
