@@ -27,6 +27,14 @@ import torch.distributed as dist
 import bps
 from bps.common.striping import proc_threads
 
+OK = "cluster-job ok "  # the start of each rank's last line
+
+
+def ok_fields(output: str) -> list[list[str]]:
+    """The fields of each rank's ``cluster-job ok`` line in ``output``, in the order
+    printed (RANK first, PIPELINE last)."""
+    return [line.split(OK)[1].split() for line in output.splitlines() if OK in line]
+
 
 def gloo_threads() -> list[str]:
     """The names of this process's threads that gloo started (its loop and workers)."""
@@ -69,7 +77,7 @@ def main() -> None:
     fields = ("RANK", "WORLD_SIZE", "DMLC_WORKER_ID", "BYTEPS_LOCAL_RANK")
     values = [os.environ[f] for f in fields]
     values += [os.environ.get("OMP_NUM_THREADS", "-"), str(torch.get_num_threads()), pipeline]
-    sys.stdout.write("cluster-job ok " + " ".join(values) + "\n")
+    sys.stdout.write(OK + " ".join(values) + "\n")
     sys.stdout.flush()
 
 

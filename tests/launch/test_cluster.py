@@ -21,6 +21,7 @@ import pytest
 from bps.common.env import EnvError, derive_worker_env, launch_style, parse_nodelist
 from bps.common.striping import host_cores
 from bps.launch.role import free_port
+from tests.harness.cluster_job import ok_fields
 from tests.harness.paths import HARNESS
 from tests.harness.ps_job import BPSLAUNCH, TEST_ENV, run_command
 
@@ -61,16 +62,14 @@ def run_all(jobs: list[tuple[list[str], dict[str, str]]], timeout: float) -> lis
 
 def pipelines(results: list[tuple[int, str]]) -> list[str]:
     """Where each rank's gradient pipeline ran, from its ``cluster-job ok`` line."""
-    return [line.split("cluster-job ok ")[1].split()[6] for _, out in results
-            for line in out.splitlines() if "cluster-job ok " in line]
+    return [fields[6] for _, out in results for fields in ok_fields(out)]
 
 
 def finished(results: list[tuple[int, str]], world: int) -> None:
     """Every launcher exited 0 and each of the ``world`` ranks printed its line."""
     output = "\n".join(out for _, out in results)
     assert all(code == 0 for code, _ in results), output
-    ranks = sorted(int(line.split("cluster-job ok ")[1].split()[0])
-                   for line in output.splitlines() if "cluster-job ok " in line)
+    ranks = sorted(int(fields[0]) for fields in ok_fields(output))
     assert ranks == list(range(world)), output
 
 
@@ -177,8 +176,7 @@ def test_local_job_gives_workers_torch_distributed_variables(monkeypatch) -> Non
                                env, timeout=180)
     finished([(code, output)], 4)
     threads = str(max(1, host_cores() // 5))
-    lines = [line.split("cluster-job ok ")[1].split() for line in output.splitlines()
-             if "cluster-job ok " in line]
+    lines = ok_fields(output)
     assert all(line[4:] == [threads, threads, "process"] for line in lines), output
     assert f"OMP_NUM_THREADS={threads} for each worker process" in output, output
     assert f"BPS_SERVER_THREADS={threads} for each server" in output, output

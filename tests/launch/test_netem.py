@@ -23,6 +23,7 @@ import pytest
 
 from bps.launch.link_shape import LinkShape, NetnsError, parse_delay, parse_loss, parse_rate
 from bps.launch.netns import PREFIX, EmulatedCluster, clean_stale, list_namespaces, support_problem
+from tests.harness.cluster_job import ok_fields
 from tests.harness.netem_runs import netem_runs
 from tests.harness.paths import BENCH, DATA, HARNESS
 from tests.harness.paths import ROOT as REPO
@@ -683,8 +684,7 @@ def test_default_process_group_works_in_a_bps_job(leftovers):
     done = _cli(["--nodes", "2", "--servers", "1", "--local-size", "2", "--rate", "1gbit",
                  "--", sys.executable, str(HARNESS / "cluster_job.py")], leftovers)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    ranks = sorted(int(line.split("cluster-job ok ")[1].split()[0])
-                   for line in done.stdout.splitlines() if "cluster-job ok " in line)
+    ranks = sorted(int(fields[0]) for fields in ok_fields(done.stdout))
     assert ranks == [0, 1, 2, 3], done.stdout[-3000:]
 
 
