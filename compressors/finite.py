@@ -172,11 +172,15 @@ def divide_checked(x: np.ndarray, divisor: float, limit: float,
     """``out = x / divisor`` (in place without ``out``) on threads for large arrays
     (``threads.chunk_bounds``); whether every result is below ``limit`` in magnitude."""
     divisor, limit = x.dtype.type(divisor), x.dtype.type(limit)
+    bounds = chunk_bounds(x.size)
+    if len(bounds) == 1:  # most tensors: the kernel here, no closure
+        return divide_finite_inplace(x, divisor, limit) if out is None \
+            else divide_finite(x, divisor, limit, out)
     if out is None:
         kernel = lambda lo, hi: divide_finite_inplace(x[lo:hi], divisor, limit)  # noqa: E731
     else:
         kernel = lambda lo, hi: divide_finite(x[lo:hi], divisor, limit, out[lo:hi])  # noqa: E731
-    return all(run_chunks(kernel, chunk_bounds(x.size)))
+    return all(run_chunks(kernel, bounds))
 
 
 

@@ -376,7 +376,8 @@ class WorkerEngine:
             raise ValueError(f"key {key}: push_pull before declare")
         if mark is not None and mark not in MARKS:
             raise ValueError(f"{info_label(info)}: mark={mark!r}, expected one of {MARKS}")
-        flat = torch.zeros(0, dtype=torch.uint8) if mark is not None else tensor.reshape(-1)
+        flat = torch.zeros(0, dtype=torch.uint8) if mark is not None else \
+            tensor if tensor.dim() == 1 else tensor.reshape(-1)  # a torch op less
         if mark is None and (flat.numel() != info.numel or flat.dtype != info.dtype):
             raise ValueError(f"{info_label(info)}: tensor has numel={flat.numel()} dtype="
                              f"{flat.dtype}, declared numel={info.numel} dtype={info.dtype}")
@@ -405,7 +406,7 @@ class WorkerEngine:
             if info.busy:
                 raise RuntimeError(f"{info_label(info)}: a push_pull is already in flight")
             info.busy = True
-            info.out = None if out is None else out.reshape(-1)
+            info.out = None if out is None else out if out.dim() == 1 else out.reshape(-1)
             info.generation = self._io.push_generation(step) if generation is None \
                 else generation
         future = new_future()

@@ -335,7 +335,7 @@ class IOLoop:
             if self.error is not None:
                 settle(info, future, error=self.error)
                 return
-            self._queues.put(info.server, request)
+            self._queues.put(info.server, order, request)
         self._wake()
 
     def add_reader(self, fd: int, callback: Callable[[], None]) -> None:
@@ -353,7 +353,7 @@ class IOLoop:
     def flush(self) -> None:
         """Send the pushes queued so far, now (on the I/O thread only, from a reader's
         callback: its first push leaves before it makes the next)."""
-        if threading.get_ident() == self._thread.ident:
+        if self._queues.waiting and threading.get_ident() == self._thread.ident:
             self._send_queued()
 
     @property

@@ -37,6 +37,7 @@ class Part:
     converted: torch.Tensor | None = None  # the piece in its key's dtype, reused every step
     bucket: Bucket | None = None  # travels fused with other small tensors, at bucket_offset
     bucket_offset: int = 0
+    in_bucket: torch.Tensor | None = None  # its view of the bucket's buffer, made at first use
     only: str | None = None  # "warmup" / "compressed": travels in those steps alone
 
     def travels(self, warm: bool) -> bool:

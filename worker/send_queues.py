@@ -4,9 +4,9 @@ A push waits in its server's queue, ordered by (step, -priority, arrival), until
 server has fewer than ``BPS_MAX_INFLIGHT`` pushes not yet acknowledged::
 
     queues = SendQueues(num_servers=1, credit=1)
-    queues.put(0, item_a); queues.take()      # -> [item_a]; the credit is used
-    queues.put(0, item_b); queues.put(0, item_c)
-    queues.release(0); queues.take()          # -> [min(item_b, item_c)]
+    queues.put(0, order_a, item_a); queues.take()   # -> [item_a]; the credit is used
+    queues.put(0, order_b, item_b); queues.put(0, order_c, item_c)
+    queues.release(0); queues.take()                # -> the item of min(order_b, order_c)
 """
 
 from __future__ import annotations
@@ -54,9 +54,10 @@ class Skipped:
     members: tuple[int, ...] = ()
 
 
-@dataclass(order=True)
+@dataclass
 class Request:
-    """A message to a server and the future its reply settles; ordered by ``order``."""
+    """A message to a server and the future its reply settles; a push waits in its
+    server's queue by ``order``."""
 
     order: tuple
     rid: int = field(compare=False)
@@ -124,22 +125,29 @@ class SendQueues:
         self.heaps: list[list] = [[] for _ in range(num_servers)]
         self.unacked = [0] * num_servers
 
-    def put(self, server: int, item: Any) -> None:
-        heapq.heappush(self.heaps[server], item)
+    def put(self, server: int, order: tuple, item: Any) -> None:
+        """Queue ``item`` for ``server`` by ``order`` (unique: :func:`send_order`'s
+        arrival number makes it so; the heap compares tuples, never items)."""
+        heapq.heappush(self.heaps[server], (order, item))
 
     def take(self) -> list:
         ready = []
         for server, heap in enumerate(self.heaps):
             while heap and self.unacked[server] < self.credit:
-                ready.append(heapq.heappop(heap))
+                ready.append(heapq.heappop(heap)[1])
                 self.unacked[server] += 1
         return ready
+
+    @property
+    def waiting(self) -> bool:
+        """Whether any item waits (read without the lock, it may be stale: a hint)."""
+        return any(self.heaps)
 
     def release(self, server: int) -> None:
         self.unacked[server] -= 1
 
     def clear(self) -> list:
-        items = [item for heap in self.heaps for item in heap]
+        items = [item for heap in self.heaps for _, item in heap]
         for heap in self.heaps:
             heap.clear()
         return items

@@ -531,7 +531,8 @@ class GradPipeline(SlotQueries):
                 mark = "nonfinite" if slot.nonfinite else None
             slot.futures = []
             for part in self._travelling(slot):
-                piece = None if mark else share[part.offset:part.offset + part.length]
+                piece = None if mark else share if part.length == share.shape[0] \
+                    else share[part.offset:part.offset + part.length]  # no view of it all
                 if part.bucket is not None and not (warm and part.raw_key is not None):
                     slot.futures.append(self._fuse(part, piece, lr, -index, mark, slot.name))
                     continue
@@ -633,7 +634,10 @@ class GradPipeline(SlotQueries):
             bucket.future = concurrent.futures.Future()
             bucket.mark = None
         if mark is None:
-            bucket.buffer[part.bucket_offset:part.bucket_offset + part.length].copy_(piece)
+            if part.in_bucket is None:  # the same view every step: made once
+                part.in_bucket = bucket.buffer[part.bucket_offset:
+                                               part.bucket_offset + part.length]
+            part.in_bucket.copy_(piece)
         if mark is not None and (bucket.mark is None or bucket.mark[0] != "nonfinite"):
             bucket.mark = (mark, name)  # a joined worker marks every member zero
         bucket.arrived += 1
@@ -721,7 +725,8 @@ class GradPipeline(SlotQueries):
                 if isinstance(result, Skipped):  # this step is applied nowhere
                     slot.skipped = slot.skipped or result
                     continue
-                target = dest[part.offset:part.offset + part.length]
+                target = dest if part.length == dest.shape[0] \
+                    else dest[part.offset:part.offset + part.length]
                 if result.data_ptr() != target.data_ptr():
                     target.copy_(result)
             slot.futures = []
