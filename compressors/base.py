@@ -437,6 +437,19 @@ class ResidualCompress(Protocol):
 
 
 @runtime_checkable
+class ErrorPassCompress(Protocol):
+    """A worker's step of error feedback around this compressor in one call (onebit):
+    ``compress_with_error(x, divisor, ratio, error, out)`` (float32/float64 arrays,
+    ``divisor`` and ``ratio`` scalars of their dtype) builds ``g' = x / divisor + ratio *
+    error`` into ``out`` with the bits of error feedback's own pass (``divisor`` 1: ``x +
+    ratio * error``), and returns the payload of ``g'`` with ``out`` holding ``g' -
+    D(payload)``, the new error; or None where a value of ``g'`` is not finite."""
+
+    def compress_with_error(self, x: np.ndarray, divisor: np.floating, ratio: np.floating,
+                            error: np.ndarray, out: np.ndarray) -> torch.Tensor | None: ...
+
+
+@runtime_checkable
 class PayloadSum(Protocol):
     """A server's step of error feedback around this compressor with the sum of the
     pushes built in its pass, the pushes never decoded on their own (onebit, bytegrad):

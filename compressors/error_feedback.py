@@ -32,6 +32,7 @@ from numba import njit
 from .base import (
     KERNEL_FLOAT_DTYPES,
     Compressor,
+    ErrorPassCompress,
     FastErrorUpdate,
     NonFiniteError,
     Payload,
@@ -106,6 +107,9 @@ class ErrorFeedback(StagedChain, Compressor):
         # how the residual g' - D(c) is made: in the compressor's pass, without decoding,
         # or by decoding (asked once: a protocol check walks the class's attributes)
         self.residual_in_pass = isinstance(inner, ResidualCompress)
+        # g' built in the compressor's kernel call (onebit): one call for the whole step
+        self.error_in_pass = (isinstance(inner, ErrorPassCompress) and not self.staged
+                              and not self.kernels_only and inner.dtype in KERNEL_FLOAT_DTYPES)
         self.fast_update = isinstance(inner, FastErrorUpdate)
         # a server sums its pushes in error feedback's pass (compress_sum)
         self.sums_payloads = (isinstance(inner, PayloadSum) and not self.staged
@@ -143,6 +147,8 @@ class ErrorFeedback(StagedChain, Compressor):
         divisor = self.take_divisor()
         if self.dtype in KERNEL_FLOAT_DTYPES:
             array = x.numpy()
+            if self.error_in_pass:
+                return self._compress_in_pass(array, divisor)
 
             def build(error: np.ndarray, ratio: float, out: np.ndarray) -> bool:
                 factor = array.dtype.type(ratio)
@@ -159,6 +165,23 @@ class ErrorFeedback(StagedChain, Compressor):
         if not bool(torch.isfinite(corrected).all()):
             self._refuse()
         return self._send(corrected)
+
+    def _compress_in_pass(self, array: np.ndarray, divisor: float) -> torch.Tensor:
+        """``compress`` of ``array / divisor`` by the inner compressor's
+        ``compress_with_error``: the same payload, error and bits as building ``g'``
+        here, then compressing it."""
+        kind = array.dtype.type
+        spare = self._spare()
+        try:
+            payload = self.inner.compress_with_error(array, kind(divisor), kind(self.ratio),
+                                                     self.error.numpy(), spare.numpy())
+        except NonFiniteError:
+            self._restore_lr()
+            raise
+        if payload is None:
+            self._refuse()
+        self._keep(spare)
+        return payload
 
     def _spare(self) -> torch.Tensor:
         if self.spare is None:

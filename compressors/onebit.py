@@ -134,6 +134,28 @@ def sum_signs_and_pack(words, first, scale_bits, sign_mask, ratio, error, out, b
     return pack_signs(out, signs), bad == 0
 
 
+@njit(nogil=True, cache=True)
+def add_error_and_pack(x, divisor, ratio, error, out, words):
+    """Error feedback's pass and onebit's in one call: ``out = x / divisor + ratio *
+    error`` (``divisor`` 1: ``x + ratio * error``), each value rounded as error feedback's
+    ``add_scaled_error`` (``_divided``) rounds it, then the sign words of ``out`` written
+    into ``words`` by ``pack_signs``, in a pass of its own as the server's
+    ``sum_signs_and_pack`` packs them. Returns (sum(|out|) in float64, whether every
+    value is finite)."""
+    bad = 0
+    if divisor == 1:  # no division: the loop vectorises the faster
+        for i in range(x.size):
+            value = x[i] + ratio * error[i]
+            out[i] = value
+            bad |= not abs(value) < np.inf
+    else:
+        for i in range(x.size):
+            value = x[i] / divisor + ratio * error[i]
+            out[i] = value
+            bad |= not abs(value) < np.inf
+    return pack_signs(out, words), bad == 0
+
+
 class OneBit(Compressor):
     """Sign compression: 1 bit per element plus a float32 scale."""
 
@@ -296,6 +318,40 @@ class OneBit(Compressor):
             return None
         scale = out.dtype.type(self._write_scale(buffer, sum(total for total, _ in chunks)))
         self._subtract_signs(out, signs, scale)
+        return torch.from_numpy(buffer)
+
+    def compress_with_error(self, x: np.ndarray, divisor: np.floating, ratio: np.floating,
+                            error: np.ndarray, out: np.ndarray) -> torch.Tensor | None:
+        """The payload of ``g' = x / divisor + ratio * error`` (float32/float64 arrays),
+        built and packed in one kernel call; ``out`` then holds ``g' - decompress(payload)``
+        (error feedback's step in one call, with its bits). None where a value of ``g'``
+        is not finite.
+
+            >>> import numpy as np
+            >>> c = OneBit(numel=2, scaling=True)
+            >>> out = np.empty(2, dtype=np.float32)                 # g' = [3, -1]
+            >>> one = np.float32(1)
+            >>> c.decompress(c.compress_with_error(np.array([2.0, -1.0], dtype=np.float32),
+            ...                                    one, one, np.array([1.0, 0.0], np.float32),
+            ...                                    out))
+            tensor([ 2., -2.])
+            >>> out
+            array([1., 1.], dtype=float32)
+        """
+        buffer = np.empty(self.payload_size, dtype=np.uint8)
+        words = sub_array(buffer, 0, np.uint32, self.num_words)
+        if len(self.bounds) == 1:  # one chunk: the kernel on this thread, no closure
+            chunks = [add_error_and_pack(x, divisor, ratio, error, out, words)]
+        else:
+            chunks = run_chunks(lambda lo, hi: add_error_and_pack(
+                x[lo:hi], divisor, ratio, error[lo:hi], out[lo:hi], words[lo // 32:]),
+                self.bounds)
+        if not all(finite for _, finite in chunks):
+            return None
+        total = sum(total for total, _ in chunks)
+        if not math.isfinite(total):  # a float64 sum beyond its range
+            raise self.nonfinite_input()
+        self._subtract_signs(out, words, out.dtype.type(self._write_scale(buffer, total)))
         return torch.from_numpy(buffer)
 
     def fast_update_error(self, corrected: torch.Tensor, payload: Payload) -> torch.Tensor:

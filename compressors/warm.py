@@ -28,6 +28,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import torch
 
+from .base import ErrorPassCompress
 from .finite import divide_checked, tensor_finite
 from .registry import build, compressor_class, description, registered_names
 
@@ -38,8 +39,10 @@ log = logging.getLogger("bps.compressors")
 def builtin_chains() -> tuple[dict, ...]:
     """Every registered compressor's host chains in the forms jobs use most: error
     feedback and the worker's Nesterov momentum around each described example and its
-    typical options (``Compressor.description``). A compressor whose payloads are summed
-    as they are (powersgd: torch matrix products) has nothing to compile.
+    typical options (``Compressor.description``), and error feedback alone where the
+    compressor builds its input in its own kernel then (onebit: ``ErrorPassCompress``).
+    A compressor whose payloads are summed as they are (powersgd: torch matrix
+    products) has nothing to compile.
 
         >>> {"compressor": "topk", "k": 0.01, "ef": "vanilla", "momentum": "nesterov"} in (
         ...     builtin_chains())
@@ -50,10 +53,13 @@ def builtin_chains() -> tuple[dict, ...]:
         told = description(name)
         if told.payloads_sum:
             continue
+        in_pass = issubclass(compressor_class({"compressor": name}), ErrorPassCompress)
+        forms = ({"momentum": "nesterov"}, {}) if in_pass else ({"momentum": "nesterov"},)
         for options in (*told.examples, told.defaults):
-            params = {"compressor": name, **options, "ef": "vanilla", "momentum": "nesterov"}
-            if params not in chains:
-                chains.append(params)
+            for momentum in forms:
+                params = {"compressor": name, **options, "ef": "vanilla", **momentum}
+                if params not in chains:
+                    chains.append(params)
     return tuple(chains)
 
 

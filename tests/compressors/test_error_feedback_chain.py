@@ -107,6 +107,47 @@ def test_a_divided_input_matches_the_reference_on_the_quotient(compressor, momen
             np.testing.assert_array_equal(as_values(chain.momentum), mine.momentum)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("scaling", [True, False])
+@pytest.mark.parametrize("numel", [97, (1 << 21) + 40], ids=["one-chunk", "two-chunks"])
+def test_onebit_builds_the_error_feedback_input_in_its_kernel_as_the_reference(
+        numel, scaling, dtype):
+    # error feedback alone around onebit: g' is built in onebit's kernel call, not in
+    # error feedback's pass (on two threads where the partition spans two chunks)
+    params = {"compressor": "onebit", "scaling": scaling}
+    chain = build(dict(params, ef="vanilla"), numel, ref.TORCH_DTYPE[dtype])
+    assert chain.error_in_pass
+    encode, decode = ref_codec(params, numel, dtype)
+    scales, encode_with = [], encode
+    mine = ref.RefChain(lambda x: encode_with(x, scale=scales[-1]), decode, numel, dtype,
+                        ef=True, mu=None)
+    for step, lr in enumerate(LRS[:4]):
+        x = sample(numel, dtype, seed=500 + step)
+        chain.set_lr(lr)
+        mine.set_lr(lr)
+        payload = payload_of(chain.compress(x))
+        scales.append(float(np.frombuffer(payload[-4:], "<f4")[0]))
+        compare_payload(payload, mine.compress(as_values(x)), params)
+        np.testing.assert_array_equal(as_values(chain.error), mine.error, err_msg=f"step {step}")
+
+
+def test_onebit_refuses_a_non_finite_input_with_nothing_changed():
+    chain, twin = (build({"compressor": "onebit", "scaling": True, "ef": "vanilla"}, 40)
+                   for _ in range(2))
+    for c, lr in ((chain, 0.1), (twin, 0.1), (chain, 0.05), (twin, 0.05)):
+        c.set_lr(lr)
+        c.compress(sample(40, "float32", seed=7))
+    chain.set_lr(0.2)
+    with pytest.raises(NonFiniteError):
+        chain.compress(torch.tensor([1.0, float("nan")] + [0.0] * 38))
+    assert torch.equal(chain.error, twin.error)
+    for c in (chain, twin):  # the refused step's learning rate is forgotten
+        c.set_lr(0.2)
+    x = sample(40, "float32", seed=8)
+    assert payload_of(chain.compress(x)) == payload_of(twin.compress(x))
+    assert torch.equal(chain.error, twin.error)
+
+
 def test_a_refused_divided_input_changes_nothing_and_the_next_is_not_divided():
     chain = build({"compressor": "topk", "k": 0.5, "ef": "vanilla", "momentum": "nesterov",
                    "mu": 0.9}, 4)
@@ -326,7 +367,8 @@ def test_a_job_after_warm_kernels_compiles_nothing(tmp_path) -> None:
 LOAD_SOON = """
 import torch
 from bps.compressors.finite import divide_finite_inplace, all_finite
-from bps.compressors.onebit import pack_signs, subtract_signs, sum_signs_and_pack, unpack_signs
+from bps.compressors.onebit import (add_error_and_pack, subtract_signs, sum_signs_and_pack,
+                                    unpack_signs)
 from bps.compressors.warm import load_soon, wait_loaded
 torch.manual_seed(5)
 before = torch.get_rng_state()
@@ -339,7 +381,7 @@ load_soon({"compressor": "powersgd", "rank": 1}, torch.float16)
 assert wait_loaded(timeout=240)
 assert torch.equal(torch.get_rng_state(), before), "the load drew random numbers"
 print(len(divide_finite_inplace.signatures), len(all_finite.signatures),
-      len(pack_signs.signatures), len(subtract_signs.signatures),
+      len(add_error_and_pack.signatures), len(subtract_signs.signatures),
       len(unpack_signs.signatures), len(sum_signs_and_pack.signatures))
 """
 
