@@ -30,7 +30,7 @@ bps's own variables:
 * ``BPS_SERVER_THREADS`` (servers, default: the cores this process may run on divided
   among the servers on its host, see ``bps.common.striping.engine_threads``): engine threads
   decoding, summing and re-encoding different keys.
-* ``BPS_MAX_INFLIGHT`` (workers, default 16): pushes per server not yet acknowledged;
+* ``BPS_MAX_INFLIGHT`` (workers, default 64): pushes per server not yet acknowledged;
   further partitions wait in the priority queue.
 * ``BPS_CONNECTIONS_PER_SERVER`` (workers, default: follows the host, see
   :mod:`bps.common.striping`): CURVE connections from each worker node to each server; a key
@@ -219,7 +219,7 @@ class ClusterEnv:
     node_host: str = "127.0.0.1"
     job_seed: int | None = None
     server_threads: int | None = None  # None: follow the host's cores
-    max_inflight: int = 16
+    max_inflight: int = 64
     local_master_addr: str | None = None
     local_master_port: int | None = None
     trace_dir: str | None = None  # None: tracing off
@@ -315,7 +315,7 @@ class ClusterEnv:
             job_seed=None if not seed else _int(env, "BPS_JOB_SEED", None, 1, 2**64 - 1),
             server_threads=_int(env, "BPS_SERVER_THREADS", None, 1, MAX_SERVER_THREADS)
             if _get(env, "BPS_SERVER_THREADS", "") else None,
-            max_inflight=_int(env, "BPS_MAX_INFLIGHT", 16, 1),
+            max_inflight=_int(env, "BPS_MAX_INFLIGHT", 64, 1),
             local_master_addr=env.get("BPS_LOCAL_MASTER_ADDR") or None,
             local_master_port=None if not master_port
             else _int(env, "BPS_LOCAL_MASTER_PORT", None, 1, 65535),
