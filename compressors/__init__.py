@@ -9,10 +9,17 @@
     torch.Size([8])
 """
 
+if __name__ != "bps.compressors":  # run from the repository's root as ``compressors``
+    # numba caches each kernel beside its file, naming the module it was compiled in;
+    # every process that imports bps.compressors would then fail to load those kernels
+    raise ImportError(f"import bps.compressors, not {__name__!r} (the folder itself): its "
+                      "numba kernels would be cached under a name no other process imports")
+
 from .base import (
     Compressor,
     CorrectedCompress,
     Description,
+    ErrorPassCompress,
     FastErrorUpdate,
     MultiRound,
     PayloadSum,
@@ -41,6 +48,7 @@ __all__ = [
     "CorrectedCompress",
     "Description",
     "ErrorFeedback",
+    "ErrorPassCompress",
     "FastErrorUpdate",
     "Momentum",
     "MultiRound",

@@ -229,3 +229,19 @@ def test_private_reads_are_found() -> None:
 def test_no_module_reads_another_objects_private_attributes() -> None:
     assert [f"{module}:{read}" for module, path in MODULES.items()
             for read in private_reads(path.read_text())] == []
+
+
+@pytest.mark.parametrize("folder", ["compressors", "worker"])
+def test_a_folder_with_cached_kernels_refuses_its_top_level_name(folder: str) -> None:
+    """From the repository's root ``compressors`` and ``worker`` are importable as
+    top-level packages (``pytest --doctest-modules compressors/`` does it); numba would
+    then cache their kernels under a module name no job imports, and every later process
+    would fail to load them. They refuse, naming the import to use."""
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "-c", f"import {folder}"], cwd=root,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert f"ImportError: import bps.{folder}, not '{folder}'" in result.stderr, result.stderr
+    ok = subprocess.run([sys.executable, "-c", f"import bps.{folder}"], cwd=root,
+                        capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
