@@ -44,7 +44,6 @@ from .base import (
     scalar_bits,
     sub_array,
 )
-from .error_feedback import add_scaled_error, add_scaled_error_divided
 from .threads import chunk_bounds, run_chunks
 
 
@@ -138,16 +137,23 @@ def sum_signs_and_pack(words, first, scale_bits, sign_mask, ratio, error, out, b
 @njit(nogil=True, cache=True)
 def add_error_and_pack(x, divisor, ratio, error, out, words):
     """Error feedback's pass and onebit's in one call: ``out = x / divisor + ratio *
-    error`` by error feedback's own kernels (``divisor`` 1: ``add_scaled_error``, else
-    ``add_scaled_error_divided``), then the sign words of ``out`` written into ``words``
-    by ``pack_signs``, in a pass of its own as the server's
+    error`` (``divisor`` 1: ``x + ratio * error``), each value rounded as error feedback's
+    ``add_scaled_error`` (``_divided``) rounds it, then the sign words of ``out`` written
+    into ``words`` by ``pack_signs``, in a pass of its own as the server's
     ``sum_signs_and_pack`` packs them. Returns (sum(|out|) in float64, whether every
     value is finite)."""
+    bad = 0
     if divisor == 1:  # no division: the loop vectorises the faster
-        finite = add_scaled_error(x, ratio, error, out)
+        for i in range(x.size):
+            value = x[i] + ratio * error[i]
+            out[i] = value
+            bad |= not abs(value) < np.inf
     else:
-        finite = add_scaled_error_divided(x, divisor, ratio, error, out)
-    return pack_signs(out, words), finite
+        for i in range(x.size):
+            value = x[i] / divisor + ratio * error[i]
+            out[i] = value
+            bad |= not abs(value) < np.inf
+    return pack_signs(out, words), bad == 0
 
 
 class OneBit(Compressor):
