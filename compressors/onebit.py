@@ -247,6 +247,9 @@ class OneBit(Compressor):
         scale_bits = scalar_bits([scale], self.dtype)[0]
         bits = bit_view(out)
         sign_mask = bits.dtype.type(1 << (8 * bits.itemsize - 1))
+        if len(self.bounds) == 1:  # one chunk: the kernel on this thread, no closure
+            unpack_signs(words, scale_bits, sign_mask, bits)
+            return out
         run_chunks(
             lambda lo, hi: unpack_signs(words[lo // 32 :], scale_bits, sign_mask, bits[lo:hi]),
             self.bounds,

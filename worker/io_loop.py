@@ -528,37 +528,49 @@ class IOLoop:
             self._send(request)
 
     def _receive_replies(self, server: int, dealer: Any) -> None:
+        pulled = 0  # bytes not counted yet: an ACK's wait for the next reply's count
         for frames in drain(dealer):
-            self._count(bytes_pulled=sum(map(len, frames)))
-            try:
-                header = decode(frames[0].bytes)
-            except ProtocolError as exc:
-                log.warning("server %d sent a malformed reply: %s", server, exc)
-                continue
-            request = self._pending.get(header.get("rid"))
-            if request is None:
-                log.warning("server %d: unmatched %s: %s", server, header["op"].name,
-                            header.get("msg", ""))
-                continue
-            if request.op == Op.PUSH and not request.acked:
-                # the server has the push: its credit frees, whatever other workers do
-                request.acked = True
-                request.acked_ns = time.monotonic_ns()
-                trace_stage(self._tracer, "push", request, request.sent_ns, request.acked_ns,
-                            bytes=request.fields["nbytes"])
-                with self.lock:
-                    self._queues.release(server)
-            if header["op"] == Op.ACK:
-                continue
-            del self._pending[request.rid]
-            if request.op == Op.PUSH:
-                trace_stage(self._tracer, "aggregate", request, request.acked_ns,
-                            time.monotonic_ns(), bytes=header.get("nbytes", 0))
-                self._count(server_s=server_seconds(header))
-                self._pushes_pending -= 1
-                if self._pushes_pending == 0:
-                    self._count(comm_s=time.perf_counter() - self._busy_since)
-            self._on_reply(request, header, frames[1:], self._where[dealer])
+            pulled = self._receive_reply(server, dealer, frames,
+                                         pulled + sum(map(len, frames)))
+        if pulled:
+            self._count(bytes_pulled=pulled)
+
+    def _receive_reply(self, server: int, dealer: Any, frames: list, pulled: int) -> int:
+        """Handle one reply of ``server``, ``pulled`` bytes not counted yet with it; returns
+        those still not counted (a reply that settles a future counts them first, in one
+        locked call with the server's seconds)."""
+        try:
+            header = decode(frames[0].bytes)
+        except ProtocolError as exc:
+            log.warning("server %d sent a malformed reply: %s", server, exc)
+            return pulled
+        request = self._pending.get(header.get("rid"))
+        if request is None:
+            log.warning("server %d: unmatched %s: %s", server, header["op"].name,
+                        header.get("msg", ""))
+            return pulled
+        if request.op == Op.PUSH and not request.acked:
+            # the server has the push: its credit frees, whatever other workers do
+            request.acked = True
+            request.acked_ns = time.monotonic_ns()
+            trace_stage(self._tracer, "push", request, request.sent_ns, request.acked_ns,
+                        bytes=request.fields["nbytes"])
+            with self.lock:
+                self._queues.release(server)
+        if header["op"] == Op.ACK:
+            return pulled
+        del self._pending[request.rid]
+        if request.op == Op.PUSH:
+            trace_stage(self._tracer, "aggregate", request, request.acked_ns,
+                        time.monotonic_ns(), bytes=header.get("nbytes", 0))
+            self._count(bytes_pulled=pulled, server_s=server_seconds(header))
+            self._pushes_pending -= 1
+            if self._pushes_pending == 0:
+                self._count(comm_s=time.perf_counter() - self._busy_since)
+        else:
+            self._count(bytes_pulled=pulled)
+        self._on_reply(request, header, frames[1:], self._where[dealer])
+        return 0
 
     def _on_reply(self, request: Request, header: dict, payloads: list, where: str) -> None:
         op = header["op"]
