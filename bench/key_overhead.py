@@ -62,6 +62,7 @@ from pathlib import Path
 from gpu_step import source_commit  # bench/ is on the path of a script run from it
 
 from bps.common.striping import proc_threads
+from bps.launch.local import sibling_pids
 
 PARAMS = {"compressor": "onebit", "ef": "vanilla"}
 CONFIGS = {"alone": None, "host": {}, "device path": {"BPS_DEVICE_KERNELS": "1"},
@@ -96,25 +97,6 @@ def process_cpu_s(pid: int) -> float:
     """CPU seconds so far of process ``pid`` (user + system, every thread; 10 ms ticks)."""
     fields_ = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields_[11]) + int(fields_[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def server_pids() -> list[int]:
-    """The pids of this job's server processes: this process's siblings (``bpslaunch
-    local`` starts every role) with ``DMLC_ROLE=server``."""
-    parent, pids = os.getppid(), []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            if int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1]) \
-                    != parent:
-                continue
-            environ = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
-        except (OSError, ValueError):  # ended meanwhile, or not ours to read
-            continue
-        if b"DMLC_ROLE=server" in environ:
-            pids.append(int(entry))
-    return pids
 
 
 def thread_cpu_s(agent: int | None = None) -> dict[str, float]:
@@ -183,7 +165,7 @@ def child(args: argparse.Namespace) -> None:
     backward_s.clear()
     hook_s.clear()
     pushes_before = trainer.core.runtime.engine.stats.pushes if trainer else 0
-    servers = server_pids() if trainer else []
+    servers = sibling_pids("server") if trainer else []
     server_before = sum(map(process_cpu_s, servers))
     before, walls = thread_cpu_s(agent), []
     for _ in range(args.steps):

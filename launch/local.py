@@ -51,6 +51,31 @@ from bps.launch.supervisor import (
 )
 
 
+def sibling_pids(role: str) -> list[int]:
+    """The pids of the processes of ``role`` (``"server"``, ``"scheduler"``, ...) in this
+    process's job: its siblings (``bpslaunch local`` starts every role) whose
+    environment has ``DMLC_ROLE=role``; those that end meanwhile, or are not ours to read,
+    are left out.
+
+        >>> sibling_pids("server")  # not under bpslaunch local: none
+        []
+    """
+    parent, tag, pids = os.getppid(), f"DMLC_ROLE={role}".encode(), []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                if int(stat.read().rsplit(")", 1)[1].split()[1]) != parent:
+                    continue
+            with open(f"/proc/{entry}/environ", "rb") as environ:
+                if tag in environ.read().split(b"\0"):
+                    pids.append(int(entry))
+        except (OSError, ValueError):  # ended meanwhile, or not ours to read
+            continue
+    return sorted(pids)
+
+
 def parse_args(args: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="bpslaunch local",
                                      description="Run a bps cluster on loopback.")

@@ -83,6 +83,7 @@ from bps.common.protocol import (
     encode,
     error_text,
     new_socket,
+    send_message,
 )
 from bps.common.ratelimit import RateLimitedLog
 from bps.common.scheduler_client import LoopClock, failure_reason
@@ -194,7 +195,7 @@ class Scheduler:
                 ctx.term()  # returns once the queued messages are sent, or after the linger
 
     def _send(self, identity: bytes, op: Op, **fields: Any) -> None:
-        self.sock.send_multipart([identity, encode(op, **fields)])
+        send_message(self.sock, [identity, encode(op, **fields)])
 
     def _broadcast(self, op: Op, exclude: bytes | None = None, **fields: Any) -> None:
         for node in self.nodes.values():

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bps.launch.local import sibling_pids
 from tests.harness.paths import ROOT
 from tests.harness.ps_job import BPSLAUNCH, default_sigint
 from tests.harness.trainer_job import (
@@ -66,7 +67,7 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
         report["group"] = type(bps.core.runtime.get().group).__name__
         report["policies"] = {"trainer": policies(os.getpid()),
                               "agent": policies(getattr(engine, "pid", None)),
-                              "servers": sorted({p for pid in sibling_servers()
+                              "servers": sorted({p for pid in sibling_pids("server")
                                                  for p in policies(pid)})}
         return report
 
@@ -112,22 +113,6 @@ def policies(pid: int | None) -> list[str]:
         except OSError:  # the thread ended meanwhile
             pass
     return sorted(found)
-
-
-def sibling_servers() -> list[int]:
-    """The job's server processes: this process's siblings (``bpslaunch local`` starts
-    every role) with ``DMLC_ROLE=server``."""
-    parent, pids = os.getppid(), []
-    for entry in Path("/proc").iterdir():
-        try:
-            if not entry.name.isdigit() or int(
-                    (entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) != parent:
-                continue
-            if b"DMLC_ROLE=server" in (entry / "environ").read_bytes().split(b"\0"):
-                pids.append(int(entry.name))
-        except (OSError, ValueError):  # ended meanwhile
-            continue
-    return pids
 
 
 def ddp_main(cfg: dict) -> int:
