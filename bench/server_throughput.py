@@ -139,7 +139,7 @@ class Rig:
         for engine in self.engines:
             engine.inbox.put(None)
         for engine in self.engines:
-            engine.join(timeout=30)
+            engine.thread.join(timeout=30)
         self.replies.close(linger=0)
         self.ctx.term()
 

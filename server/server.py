@@ -80,15 +80,16 @@ PEER_INBOUND = 64  # requests ZeroMQ queues per connection before it stops readi
 INBOX_BYTES = 256 << 20  # payload bytes waiting for the engine threads: read no more
 
 
-class KeyEngine(threading.Thread):
+class KeyEngine:
     """Owns a set of keys (an :class:`~bps.server.aggregator.Aggregator` of the server's
-    workers); serves their requests from :attr:`inbox` in arrival order, replying on a
-    PUSH socket connected to the server's ``replies_address``. ``None`` in the inbox
-    ends the thread."""
+    workers). Once :meth:`start` ed, a thread of its own serves their requests from
+    :attr:`inbox` in arrival order, replying on a PUSH socket connected to the server's
+    ``replies_address``; ``None`` in the inbox ends it. A server of one engine serves
+    its aggregator on the thread that reads the sockets, and starts none."""
 
     def __init__(self, server: ParameterServer, index: int) -> None:
-        super().__init__(name=f"bps-server-engine-{index}", daemon=True)
-        self.server = server
+        self.index, self.server = index, server
+        self.thread: threading.Thread | None = None
         # put and get in C: a blocked get waits on one lock (queue.Queue runs a Python
         # Condition per get, a new lock each time)
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -98,6 +99,11 @@ class KeyEngine(threading.Thread):
     def keys(self) -> dict:
         """Its keys' states (:class:`~bps.server.aggregator.KeyState`), by key."""
         return self.aggregator.keys
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self.run, daemon=True,
+                                       name=f"bps-server-engine-{self.index}")
+        self.thread.start()
 
     def run(self) -> None:
         out = new_socket(self.server.ctx, zmq.PUSH)
@@ -227,11 +233,11 @@ class ParameterServer:
                                 report_exc)
             raise
         finally:
-            for engine in engines:
+            started = [engine.thread for engine in engines if engine.thread is not None]
+            for engine in engines:  # each ends after the requests already in its inbox
                 engine.inbox.put(None)
-            for engine in engines:
-                if engine.is_alive():
-                    engine.join(timeout=5)
+            for thread in started:
+                thread.join(timeout=5)
             link.close()
             replies.close()
             router.close()
