@@ -16,6 +16,10 @@ compression flags of examples/mnist.py; run it under ``bpslaunch local`` or
     bpslaunch netem --nodes 4 --servers 4 --rate 100mbit -- python examples/ddp_mnist.py \
         --hook bps --compressor topk --k 0.01 --ef vanilla --momentum nesterov
 
+With ``bps``, DDP's group is each node's own processes (``bps.ddp.init_process_group``):
+DDP's collectives stay inside the node, the servers carry the gradients across nodes,
+and the shards and metrics follow ``bps.rank()`` and ``bps.size()`` (docs/ddp.md).
+
 All gradients go into one bucket (except with ``bps``, which keys each parameter
 whatever the buckets): with several buckets the PowerSGD hook aborted on gloo with a
 collective size mismatch. Rank 0 writes ``--metrics-json``
@@ -100,12 +104,16 @@ def register_hook(model: DistributedDataParallel, hook: str, rank: int,
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    if args.hook == "bps":
+    timeout = datetime.timedelta(seconds=args.timeout)
+    if args.hook == "bps":  # DDP's group within the node, bps's servers across the nodes
         import bps
+        import bps.ddp
 
-        bps.init()
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
-    rank, size = dist.get_rank(), dist.get_world_size()
+        bps.ddp.init_process_group("gloo", timeout=timeout)  # bps.init() first
+        rank, size = bps.rank(), bps.size()
+    else:
+        dist.init_process_group("gloo", timeout=timeout)
+        rank, size = dist.get_rank(), dist.get_world_size()
     (x_train, y_train), (x_test, y_test) = load_mnist(args.test_size, args.seed)
     x_train, x_test = model_inputs(x_train, args.model), model_inputs(x_test, args.model)
 
