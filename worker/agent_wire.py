@@ -89,13 +89,38 @@ def pack_grad(pipe: int, index: int, flags: int, lr: float, scale: float) -> byt
         >>> unpack_grad(pack_grad(1, 7, NOTIFY, 0.5, 1.0)[5:])
         (1, 7, 2, 0.5, 1.0)
     """
-    return _LEN.pack(_GRAD.size + 1) + bytes((GRAD,)) + _GRAD.pack(pipe, index, flags, lr,
-                                                                   scale)
+    return pack_grads([grad_record(pipe, index, flags, lr, scale)])
+
+
+def grad_record(pipe: int, index: int, flags: int, lr: float, scale: float) -> bytes:
+    """One parameter's announcement, for :func:`pack_grads`."""
+    return _GRAD.pack(pipe, index, flags, lr, scale)
+
+
+def pack_grads(records: list[bytes]) -> bytes:
+    """One GRAD frame announcing several parameters (:func:`grad_record` each): the
+    members of a bucket, which the agent pushes together.
+
+        >>> unpack_grads(pack_grads([grad_record(1, 3, 0, 0.5, 1.0),
+        ...                          grad_record(1, 4, NOTIFY, 0.5, 1.0)])[5:])
+        [(1, 3, 0, 0.5, 1.0), (1, 4, 2, 0.5, 1.0)]
+    """
+    body = b"".join(records)
+    return _LEN.pack(len(body) + 1) + bytes((GRAD,)) + body
 
 
 def unpack_grad(body: bytes) -> tuple[int, int, int, float, float]:
-    """``(pipeline, index, flags, lr, momentum_scale)``."""
+    """``(pipeline, index, flags, lr, momentum_scale)`` of a GRAD's first parameter."""
     return _GRAD.unpack_from(body)
+
+
+def unpack_grads(body: bytes) -> list[tuple[int, int, int, float, float]]:
+    """``(pipeline, index, flags, lr, momentum_scale)`` of each parameter of a GRAD;
+    ValueError where the body is not whole records."""
+    if not body or len(body) % _GRAD.size:
+        raise ValueError(f"a GRAD frame of {len(body)} bytes: not whole announcements "
+                         f"of {_GRAD.size} bytes")
+    return list(_GRAD.iter_unpack(body))
 
 
 def pack_pipe(kind: int, pipe: int, index: int = 0, extra: bytes = b"") -> bytes:

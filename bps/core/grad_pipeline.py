@@ -73,6 +73,7 @@ log = logging.getLogger("bps")
 
 _STOP = object()
 PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_NO_LIMIT = np.float32(np.inf)  # a float32 share's magnitude bound: finite is enough
 
 
 class _BucketSlice:
@@ -423,6 +424,108 @@ class GradPipeline(SlotQueries):
             except BaseException as exc:  # noqa: BLE001 - reported by wait()
                 self._fail(exc)
 
+    def fused_groups(self) -> list[list[int]]:
+        """The parameters of each bucket whose members always travel in it (small raw
+        tensors), in model order: a caller that announces a bucket's members together
+        hands them over with :meth:`push_fused`."""
+        groups: dict[int, list[int]] = {}
+        for index, slot in enumerate(self.slots):
+            part = slot.parts[0]
+            if len(slot.parts) == 1 and part.bucket is not None and part.raw_key is None \
+                    and part.compressed_key is None:
+                groups.setdefault(id(part.bucket), []).append(index)
+        return [members for members in groups.values()
+                if len(members) == self.slots[members[0]].parts[0].bucket.members]
+
+    def push_fused(self, items: list[tuple[int, torch.Tensor | None, torch.Tensor, bool,
+                                           Callable[[int], None] | None]]) -> None:
+        """:meth:`push` of every member of one bucket (:meth:`fused_groups`), ``items``
+        holding each push's arguments ``(index, source, dest, joined, done)`` in the
+        order the members became final. Inline, on a node of one local rank, where each
+        source is its flat float32 destination: the members are divided straight into
+        the bucket, pushed with it, and land together, one pass each (the same bits as
+        :meth:`push` of each in turn). Otherwise each goes through :meth:`push`.
+
+            >>> for members in pipe.fused_groups():   # once each is final
+            ...     pipe.push_fused([(i, grads[i], grads[i], False, None) for i in members])
+        """
+        bucket = self._fusable(items)
+        if bucket is None:
+            for item in items:
+                self.push(*item)
+            return
+        if not self.started:
+            self.started = True
+            if self.on_step_start is not None:
+                self.on_step_start()
+        size = self._rt.size
+        into = bucket.buffer.numpy()
+        mark = None
+        for index, _, dest, _, done in items:
+            slot = self.check_push(index, dest)
+            slot.ready, slot.divisor, slot.dest, slot.done = True, 1.0, dest, done
+            if self._tracer is not None:
+                self._tracer.instant("ready", slot.name, self.step)
+            part = slot.parts[0]
+            slot.share = dest  # left undivided: its average lands in it
+            slot.nonfinite = not divide_checked(
+                dest.numpy(), size, _NO_LIMIT,
+                into[part.bucket_offset:part.bucket_offset + part.length])
+            if slot.nonfinite and mark is None:  # the first names the step's skip
+                mark = ("nonfinite", slot.name)
+        index = items[-1][0]  # the member that completed the bucket, as push's would
+        lr = float(self._lr(self.slots[index].group))
+        try:
+            if mark is not None:
+                future = self._push_pull(bucket.key, None, lr, priority=-index,
+                                         mark=mark[0], what=mark[1])
+            else:
+                future = self._push_pull(bucket.key, bucket.buffer, lr, priority=-index)
+        except BaseException as exc:  # noqa: BLE001 - reported by wait()
+            self._fail(exc)
+            return
+        indices = [item[0] for item in items]
+        for member in indices:
+            self.slots[member].futures = [future]
+        future.add_done_callback(lambda settled: self._land_fused(indices, settled))
+
+    def _fusable(self, items: list[tuple]) -> Bucket | None:
+        """The bucket that :meth:`push_fused` can push ``items`` into in one pass, or
+        None where each goes through :meth:`push`."""
+        if not (self.inline and self._rt.local_size == 1 and self._rt.engine is not None
+                and self._error is None and items):
+            return None
+        bucket = self.slots[items[0][0]].parts[0].bucket
+        if bucket is None or bucket.arrived or len(items) != bucket.members \
+                or bucket.buffer.dtype != torch.float32:
+            return None
+        for index, source, dest, joined, _ in items:
+            parts = self.slots[index].parts
+            if joined or source is not dest or len(parts) != 1 or parts[0].bucket is not bucket \
+                    or parts[0].raw_key is not None or dest.dim() != 1 \
+                    or dest.dtype != torch.float32 or dest.device.type != "cpu" \
+                    or dest.requires_grad or not dest.is_contiguous():
+                return None
+        return bucket
+
+    def _land_fused(self, indices: list[int], future: concurrent.futures.Future) -> None:
+        """Land the members of a bucket that :meth:`push_fused` pushed: each one's share
+        of the aggregate into its destination (nothing where the step was skipped)."""
+        try:
+            result = future.result()
+            values = None if isinstance(result, Skipped) else result.numpy()
+            for index in indices:
+                slot = self.slots[index]
+                slot.futures = []
+                slot.skipped = result if values is None else None
+                if values is not None:
+                    part = slot.parts[0]
+                    np.copyto(slot.dest.numpy(),
+                              values[part.bucket_offset:part.bucket_offset + part.length])
+                self._landed(index, slot, slot.dest)
+        except BaseException as exc:  # noqa: BLE001 - reported by wait()
+            self._fail(exc)
+
     def _divide_on_device(self, slot: _Slot, grad: torch.Tensor | None,
                           size: int) -> torch.Tensor:
         """This rank's share of a device-path gradient, divided by the number of workers on
@@ -734,6 +837,11 @@ class GradPipeline(SlotQueries):
             self._bcast_ch.broadcast(slot.recv)
             dest = slot.dest
             dest.copy_(slot.recv)
+        self._landed(index, slot, dest)
+
+    def _landed(self, index: int, slot: _Slot, dest: torch.Tensor) -> None:
+        """The end of parameter ``index``'s landing, its average in ``dest``: its local
+        momentum, ``done``, the count (``on_step_done`` after the step's last)."""
         self._apply_local_momentum(slot, dest)
         if slot.done is not None:
             slot.done(index)

@@ -3,7 +3,8 @@
 :class:`PipelineAgent` is :class:`bps.worker.agent.Agent` (the node's engine in a process
 of its own) plus the training processes' :class:`bps.core.grad_pipeline.GradPipeline`:
 the gradients lie in shared memory (each parameter's ``.grad`` is a view into a buffer
-the agent maps too), a gradient that is final is announced in 30 bytes (GRAD), and the
+the agent maps too), a gradient that is final is announced in 30 bytes (GRAD; the
+members of a bucket of small tensors together, once its last is final), and the
 agent divides it, checks it, cuts it into partitions, compresses, pushes, pulls and
 writes the average back into the same buffer, with the same code and so the same bits
 as the pipeline in the training process. The training process's side is
@@ -230,6 +231,28 @@ class _NodePipe:
             del self.arrived[index]
         self._push(index, flags)
 
+    def arrive_fused(self, rank: int, records: list[tuple]) -> None:
+        """Local rank ``rank`` announced the members of a bucket at once (``records``:
+        ``(pipeline, index, flags, lr, scale)`` each, as :meth:`arrive` takes them): on
+        a node of one local rank they are pushed together."""
+        if self.size > 1:
+            for _, index, flags, lr, scale in records:
+                self.arrive(rank, index, flags, lr, scale)
+            return
+        items = []
+        for _, index, flags, lr, scale in records:
+            if flags & wire.NOTIFY:
+                self.notify.setdefault(index, set()).add(rank)
+            self.lrs[self.pipe.slots[index].group] = lr
+            self.scale = scale
+            view = self.ranks[0][1][index]
+            items.append((index, view, view, bool(flags & wire.JOINED), self.done))
+        with self.pushing:
+            try:
+                self.pipe.push_fused(items)
+            except Exception as exc:  # noqa: BLE001 - the training processes' wait raises it
+                self.failed(exc)
+
     def _push(self, index: int, flags: int) -> None:
         view = self.ranks[0][1][index]
         # the pipeline compresses inline: under a lock of its own, not ``cond``, which
@@ -302,10 +325,12 @@ class PipelineAgent(agent_base.Agent):
             return _NODE[pipe_id]
 
     def call_pipeline_open(self, pipe_id: int, params: dict, tensors: list[tuple],
-                           partition_bytes: int, first_key: int) -> tuple[int, list[int]]:
+                           partition_bytes: int, first_key: int
+                           ) -> tuple[int, list[int], list[list[int]]]:
         """Build pipeline ``pipe_id`` over ``tensors`` (name, shape, dtype, group, where:
         its gradient's buffer) once every local rank has declared it, with keys from
-        ``first_key`` on; returns how many keys it took and its compressed keys."""
+        ``first_key`` on; returns how many keys it took, its compressed keys and its
+        buckets' members (``GradPipeline.fused_groups``: each announced in one GRAD)."""
         node = self._node_pipe(pipe_id)
         views = []
         for _, shape, dtype, _, where in tensors:
@@ -331,7 +356,7 @@ class PipelineAgent(agent_base.Agent):
         # what the job keeps to its end (modules, chains, buffers) out of the collector's
         # full passes: each step's futures and requests make it run every few steps
         gc.freeze()
-        return node.key_count, pipe.compressed_keys()
+        return node.key_count, pipe.compressed_keys(), pipe.fused_groups()
 
     def call_set_membership(self, generation: int, members: list[int]) -> None:
         """A joining node: its engine and its pipelines push with the membership it
@@ -376,8 +401,12 @@ class PipelineAgent(agent_base.Agent):
 
     def on_frame(self, kind: int, body: bytes) -> None:
         if kind == wire.GRAD:
-            pipe_id, index, flags, lr, scale = wire.unpack_grad(body)
-            _NODE[pipe_id].arrive(self.local_rank, index, flags, lr, scale)
+            records = wire.unpack_grads(body)
+            if len(records) == 1:
+                pipe_id, index, flags, lr, scale = records[0]
+                _NODE[pipe_id].arrive(self.local_rank, index, flags, lr, scale)
+            else:  # a bucket's members
+                _NODE[records[0][0]].arrive_fused(self.local_rank, records)
         elif kind == wire.END_STEP:
             pipe_id, applied, _ = wire.unpack_pipe(body)
             _NODE[pipe_id].end_step(bool(applied))

@@ -5,8 +5,9 @@ in for :class:`bps.core.grad_pipeline.GradPipeline` (same interface, same result
 for bit): each parameter's gradient has a buffer in shared memory, and the pipeline
 itself (division, checks, partitions, buckets, chains, pushes, local momentum) runs in
 the node agent (:mod:`bps.core.pipeline_agent`) on that buffer, for every local rank of
-the node at once. A push is 30 bytes on the agent's socket; the agent writes the average
-back into the buffer and says so.
+the node at once. A push is 30 bytes on the agent's socket (the small tensors of one
+bucket wait for its last and go in one frame, which the agent pushes in one pass); the
+agent writes the average back into the buffer and says so.
 
 With ``install`` (the trainer's pipeline), each parameter's ``.grad`` *is* its buffer
 (a view, as DDP's ``gradient_as_bucket_view``): backward accumulates into shared memory,
@@ -132,13 +133,17 @@ class SharedPipeline(SlotQueries):
         self.pipe_id = self._engine.attach(self)
         try:
             first = rt.allocate_keys(0)
-            count, self._compressed = self._engine.call(
+            count, self._compressed, groups = self._engine.call(
                 "pipeline_open", self.pipe_id, params, specs, self.partition_bytes, first,
                 waits=2)
         except BaseException:
             self._engine.detach(self.pipe_id)
             self._answers.put(None)
             raise
+        # a bucket's members are announced together, once the last is final: the agent
+        # then pushes the bucket in one pass instead of a frame and a push per member
+        self._group_of = {index: members for members in groups for index in members}
+        self._held: dict[int, list[bytes]] = {}  # a bucket's first member -> announced
         if rt.allocate_keys(count) != first:
             raise RuntimeError("keys were allocated while the node agent declared a "
                                "pipeline's keys")
@@ -227,9 +232,17 @@ class SharedPipeline(SlotQueries):
                 self.on_step_start()
         flags = (wire.JOINED if joined else 0) | \
             (wire.NOTIFY if done is not None or slot.dest is not None else 0)
-        self._engine.send(wire.pack_grad(self.pipe_id, index, flags,
-                                         float(self._lr(slot.group)),
-                                         float(self._rescale())))
+        record = wire.grad_record(self.pipe_id, index, flags, float(self._lr(slot.group)),
+                                  float(self._rescale()))
+        members = self._group_of.get(index)
+        if members is None:
+            self._engine.send(wire.pack_grads([record]))
+            return
+        held = self._held.setdefault(members[0], [])
+        held.append(record)
+        if len(held) == len(members):
+            del self._held[members[0]]
+            self._engine.send(wire.pack_grads(held))
 
     def zero_grads(self, set_to_none: bool = True) -> None:
         """``optimizer.zero_grad()`` for gradients in shared memory: the buffers are
@@ -324,6 +337,7 @@ class SharedPipeline(SlotQueries):
     def end_step(self, applied: bool) -> None:
         for slot in self.slots:
             slot.ready, slot.dest, slot.done = False, None, None
+        self._held.clear()
         self.started = False
         with self._cond:
             self._step_done = False

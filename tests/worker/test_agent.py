@@ -84,7 +84,7 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
         trainer.zero_grad()
         bad = {n: goal[n].clone() for n in shapes}
         if run.get("inject") and step == INJECT_STEP and rank == 1:
-            bad["big"][0, 0] = -float("inf")  # grad = w - target = inf
+            bad[run["inject"]].view(-1)[0] = -float("inf")  # grad = w - target = inf
         loss = sum((getattr(model, n) * (getattr(model, n).detach() - bad[n])).sum()
                    for n in shapes)
         loss.backward()
@@ -184,8 +184,11 @@ SIM_RUNS = [
     {"tag": "warmup", "params": {**SIM_CASES["onebit"], **COMMON, "warmup_steps": 2},
      "compressed_from": 2},
 ]
-INJECT_RUN = {"tag": "inject", "params": {**SIM_CASES["onebit"], **COMMON, "nonfinite": "skip"},
-              "inject": True}
+# an inf in a compressed partition, and in a member of a raw bucket (its members are
+# announced in one frame and pushed together)
+INJECT_RUNS = [{"tag": f"inject_{name}", "inject": name,
+                "params": {**SIM_CASES["onebit"], **COMMON, "nonfinite": "skip"}}
+               for name in ("big", "small")]
 
 
 def dead_pid() -> int:
@@ -211,7 +214,7 @@ def test_trainer_through_the_agent_matches_the_simulation(tmp_path, env):
     stale.write_bytes(b"\0" * 4096)
     live.write_bytes(b"\0" * 4096)
     try:
-        result = launch({"runs": [*SIM_RUNS, INJECT_RUN], "lrs": SIM_LRS,
+        result = launch({"runs": [*SIM_RUNS, *INJECT_RUNS], "lrs": SIM_LRS,
                          "stop": len(SIM_LRS), "pushes_per_step": 4}, tmp_path, workers=3,
                         servers=2, env=env)
         assert result.returncode == 0, result.stdout[-3000:]
@@ -237,14 +240,15 @@ def test_trainer_through_the_agent_matches_the_simulation(tmp_path, env):
         assert [s["pushes"] for s in steps] == [4] * len(SIM_LRS), run["tag"]
     # the skipped step is as if never taken: the replay without it
     lrs = [lr for step, lr in enumerate(SIM_LRS) if step != INJECT_STEP]
-    expected = simulate(INJECT_RUN["params"], 3, lrs)
-    finals = load_params(tmp_path, 3, "inject")
-    for rank in range(3):
-        assert reports[rank]["inject"]["skipped"] == \
-            [step == INJECT_STEP for step in range(len(SIM_LRS))]
-        for name in SHAPES:
-            np.testing.assert_array_equal(finals[rank][name], expected[name],
-                                          err_msg=f"inject {name} rank {rank}")
+    for run in INJECT_RUNS:
+        expected = simulate(run["params"], 3, lrs)
+        finals = load_params(tmp_path, 3, run["tag"])
+        for rank in range(3):
+            assert reports[rank][run["tag"]]["skipped"] == \
+                [step == INJECT_STEP for step in range(len(SIM_LRS))], run["tag"]
+            for name in SHAPES:
+                np.testing.assert_array_equal(finals[rank][name], expected[name],
+                                              err_msg=f"{run['tag']} {name} rank {rank}")
     assert "node agent" not in result.stdout  # no failure, no agent killed at the end
     # /dev/shm is the machine's: another test process's job may hold segments of its own
     # now; what this job (its scheduler's port) or a process now gone left is a leak
