@@ -83,23 +83,14 @@ def unpack_call(body: bytes) -> tuple[int, bytes]:
     return call_id, body[_CALL.size:]
 
 
-def pack_grad(pipe: int, index: int, flags: int, lr: float, scale: float) -> bytes:
-    """The frame saying that parameter ``index`` of pipeline ``pipe`` is in its buffer.
-
-        >>> unpack_grad(pack_grad(1, 7, NOTIFY, 0.5, 1.0)[5:])
-        (1, 7, 2, 0.5, 1.0)
-    """
-    return pack_grads([grad_record(pipe, index, flags, lr, scale)])
-
-
 def grad_record(pipe: int, index: int, flags: int, lr: float, scale: float) -> bytes:
     """One parameter's announcement, for :func:`pack_grads`."""
     return _GRAD.pack(pipe, index, flags, lr, scale)
 
 
 def pack_grads(records: list[bytes]) -> bytes:
-    """One GRAD frame announcing several parameters (:func:`grad_record` each): the
-    members of a bucket, which the agent pushes together.
+    """One GRAD frame announcing one parameter or several (:func:`grad_record` each):
+    several are the members of a bucket, which the agent pushes together.
 
         >>> unpack_grads(pack_grads([grad_record(1, 3, 0, 0.5, 1.0),
         ...                          grad_record(1, 4, NOTIFY, 0.5, 1.0)])[5:])
@@ -107,11 +98,6 @@ def pack_grads(records: list[bytes]) -> bytes:
     """
     body = b"".join(records)
     return _LEN.pack(len(body) + 1) + bytes((GRAD,)) + body
-
-
-def unpack_grad(body: bytes) -> tuple[int, int, int, float, float]:
-    """``(pipeline, index, flags, lr, momentum_scale)`` of a GRAD's first parameter."""
-    return _GRAD.unpack_from(body)
 
 
 def unpack_grads(body: bytes) -> list[tuple[int, int, int, float, float]]:

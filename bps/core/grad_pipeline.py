@@ -366,15 +366,7 @@ class GradPipeline(SlotQueries):
         ``joined``: this rank has no data (``join()``): a ``zero`` marker travels, no
         chain runs, nothing is added. ``done(index)`` runs on the broadcast thread once
         ``dest`` holds the average (the step may still be skipped: :meth:`finish`)."""
-        slot = self.check_push(index, dest)
-        slot.ready, slot.divisor = True, 1.0
-        slot.dest, slot.done = dest if dest.dim() == 1 else dest.view(-1), done
-        if self._tracer is not None:
-            self._tracer.instant("ready", slot.name, self.step)
-        if not self.started:
-            self.started = True
-            if self.on_step_start is not None:
-                self.on_step_start()
+        slot = self._take(index, dest, done)
         grad = None if joined else source
         if grad is not None and grad.requires_grad:  # a create_graph backward's gradient
             grad = grad.detach()
@@ -424,16 +416,38 @@ class GradPipeline(SlotQueries):
             except BaseException as exc:  # noqa: BLE001 - reported by wait()
                 self._fail(exc)
 
+    def _take(self, index: int, dest: torch.Tensor,
+              done: Callable[[int], None] | None) -> _Slot:
+        """Parameter ``index``'s slot, taken for this step's push into ``dest`` (checked:
+        :meth:`check_push`); the step starts with its first."""
+        slot = self.check_push(index, dest)
+        slot.ready, slot.divisor = True, 1.0
+        slot.dest, slot.done = dest if dest.dim() == 1 else dest.view(-1), done
+        if self._tracer is not None:
+            self._tracer.instant("ready", slot.name, self.step)
+        if not self.started:
+            self.started = True
+            if self.on_step_start is not None:
+                self.on_step_start()
+        return slot
+
+    @staticmethod
+    def _fused_bucket(slot: _Slot) -> Bucket | None:
+        """The bucket the slot always travels in (a small raw tensor's), else None."""
+        part = slot.parts[0]
+        if len(slot.parts) == 1 and part.raw_key is None and part.compressed_key is None:
+            return part.bucket
+        return None
+
     def fused_groups(self) -> list[list[int]]:
         """The parameters of each bucket whose members always travel in it (small raw
         tensors), in model order: a caller that announces a bucket's members together
         hands them over with :meth:`push_fused`."""
         groups: dict[int, list[int]] = {}
         for index, slot in enumerate(self.slots):
-            part = slot.parts[0]
-            if len(slot.parts) == 1 and part.bucket is not None and part.raw_key is None \
-                    and part.compressed_key is None:
-                groups.setdefault(id(part.bucket), []).append(index)
+            bucket = self._fused_bucket(slot)
+            if bucket is not None:
+                groups.setdefault(id(bucket), []).append(index)
         return [members for members in groups.values()
                 if len(members) == self.slots[members[0]].parts[0].bucket.members]
 
@@ -454,18 +468,11 @@ class GradPipeline(SlotQueries):
             for item in items:
                 self.push(*item)
             return
-        if not self.started:
-            self.started = True
-            if self.on_step_start is not None:
-                self.on_step_start()
         size = self._rt.size
         into = bucket.buffer.numpy()
         mark = None
         for index, _, dest, _, done in items:
-            slot = self.check_push(index, dest)
-            slot.ready, slot.divisor, slot.dest, slot.done = True, 1.0, dest, done
-            if self._tracer is not None:
-                self._tracer.instant("ready", slot.name, self.step)
+            slot = self._take(index, dest, done)
             part = slot.parts[0]
             slot.share = dest  # left undivided: its average lands in it
             slot.nonfinite = not divide_checked(
@@ -495,16 +502,15 @@ class GradPipeline(SlotQueries):
         if not (self.inline and self._rt.local_size == 1 and self._rt.engine is not None
                 and self._error is None and items):
             return None
-        bucket = self.slots[items[0][0]].parts[0].bucket
+        bucket = self._fused_bucket(self.slots[items[0][0]])
         if bucket is None or bucket.arrived or len(items) != bucket.members \
                 or bucket.buffer.dtype != torch.float32:
             return None
         for index, source, dest, joined, _ in items:
-            parts = self.slots[index].parts
-            if joined or source is not dest or len(parts) != 1 or parts[0].bucket is not bucket \
-                    or parts[0].raw_key is not None or dest.dim() != 1 \
-                    or dest.dtype != torch.float32 or dest.device.type != "cpu" \
-                    or dest.requires_grad or not dest.is_contiguous():
+            if joined or source is not dest or self._fused_bucket(self.slots[index]) is not bucket \
+                    or dest.dim() != 1 or dest.dtype != torch.float32 \
+                    or dest.device.type != "cpu" or dest.requires_grad \
+                    or not dest.is_contiguous():
                 return None
         return bucket
 
@@ -580,7 +586,7 @@ class GradPipeline(SlotQueries):
             warm = self.step < self.params["warmup_steps"]
             if any(p.compressed_key is None or warm for p in slot.parts if p.travels(warm)):
                 return np.float32(FLOAT16_LIMIT)
-        return np.float32(np.inf)
+        return _NO_LIMIT
 
     def _guarded(self, loop) -> None:
         try:

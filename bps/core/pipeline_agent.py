@@ -212,10 +212,7 @@ class _NodePipe:
     def arrive(self, rank: int, index: int, flags: int, lr: float, scale: float) -> None:
         """Local rank ``rank`` announced parameter ``index``: the last one pushes it."""
         if self.size == 1:  # a node of one local rank: nothing to count or wait for
-            if flags & wire.NOTIFY:
-                self.notify.setdefault(index, set()).add(rank)
-            self.lrs[self.pipe.slots[index].group] = lr
-            self.scale = scale
+            self._note(rank, index, flags, lr, scale)
             self._push(index, flags)
             return
         with self.cond:
@@ -231,6 +228,14 @@ class _NodePipe:
             del self.arrived[index]
         self._push(index, flags)
 
+    def _note(self, rank: int, index: int, flags: int, lr: float, scale: float) -> None:
+        """What a lone local rank's announcement of ``index`` tells: whether it wants
+        GRAD_DONE, its group's learning rate, the momentum scale."""
+        if flags & wire.NOTIFY:
+            self.notify.setdefault(index, set()).add(rank)
+        self.lrs[self.pipe.slots[index].group] = lr
+        self.scale = scale
+
     def arrive_fused(self, rank: int, records: list[tuple]) -> None:
         """Local rank ``rank`` announced the members of a bucket at once (``records``:
         ``(pipeline, index, flags, lr, scale)`` each, as :meth:`arrive` takes them): on
@@ -241,10 +246,7 @@ class _NodePipe:
             return
         items = []
         for _, index, flags, lr, scale in records:
-            if flags & wire.NOTIFY:
-                self.notify.setdefault(index, set()).add(rank)
-            self.lrs[self.pipe.slots[index].group] = lr
-            self.scale = scale
+            self._note(rank, index, flags, lr, scale)
             view = self.ranks[0][1][index]
             items.append((index, view, view, bool(flags & wire.JOINED), self.done))
         with self.pushing:

@@ -45,7 +45,8 @@ def test_frames_cut_anywhere_come_out_whole_without_waiting():
     recv goes on from the same buffer."""
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     receiver = wire.Link(theirs)
-    frames = [wire.pack_grad(1, i, wire.NOTIFY, 0.5, 1.0) for i in range(3)]
+    frames = [wire.pack_grads([wire.grad_record(1, i, wire.NOTIFY, 0.5, 1.0)])
+              for i in range(3)]
     frames.append(wire.pack(wire.FATAL, b"x" * 100_000))  # larger than one read
     stream = b"".join(frames)
     got = []
@@ -58,7 +59,7 @@ def test_frames_cut_anywhere_come_out_whole_without_waiting():
             assert len(got) < len(frames)  # the frame cut at ``end`` is not out yet
     assert receiver.recv_available() == []  # nothing waiting: no block, no frame
     assert [kind for kind, _ in got] == [wire.GRAD] * 3 + [wire.FATAL]
-    assert [wire.unpack_grad(body)[1] for _, body in got[:3]] == [0, 1, 2]
+    assert [wire.unpack_grads(body)[0][1] for _, body in got[:3]] == [0, 1, 2]
     assert got[3][1] == b"x" * 100_000
     mine.sendall(wire.pack(wire.HELLO, b"then"))
     assert receiver.recv() == (wire.HELLO, b"then")
