@@ -456,9 +456,10 @@ class GradPipeline(SlotQueries):
         """:meth:`push` of every member of one bucket (:meth:`fused_groups`), ``items``
         holding each push's arguments ``(index, source, dest, joined, done)`` in the
         order the members became final. Inline, on a node of one local rank, where each
-        source is its flat float32 destination: the members are divided straight into
-        the bucket, pushed with it, and land together, one pass each (the same bits as
-        :meth:`push` of each in turn). Otherwise each goes through :meth:`push`.
+        source is its flat float32 destination: the members are divided straight into a
+        float32 bucket (into one of float16 or bfloat16: in place, then cast), pushed
+        with it, and land together (the same bits as :meth:`push` of each in turn).
+        Otherwise each goes through :meth:`push`.
 
             >>> for members in pipe.fused_groups():   # once each is final
             ...     pipe.push_fused([(i, grads[i], grads[i], False, None) for i in members])
@@ -469,15 +470,23 @@ class GradPipeline(SlotQueries):
                 self.push(*item)
             return
         size = self._rt.size
-        into = bucket.buffer.numpy()
+        into = bucket.buffer.numpy() if bucket.buffer.dtype == torch.float32 else None
         mark = None
         for index, _, dest, _, done in items:
             slot = self._take(index, dest, done)
             part = slot.parts[0]
-            slot.share = dest  # left undivided: its average lands in it
-            slot.nonfinite = not divide_checked(
-                dest.numpy(), size, _NO_LIMIT,
-                into[part.bucket_offset:part.bucket_offset + part.length])
+            slot.share = dest  # its average lands in it
+            if into is not None:  # divided straight into the bucket, dest left as it is
+                slot.nonfinite = not divide_checked(
+                    dest.numpy(), size, _NO_LIMIT,
+                    into[part.bucket_offset:part.bucket_offset + part.length])
+            else:  # in float32 in place, under the wire dtype's range, then cast as _fuse
+                slot.nonfinite = not divide_checked(dest.numpy(), size, self._limit(slot))
+                if not slot.nonfinite:
+                    if part.in_bucket is None:
+                        part.in_bucket = bucket.buffer[part.bucket_offset:
+                                                       part.bucket_offset + part.length]
+                    part.in_bucket.copy_(dest)
             if slot.nonfinite and mark is None:  # the first names the step's skip
                 mark = ("nonfinite", slot.name)
         index = items[-1][0]  # the member that completed the bucket, as push's would
@@ -504,7 +513,7 @@ class GradPipeline(SlotQueries):
             return None
         bucket = self._fused_bucket(self.slots[items[0][0]])
         if bucket is None or bucket.arrived or len(items) != bucket.members \
-                or bucket.buffer.dtype != torch.float32:
+                or bucket.buffer.device.type != "cpu":
             return None
         for index, source, dest, joined, _ in items:
             if joined or source is not dest or self._fused_bucket(self.slots[index]) is not bucket \
@@ -519,15 +528,21 @@ class GradPipeline(SlotQueries):
         of the aggregate into its destination (nothing where the step was skipped)."""
         try:
             result = future.result()
-            values = None if isinstance(result, Skipped) else result.numpy()
+            skipped = isinstance(result, Skipped)
+            # numpy has no bfloat16: a bucket of another dtype lands through torch
+            values = result.numpy() if not skipped and result.dtype == torch.float32 \
+                else result
             for index in indices:
                 slot = self.slots[index]
                 slot.futures = []
-                slot.skipped = result if values is None else None
-                if values is not None:
+                slot.skipped = result if skipped else None
+                if not skipped:
                     part = slot.parts[0]
-                    np.copyto(slot.dest.numpy(),
-                              values[part.bucket_offset:part.bucket_offset + part.length])
+                    share = values[part.bucket_offset:part.bucket_offset + part.length]
+                    if isinstance(share, np.ndarray):
+                        np.copyto(slot.dest.numpy(), share)
+                    else:
+                        slot.dest.copy_(share)
                 self._landed(index, slot, slot.dest)
         except BaseException as exc:  # noqa: BLE001 - reported by wait()
             self._fail(exc)

@@ -655,13 +655,14 @@ COMM_SHAPES = {"big": (60, 50), "small": (7,), "bias": (4,)}
 COMM_LRS = [0.5, 0.25, 0.25, 0.5]  # powers of two: lr * g is exact
 
 
-def comm_reference(comm: str, nodes: int = 2, local: int = 2) -> dict:
-    """The final parameters of COMM_SHAPES after COMM_LRS with ``comm_dtype=comm``
+def comm_reference(comm: str, nodes: int = 2, local: int = 2,
+                   lrs: list[float] = COMM_LRS) -> dict:
+    """The final parameters of COMM_SHAPES after ``lrs`` with ``comm_dtype=comm``
     ("fp16", "bf16" or "fp32") and local Nesterov momentum, rounded to the wire's dtype
     exactly where the pipeline of docs/trainer.md rounds: each rank's share, the
-    intra-node sum of two shares, the servers' sum of two nodes (one rounding each: a
-    sum of two halves is taken in float32 and rounded once), then float32 Nesterov
-    momentum and SGD."""
+    intra-node sum of a node's ``local`` shares, the servers' sum of two nodes (one
+    rounding each: a sum of two halves is taken in float32 and rounded once), then
+    float32 Nesterov momentum and SGD."""
     import torch
 
     dtype, f32 = {"fp16": torch.float16, "bf16": torch.bfloat16,
@@ -670,11 +671,12 @@ def comm_reference(comm: str, nodes: int = 2, local: int = 2) -> dict:
     w = initial_params(0, COMM_SHAPES)
     goals = [targets(r, COMM_SHAPES) for r in range(ranks)]
     m = {n: np.zeros(s, f32) for n, s in COMM_SHAPES.items()}
-    for lr in COMM_LRS:
+    for lr in lrs:
         for n in COMM_SHAPES:
             shares = [torch.from_numpy((w[n] - goals[r][n]).astype(f32) / f32(ranks)).to(dtype)
                       for r in range(ranks)]
-            node_sums = [shares[i * local] + shares[i * local + 1] for i in range(nodes)]
+            node_sums = [shares[i * local] if local == 1 else
+                         shares[i * local] + shares[i * local + 1] for i in range(nodes)]
             g = (node_sums[0] + node_sums[1]).float().numpy()
             m[n] = (g + f32(MOMENTUM) * m[n]).astype(f32)
             g = (g + f32(MOMENTUM) * m[n]).astype(f32)

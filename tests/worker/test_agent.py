@@ -84,7 +84,8 @@ def train(cfg: dict, run: dict, rank: int, shapes: dict, out: Path) -> dict:
         trainer.zero_grad()
         bad = {n: goal[n].clone() for n in shapes}
         if run.get("inject") and step == INJECT_STEP and rank == 1:
-            bad[run["inject"]].view(-1)[0] = -float("inf")  # grad = w - target = inf
+            # grad = w - target: inf, or what the run names (beyond float16's range)
+            bad[run["inject"]].view(-1)[0] = -run.get("inject_value", float("inf"))
         loss = sum((getattr(model, n) * (getattr(model, n).detach() - bad[n])).sum()
                    for n in shapes)
         loss.backward()
@@ -281,6 +282,34 @@ def test_two_local_ranks_round_where_the_pipeline_does(tmp_path):
             for name in COMM_SHAPES:
                 np.testing.assert_array_equal(final[name], expected[name],
                                               err_msg=f"{comm} {name} {rank}")
+
+
+def test_a_lone_local_rank_rounds_its_buckets_where_the_pipeline_does(tmp_path):
+    # 2 nodes of one local rank: the members of a raw bucket reach the agent in one
+    # frame, are divided in float32 and cast into a bucket of the wire's dtype, and land
+    # together; a share beyond float16's range in one of them skips the step everywhere
+    runs = [{"tag": comm, "params": {"momentum": "nesterov", "comm_dtype": comm}}
+            for comm in ("bf16", "fp16")]
+    runs.append({"tag": "overflow", "inject": "small", "inject_value": 1e6,
+                 "params": {"momentum": "nesterov", "comm_dtype": "fp16",
+                            "nonfinite": "skip"}})
+    result = launch({"runs": runs, "lrs": COMM_LRS, "stop": len(COMM_LRS),
+                     "shapes": COMM_SHAPES}, tmp_path, workers=2, servers=1,
+                    env={"BYTEPS_PARTITION_BYTES": "4000"}, timeout=180)
+    assert result.returncode == 0, result.stdout[-3000:]
+    reports = load_reports(tmp_path, 2)
+    assert [r["bf16"]["engine"] for r in reports] == ["AgentProxy"] * 2
+    skipped_lrs = [lr for step, lr in enumerate(COMM_LRS) if step != INJECT_STEP]
+    expected = {"bf16": comm_reference("bf16", local=1),
+                "fp16": comm_reference("fp16", local=1),
+                "overflow": comm_reference("fp16", local=1, lrs=skipped_lrs)}
+    assert [r["overflow"]["skipped"] for r in reports] == \
+        [[step == INJECT_STEP for step in range(len(COMM_LRS))]] * 2
+    for tag, reference in expected.items():
+        for rank, final in enumerate(load_params(tmp_path, 2, tag)):
+            for name in COMM_SHAPES:
+                np.testing.assert_array_equal(final[name], reference[name],
+                                              err_msg=f"{tag} {name} {rank}")
 
 
 def test_resume_from_state_dict_through_the_agent(tmp_path):
