@@ -1,0 +1,40 @@
+"""bench/agent_stages.py end to end on a tiny model: the node agent's stages are timed
+in its own process, and counted per step."""
+
+from __future__ import annotations
+
+import doctest
+import importlib.util
+import re
+import subprocess
+import sys
+
+from tests.harness import paths
+
+
+def test_each_stage_is_counted_per_agent_step():
+    # 3 x Linear(128, 128): three compressed weights, and the three biases in one bucket
+    done = subprocess.run([sys.executable, str(paths.BENCH / "agent_stages.py"), "--steps",
+                           "6", "--", "--layers", "3", "--width", "128", "--warmup", "1"],
+                          capture_output=True, text=True, timeout=240, cwd=paths.ROOT)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    rows = {m["call"]: (float(m["calls"]), float(m["us"]))
+            for m in re.finditer(r"\(`(?P<call>[\w.]+)`\) \| (?P<calls>[\d.]+) \| "
+                                 r"(?P<us>[\d.]+) \|", done.stdout)}
+    per_step = {"_NodePipe.arrive": 3, "CodecPool._run_chain": 3, "CodecPool._decompress": 3,
+                "GradPipeline._land": 3, "_NodePipe.arrive_fused": 1,
+                "GradPipeline._land_fused": 1}
+    for call, calls in per_step.items():
+        assert call in rows, done.stdout
+        assert rows[call][0] == calls and rows[call][1] > 0, (call, rows[call])
+    # a push holds its chain
+    assert rows["_NodePipe.arrive"][1] > rows["CodecPool._run_chain"][1], rows
+    assert "| host, node agent |" in done.stdout
+
+
+def test_stage_table_doctest():
+    spec = importlib.util.spec_from_file_location("agent_stages",
+                                                  paths.BENCH / "agent_stages.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert doctest.testmod(module).failed == 0
