@@ -255,6 +255,7 @@ class GradPipeline(SlotQueries):
         self._cond = threading.Condition()
         self._tracer = rt.tracer
         self.buckets: list[Bucket] = []
+        self._staged_buckets: dict[int, torch.Tensor] = {}  # key -> its float32 copy
         self.device = self._device_of(tensors)
         # the device path's number of workers: (as a number, as a tensor on the device)
         self._divisor: tuple[int, torch.Tensor] | None = None
@@ -457,9 +458,9 @@ class GradPipeline(SlotQueries):
         holding each push's arguments ``(index, source, dest, joined, done)`` in the
         order the members became final. Inline, on a node of one local rank, where each
         source is its flat float32 destination: the members are divided straight into a
-        float32 bucket (into one of float16 or bfloat16: in place, then cast), pushed
-        with it, and land together (the same bits as :meth:`push` of each in turn).
-        Otherwise each goes through :meth:`push`.
+        float32 bucket (a float16 or bfloat16 one: into its float32 copy, cast in one
+        call), pushed with it, and land together (the same bits as :meth:`push` of each
+        in turn). Otherwise each goes through :meth:`push`.
 
             >>> for members in pipe.fused_groups():   # once each is final
             ...     pipe.push_fused([(i, grads[i], grads[i], False, None) for i in members])
@@ -470,28 +471,24 @@ class GradPipeline(SlotQueries):
                 self.push(*item)
             return
         size = self._rt.size
-        into = bucket.buffer.numpy() if bucket.buffer.dtype == torch.float32 else None
+        staged = self._float32_bucket(bucket)
+        into = staged.numpy()
         mark = None
         for index, _, dest, _, done in items:
             slot = self._take(index, dest, done)
             part = slot.parts[0]
-            slot.share = dest  # its average lands in it
-            if into is not None:  # divided straight into the bucket, dest left as it is
-                slot.nonfinite = not divide_checked(
-                    dest.numpy(), size, _NO_LIMIT,
-                    into[part.bucket_offset:part.bucket_offset + part.length])
-            else:  # in float32 in place, under the wire dtype's range, then cast as _fuse
-                slot.nonfinite = not divide_checked(dest.numpy(), size, self._limit(slot))
-                if not slot.nonfinite:
-                    if part.in_bucket is None:
-                        part.in_bucket = bucket.buffer[part.bucket_offset:
-                                                       part.bucket_offset + part.length]
-                    part.in_bucket.copy_(dest)
+            slot.share = dest  # left undivided: its average lands in it
+            # under the wire dtype's range (_limit), as push divides before _fuse casts
+            slot.nonfinite = not divide_checked(
+                dest.numpy(), size, self._limit(slot),
+                into[part.bucket_offset:part.bucket_offset + part.length])
             if slot.nonfinite and mark is None:  # the first names the step's skip
                 mark = ("nonfinite", slot.name)
         index = items[-1][0]  # the member that completed the bucket, as push's would
         lr = float(self._lr(self.slots[index].group))
         try:
+            if mark is None and staged is not bucket.buffer:
+                bucket.buffer.copy_(staged)
             if mark is not None:
                 future = self._push_pull(bucket.key, None, lr, priority=-index,
                                          mark=mark[0], what=mark[1])
@@ -504,6 +501,16 @@ class GradPipeline(SlotQueries):
         for member in indices:
             self.slots[member].futures = [future]
         future.add_done_callback(lambda settled: self._land_fused(indices, settled))
+
+    def _float32_bucket(self, bucket: Bucket) -> torch.Tensor:
+        """The bucket's buffer where it is float32, else a float32 buffer of its size
+        (made once, zeros where no member lies) that :meth:`push_fused` divides into."""
+        if bucket.buffer.dtype == torch.float32:
+            return bucket.buffer
+        staged = self._staged_buckets.get(bucket.key)
+        if staged is None or staged.numel() != bucket.buffer.numel():
+            staged = self._staged_buckets[bucket.key] = torch.zeros(bucket.buffer.numel())
+        return staged
 
     def _fusable(self, items: list[tuple]) -> Bucket | None:
         """The bucket that :meth:`push_fused` can push ``items`` into in one pass, or
@@ -529,20 +536,19 @@ class GradPipeline(SlotQueries):
         try:
             result = future.result()
             skipped = isinstance(result, Skipped)
-            # numpy has no bfloat16: a bucket of another dtype lands through torch
-            values = result.numpy() if not skipped and result.dtype == torch.float32 \
-                else result
+            values = None
+            if not skipped:  # widened in one call (numpy has no bfloat16)
+                values = result.numpy() if result.dtype == torch.float32 else \
+                    self._float32_bucket(self.slots[indices[0]].parts[0].bucket) \
+                    .copy_(result).numpy()
             for index in indices:
                 slot = self.slots[index]
                 slot.futures = []
                 slot.skipped = result if skipped else None
-                if not skipped:
+                if values is not None:
                     part = slot.parts[0]
-                    share = values[part.bucket_offset:part.bucket_offset + part.length]
-                    if isinstance(share, np.ndarray):
-                        np.copyto(slot.dest.numpy(), share)
-                    else:
-                        slot.dest.copy_(share)
+                    np.copyto(slot.dest.numpy(),
+                              values[part.bucket_offset:part.bucket_offset + part.length])
                 self._landed(index, slot, slot.dest)
         except BaseException as exc:  # noqa: BLE001 - reported by wait()
             self._fail(exc)
