@@ -32,7 +32,7 @@ from pathlib import Path
 # (module, class, method, what it is); "__main__" is the agent's own module
 STAGES = [
     ("__main__", "_NodePipe", "arrive", "a compressed key pushed: its chain, queued"),
-    ("bps.worker.codec_pool", "CodecPool", "_run_chain", "its chain (the compressor's kernels)"),
+    ("bps.worker.codec_pool", "CodecPool", "_run_chain", "its chain: the kernels and their calls"),
     ("bps.worker.io_loop", "IOLoop", "enqueue", "a push queued for its server"),
     ("bps.worker.io_loop", "IOLoop", "flush", "the queued pushes sent (after each frame)"),
     ("__main__", "_NodePipe", "arrive_fused", "a bucket's members: division, cast, push"),
