@@ -11,7 +11,8 @@ process only, it wraps the calls of :data:`STAGES` in ``time.thread_time_ns()`` 
 counts the agent's steps (``_NodePipe.step_done``). The table gives each stage's calls
 a step and its CPU per call and per step, inclusive (a stage's time holds the stages
 it calls: a compressed key's push holds its chain). Each wrapped call adds two clock
-reads (about 1 us). The key_overhead table and its JSON (``--json``) come too.
+reads (about 1 us). The key_overhead table and its JSON (``--json``) come too. Linux
+only (``/proc``); a ``sitecustomize`` of the environment's own is shadowed meanwhile.
 
 The host's load moves every figure here from one half hour to the next: compare two
 builds by turns, or by a stage's ratio to a stage that did not change (the chains'
@@ -48,11 +49,14 @@ import importlib, json, os, sys, threading, time
 
 if b"bps.core.pipeline_agent" in open("/proc/self/cmdline", "rb").read().split(b"\\0"):
     _TOTALS = {}
+    _LOCK = threading.Lock()  # codec threads and the I/O thread may time one stage at once
     _STAGES = %(stages)r
     _OUT = %(out)r
 
-    def _dump():
-        snapshot = {name: list(total) for name, total in list(_TOTALS.items())}
+    def _dump(snapshot=None):
+        if snapshot is None:
+            with _LOCK:
+                snapshot = {name: list(total) for name, total in _TOTALS.items()}
         with open(_OUT + ".tmp", "w") as f:
             json.dump(snapshot, f)
         os.replace(_OUT + ".tmp", _OUT)
@@ -67,9 +71,11 @@ if b"bps.core.pipeline_agent" in open("/proc/self/cmdline", "rb").read().split(b
             try:
                 return function(*args, **kwargs)
             finally:
-                total = _TOTALS.setdefault(name, [0, 0])
-                total[0] += clock() - start
-                total[1] += 1
+                spent = clock() - start
+                with _LOCK:
+                    total = _TOTALS.setdefault(name, [0, 0])
+                    total[0] += spent
+                    total[1] += 1
                 if after is not None:
                     after()
         setattr(owner, attr, staticmethod(timed) if isinstance(raw, staticmethod) else timed)
@@ -77,12 +83,16 @@ if b"bps.core.pipeline_agent" in open("/proc/self/cmdline", "rb").read().split(b
     def _install():
         while not hasattr(sys.modules.get("__main__"), "_NodePipe"):
             time.sleep(0.01)
-        for module, owner, attr in _STAGES:
-            source = sys.modules["__main__"] if module == "__main__" \\
-                else importlib.import_module(module)
-            _wrap(getattr(source, owner), attr, owner + "." + attr)
-        # the totals so far, whenever the training process closes the agent
-        _wrap(importlib.import_module("bps.worker.agent").Agent, "call_close", "close", _dump)
+        try:
+            for module, owner, attr in _STAGES:
+                source = sys.modules["__main__"] if module == "__main__" \\
+                    else importlib.import_module(module)
+                _wrap(getattr(source, owner), attr, owner + "." + attr)
+            # the totals so far, whenever the training process closes the agent
+            _wrap(importlib.import_module("bps.worker.agent").Agent, "call_close", "close",
+                  _dump)
+        except Exception as exc:  # a call renamed or moved: say which
+            _dump({"error": f"{type(exc).__name__}: {exc}"})
 
     threading.Thread(target=_install, daemon=True, name="bps-stage-clocks").start()
 '''
@@ -125,9 +135,12 @@ def main() -> None:
         if done.returncode != 0 or not os.path.exists(out):
             raise SystemExit(f"key_overhead.py failed (exit {done.returncode}):\n"
                              f"{(done.stdout + done.stderr)[-3000:]}")
+        totals = json.loads(Path(out).read_text())
+        if "error" in totals:
+            raise SystemExit(f"could not time the agent's calls: {totals['error']}")
         print(done.stdout)
         print("The node agent's stages, thread CPU, inclusive:\n")
-        print(stage_table(json.loads(Path(out).read_text())))
+        print(stage_table(totals))
 
 
 if __name__ == "__main__":

@@ -460,7 +460,8 @@ class GradPipeline(SlotQueries):
         source is its flat float32 destination: the members are divided straight into a
         float32 bucket (a float16 or bfloat16 one: into its float32 copy, cast in one
         call), pushed with it, and land together (the same bits as :meth:`push` of each
-        in turn). Otherwise each goes through :meth:`push`.
+        in turn; where the step is skipped, once :meth:`finish` filled the destinations).
+        Otherwise each goes through :meth:`push`.
 
             >>> for members in pipe.fused_groups():   # once each is final
             ...     pipe.push_fused([(i, grads[i], grads[i], False, None) for i in members])
