@@ -18,7 +18,8 @@ for every partition (docs/benchmarks.md, one GPU host).
 
 Per configuration and round, ``bpslaunch local --workers 1 --servers 1`` (CURVE on)
 runs the model alone, then through a ``DistributedTrainer`` with onebit + error
-feedback: the host chains, and the device path forced onto CPU tensors
+feedback (the biases' buckets in ``--comm-dtype``, fp16 by default as in
+compression_params): the host chains, and the device path forced onto CPU tensors
 (``BPS_DEVICE_KERNELS=1``). The job runs with ``OMP_NUM_THREADS=1``: on a host of few
 cores, torch's OpenMP workers otherwise spin for cores the job's threads need. Per
 configuration: the median step and its forward and backward pass (where the hooks
@@ -143,7 +144,8 @@ def child(args: argparse.Namespace) -> None:
         for param in model.parameters():
             param.register_post_accumulate_grad_hook(
                 lambda p: began.__setitem__(id(p), time.perf_counter()))
-    trainer = None if args.alone else bps.DistributedTrainer(model, optimizer, PARAMS)
+    trainer = None if args.alone else bps.DistributedTrainer(
+        model, optimizer, {**PARAMS, "comm_dtype": args.comm_dtype})
     if trainer is not None:
         for param in model.parameters():
             param.register_post_accumulate_grad_hook(
@@ -331,7 +333,8 @@ def run_config(args: argparse.Namespace, env: dict | None) -> dict:
         cmd = [sys.executable, "-m", "bps.launch.cli", "local", "--workers", "1",
                "--servers", "1", "--", sys.executable, os.path.abspath(__file__), "--child",
                "--out", out, "--layers", str(args.layers), "--width", str(args.width),
-               "--steps", str(args.steps), "--warmup", str(args.warmup)]
+               "--steps", str(args.steps), "--warmup", str(args.warmup),
+               "--comm-dtype", args.comm_dtype]
         cmd += ["--alone"] if env is None else []
         full_env = {**os.environ, **(env or {}), "OMP_NUM_THREADS": "1"}
         full_env.pop("BPS_INSECURE", None)
@@ -378,6 +381,9 @@ def main() -> None:
     p.add_argument("--width", type=int, default=256, help="their width (default 256)")
     p.add_argument("--steps", type=int, default=60, help="timed steps per job (default 60)")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
+    p.add_argument("--comm-dtype", default="fp16", choices=("fp16", "bf16", "fp32"),
+                   help="compression_params' comm_dtype: the biases' buckets on the wire "
+                        "(default fp16)")
     p.add_argument("--rounds", type=int, default=3, help="jobs per configuration, "
                    "taking turns (default 3)")
     p.add_argument("--only", default="alone,host,device path",

@@ -9,13 +9,18 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from tests.harness import paths
 
 
-def test_each_stage_is_counted_per_agent_step():
+@pytest.mark.parametrize("comm_dtype", ["fp16", pytest.param("bf16", marks=pytest.mark.slow)])
+def test_each_stage_is_counted_per_agent_step(comm_dtype):
     # 3 x Linear(128, 128): three compressed weights, and the three biases in one bucket
+    # of the wire's dtype, pushed and landed in one pass (_land_fused)
     done = subprocess.run([sys.executable, str(paths.BENCH / "agent_stages.py"), "--steps",
-                           "6", "--", "--layers", "3", "--width", "128", "--warmup", "1"],
+                           "6", "--", "--layers", "3", "--width", "128", "--warmup", "1",
+                           "--comm-dtype", comm_dtype],
                           capture_output=True, text=True, timeout=240, cwd=paths.ROOT)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     rows = {m["call"]: (float(m["calls"]), float(m["us"]))
