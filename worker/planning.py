@@ -58,6 +58,9 @@ class Bucket:
     arrived: int = 0  # members copied in this step
     future: concurrent.futures.Future | None = None  # this step's aggregate
     mark: tuple[str, str] | None = None  # this step's (marker, member): pushed instead
+    # float32 values of a float16/bfloat16 buffer, which its members are divided into
+    # and its aggregate widened into (GradPipeline.push_fused)
+    staged: torch.Tensor | None = None
 
 
 @dataclass

@@ -255,7 +255,6 @@ class GradPipeline(SlotQueries):
         self._cond = threading.Condition()
         self._tracer = rt.tracer
         self.buckets: list[Bucket] = []
-        self._staged_buckets: dict[int, torch.Tensor] = {}  # key -> its float32 copy
         self.device = self._device_of(tensors)
         # the device path's number of workers: (as a number, as a tensor on the device)
         self._divisor: tuple[int, torch.Tensor] | None = None
@@ -505,13 +504,13 @@ class GradPipeline(SlotQueries):
 
     def _float32_bucket(self, bucket: Bucket) -> torch.Tensor:
         """The bucket's buffer where it is float32, else a float32 buffer of its size
-        (made once, zeros where no member lies) that :meth:`push_fused` divides into."""
+        (made once, zeros where no member lies: ``bucket.staged``) that
+        :meth:`push_fused` divides into."""
         if bucket.buffer.dtype == torch.float32:
             return bucket.buffer
-        staged = self._staged_buckets.get(bucket.key)
-        if staged is None or staged.numel() != bucket.buffer.numel():
-            staged = self._staged_buckets[bucket.key] = torch.zeros(bucket.buffer.numel())
-        return staged
+        if bucket.staged is None:
+            bucket.staged = torch.zeros(bucket.buffer.numel())
+        return bucket.staged
 
     def _fusable(self, items: list[tuple]) -> Bucket | None:
         """The bucket that :meth:`push_fused` can push ``items`` into in one pass, or
