@@ -554,11 +554,15 @@ def test_join_with_several_local_ranks(local_ranks):
                                               err_msg=f"{run['tag']} rank {rank}: {n}")
 
 
+# float32 chains on low-precision parameters, and under torch.compile
+TOPK_EF = {"compressor": "topk", "k": 0.1, "ef": "vanilla", "min_compress_bytes": 1000}
+
+
 def test_low_precision_autocast_and_compile(tmp_path):
     # bfloat16 and float16 parameters train (float32 chains); a bfloat16 autocast forward
     # trains; a compiled model trains exactly as the same model uncompiled
     lrs = [0.25, 0.25, 0.25, 0.125, 0.125, 0.125]
-    params = {"compressor": "topk", "k": 0.1, "ef": "vanilla", "min_compress_bytes": 1000}
+    params = TOPK_EF
     runs = [{"tag": "bf16", "params": params, "dtype": "bfloat16"},
             {"tag": "fp16", "params": {**params, "compressor": "randomk"}, "dtype": "float16"},
             {"tag": "autocast", "params": params, "autocast": True},
@@ -591,7 +595,7 @@ def test_low_precision_autocast_and_compile(tmp_path):
 @pytest.mark.skipif(shutil.which("g++") is None, reason="inductor needs a C++ compiler")
 def test_a_model_compiled_by_inductor_trains_as_uncompiled(tmp_path):
     # inductor's generated kernels: the same gradients reach the hooks as without it
-    params = {"compressor": "topk", "k": 0.1, "ef": "vanilla", "min_compress_bytes": 1000}
+    params = TOPK_EF
     runs = [{"tag": "eager", "params": params},
             {"tag": "compiled", "params": params, "compile": "inductor"}]
     lrs = [0.25, 0.25, 0.125]
