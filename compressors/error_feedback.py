@@ -117,6 +117,7 @@ class ErrorFeedback(StagedChain, Compressor):
         self.bounds = chunk_bounds(inner.numel)  # a large input runs on several threads
         self.error = torch.zeros(inner.numel, dtype=inner.dtype, device=self.device)
         self.spare: torch.Tensor | None = None  # the other buffer (made on first use)
+        self._arrays: tuple = ()  # (buffer, its numpy view) of the last two: _array
         self.lr_prev: float | None = None
         self.lr_now: float | None = None
         self.lr_before: tuple | None = None  # (lr_prev, lr_now) before this step's set_lr
@@ -174,7 +175,8 @@ class ErrorFeedback(StagedChain, Compressor):
         spare = self._spare()
         try:
             payload = self.inner.compress_with_error(array, kind(divisor), kind(self.ratio),
-                                                     self.error.numpy(), spare.numpy())
+                                                     self._array(self.error),
+                                                     self._array(spare))
         except NonFiniteError:
             self._restore_lr()
             raise
@@ -182,6 +184,16 @@ class ErrorFeedback(StagedChain, Compressor):
             self._refuse()
         self._keep(spare)
         return payload
+
+    def _array(self, buffer: torch.Tensor) -> np.ndarray:
+        """``buffer.numpy()``, kept for the error's two buffers, which take turns: a
+        torch call costs more than finding the kept view."""
+        for kept, array in self._arrays:
+            if kept is buffer:
+                return array
+        array = buffer.numpy()
+        self._arrays = (*self._arrays[-1:], (buffer, array))
+        return array
 
     def _spare(self) -> torch.Tensor:
         if self.spare is None:
@@ -279,8 +291,9 @@ class ErrorFeedback(StagedChain, Compressor):
         """
         self.undo = None
         residual = self._spare()
-        payload = self.inner.compress_sum_residual(payloads, self.ratio, self.error.numpy(),
-                                                   residual.numpy())
+        payload = self.inner.compress_sum_residual(payloads, self.ratio,
+                                                   self._array(self.error),
+                                                   self._array(residual))
         if payload is None:
             self._refuse()
         self._keep(residual)

@@ -46,6 +46,9 @@ from .base import (
 )
 from .threads import chunk_bounds, run_chunks
 
+_FLOAT32, _UINT32 = struct.Struct("=f"), struct.Struct("=I")
+_CHECKED_KEPT = 64  # the parses check_payload keeps: a step's pushes, one per worker node
+
 
 @njit(nogil=True, cache=True, fastmath={"reassoc", "nsz", "contract"})
 def pack_signs(x, words):
@@ -175,6 +178,8 @@ class OneBit(Compressor):
         # the last payload compress made, its sign words and scale: error feedback's
         # update of that payload needs no parse
         self.made: tuple[torch.Tensor, np.ndarray, float] | None = None
+        self._out_bits: tuple[int, np.ndarray] | None = None  # (address, bits): _bits_of
+        self.checked: tuple = ()  # (payload, its parse) of check_payload's latest calls
 
     @classmethod
     def options(cls, params: dict, numel: int) -> dict:
@@ -226,10 +231,14 @@ class OneBit(Compressor):
 
     def _parse(self, payload: Payload) -> tuple[np.ndarray, float]:
         buffer = payload_bytes(payload)
-        self.check_size(buffer, self.payload_size)
-        words = sub_array(buffer, 0, np.uint32, self.num_words)
-        scale = float(sub_array(buffer, 4 * self.num_words, np.float32, 1)[0])
-        self._check_scale_and_padding(scale, int(words[-1]) if self.num_words else 0)
+        if buffer.size != self.payload_size:
+            self.check_size(buffer, self.payload_size)
+        end = 4 * self.num_words
+        words = buffer[:end].view(np.uint32)
+        # struct reads the two numbers the checks need without a numpy scalar each
+        scale = _FLOAT32.unpack_from(buffer, end)[0]
+        self._check_scale_and_padding(scale, _UINT32.unpack_from(buffer, end - 4)[0]
+                                      if self.num_words else 0)
         return words, scale
 
     def _check_scale_and_padding(self, scale: float, last_word: int) -> None:
@@ -241,11 +250,22 @@ class OneBit(Compressor):
         if tail and last_word & ((1 << (32 - tail)) - 1):
             raise self.bad_payload("padding bits of the last sign word are not zero")
 
+    def _bits_of(self, out: torch.Tensor) -> np.ndarray:
+        """``bit_view(out)``, kept for the next call: an engine decodes each step into
+        the same tensor. The kept view holds that memory, so no other tensor can start
+        at its address while it is kept: the same address is the same memory."""
+        pointer = out.data_ptr()
+        kept = self._out_bits
+        if kept is None or kept[0] != pointer:
+            kept = self._out_bits = (pointer, bit_view(out))
+        return kept[1]
+
     def decompress(self, payload: Payload, out: torch.Tensor | None = None) -> torch.Tensor:
         words, scale = self._parse(payload)
         out = self.output(out)
-        scale_bits = scalar_bits([scale], self.dtype)[0]
-        bits = bit_view(out)
+        bits = self._bits_of(out)
+        scale_bits = bits.dtype.type(_UINT32.unpack(_FLOAT32.pack(scale))[0]) \
+            if self.dtype == torch.float32 else scalar_bits([scale], self.dtype)[0]
         sign_mask = bits.dtype.type(1 << (8 * bits.itemsize - 1))
         if len(self.bounds) == 1:  # one chunk: the kernel on this thread, no closure
             unpack_signs(words, scale_bits, sign_mask, bits)
@@ -277,8 +297,18 @@ class OneBit(Compressor):
                    self.bounds)
 
     def check_payload(self, payload: Payload) -> None:
-        """Raise ValueError for a payload ``decompress`` refuses (decoding nothing)."""
-        self._parse(payload)
+        """Raise ValueError for a payload ``decompress`` refuses (decoding nothing). What
+        it parsed is kept for :meth:`compress_sum_residual`: a server checks each push as
+        it arrives, then sums the step's pushes."""
+        parsed = self._parse(payload)
+        self.checked = (*self.checked[1 - _CHECKED_KEPT:], (payload, parsed))
+
+    def _checked(self, payload: Payload) -> tuple[np.ndarray, float]:
+        """``_parse(payload)``, or what :meth:`check_payload` parsed of this payload."""
+        for kept, parsed in self.checked:
+            if kept is payload:
+                return parsed
+        return self._parse(payload)
 
     def compress_sum_residual(self, payloads: list[Payload], ratio: float,
                               error: np.ndarray, out: np.ndarray) -> torch.Tensor | None:
@@ -300,7 +330,8 @@ class OneBit(Compressor):
             >>> out
             array([ 1.25, -1.25], dtype=float32)
         """
-        parsed = [self._parse(payload) for payload in payloads]
+        parsed = [self._checked(payload) for payload in payloads]
+        self.checked = ()
         words = np.stack([words for words, _ in parsed])
         bits = array_bits(out)  # what bit_view gives, without torch
         scale_bits = scalar_bits([scale for _, scale in parsed], self.dtype)
@@ -342,16 +373,18 @@ class OneBit(Compressor):
             array([1., 1.], dtype=float32)
         """
         buffer = np.empty(self.payload_size, dtype=np.uint8)
-        words = sub_array(buffer, 0, np.uint32, self.num_words)
+        words = buffer[:4 * self.num_words].view(np.uint32)
         if len(self.bounds) == 1:  # one chunk: the kernel on this thread, no closure
-            chunks = [add_error_and_pack(x, divisor, ratio, error, out, words)]
+            total, finite = add_error_and_pack(x, divisor, ratio, error, out, words)
+            if not finite:
+                return None
         else:
             chunks = run_chunks(lambda lo, hi: add_error_and_pack(
                 x[lo:hi], divisor, ratio, error[lo:hi], out[lo:hi], words[lo // 32:]),
                 self.bounds)
-        if not all(finite for _, finite in chunks):
-            return None
-        total = sum(total for total, _ in chunks)
+            if not all(finite for _, finite in chunks):
+                return None
+            total = sum(total for total, _ in chunks)
         if not math.isfinite(total):  # a float64 sum beyond its range
             raise self.nonfinite_input()
         self._subtract_signs(out, words, out.dtype.type(self._write_scale(buffer, total)))
