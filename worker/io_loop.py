@@ -322,7 +322,8 @@ class IOLoop:
                 ) -> None:
         """Queue a push of ``payload`` for ``info``'s server, in ``order``; ``extra``:
         more header fields (a marker's ``mark`` and ``what``)."""
-        body = memoryview(payload.view(torch.uint8).numpy())
+        body = memoryview(payload.numpy() if payload.dtype == torch.uint8  # a payload
+                          else payload.view(torch.uint8).numpy())
         fields_ = {"key": info.key, "step": step, "node": self.node_id,
                    "dtype": dtype_name(info.dtype), "numel": info.numel, "nbytes": body.nbytes,
                    "lr": float(lr), **(extra or {})}

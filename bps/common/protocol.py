@@ -260,37 +260,63 @@ def decode(frame: bytes | memoryview) -> dict[str, Any]:
     if op is None:
         raise ProtocolError(f"field 'op' has unknown value {value!r}")
     header["op"] = op
-    for name, types in FIELDS[op].items():
+    for name, types in _FIELD_TYPES[op]:
         value = header.get(name, _MISSING)
         if value is _MISSING:
             raise ProtocolError(f"{op.name}: field {name!r} missing")
-        if isinstance(value, bool) or not isinstance(value, types):
+        if value is True or value is False or not isinstance(value, types):
             raise ProtocolError(f"{op.name}: field {name!r} has type {type(value).__name__}")
-    if "lr" in FIELDS[op] and not math.isfinite(header["lr"]):
-        raise ProtocolError(f"{op.name}: field 'lr' is {header['lr']!r}, expected finite")
-    if op == Op.PUSH and "gen" in header and (type(header["gen"]) is not int
-                                              or header["gen"] < 0):
+    check = _OP_CHECKS.get(op)
+    if check is not None:
+        check(header)
+    return header
+
+
+def _check_lr(header: dict[str, Any]) -> None:
+    if not math.isfinite(header["lr"]):
+        raise ProtocolError(f"{header['op'].name}: field 'lr' is {header['lr']!r}, "
+                            "expected finite")
+
+
+def _check_push(header: dict[str, Any]) -> None:
+    _check_lr(header)
+    if "gen" in header and (type(header["gen"]) is not int or header["gen"] < 0):
         raise ProtocolError(f"PUSH: field 'gen' is {header['gen']!r}, expected an int >= 0")
-    if op == Op.MEMBERSHIP and not all(type(n) is int for n in header["members"]):
-        raise ProtocolError("MEMBERSHIP: field 'members' must be a list of worker node ids")
-    if op == Op.MEMBERSHIP and not all(
-            isinstance(pair, list) and len(pair) == 2 and type(pair[0]) is int
-            and isinstance(pair[1], bytes) for pair in header.get("joined", [])):
-        raise ProtocolError("MEMBERSHIP: field 'joined' must be a list of [node, token]")
-    if op == Op.STATE and not (0 <= header["offset"] <= max(header["total"], 0)
-                               and len(header["data"]) <= STATE_CHUNK):
-        raise ProtocolError(f"STATE: field 'offset' {header['offset']} or 'data' "
-                            f"({len(header['data'])} bytes) out of range")
-    if op == Op.REPLACED and not all(isinstance(e, str) for e in header["endpoints"]):
-        raise ProtocolError("REPLACED: field 'endpoints' must be a list of addresses")
-    if op == Op.PUSH and "mark" in header:
+    if "mark" in header:
         if header["mark"] not in MARKS or not isinstance(header.get("what", ""), str):
             raise ProtocolError(f"PUSH: field 'mark' is {header['mark']!r}, expected one of "
                                 f"{', '.join(MARKS)} (with a str 'what')")
         if header["nbytes"] != 0:
             raise ProtocolError("PUSH: a marked push has no payload, but field 'nbytes' is "
                                 f"{header['nbytes']}")
-    return header
+
+
+def _check_membership(header: dict[str, Any]) -> None:
+    if not all(type(n) is int for n in header["members"]):
+        raise ProtocolError("MEMBERSHIP: field 'members' must be a list of worker node ids")
+    if not all(isinstance(pair, list) and len(pair) == 2 and type(pair[0]) is int
+               and isinstance(pair[1], bytes) for pair in header.get("joined", [])):
+        raise ProtocolError("MEMBERSHIP: field 'joined' must be a list of [node, token]")
+
+
+def _check_state(header: dict[str, Any]) -> None:
+    if not (0 <= header["offset"] <= max(header["total"], 0)
+            and len(header["data"]) <= STATE_CHUNK):
+        raise ProtocolError(f"STATE: field 'offset' {header['offset']} or 'data' "
+                            f"({len(header['data'])} bytes) out of range")
+
+
+def _check_replaced(header: dict[str, Any]) -> None:
+    if not all(isinstance(e, str) for e in header["endpoints"]):
+        raise ProtocolError("REPLACED: field 'endpoints' must be a list of addresses")
+
+
+# each op's fields as (name, types) pairs, and the checks beyond their types: looked up
+# once per message
+_FIELD_TYPES = {op: tuple(fields.items()) for op, fields in FIELDS.items()}
+_OP_CHECKS = {op: _check_lr for op, fields in FIELDS.items() if "lr" in fields}
+_OP_CHECKS.update({Op.PUSH: _check_push, Op.MEMBERSHIP: _check_membership,
+                   Op.STATE: _check_state, Op.REPLACED: _check_replaced})
 
 
 def payload_frames(body: memoryview, frame_bytes: int) -> list[memoryview]:
