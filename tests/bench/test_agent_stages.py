@@ -27,13 +27,16 @@ def test_each_stage_is_counted_per_agent_step(comm_dtype):
             for m in re.finditer(r"\(`(?P<call>[\w.]+)`\) \| (?P<calls>[\d.]+) \| "
                                  r"(?P<us>[\d.]+) \|", done.stdout)}
     per_step = {"_NodePipe.arrive": 3, "CodecPool._run_chain": 3, "CodecPool._decompress": 3,
+                "OneBit.compress_with_error": 3, "OneBit.decompress": 3,
                 "GradPipeline._land": 3, "_NodePipe.arrive_fused": 1,
                 "GradPipeline._land_fused": 1}
     for call, calls in per_step.items():
         assert call in rows, done.stdout
         assert rows[call][0] == calls and rows[call][1] > 0, (call, rows[call])
-    # a push holds its chain
-    assert rows["_NodePipe.arrive"][1] > rows["CodecPool._run_chain"][1], rows
+    # a push holds its chain, which holds onebit's passes; a decode holds onebit's
+    assert rows["_NodePipe.arrive"][1] > rows["CodecPool._run_chain"][1] \
+        > rows["OneBit.compress_with_error"][1], rows
+    assert rows["CodecPool._decompress"][1] > rows["OneBit.decompress"][1], rows
     assert "| host, node agent |" in done.stdout
 
 
