@@ -180,6 +180,7 @@ class OneBit(Compressor):
         self.made: tuple[torch.Tensor, np.ndarray, float] | None = None
         self._out_bits: tuple[int, np.ndarray] | None = None  # (address, bits): _bits_of
         self.checked: tuple = ()  # (payload, its parse) of check_payload's latest calls
+        self._sum_words: np.ndarray | None = None  # compress_sum_residual's: _rows
 
     @classmethod
     def options(cls, params: dict, numel: int) -> dict:
@@ -296,6 +297,13 @@ class OneBit(Compressor):
         run_chunks(lambda lo, hi: subtract_signs(array[lo:hi], words[lo // 32 :], scale),
                    self.bounds)
 
+    def _rows(self, count: int) -> np.ndarray:
+        """A kept ``(count, num_words)`` array for the sign words of a step's pushes (a
+        fresh one costs more than copying them in)."""
+        if self._sum_words is None or self._sum_words.shape[0] != count:
+            self._sum_words = np.empty((count, self.num_words), dtype=np.uint32)
+        return self._sum_words
+
     def check_payload(self, payload: Payload) -> None:
         """Raise ValueError for a payload ``decompress`` refuses (decoding nothing). What
         it parsed is kept for :meth:`compress_sum_residual`: a server checks each push as
@@ -332,7 +340,9 @@ class OneBit(Compressor):
         """
         parsed = [self._checked(payload) for payload in payloads]
         self.checked = ()
-        words = np.stack([words for words, _ in parsed])
+        words = self._rows(len(parsed))
+        for row, (signs, _) in zip(words, parsed, strict=True):
+            row[:] = signs
         bits = array_bits(out)  # what bit_view gives, without torch
         scale_bits = scalar_bits([scale for _, scale in parsed], self.dtype)
         sign_mask = bits.dtype.type(1 << (8 * bits.itemsize - 1))

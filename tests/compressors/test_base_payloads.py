@@ -7,6 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bps.compressors import build
+from bps.compressors.base import payload_bytes
 from tests.harness import reference_compressors as ref
 from tests.harness.samples import (
     DTYPES,
@@ -153,3 +154,19 @@ def test_all_zero_input_decodes_to_zeros(params, dtype):
     y = c.decompress(c.compress(torch.zeros(77, dtype=ref.TORCH_DTYPE[dtype])))
     assert y.dtype == ref.TORCH_DTYPE[dtype] and y.shape == (77,)
     assert not torch.isnan(y).any() and (y == 0).all()
+
+
+@pytest.mark.parametrize("name", sorted(PARAMS))
+@pytest.mark.parametrize("form", ["tensor", "memoryview"])
+def test_a_payload_at_any_address_decodes_as_an_aligned_one(name, form):
+    # a received frame may start anywhere in ZeroMQ's buffer: the kernels view its
+    # parts as wider words, on a copy aligned to 8 bytes (numba compiles apart for an
+    # unaligned array), and decode it the same
+    c, body = chain_and_payload(name)
+    expected = c.decompress(body)
+    for offset in range(1, 8):
+        room = torch.zeros(len(body) + offset, dtype=torch.uint8)
+        room[offset:] = torch.frombuffer(bytearray(body), dtype=torch.uint8)
+        payload = room[offset:] if form == "tensor" else memoryview(room.numpy())[offset:]
+        assert payload_bytes(payload).ctypes.data % 8 == 0, offset
+        assert torch.equal(c.decompress(payload), expected), offset
