@@ -352,15 +352,18 @@ class OneBit(Compressor):
         buffer = np.empty(self.payload_size, dtype=np.uint8)
         signs = buffer[:4 * self.num_words].view(np.uint32)
         if len(self.bounds) == 1:  # one chunk: the kernels on this thread, no closures
-            chunks = [sum_signs_and_pack(words, 0, scale_bits, sign_mask, factor, error,
-                                         out, bits, signs)]
+            total, finite = sum_signs_and_pack(words, 0, scale_bits, sign_mask, factor, error,
+                                               out, bits, signs)
+            if not finite:
+                return None
         else:
             chunks = run_chunks(lambda lo, hi: sum_signs_and_pack(
                 words, lo // 32, scale_bits, sign_mask, factor, error[lo:hi], out[lo:hi],
                 bits[lo:hi], signs[lo // 32 :]), self.bounds)
-        if not all(finite for _, finite in chunks):
-            return None
-        scale = out.dtype.type(self._write_scale(buffer, sum(total for total, _ in chunks)))
+            if not all(finite for _, finite in chunks):
+                return None
+            total = sum(total for total, _ in chunks)
+        scale = out.dtype.type(self._write_scale(buffer, total))
         self._subtract_signs(out, signs, scale)
         return torch.from_numpy(buffer)
 
