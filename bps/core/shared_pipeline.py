@@ -144,6 +144,9 @@ class SharedPipeline(SlotQueries):
         # then pushes the bucket in one pass instead of a frame and a push per member
         self._group_of = {index: members for members in groups for index in members}
         self._held: dict[int, list[bytes]] = {}  # a bucket's first member -> announced
+        # a group's learning rate and momentum rescale this step, read at its first push
+        # (neither changes during a step: the optimizer and the scaler step after it)
+        self._rates: dict[int, tuple[float, float]] = {}
         if rt.allocate_keys(count) != first:
             raise RuntimeError("keys were allocated while the node agent declared a "
                                "pipeline's keys")
@@ -232,8 +235,11 @@ class SharedPipeline(SlotQueries):
                 self.on_step_start()
         flags = (wire.JOINED if joined else 0) | \
             (wire.NOTIFY if done is not None or slot.dest is not None else 0)
-        record = wire.grad_record(self.pipe_id, index, flags, float(self._lr(slot.group)),
-                                  float(self._rescale()))
+        rates = self._rates.get(slot.group)
+        if rates is None:  # the group's first push of the step: a few calls a step
+            rates = self._rates[slot.group] = (float(self._lr(slot.group)),
+                                               float(self._rescale()))
+        record = wire.grad_record(self.pipe_id, index, flags, *rates)
         members = self._group_of.get(index)
         if members is None:
             self._engine.send(wire.pack_grads([record]))
@@ -338,6 +344,7 @@ class SharedPipeline(SlotQueries):
         for slot in self.slots:
             slot.ready, slot.dest, slot.done = False, None, None
         self._held.clear()
+        self._rates.clear()
         self.started = False
         with self._cond:
             self._step_done = False
