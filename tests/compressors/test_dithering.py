@@ -5,7 +5,7 @@ the thresholds that switch those paths on are lowered by the ``small_chunks`` fi
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from numba import njit
 
@@ -520,6 +520,7 @@ def test_dithering_draws_one_number_per_element_even_for_zeros():
 @FAST
 @given(numel=sizes, dtype=dtypes, s=st.integers(1, 16), natural=st.booleans(),
        l2=st.booleans(), seed=st.integers(1, 2**64 - 1))
+@example(numel=523, dtype="bfloat16", s=13, natural=False, l2=False, seed=13)  # a level up
 def test_dithering_bounds_and_error(numel, dtype, s, natural, l2, seed):
     params = {"compressor": "dithering", "k": s, "partition": "natural" if natural else "linear",
               "normalize": "l2" if l2 else "max", "seed": seed}
@@ -533,5 +534,8 @@ def test_dithering_bounds_and_error(numel, dtype, s, natural, l2, seed):
     divisor = 2 ** (s - 1) if natural else s
     step = scale / divisor * (2 ** (s - 1) if natural else 1)  # one level (natural: widest)
     err = (y.double() - x.double()).abs().max().item()
-    assert err <= step * 1.01 + 1e-30
+    # a level apart at most, plus the decoded value's rounding to the dtype (half an ulp:
+    # at most eps / 2 of it; in bfloat16 beside a level 13 apart, more than the 1% slack)
+    rounding = torch.finfo(y.dtype).eps / 2 * y.double().abs().max().item()
+    assert err <= step * 1.01 + rounding + 1e-30
     assert torch.equal(torch.sign(y[y != 0]), torch.sign(x[y != 0]))
