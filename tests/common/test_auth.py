@@ -295,7 +295,9 @@ def test_the_others_timeout_names_the_address_whose_key_was_refused(
     for name in ("cluster", "other"):
         keys[name] = str(tmp_path / f"{name}.key")
         write_key_file(keys[name])
-    p = cluster(workers=2, servers=1, timeout=5.0)
+    # the scheduler waits BPS_TIMEOUT from its start, then every role ends: worker 1
+    # must reach it before then, its imports slowed by three other processes starting
+    p = cluster(workers=2, servers=1, timeout=10.0)
     p.start("scheduler", BPSLAUNCH, DMLC_ROLE="scheduler", BPS_SECRET_FILE=keys["cluster"])
     p.start("server0", BPSLAUNCH, DMLC_ROLE="server", BPS_SECRET_FILE=keys["cluster"])
     for node, key in enumerate((keys["cluster"], keys["other"])):
