@@ -179,7 +179,7 @@ class OneBit(Compressor):
         # update of that payload needs no parse
         self.made: tuple[torch.Tensor, np.ndarray, float] | None = None
         self._out_bits: tuple[int, np.ndarray] | None = None  # (address, bits): _bits_of
-        self.checked: tuple = ()  # (payload, its parse) of check_payload's latest calls
+        self._parses: tuple = ()  # (payload, its parse) of check_payload's latest calls
         self._sum_words: np.ndarray | None = None  # compress_sum_residual's: _rows
 
     @classmethod
@@ -309,11 +309,11 @@ class OneBit(Compressor):
         it parsed is kept for :meth:`compress_sum_residual`: a server checks each push as
         it arrives, then sums the step's pushes."""
         parsed = self._parse(payload)
-        self.checked = (*self.checked[1 - _CHECKED_KEPT:], (payload, parsed))
+        self._parses = (*self._parses[1 - _CHECKED_KEPT:], (payload, parsed))
 
     def _checked(self, payload: Payload) -> tuple[np.ndarray, float]:
         """``_parse(payload)``, or what :meth:`check_payload` parsed of this payload."""
-        for kept, parsed in self.checked:
+        for kept, parsed in self._parses:
             if kept is payload:
                 return parsed
         return self._parse(payload)
@@ -339,7 +339,7 @@ class OneBit(Compressor):
             array([ 1.25, -1.25], dtype=float32)
         """
         parsed = [self._checked(payload) for payload in payloads]
-        self.checked = ()
+        self._parses = ()
         words = self._rows(len(parsed))
         for row, (signs, _) in zip(words, parsed, strict=True):
             row[:] = signs
